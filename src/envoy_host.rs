@@ -1,0 +1,129 @@
+//! The only file that calls proxy-wasm host functions. Every call returns a
+//! Result or an Option here: the SDK's trait defaults panic on unexpected
+//! statuses, and a panic kills the VM for its thread.
+
+use crate::host::{Host, SharedSetError};
+use proxy_wasm::hostcalls;
+use proxy_wasm::types::{BufferType, MapType, MetricType, Status};
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::time::{Duration, UNIX_EPOCH};
+
+thread_local! {
+    /// Metric ids by name: each VM (one per thread) defines its own.
+    static METRICS: RefCell<HashMap<String, u32>> = RefCell::new(HashMap::new());
+}
+
+fn metric_id(kind: MetricType, name: &str) -> Option<u32> {
+    METRICS.with(|m| {
+        if let Some(id) = m.borrow().get(name) {
+            return Some(*id);
+        }
+        let id = hostcalls::define_metric(kind, name).ok()?;
+        m.borrow_mut().insert(name.to_string(), id);
+        Some(id)
+    })
+}
+
+pub struct EnvoyHost;
+
+impl Host for EnvoyHost {
+    fn now_ms(&self) -> u64 {
+        hostcalls::get_current_time()
+            .ok()
+            .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
+            .map(|d| d.as_millis() as u64)
+            .unwrap_or(0)
+    }
+
+    fn shared_get(&self, key: &str) -> Option<(Vec<u8>, u32)> {
+        match hostcalls::get_shared_data(key) {
+            Ok((Some(value), cas)) => Some((value, cas.unwrap_or(0))),
+            _ => None,
+        }
+    }
+
+    fn shared_set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), SharedSetError> {
+        match hostcalls::set_shared_data(key, Some(value), cas) {
+            Ok(()) => Ok(()),
+            Err(Status::CasMismatch) => Err(SharedSetError::CasMismatch),
+            Err(_) => Err(SharedSetError::Failed),
+        }
+    }
+
+    fn count(&self, metric: &str, delta: u64) {
+        if let Some(id) = metric_id(MetricType::Counter, metric) {
+            let _ = hostcalls::increment_metric(id, delta as i64);
+        }
+    }
+
+    fn gauge(&self, metric: &str, value: u64) {
+        if let Some(id) = metric_id(MetricType::Gauge, metric) {
+            let _ = hostcalls::record_metric(id, value);
+        }
+    }
+
+    fn http_get(
+        &self,
+        cluster: &str,
+        headers: &[(&str, &str)],
+        timeout_ms: u64,
+    ) -> Result<u32, String> {
+        hostcalls::dispatch_http_call(
+            cluster,
+            headers.to_vec(),
+            None,
+            vec![],
+            Duration::from_millis(timeout_ms),
+        )
+        .map_err(|s| format!("dispatch refused ({s:?}): is the cluster defined?"))
+    }
+}
+
+pub fn request_header(name: &str) -> Option<String> {
+    hostcalls::get_map_value(MapType::HttpRequestHeaders, name)
+        .ok()
+        .flatten()
+}
+
+pub fn set_request_header(name: &str, value: Option<&str>) {
+    let _ = hostcalls::set_map_value(MapType::HttpRequestHeaders, name, value);
+}
+
+pub fn request_body(size: usize) -> Option<Vec<u8>> {
+    hostcalls::get_buffer(BufferType::HttpRequestBody, 0, size)
+        .ok()
+        .flatten()
+}
+
+pub fn replace_request_body(old_size: usize, body: &[u8]) -> bool {
+    hostcalls::set_buffer(BufferType::HttpRequestBody, 0, old_size, body).is_ok()
+}
+
+pub fn send_response(status: u32, content_type: &str, body: &[u8]) {
+    let _ = hostcalls::send_http_response(status, vec![("content-type", content_type)], Some(body));
+}
+
+pub fn plugin_configuration() -> Option<Vec<u8>> {
+    hostcalls::get_buffer(BufferType::PluginConfiguration, 0, usize::MAX)
+        .ok()
+        .flatten()
+}
+
+pub fn call_response_status() -> Option<u32> {
+    hostcalls::get_map_value(MapType::HttpCallResponseHeaders, ":status")
+        .ok()
+        .flatten()
+        .and_then(|s| s.parse().ok())
+}
+
+pub fn call_response_body(size: usize) -> Vec<u8> {
+    hostcalls::get_buffer(BufferType::HttpCallResponseBody, 0, size)
+        .ok()
+        .flatten()
+        .unwrap_or_default()
+}
+
+pub fn set_tick_period(ms: u64) -> bool {
+    hostcalls::set_tick_period(Duration::from_millis(ms)).is_ok()
+}

@@ -1,0 +1,482 @@
+//! Load polling: one poller per Envoy process, elected through a lease in
+//! shared data, sends one load request per worker per interval and stores the
+//! parsed snapshots where every thread's router reads them.
+
+use crate::config::{Config, LoadEndpoint};
+use crate::host::{shared_update, Host};
+use crate::load::parse_load_report;
+use crate::router::worker_key;
+use crate::state::WorkerState;
+use hashbrown::HashMap;
+
+/// Header that tells the ORIGINAL_DST poll cluster which host to connect to.
+pub const POLL_DESTINATION_HEADER: &str = "x-envoy-original-dst-host";
+const V1_LOADS_PATH: &str = "/v1/loads?include=core";
+const GET_LOAD_PATH: &str = "/get_load";
+
+/// The lease: who polls, until when, and when the last round started, so a
+/// new holder keeps the cadence.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Lease {
+    owner: u64,
+    expires_ms: u64,
+    last_poll_ms: u64,
+}
+
+impl Lease {
+    fn encode(&self) -> Vec<u8> {
+        [self.owner, self.expires_ms, self.last_poll_ms]
+            .iter()
+            .flat_map(|v| v.to_le_bytes())
+            .collect()
+    }
+    fn decode(bytes: &[u8]) -> Option<Lease> {
+        let word = |i: usize| -> Option<u64> {
+            Some(u64::from_le_bytes(
+                bytes.get(i * 8..i * 8 + 8)?.try_into().ok()?,
+            ))
+        };
+        (bytes.len() == 24).then_some(())?;
+        Some(Lease {
+            owner: word(0)?,
+            expires_ms: word(1)?,
+            last_poll_ms: word(2)?,
+        })
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Endpoint {
+    V1Loads,
+    GetLoad,
+}
+
+impl Endpoint {
+    fn path(self) -> &'static str {
+        match self {
+            Endpoint::V1Loads => V1_LOADS_PATH,
+            Endpoint::GetLoad => GET_LOAD_PATH,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+struct PollCall {
+    worker: usize,
+    seq: u64,
+    endpoint: Endpoint,
+}
+
+pub struct Poller {
+    /// This VM's identity in the lease (0 until assigned).
+    vm_id: u64,
+    /// Endpoint in use per worker (`auto` starts on /v1/loads).
+    endpoints: Vec<Endpoint>,
+    outstanding: HashMap<u32, PollCall>,
+    /// Whether the last poll of each worker succeeded, to log changes only.
+    healthy: Vec<Option<bool>>,
+}
+
+/// How often every thread's root context ticks: fine enough for sub-second
+/// intervals and quick lease takeover, coarse enough to cost nothing.
+pub fn tick_period_ms(config: &Config) -> u64 {
+    (config.poll_interval_ms / 4).clamp(25, 250)
+}
+
+fn lease_ttl_ms(config: &Config) -> u64 {
+    4 * tick_period_ms(config)
+}
+
+impl Poller {
+    pub fn new(config: &Config) -> Poller {
+        let first = match config.load_endpoint {
+            LoadEndpoint::Auto | LoadEndpoint::V1Loads => Endpoint::V1Loads,
+            LoadEndpoint::GetLoad => Endpoint::GetLoad,
+        };
+        Poller {
+            vm_id: 0,
+            endpoints: vec![first; config.workers.len()],
+            outstanding: HashMap::new(),
+            healthy: vec![None; config.workers.len()],
+        }
+    }
+
+    /// A number unique to this VM among those sharing the data (also a tie-break salt).
+    pub fn vm_id(&mut self, config: &Config, host: &dyn Host) -> u64 {
+        if self.vm_id == 0 {
+            let key = format!("{}.vms", config.state_key);
+            self.vm_id = shared_update(host, &key, |cur| {
+                let n = cur
+                    .and_then(|b| Some(u64::from_le_bytes(b.try_into().ok()?)))
+                    .unwrap_or(0)
+                    + 1;
+                Some((n.to_le_bytes().to_vec(), n))
+            })
+            .unwrap_or(0);
+        }
+        self.vm_id
+    }
+
+    /// Takes or renews the lease; true when this VM holds it and a round is due.
+    fn lease_round_due(&mut self, config: &Config, host: &dyn Host) -> bool {
+        let me = self.vm_id(config, host);
+        if me == 0 {
+            return false;
+        }
+        let now = host.now_ms();
+        let key = format!("{}.lease", config.state_key);
+        shared_update(host, &key, |cur| {
+            let lease = cur.and_then(Lease::decode);
+            let last_poll_ms = match lease {
+                Some(l) if l.owner != me && l.expires_ms > now => return None,
+                Some(l) => l.last_poll_ms,
+                None => 0,
+            };
+            let due = now.saturating_sub(last_poll_ms) >= config.poll_interval_ms;
+            let renewed = Lease {
+                owner: me,
+                expires_ms: now + lease_ttl_ms(config),
+                last_poll_ms: if due { now } else { last_poll_ms },
+            };
+            Some((renewed.encode(), due))
+        })
+        .unwrap_or(false)
+    }
+
+    pub fn on_tick(&mut self, config: &Config, host: &dyn Host) {
+        if !self.lease_round_due(config, host) {
+            return;
+        }
+        let now = host.now_ms();
+        for (worker, w) in config.workers.iter().enumerate() {
+            let states = host
+                .shared_get(&worker_key(config, worker))
+                .and_then(|(b, _)| WorkerState::decode(&b));
+            let age = states
+                .as_ref()
+                .filter(|s| s.snapshot_seq > 0)
+                .map(|s| now.saturating_sub(s.snapshot_at_ms))
+                .unwrap_or(u64::MAX >> 1);
+            host.gauge(&format!("dprank.snapshot_age_ms.{}", w.name), age);
+            if self.outstanding.values().any(|c| c.worker == worker) {
+                host.count(&format!("dprank.poll_skipped.{}", w.name), 1);
+                continue;
+            }
+            self.dispatch(config, host, worker);
+        }
+    }
+
+    fn dispatch(&mut self, config: &Config, host: &dyn Host, worker: usize) {
+        let (Some(w), Some(endpoint)) = (
+            config.workers.get(worker),
+            self.endpoints.get(worker).copied(),
+        ) else {
+            return;
+        };
+        let seq = shared_update(host, &worker_key(config, worker), |cur| {
+            let mut state = cur.and_then(WorkerState::decode).unwrap_or_default();
+            let seq = state.begin_poll();
+            Some((state.encode(), seq))
+        });
+        let Some(seq) = seq else { return };
+        let authority = w.endpoint();
+        let headers = [
+            (":method", "GET"),
+            (":path", endpoint.path()),
+            (":authority", authority.as_str()),
+            (POLL_DESTINATION_HEADER, authority.as_str()),
+            ("accept", "application/json"),
+        ];
+        match host.http_get(&config.poll_cluster, &headers, config.poll_timeout_ms) {
+            Ok(token) => {
+                self.outstanding.insert(
+                    token,
+                    PollCall {
+                        worker,
+                        seq,
+                        endpoint,
+                    },
+                );
+            }
+            Err(e) => {
+                host.count(&format!("dprank.poll_failed.{}", w.name), 1);
+                log::warn!(
+                    "dprank: cannot poll {} through cluster `{}`: {e}",
+                    authority,
+                    config.poll_cluster
+                );
+            }
+        }
+    }
+
+    /// Handles a load response; `status` is None when the call failed (timeout, reset).
+    pub fn on_response(
+        &mut self,
+        config: &Config,
+        host: &dyn Host,
+        token: u32,
+        status: Option<u32>,
+        body: &[u8],
+    ) {
+        let Some(call) = self.outstanding.remove(&token) else {
+            return;
+        };
+        let Some(w) = config.workers.get(call.worker) else {
+            return;
+        };
+        let outcome = match status {
+            Some(200) => parse_load_report(body).map_err(|e| e.to_string()),
+            Some(404)
+                if call.endpoint == Endpoint::V1Loads
+                    && config.load_endpoint == LoadEndpoint::Auto =>
+            {
+                log::info!(
+                    "dprank: {} has no /v1/loads; polling /get_load from now on",
+                    w.endpoint()
+                );
+                if let Some(e) = self.endpoints.get_mut(call.worker) {
+                    *e = Endpoint::GetLoad;
+                }
+                self.dispatch(config, host, call.worker);
+                return;
+            }
+            Some(code) => Err(format!("HTTP {code} from {}", call.endpoint.path())),
+            None => Err("no response (timeout or connection failure)".to_string()),
+        };
+        let ok = match outcome {
+            Ok(mut tokens) => {
+                if let Some(dp) = w.dp_size {
+                    if tokens.len() != dp as usize {
+                        host.count(&format!("dprank.dp_size_mismatch.{}", w.name), 1);
+                        log::warn!(
+                            "dprank: {} reports {} ranks but dp_size is {dp}; using ranks below {dp}",
+                            w.endpoint(),
+                            tokens.len()
+                        );
+                        tokens.truncate(dp as usize);
+                    }
+                }
+                let now = host.now_ms();
+                shared_update(host, &worker_key(config, call.worker), |cur| {
+                    let mut state = cur.and_then(WorkerState::decode).unwrap_or_default();
+                    state
+                        .apply_snapshot(call.seq, now, &tokens)
+                        .then(|| (state.encode(), ()))
+                });
+                for (rank, t) in tokens.iter().enumerate() {
+                    if let Some(t) = t {
+                        host.gauge(&format!("dprank.tokens.{}.rank_{rank}", w.name), *t);
+                    }
+                }
+                host.count(&format!("dprank.poll_ok.{}", w.name), 1);
+                true
+            }
+            Err(reason) => {
+                host.count(&format!("dprank.poll_failed.{}", w.name), 1);
+                if self.healthy.get(call.worker).copied().flatten() != Some(false) {
+                    log::warn!(
+                        "dprank: load poll of {} failed: {reason}; keeping its last snapshot",
+                        w.endpoint()
+                    );
+                }
+                false
+            }
+        };
+        if let Some(h) = self.healthy.get_mut(call.worker) {
+            if *h == Some(false) && ok {
+                log::info!("dprank: load poll of {} recovered", w.endpoint());
+            }
+            *h = Some(ok);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::host::fake::FakeHost;
+    use crate::router::read_worker_states;
+
+    fn config(extra: &str) -> Config {
+        Config::from_json(
+            format!(r#"{{"workers":[{{"address":"127.0.0.1:1","name":"a"}},{{"address":"127.0.0.1:2","name":"b","dp_size":2}}]{extra}}}"#)
+                .as_bytes(),
+        )
+        .unwrap()
+    }
+
+    fn header<'a>(calls: &'a [crate::host::fake::Call], i: usize, name: &str) -> &'a str {
+        calls[i]
+            .1
+            .iter()
+            .find(|(k, _)| k == name)
+            .map(|(_, v)| v.as_str())
+            .unwrap()
+    }
+
+    #[test]
+    fn only_one_of_several_vms_polls_and_once_per_interval() {
+        let c = config("");
+        let h = FakeHost::default();
+        h.now.set(1_000_000);
+        let mut vms: Vec<Poller> = (0..3).map(|_| Poller::new(&c)).collect();
+        for step in 0..40 {
+            h.now.set(1_000_000 + step * tick_period_ms(&c));
+            for vm in &mut vms {
+                vm.on_tick(&c, &h);
+            }
+            // Answer every call immediately so none stays outstanding.
+            let calls: Vec<_> = h.calls.borrow_mut().drain(..).collect();
+            for (_, _, token) in calls {
+                for vm in &mut vms {
+                    vm.on_response(
+                        &c,
+                        &h,
+                        token,
+                        Some(200),
+                        br#"[{"dp_rank":0,"num_tokens":1}]"#,
+                    );
+                }
+            }
+        }
+        // 40 ticks of 250 ms = 10 s: 10 rounds of 2 workers.
+        assert_eq!(h.counter("dprank.poll_ok.a"), 10);
+        assert_eq!(h.counter("dprank.poll_ok.b"), 10);
+    }
+
+    #[test]
+    fn a_dead_leader_is_replaced_after_its_lease_expires() {
+        let c = config("");
+        let h = FakeHost::default();
+        h.now.set(5_000_000);
+        let mut first = Poller::new(&c);
+        let mut second = Poller::new(&c);
+        first.on_tick(&c, &h);
+        second.on_tick(&c, &h);
+        assert_eq!(h.calls.borrow().len(), 2, "first polls both workers");
+        // `first` dies: no more ticks from it.
+        h.now.set(5_000_000 + lease_ttl_ms(&c) + 1);
+        second.on_tick(&c, &h);
+        assert_eq!(h.calls.borrow().len(), 4, "second took over");
+    }
+
+    #[test]
+    fn poll_requests_target_the_worker_through_the_poll_cluster() {
+        let c = config(r#","poll_cluster":"polls""#);
+        let h = FakeHost::default();
+        h.now.set(9_000_000);
+        Poller::new(&c).on_tick(&c, &h);
+        let calls = h.calls.borrow();
+        assert_eq!(calls[0].0, "polls");
+        assert_eq!(header(&calls, 0, ":path"), "/v1/loads?include=core");
+        assert_eq!(header(&calls, 1, POLL_DESTINATION_HEADER), "127.0.0.1:2");
+        assert_eq!(header(&calls, 1, ":authority"), "127.0.0.1:2");
+    }
+
+    #[test]
+    fn auto_falls_back_to_get_load_on_404() {
+        let c = config("");
+        let h = FakeHost::default();
+        h.now.set(9_000_000);
+        let mut p = Poller::new(&c);
+        p.on_tick(&c, &h);
+        p.on_response(&c, &h, 1, Some(404), b"not found");
+        let calls = h.calls.borrow();
+        assert_eq!(calls.len(), 3);
+        assert_eq!(header(&calls, 2, ":path"), "/get_load");
+        assert_eq!(header(&calls, 2, POLL_DESTINATION_HEADER), "127.0.0.1:1");
+    }
+
+    #[test]
+    fn fixed_v1_endpoint_does_not_fall_back() {
+        let c = config(r#","load_endpoint":"v1_loads""#);
+        let h = FakeHost::default();
+        h.now.set(9_000_000);
+        let mut p = Poller::new(&c);
+        p.on_tick(&c, &h);
+        p.on_response(&c, &h, 1, Some(404), b"");
+        assert_eq!(h.calls.borrow().len(), 2);
+        assert_eq!(h.counter("dprank.poll_failed.a"), 1);
+    }
+
+    #[test]
+    fn failures_keep_the_last_good_snapshot() {
+        let c = config("");
+        let h = FakeHost::default();
+        h.now.set(9_000_000);
+        let mut p = Poller::new(&c);
+        p.on_tick(&c, &h);
+        p.on_response(
+            &c,
+            &h,
+            1,
+            Some(200),
+            br#"[{"dp_rank":0,"num_tokens":7},{"dp_rank":1,"num_tokens":3}]"#,
+        );
+        p.on_response(&c, &h, 2, Some(200), br#"[{"dp_rank":0,"num_tokens":1}]"#);
+        h.now.set(9_000_000 + 1000);
+        p.on_tick(&c, &h);
+        let tokens: Vec<u32> = h.calls.borrow().iter().map(|c| c.2).collect();
+        p.on_response(&c, &h, tokens[2], Some(500), b"oops");
+        p.on_response(&c, &h, tokens[3], None, b"");
+        let states = read_worker_states(&c, &h);
+        let a = states[0].as_ref().unwrap();
+        assert_eq!((a.polled_tokens(0), a.polled_tokens(1)), (Some(7), Some(3)));
+        assert_eq!(a.snapshot_at_ms, 9_000_000);
+        assert_eq!(h.counter("dprank.poll_failed.a"), 1);
+        assert_eq!(h.counter("dprank.poll_failed.b"), 1);
+        assert_eq!(h.gauge_value("dprank.tokens.a.rank_0"), Some(7));
+    }
+
+    #[test]
+    fn malformed_reports_count_as_failures() {
+        let c = config("");
+        let h = FakeHost::default();
+        h.now.set(9_000_000);
+        let mut p = Poller::new(&c);
+        p.on_tick(&c, &h);
+        p.on_response(&c, &h, 1, Some(200), b"{\"loads\":[{\"dp_rank\":0,");
+        assert_eq!(h.counter("dprank.poll_failed.a"), 1);
+        assert!(read_worker_states(&c, &h)[0].as_ref().unwrap().snapshot_seq == 0);
+    }
+
+    #[test]
+    fn configured_dp_size_trims_a_larger_report() {
+        let c = config("");
+        let h = FakeHost::default();
+        h.now.set(9_000_000);
+        let mut p = Poller::new(&c);
+        p.on_tick(&c, &h);
+        p.on_response(
+            &c,
+            &h,
+            2,
+            Some(200),
+            br#"[{"num_tokens":1},{"num_tokens":2},{"num_tokens":3}]"#,
+        );
+        assert_eq!(read_worker_states(&c, &h)[1].as_ref().unwrap().ranks(), 2);
+        assert_eq!(h.counter("dprank.dp_size_mismatch.b"), 1);
+    }
+
+    #[test]
+    fn a_hanging_worker_is_not_polled_twice_at_once() {
+        let c = config("");
+        let h = FakeHost::default();
+        h.now.set(9_000_000);
+        let mut p = Poller::new(&c);
+        p.on_tick(&c, &h);
+        h.now.set(9_001_000);
+        p.on_tick(&c, &h);
+        assert_eq!(h.calls.borrow().len(), 2);
+        assert_eq!(h.counter("dprank.poll_skipped.a"), 1);
+    }
+
+    #[test]
+    fn unknown_tokens_are_ignored() {
+        let c = config("");
+        let h = FakeHost::default();
+        let mut p = Poller::new(&c);
+        p.on_response(&c, &h, 77, Some(200), b"[]");
+        assert_eq!(h.counters.borrow().len(), 0);
+    }
+}

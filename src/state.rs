@@ -1,0 +1,386 @@
+//! Per-worker load state shared by every Envoy worker thread through proxy-wasm
+//! shared data: the last polled tokens per rank, plus the estimated tokens of
+//! requests this Envoy sent that the poll cannot have counted yet.
+//!
+//! Accounting rule: a request routed while the last *dispatched* poll of its
+//! worker had sequence `s` is invisible to every snapshot up to `s`, and counted
+//! by snapshot `s + 1` onward (that poll left after the request did). So its
+//! estimate lives in the pending bucket `s`; a snapshot with sequence `k` drops
+//! every bucket below `k`, and the request's end subtracts its estimate if its
+//! bucket is still there. Nothing drifts: every estimate leaves by one door.
+
+/// Tokens value stored for a rank the report said nothing usable about.
+const UNKNOWN: u64 = u64::MAX;
+const MAGIC: &[u8; 4] = b"DPW1";
+
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct WorkerState {
+    /// Sequence number of the last poll dispatched to this worker.
+    pub sent_seq: u64,
+    /// Sequence number of the poll that produced `tokens` (0: none yet).
+    pub snapshot_seq: u64,
+    /// When that snapshot was received, ms since the epoch (0: never).
+    pub snapshot_at_ms: u64,
+    /// Polled tokens per rank, `UNKNOWN` where the report had no usable figure.
+    tokens: Vec<u64>,
+    /// Estimates of requests not yet covered by a snapshot, by poll bucket.
+    pending: Vec<Pending>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Pending {
+    seq: u64,
+    tokens: Vec<u64>,
+}
+
+/// What a routed request must give back when it ends.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Ticket {
+    pub worker: usize,
+    pub rank: u32,
+    pub seq: u64,
+    pub cost: u64,
+}
+
+impl WorkerState {
+    pub fn ranks(&self) -> usize {
+        self.tokens.len()
+    }
+
+    pub fn is_fresh(&self, now_ms: u64, stale_after_ms: u64) -> bool {
+        self.snapshot_seq > 0 && now_ms.saturating_sub(self.snapshot_at_ms) <= stale_after_ms
+    }
+
+    pub fn polled_tokens(&self, rank: usize) -> Option<u64> {
+        self.tokens.get(rank).copied().filter(|t| *t != UNKNOWN)
+    }
+
+    /// Polled tokens plus the pending estimates; None for an unknown rank.
+    pub fn effective_tokens(&self, rank: usize) -> Option<u64> {
+        let polled = self.polled_tokens(rank)?;
+        let pending: u64 = self
+            .pending
+            .iter()
+            .filter_map(|p| p.tokens.get(rank))
+            .fold(0u64, |a, b| a.saturating_add(*b));
+        Some(polled.saturating_add(pending))
+    }
+
+    /// Pending estimate total (all ranks), for stats and tests.
+    pub fn pending_total(&self) -> u64 {
+        self.pending
+            .iter()
+            .flat_map(|p| p.tokens.iter())
+            .fold(0u64, |a, b| a.saturating_add(*b))
+    }
+
+    /// Marks a poll as dispatched; returns its sequence number.
+    pub fn begin_poll(&mut self) -> u64 {
+        self.sent_seq += 1;
+        self.sent_seq
+    }
+
+    /// Installs the result of poll `seq`. Older or repeated results are ignored
+    /// (returns false): a slow response must not overwrite a newer one.
+    pub fn apply_snapshot(&mut self, seq: u64, now_ms: u64, tokens: &[Option<u64>]) -> bool {
+        if seq <= self.snapshot_seq || seq > self.sent_seq {
+            return false;
+        }
+        self.snapshot_seq = seq;
+        self.snapshot_at_ms = now_ms;
+        self.tokens = tokens
+            .iter()
+            .map(|t| t.map_or(UNKNOWN, |v| v.min(UNKNOWN - 1)))
+            .collect();
+        let ranks = self.tokens.len();
+        self.pending.retain(|p| p.seq >= seq);
+        for p in &mut self.pending {
+            p.tokens.resize(ranks, 0);
+        }
+        self.pending.retain(|p| p.tokens.iter().any(|t| *t > 0));
+        true
+    }
+
+    /// Adds a routed request's estimate; returns the ticket to release it with.
+    pub fn add(&mut self, worker: usize, rank: u32, cost: u64) -> Option<Ticket> {
+        let ranks = self.tokens.len();
+        let index = rank as usize;
+        if index >= ranks {
+            return None;
+        }
+        let seq = self.sent_seq;
+        let bucket = match self.pending.iter().position(|p| p.seq == seq) {
+            Some(i) => self.pending.get_mut(i)?,
+            None => {
+                self.pending.push(Pending {
+                    seq,
+                    tokens: vec![0; ranks],
+                });
+                self.pending.last_mut()?
+            }
+        };
+        let slot = bucket.tokens.get_mut(index)?;
+        *slot = slot.saturating_add(cost);
+        Some(Ticket {
+            worker,
+            rank,
+            seq,
+            cost,
+        })
+    }
+
+    /// Removes an ended request's estimate if no snapshot has covered it yet.
+    pub fn release(&mut self, ticket: &Ticket) {
+        if let Some(i) = self.pending.iter().position(|p| p.seq == ticket.seq) {
+            let empty = match self.pending.get_mut(i) {
+                Some(p) => {
+                    if let Some(slot) = p.tokens.get_mut(ticket.rank as usize) {
+                        *slot = slot.saturating_sub(ticket.cost);
+                    }
+                    p.tokens.iter().all(|t| *t == 0)
+                }
+                None => false,
+            };
+            if empty {
+                self.pending.remove(i);
+            }
+        }
+    }
+
+    pub fn encode(&self) -> Vec<u8> {
+        let ranks = self.tokens.len();
+        let mut out = Vec::with_capacity(
+            4 + 8 * 3 + 8 + 8 * ranks * (1 + self.pending.len()) + 12 * self.pending.len(),
+        );
+        out.extend_from_slice(MAGIC);
+        for v in [self.sent_seq, self.snapshot_seq, self.snapshot_at_ms] {
+            out.extend_from_slice(&v.to_le_bytes());
+        }
+        out.extend_from_slice(&(ranks as u32).to_le_bytes());
+        for t in &self.tokens {
+            out.extend_from_slice(&t.to_le_bytes());
+        }
+        out.extend_from_slice(&(self.pending.len() as u32).to_le_bytes());
+        for p in &self.pending {
+            out.extend_from_slice(&p.seq.to_le_bytes());
+            for t in &p.tokens {
+                out.extend_from_slice(&t.to_le_bytes());
+            }
+        }
+        out
+    }
+
+    /// Decodes what `encode` wrote; None for anything else (the caller starts afresh).
+    pub fn decode(bytes: &[u8]) -> Option<WorkerState> {
+        let mut r = Reader { bytes, at: 0 };
+        if r.take(4)? != MAGIC {
+            return None;
+        }
+        let sent_seq = r.u64()?;
+        let snapshot_seq = r.u64()?;
+        let snapshot_at_ms = r.u64()?;
+        let ranks = r.u32()? as usize;
+        if ranks > crate::config::MAX_DP_SIZE as usize {
+            return None;
+        }
+        let tokens = (0..ranks).map(|_| r.u64()).collect::<Option<Vec<_>>>()?;
+        let buckets = r.u32()? as usize;
+        if buckets
+            .saturating_mul(ranks.saturating_add(1))
+            .saturating_mul(8)
+            > bytes.len()
+        {
+            return None;
+        }
+        let mut pending = Vec::with_capacity(buckets);
+        for _ in 0..buckets {
+            let seq = r.u64()?;
+            let tokens = (0..ranks).map(|_| r.u64()).collect::<Option<Vec<_>>>()?;
+            pending.push(Pending { seq, tokens });
+        }
+        if r.at != bytes.len() {
+            return None;
+        }
+        Some(WorkerState {
+            sent_seq,
+            snapshot_seq,
+            snapshot_at_ms,
+            tokens,
+            pending,
+        })
+    }
+}
+
+struct Reader<'a> {
+    bytes: &'a [u8],
+    at: usize,
+}
+
+impl<'a> Reader<'a> {
+    fn take(&mut self, n: usize) -> Option<&'a [u8]> {
+        let s = self.bytes.get(self.at..self.at.checked_add(n)?)?;
+        self.at += n;
+        Some(s)
+    }
+    fn u64(&mut self) -> Option<u64> {
+        Some(u64::from_le_bytes(self.take(8)?.try_into().ok()?))
+    }
+    fn u32(&mut self) -> Option<u32> {
+        Some(u32::from_le_bytes(self.take(4)?.try_into().ok()?))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn polled(tokens: &[u64]) -> WorkerState {
+        let mut w = WorkerState::default();
+        let seq = w.begin_poll();
+        assert!(w.apply_snapshot(
+            seq,
+            1000,
+            &tokens.iter().map(|t| Some(*t)).collect::<Vec<_>>()
+        ));
+        w
+    }
+
+    #[test]
+    fn estimates_add_until_a_later_poll_covers_them() {
+        let mut w = polled(&[100, 100]);
+        w.add(0, 1, 50).unwrap();
+        assert_eq!(w.effective_tokens(1), Some(150));
+        // This poll left after the request: its figures include it.
+        let seq = w.begin_poll();
+        assert_eq!(
+            w.effective_tokens(1),
+            Some(150),
+            "dispatch alone changes nothing"
+        );
+        w.apply_snapshot(seq, 2000, &[Some(100), Some(148)]);
+        assert_eq!(w.effective_tokens(1), Some(148), "not counted twice");
+        assert_eq!(w.pending_total(), 0);
+    }
+
+    #[test]
+    fn requests_after_a_dispatched_poll_survive_its_snapshot() {
+        let mut w = polled(&[0]);
+        let seq = w.begin_poll();
+        let t = w.add(0, 0, 30).unwrap();
+        assert_eq!(t.seq, seq);
+        w.apply_snapshot(seq, 2000, &[Some(5)]);
+        assert_eq!(
+            w.effective_tokens(0),
+            Some(35),
+            "the poll may have missed it"
+        );
+    }
+
+    #[test]
+    fn release_removes_an_uncovered_estimate() {
+        let mut w = polled(&[10, 10]);
+        let t = w.add(0, 0, 7).unwrap();
+        w.release(&t);
+        assert_eq!(w.effective_tokens(0), Some(10));
+        assert_eq!(w.pending_total(), 0);
+    }
+
+    #[test]
+    fn release_after_coverage_changes_nothing() {
+        let mut w = polled(&[10]);
+        let t = w.add(0, 0, 7).unwrap();
+        let t2_seq = w.begin_poll();
+        let t2 = w.add(0, 0, 3).unwrap();
+        w.apply_snapshot(t2_seq, 2000, &[Some(17)]);
+        w.release(&t);
+        assert_eq!(w.effective_tokens(0), Some(20));
+        w.release(&t2);
+        assert_eq!(w.effective_tokens(0), Some(17));
+    }
+
+    #[test]
+    fn failed_polls_keep_estimates_until_requests_end() {
+        let mut w = polled(&[0]);
+        let mut tickets = vec![];
+        for _ in 0..3 {
+            w.begin_poll(); // never answered
+            tickets.push(w.add(0, 0, 10).unwrap());
+        }
+        assert_eq!(w.effective_tokens(0), Some(30));
+        for t in &tickets {
+            w.release(t);
+        }
+        assert_eq!(w.effective_tokens(0), Some(0));
+    }
+
+    #[test]
+    fn stale_and_duplicate_snapshots_are_ignored() {
+        let mut w = polled(&[1]);
+        let old = w.begin_poll();
+        let new = w.begin_poll();
+        assert!(w.apply_snapshot(new, 3000, &[Some(9)]));
+        assert!(!w.apply_snapshot(old, 3100, &[Some(1)]));
+        assert!(!w.apply_snapshot(new, 3100, &[Some(1)]));
+        assert!(
+            !w.apply_snapshot(new + 5, 3100, &[Some(1)]),
+            "never dispatched"
+        );
+        assert_eq!(w.polled_tokens(0), Some(9));
+    }
+
+    #[test]
+    fn freshness_follows_the_stale_limit() {
+        let w = polled(&[1]);
+        assert!(w.is_fresh(1000 + 3000, 3000));
+        assert!(!w.is_fresh(1000 + 3001, 3000));
+        assert!(!WorkerState::default().is_fresh(0, 3000));
+    }
+
+    #[test]
+    fn unknown_ranks_and_out_of_range_adds() {
+        let mut w = WorkerState::default();
+        let seq = w.begin_poll();
+        w.apply_snapshot(seq, 1, &[None, Some(4)]);
+        assert_eq!(w.effective_tokens(0), None);
+        assert_eq!(w.effective_tokens(1), Some(4));
+        assert_eq!(w.add(0, 2, 1), None);
+        assert_eq!(w.effective_tokens(9), None);
+    }
+
+    #[test]
+    fn dp_size_change_resizes_pending() {
+        let mut w = polled(&[0, 0, 0, 0]);
+        w.begin_poll();
+        w.add(0, 3, 10).unwrap();
+        let t = w.add(0, 0, 10).unwrap();
+        let seq = w.sent_seq;
+        w.apply_snapshot(seq, 2000, &[Some(1), Some(2)]);
+        assert_eq!(w.ranks(), 2);
+        assert_eq!(w.effective_tokens(0), Some(11));
+        w.release(&t);
+        assert_eq!(w.pending_total(), 0);
+    }
+
+    #[test]
+    fn encode_decode_round_trip() {
+        let mut w = polled(&[5, u64::MAX - 1, 7]);
+        w.begin_poll();
+        w.add(1, 2, 99).unwrap();
+        let bytes = w.encode();
+        assert_eq!(WorkerState::decode(&bytes), Some(w.clone()));
+        assert_eq!(WorkerState::decode(&bytes[..bytes.len() - 1]), None);
+        let mut longer = bytes.clone();
+        longer.push(0);
+        assert_eq!(WorkerState::decode(&longer), None);
+        assert_eq!(WorkerState::decode(b"DPW0"), None);
+        assert_eq!(WorkerState::decode(b""), None);
+    }
+
+    #[test]
+    fn decode_rejects_absurd_sizes_without_allocating() {
+        let mut bytes = MAGIC.to_vec();
+        bytes.extend_from_slice(&[0u8; 24]);
+        bytes.extend_from_slice(&u32::MAX.to_le_bytes());
+        assert_eq!(WorkerState::decode(&bytes), None);
+    }
+}
