@@ -1,0 +1,40 @@
+# dprank: build, test, demo, bench. `make help` lists the targets.
+CARGO ?= cargo
+WASM := target/wasm32-wasip1/release/dprank.wasm
+export ENVOY_BIN ?= $(CURDIR)/.venv/bin/envoy
+
+.PHONY: help setup wasm tools test demo bench lint clean
+
+help:
+	@echo "make demo   - build, start Envoy + dprank + simulated workers, send traffic, show the result"
+	@echo "make test   - every test: unit, simulator, and end-to-end in a real Envoy"
+	@echo "make bench  - compare dprank with round robin, smg and the ideal (writes bench-results/)"
+	@echo "make wasm   - build $(WASM)"
+	@echo "make lint   - rustfmt and clippy (unwrap/expect/panic denied outside tests)"
+
+setup:
+	./scripts/setup.sh
+
+wasm:
+	$(CARGO) build --release --target wasm32-wasip1 -p dprank
+
+tools:
+	$(CARGO) build --release -p dprank-sim -p dprank-bench
+
+lint:
+	$(CARGO) fmt --all -- --check
+	$(CARGO) clippy --workspace --all-targets -- -D warnings
+	$(CARGO) clippy --target wasm32-wasip1 -p dprank -- -D warnings
+
+test: setup wasm tools lint
+	$(CARGO) test --workspace --release -- --test-threads 2
+
+demo: setup wasm tools
+	./scripts/demo.sh
+
+bench: setup wasm tools
+	DPRANK_WITH_SMG=1 ./scripts/setup.sh
+	./target/release/dprank-bench all
+
+clean:
+	$(CARGO) clean

@@ -1,0 +1,131 @@
+#![allow(dead_code)]
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use dprank_sim::{SimConfig, SimServer};
+use reqwest::header::HeaderMap;
+use reqwest::{Client, StatusCode};
+use serde_json::Value;
+
+pub async fn start(config: SimConfig) -> SimServer {
+    SimServer::start(Arc::new(config), "127.0.0.1:0".parse().unwrap(), None)
+        .await
+        .unwrap()
+}
+
+pub async fn start_with_bootstrap(config: SimConfig) -> SimServer {
+    SimServer::start(
+        Arc::new(config),
+        "127.0.0.1:0".parse().unwrap(),
+        Some("127.0.0.1:0".parse().unwrap()),
+    )
+    .await
+    .unwrap()
+}
+
+pub fn client() -> Client {
+    Client::builder().no_proxy().build().unwrap()
+}
+
+pub struct Reply {
+    pub status: StatusCode,
+    pub headers: HeaderMap,
+    pub text: String,
+}
+
+impl Reply {
+    pub fn json(&self) -> Value {
+        serde_json::from_str(&self.text).unwrap_or_else(|err| panic!("not JSON ({err}): {}", self.text))
+    }
+
+    pub fn rank(&self) -> i64 {
+        self.headers["x-sim-dp-rank"].to_str().unwrap().parse().unwrap()
+    }
+}
+
+pub async fn post(server: &SimServer, path: &str, body: &str) -> Reply {
+    let response = client()
+        .post(format!("{}{path}", server.url()))
+        .header("content-type", "application/json")
+        .body(body.to_string())
+        .timeout(Duration::from_secs(30))
+        .send()
+        .await
+        .unwrap();
+    Reply {
+        status: response.status(),
+        headers: response.headers().clone(),
+        text: response.text().await.unwrap(),
+    }
+}
+
+pub async fn get(server: &SimServer, path: &str) -> Reply {
+    let response = client()
+        .get(format!("{}{path}", server.url()))
+        .timeout(Duration::from_secs(30))
+        .send()
+        .await
+        .unwrap();
+    Reply {
+        status: response.status(),
+        headers: response.headers().clone(),
+        text: response.text().await.unwrap(),
+    }
+}
+
+pub async fn get_json(server: &SimServer, path: &str) -> Value {
+    let reply = get(server, path).await;
+    assert_eq!(reply.status, StatusCode::OK, "{path}: {}", reply.text);
+    reply.json()
+}
+
+pub async fn control(server: &SimServer, body: &str) -> Value {
+    let reply = post(server, "/_sim/control", body).await;
+    assert_eq!(reply.status, StatusCode::OK, "{}", reply.text);
+    reply.json()
+}
+
+/// Polls `check` until it returns Some, failing after `limit`.
+pub async fn wait_for<T, F, Fut>(limit: Duration, mut check: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Option<T>>,
+{
+    let deadline = Instant::now() + limit;
+    loop {
+        if let Some(value) = check().await {
+            return value;
+        }
+        assert!(Instant::now() < deadline, "condition not reached within {limit:?}");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+/// Per-rank `num_tokens` from /get_load.
+pub async fn rank_tokens(server: &SimServer) -> Vec<u64> {
+    get_json(server, "/get_load")
+        .await
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|row| row["num_tokens"].as_u64().unwrap())
+        .collect()
+}
+
+/// A text of exactly `tokens` tokens under the bytes/4 rule.
+pub fn text_of(tokens: usize) -> String {
+    "abcd".repeat(tokens)
+}
+
+/// A small, fast model for tests.
+pub fn fast_config() -> SimConfig {
+    SimConfig {
+        dp_size: 4,
+        prefill_tokens_per_s: 1e7,
+        decode_step_ms: 5.0,
+        decode_step_us_per_token: 0.0,
+        ..SimConfig::default()
+    }
+}
