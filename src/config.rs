@@ -46,6 +46,8 @@ pub struct ConfigJson {
     pub pin_header: Option<String>,
     #[serde(default)]
     pub state_key: Option<String>,
+    #[serde(default)]
+    pub poll_loads: Option<bool>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -130,6 +132,9 @@ pub struct Config {
     pub keep_client_rank: bool,
     pub pin_header: Option<String>,
     pub state_key: String,
+    /// Whether this plugin instance takes part in polling. Off for HTTP filters
+    /// when a singleton `WasmService` with the same vm_id and state_key polls.
+    pub poll_loads: bool,
 }
 
 pub const DEFAULT_POLL_CLUSTER: &str = "dprank_poll";
@@ -372,6 +377,7 @@ impl TryFrom<ConfigJson> for Config {
             keep_client_rank: json.keep_client_rank.unwrap_or(false),
             pin_header,
             state_key,
+            poll_loads: json.poll_loads.unwrap_or(true),
         })
     }
 }
@@ -408,6 +414,7 @@ mod tests {
         assert_eq!(c.paths, DEFAULT_PATHS);
         assert!(!c.keep_client_rank);
         assert_eq!(c.pin_header, None);
+        assert!(c.poll_loads);
     }
 
     #[test]
@@ -417,7 +424,7 @@ mod tests {
                 "poll_cluster":"polls","route_header":"x-pick","poll_interval_ms":250,"poll_timeout_ms":200,
                 "stale_after_ms":1000,"load_endpoint":"get_load","naming":"legacy","cost_estimate":"words",
                 "fail_mode":"closed","paths":["/generate"],"keep_client_rank":true,"pin_header":"x-pin",
-                "state_key":"fleet_a"}"#,
+                "state_key":"fleet_a","poll_loads":false}"#,
         )
         .unwrap();
         assert_eq!(c.workers[0].dp_size, Some(8));
@@ -426,6 +433,7 @@ mod tests {
         assert_eq!(c.poll_timeout_ms, 200);
         assert_eq!(c.fail_mode, FailMode::Closed);
         assert_eq!(c.pin_header.as_deref(), Some("x-pin"));
+        assert!(!c.poll_loads);
         assert_eq!(
             c.rank_field_names(),
             vec!["data_parallel_rank", "routed_dp_rank"]

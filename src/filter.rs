@@ -49,10 +49,13 @@ impl RootContext for DprankRoot {
             }
         };
         log::info!("dprank {VERSION} ({GIT_REVISION}) starting with {config:?}");
-        if !envoy::set_tick_period(tick_period_ms(&config)) {
+        if config.poll_loads && !envoy::set_tick_period(tick_period_ms(&config)) {
             log::error!("dprank: cannot set the tick period; load polling is off");
         }
-        self.poller = Some(Poller::new(&config));
+        let mut poller = Poller::new(&config);
+        // Threads start their tie-break sequences apart, so they don't break ties alike.
+        self.requests.set(poller.vm_id(&config, &EnvoyHost).wrapping_mul(0x9E37_79B9));
+        self.poller = Some(poller);
         self.config = Some(Rc::new(config));
         true
     }
@@ -60,10 +63,6 @@ impl RootContext for DprankRoot {
     fn on_tick(&mut self) {
         if let (Some(config), Some(poller)) = (&self.config, &mut self.poller) {
             poller.on_tick(config, &EnvoyHost);
-            let salt = poller.vm_id(config, &EnvoyHost).wrapping_mul(0x9E37_79B9);
-            if self.requests.get() == 0 {
-                self.requests.set(salt);
-            }
         }
     }
 

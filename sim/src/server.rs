@@ -14,7 +14,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::serve::ListenerExt;
 use axum::Router;
-use futures_util::stream;
+use futures_util::{stream, StreamExt};
 use serde_json::{json, Value};
 use tokio::net::TcpListener;
 use tokio::sync::mpsc::UnboundedReceiver;
@@ -438,17 +438,17 @@ async fn answer(
             .full(count, started.elapsed().as_secs_f64())
             .to_string();
         if close_mid_stream {
-            let half = Bytes::from(text.into_bytes());
-            let half = half.slice(0..half.len() / 2);
-            let parts: Vec<Result<Bytes, io::Error>> =
-                vec![Ok(half), Err(io::Error::other("injected close_mid_stream"))];
+            let whole = Bytes::from(text.into_bytes());
+            let half = whole.slice(0..whole.len() / 2);
+            let parts = stream::once(async move { Ok::<Bytes, io::Error>(half) })
+                .chain(stream::once(injected_close()));
             (
                 StatusCode::OK,
                 [(
                     header::CONTENT_TYPE,
                     HeaderValue::from_static("application/json"),
                 )],
-                Body::from_stream(stream::iter(parts)),
+                Body::from_stream(parts),
             )
                 .into_response()
         } else {
@@ -464,6 +464,14 @@ async fn answer(
         }
     };
     (response, Some(rank))
+}
+
+/// Fails a response body: hyper then drops the connection mid-message.
+async fn injected_close() -> Result<Bytes, io::Error> {
+    // Give hyper time to flush what was sent before, or the client would
+    // see no response at all.
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    Err(io::Error::other("injected close_mid_stream"))
 }
 
 struct StreamState {
@@ -496,8 +504,7 @@ async fn next_stream_chunk(
     }
     if state.abort_next {
         state.done = true;
-        // Erroring the body makes hyper drop the connection mid-message.
-        return Some((Err(io::Error::other("injected close_mid_stream")), state));
+        return Some((injected_close().await, state));
     }
     let count = match state.first.take() {
         Some(count) => count,

@@ -27,6 +27,7 @@ pub fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
 pub enum LoadFault {
     #[default]
     None,
+    #[serde(rename = "http_500")]
     Http500,
     Malformed,
     Truncated,
@@ -41,6 +42,7 @@ pub enum LoadFault {
 pub enum ServingFault {
     #[default]
     None,
+    #[serde(rename = "http_500")]
     Http500,
     CloseMidStream,
 }

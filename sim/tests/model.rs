@@ -11,8 +11,9 @@ use serde_json::json;
 
 #[tokio::test]
 async fn load_report_matches_what_the_model_holds() {
-    // Long decode steps freeze the state after the prefill; a capacity of
-    // 500 fits two requests of 100 + 100 tokens, so the third waits.
+    // The first request is prefilled at once, then a 3 s decode step
+    // freezes the rank: the two requests arriving meanwhile wait, as in
+    // SGLang, where the scheduler admits requests between steps.
     let server = start(SimConfig {
         dp_size: 2,
         kv_capacity: 500,
@@ -29,22 +30,27 @@ async fn load_report_matches_what_the_model_holds() {
         let url = format!("{}/generate", server.url());
         let body = body.clone();
         requests.push(tokio::spawn(async move {
-            client().post(url).body(body).send().await.map(|response| response.status())
+            client()
+                .post(url)
+                .body(body)
+                .send()
+                .await
+                .map(|response| response.status())
         }));
         // Keep arrival order deterministic.
         tokio::time::sleep(Duration::from_millis(30)).await;
     }
     let loads = wait_for(Duration::from_secs(5), || async {
         let loads = get_json(&server, "/get_load").await;
-        (loads[1]["num_reqs"] == 3 && loads[1]["num_tokens"] == 302).then_some(loads)
+        (loads[1]["num_reqs"] == 3 && loads[1]["num_tokens"] == 301).then_some(loads)
     })
     .await;
-    // Two running with prompt + first token in KV, one waiting with its prompt.
+    // One running with prompt + first token in KV, two waiting with their prompts.
     assert_eq!(
         loads,
         json!([
             {"dp_rank": 0, "num_reqs": 0, "num_waiting_reqs": 0, "num_tokens": 0},
-            {"dp_rank": 1, "num_reqs": 3, "num_waiting_reqs": 1, "num_tokens": 302},
+            {"dp_rank": 1, "num_reqs": 3, "num_waiting_reqs": 2, "num_tokens": 301},
         ])
     );
     let v1 = get_json(&server, "/v1/loads?include=core").await;
@@ -53,14 +59,14 @@ async fn load_report_matches_what_the_model_holds() {
     assert!(v1["timestamp"].as_str().unwrap().starts_with("20"));
     let rank1 = &v1["loads"][1];
     assert_eq!(rank1["dp_rank"], 1);
-    assert_eq!(rank1["num_running_reqs"], 2);
-    assert_eq!(rank1["num_waiting_reqs"], 1);
+    assert_eq!(rank1["num_running_reqs"], 1);
+    assert_eq!(rank1["num_waiting_reqs"], 2);
     assert_eq!(rank1["num_total_reqs"], 3);
-    assert_eq!(rank1["num_used_tokens"], 202);
-    assert_eq!(rank1["num_total_tokens"], 302);
+    assert_eq!(rank1["num_used_tokens"], 101);
+    assert_eq!(rank1["num_total_tokens"], 301);
     assert_eq!(rank1["max_total_num_tokens"], 500);
-    assert!((rank1["token_usage"].as_f64().unwrap() - 202.0 / 500.0).abs() < 1e-9);
-    assert_eq!(v1["aggregate"]["num_used_tokens"], 202);
+    assert!((rank1["token_usage"].as_f64().unwrap() - 101.0 / 500.0).abs() < 1e-9);
+    assert_eq!(v1["aggregate"]["num_used_tokens"], 101);
     assert_eq!(v1["aggregate"]["num_total_reqs"], 3);
     assert_eq!(v1["aggregate"]["max_total_num_tokens"], 1000);
     let counters = get_json(&server, "/_sim/counters").await;
@@ -130,7 +136,17 @@ async fn kv_full_requests_wait_until_kv_is_freed() {
     let holder = {
         let url = format!("{}/generate", server.url());
         let big = big.clone();
-        tokio::spawn(async move { client().post(url).body(big).send().await.unwrap().text().await.unwrap() })
+        tokio::spawn(async move {
+            client()
+                .post(url)
+                .body(big)
+                .send()
+                .await
+                .unwrap()
+                .text()
+                .await
+                .unwrap()
+        })
     };
     wait_for(Duration::from_secs(5), || async {
         (get_json(&server, "/v1/loads").await["loads"][2]["num_running_reqs"] == 1).then_some(())
@@ -138,7 +154,17 @@ async fn kv_full_requests_wait_until_kv_is_freed() {
     .await;
     let waiter = {
         let url = format!("{}/generate", server.url());
-        tokio::spawn(async move { client().post(url).body(big).send().await.unwrap().text().await.unwrap() })
+        tokio::spawn(async move {
+            client()
+                .post(url)
+                .body(big)
+                .send()
+                .await
+                .unwrap()
+                .text()
+                .await
+                .unwrap()
+        })
     };
     let loads = wait_for(Duration::from_secs(5), || async {
         let loads = get_json(&server, "/v1/loads").await;
@@ -161,9 +187,18 @@ async fn streaming_yields_chunks_over_time() {
     })
     .await;
     for (path, body) in [
-        ("/generate", json!({"text": "hi", "sampling_params": {"max_new_tokens": 5}, "stream": true})),
-        ("/v1/completions", json!({"prompt": "hi", "max_tokens": 5, "stream": true})),
-        ("/v1/chat/completions", json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "stream": true})),
+        (
+            "/generate",
+            json!({"text": "hi", "sampling_params": {"max_new_tokens": 5}, "stream": true}),
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "hi", "max_tokens": 5, "stream": true}),
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "stream": true}),
+        ),
     ] {
         let mut response = client()
             .post(format!("{}{path}", server.url()))
@@ -179,7 +214,10 @@ async fn streaming_yields_chunks_over_time() {
             arrivals.push(started.elapsed());
             text.push_str(std::str::from_utf8(&chunk).unwrap());
         }
-        let events: Vec<&str> = text.split("\n\n").filter(|event| !event.is_empty()).collect();
+        let events: Vec<&str> = text
+            .split("\n\n")
+            .filter(|event| !event.is_empty())
+            .collect();
         assert_eq!(events.len(), 6, "{path}: {text}");
         assert_eq!(*events.last().unwrap(), "data: [DONE]");
         let payloads: Vec<serde_json::Value> = events[..5]
@@ -200,22 +238,38 @@ async fn streaming_yields_chunks_over_time() {
         }
         // Four decode steps of 40 ms separate the first and last tokens.
         assert!(arrivals.len() >= 4, "{path}: {arrivals:?}");
-        assert!(*arrivals.last().unwrap() >= Duration::from_millis(100), "{path}: {arrivals:?}");
+        assert!(
+            *arrivals.last().unwrap() >= Duration::from_millis(100),
+            "{path}: {arrivals:?}"
+        );
     }
 }
 
 #[tokio::test]
 async fn non_streamed_shapes() {
     let server = start(fast_config()).await;
-    let reply = post(&server, "/generate", r#"{"text":["abcd","abcdabcd"],"sampling_params":{"max_new_tokens":2}}"#).await;
+    let reply = post(
+        &server,
+        "/generate",
+        r#"{"text":["abcd","abcdabcd"],"sampling_params":{"max_new_tokens":2}}"#,
+    )
+    .await;
     let items = reply.json();
     assert_eq!(items.as_array().unwrap().len(), 2);
     assert_eq!(items[1]["meta_info"]["prompt_tokens"], 2);
     assert_eq!(items[1]["text"], " the quick");
-    let reply = post(&server, "/v1/completions", r#"{"prompt":[1,2,3],"max_tokens":3}"#).await;
+    let reply = post(
+        &server,
+        "/v1/completions",
+        r#"{"prompt":[1,2,3],"max_tokens":3}"#,
+    )
+    .await;
     let body = reply.json();
     assert_eq!(body["choices"][0]["text"], " the quick brown");
-    assert_eq!(body["usage"], json!({"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}));
+    assert_eq!(
+        body["usage"],
+        json!({"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6})
+    );
     let reply = post(
         &server,
         "/v1/chat/completions",
@@ -236,11 +290,24 @@ async fn prompts_larger_than_the_kv_cache_are_rejected() {
         ..fast_config()
     })
     .await;
-    let reply = post(&server, "/generate", &json!({"text": text_of(100)}).to_string()).await;
+    let reply = post(
+        &server,
+        "/generate",
+        &json!({"text": text_of(100)}).to_string(),
+    )
+    .await;
     assert_eq!(reply.status, StatusCode::BAD_REQUEST);
-    assert!(reply.json()["error"]["message"].as_str().unwrap().contains("KV cache"));
+    assert!(reply.json()["error"]["message"]
+        .as_str()
+        .unwrap()
+        .contains("KV cache"));
     // Output is clamped to what fits instead.
-    let reply = post(&server, "/generate", &json!({"text": text_of(95), "sampling_params": {"max_new_tokens": 50}}).to_string()).await;
+    let reply = post(
+        &server,
+        "/generate",
+        &json!({"text": text_of(95), "sampling_params": {"max_new_tokens": 50}}).to_string(),
+    )
+    .await;
     assert_eq!(reply.status, StatusCode::OK);
     assert_eq!(reply.json()["meta_info"]["completion_tokens"], 5);
 }
@@ -258,7 +325,10 @@ async fn minimum_tokens_dispatch_avoids_the_loaded_rank() {
         let body = json!({"text": text_of(5000), "sampling_params": {"max_new_tokens": 50}, "routed_dp_rank": 0});
         let _ = client().post(url).body(body.to_string()).send().await;
     });
-    wait_for(Duration::from_secs(5), || async { (rank_tokens(&server).await[0] > 0).then_some(()) }).await;
+    wait_for(Duration::from_secs(5), || async {
+        (rank_tokens(&server).await[0] > 0).then_some(())
+    })
+    .await;
     let mut light = Vec::new();
     for _ in 0..3 {
         let url = format!("{}/generate", server.url());
@@ -301,7 +371,12 @@ async fn instant_mode_counts_in_flight_and_answers_at_once() {
     })
     .await;
     let started = Instant::now();
-    let reply = post(&server, "/generate", r#"{"text":"x","sampling_params":{"max_new_tokens":4000}}"#).await;
+    let reply = post(
+        &server,
+        "/generate",
+        r#"{"text":"x","sampling_params":{"max_new_tokens":4000}}"#,
+    )
+    .await;
     assert_eq!(reply.status, StatusCode::OK);
     assert!(started.elapsed() < Duration::from_secs(2));
     assert_eq!(reply.json()["meta_info"]["completion_tokens"], 4000);
@@ -309,7 +384,12 @@ async fn instant_mode_counts_in_flight_and_answers_at_once() {
 
     control(&server, r#"{"response_delay_ms":150}"#).await;
     let started = Instant::now();
-    let reply = post(&server, "/v1/completions", r#"{"prompt":"x","stream":true}"#).await;
+    let reply = post(
+        &server,
+        "/v1/completions",
+        r#"{"prompt":"x","stream":true}"#,
+    )
+    .await;
     assert!(started.elapsed() >= Duration::from_millis(150));
     assert!(reply.text.ends_with("data: [DONE]\n\n"));
 }

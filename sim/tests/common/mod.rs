@@ -1,4 +1,5 @@
-#![allow(dead_code)]
+// Test helpers: failing loudly is what a test wants.
+#![allow(dead_code, clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use std::future::Future;
 use std::sync::Arc;
@@ -37,11 +38,16 @@ pub struct Reply {
 
 impl Reply {
     pub fn json(&self) -> Value {
-        serde_json::from_str(&self.text).unwrap_or_else(|err| panic!("not JSON ({err}): {}", self.text))
+        serde_json::from_str(&self.text)
+            .unwrap_or_else(|err| panic!("not JSON ({err}): {}", self.text))
     }
 
     pub fn rank(&self) -> i64 {
-        self.headers["x-sim-dp-rank"].to_str().unwrap().parse().unwrap()
+        self.headers["x-sim-dp-rank"]
+            .to_str()
+            .unwrap()
+            .parse()
+            .unwrap()
     }
 }
 
@@ -98,7 +104,10 @@ where
         if let Some(value) = check().await {
             return value;
         }
-        assert!(Instant::now() < deadline, "condition not reached within {limit:?}");
+        assert!(
+            Instant::now() < deadline,
+            "condition not reached within {limit:?}"
+        );
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
 }
