@@ -71,6 +71,10 @@ pub struct SimConfig {
     /// Maximum running sequences per rank.
     #[arg(long, default_value_t = 64)]
     pub max_running: u64,
+    /// Step all ranks of a worker together, each step lasting as long as
+    /// the slowest rank's (DP attention synchronises every forward pass).
+    #[arg(long)]
+    pub lockstep: bool,
     /// Answer at once, modelling no delay at all (overhead benchmarks).
     #[arg(long)]
     pub instant: bool,
@@ -106,6 +110,7 @@ impl Default for SimConfig {
             decode_step_us_per_token: 0.25,
             kv_capacity: 200_000,
             max_running: 64,
+            lockstep: false,
             instant: false,
             role: Role::Regular,
             no_total_tokens: false,

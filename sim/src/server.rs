@@ -596,7 +596,11 @@ impl SimServer {
         };
         let worker = Worker::new(config.clone(), addr.to_string())?;
         let mut tasks = Vec::new();
-        if !config.instant {
+        if config.instant {
+            // Nothing is scheduled.
+        } else if config.lockstep {
+            tasks.push(tokio::spawn(worker.clone().run_lockstep()));
+        } else {
             for rank in 0..config.dp_size {
                 tasks.push(tokio::spawn(worker.clone().run_rank(rank)));
             }

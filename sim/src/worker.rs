@@ -136,6 +136,7 @@ impl Rooms {
 
 pub struct Rank {
     pub state: Mutex<RankState>,
+    /// Wakes this rank's scheduler.
     pub wake: Notify,
 }
 
@@ -182,6 +183,8 @@ pub struct Worker {
     v1_loads_polls: AtomicU64,
     served: Vec<AtomicU64>,
     rooms: Mutex<Rooms>,
+    /// Wakes the --lockstep scheduler when any rank has work.
+    any_wake: Notify,
     http: reqwest::Client,
     pub started: Instant,
 }
@@ -214,6 +217,7 @@ impl Worker {
             v1_loads_polls: AtomicU64::new(0),
             served: (0..dp_size).map(|_| AtomicU64::new(0)).collect(),
             rooms: Mutex::new(Rooms::default()),
+            any_wake: Notify::new(),
             http,
             started: Instant::now(),
             config,
@@ -393,7 +397,7 @@ impl Worker {
                 })
             }
             None => {
-                rank_slot.wake.notify_one();
+                self.wake(rank);
                 None
             }
         };
@@ -455,41 +459,98 @@ impl Worker {
         Duration::from_secs_f64((seconds / self.config.time_scale).max(0.0))
     }
 
+    /// Admits what fits on a rank and says what it does next; starts the
+    /// KV transfers of requests admitted in the decode role.
+    fn plan_step(self: &Arc<Self>, index: usize) -> Step {
+        let Some(rank) = self.ranks.get(index) else {
+            return Step::Idle;
+        };
+        let config = &self.config;
+        let (step, transfers) = {
+            let mut state = lock(&rank.state);
+            state.purge_cancelled();
+            let transfers = state.admit(config.kv_capacity, config.max_running, config.role);
+            (state.next_step(), transfers)
+        };
+        for transfer in transfers {
+            tokio::spawn(
+                self.clone()
+                    .transfer_kv(index, transfer.id, transfer.bootstrap),
+            );
+        }
+        step
+    }
+
+    fn step_duration(&self, step: Step) -> Duration {
+        let config = &self.config;
+        match step {
+            Step::Idle => Duration::ZERO,
+            Step::Prefill { tokens } => self.scaled(tokens as f64 / config.prefill_tokens_per_s),
+            Step::Decode { batch_tokens } => self.scaled(
+                config.decode_step_ms / 1e3
+                    + config.decode_step_us_per_token * batch_tokens as f64 / 1e6,
+            ),
+        }
+    }
+
+    fn finish_step(&self, index: usize, step: Step) {
+        let Some(rank) = self.ranks.get(index) else {
+            return;
+        };
+        let mut state = lock(&rank.state);
+        match step {
+            Step::Idle => {}
+            Step::Prefill { .. } => state.finish_prefill(self.config.role, &mut |rooms| {
+                self.mark_rooms_ready(rooms, index)
+            }),
+            Step::Decode { .. } => state.finish_decode(),
+        }
+    }
+
+    /// Wakes a rank's scheduler (and the lockstep scheduler).
+    fn wake(&self, index: usize) {
+        if let Some(rank) = self.ranks.get(index) {
+            rank.wake.notify_one();
+        }
+        self.any_wake.notify_one();
+    }
+
     /// The scheduler of one rank; runs until aborted.
     pub async fn run_rank(self: Arc<Self>, index: usize) {
         let Some(rank) = self.ranks.get(index) else {
             return;
         };
-        let config = self.config.clone();
         loop {
-            let (step, transfers) = {
-                let mut state = lock(&rank.state);
-                state.purge_cancelled();
-                let transfers = state.admit(config.kv_capacity, config.max_running, config.role);
-                (state.next_step(), transfers)
-            };
-            for transfer in transfers {
-                tokio::spawn(
-                    self.clone()
-                        .transfer_kv(index, transfer.id, transfer.bootstrap),
-                );
+            let step = self.plan_step(index);
+            if step == Step::Idle {
+                rank.wake.notified().await;
+                continue;
             }
-            match step {
-                Step::Idle => rank.wake.notified().await,
-                Step::Prefill { tokens } => {
-                    tokio::time::sleep(self.scaled(tokens as f64 / config.prefill_tokens_per_s))
-                        .await;
-                    let mut state = lock(&rank.state);
-                    state.finish_prefill(config.role, &mut |rooms| {
-                        self.mark_rooms_ready(rooms, index)
-                    });
-                }
-                Step::Decode { batch_tokens } => {
-                    let step_s = config.decode_step_ms / 1e3
-                        + config.decode_step_us_per_token * batch_tokens as f64 / 1e6;
-                    tokio::time::sleep(self.scaled(step_s)).await;
-                    lock(&rank.state).finish_decode();
-                }
+            tokio::time::sleep(self.step_duration(step)).await;
+            self.finish_step(index, step);
+        }
+    }
+
+    /// --lockstep: one scheduler for all ranks. Under DP attention every
+    /// forward pass is synchronised across ranks (the MoE layers are
+    /// shared), so a step lasts as long as the slowest rank's batch.
+    pub async fn run_lockstep(self: Arc<Self>) {
+        loop {
+            let steps: Vec<Step> = (0..self.ranks.len())
+                .map(|index| self.plan_step(index))
+                .collect();
+            if steps.iter().all(|step| *step == Step::Idle) {
+                self.any_wake.notified().await;
+                continue;
+            }
+            let longest = steps
+                .iter()
+                .map(|step| self.step_duration(*step))
+                .max()
+                .unwrap_or_default();
+            tokio::time::sleep(longest).await;
+            for (index, step) in steps.into_iter().enumerate() {
+                self.finish_step(index, step);
             }
         }
     }
@@ -508,7 +569,7 @@ impl Worker {
             None => Err("no bootstrap fields".to_string()),
         };
         lock(&rank_slot.state).finish_transfer(id, outcome);
-        rank_slot.wake.notify_one();
+        self.wake(rank);
     }
 
     /// Polls `http://host:port/_sim/kv/<room>` until every room is ready.

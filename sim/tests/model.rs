@@ -26,7 +26,7 @@ async fn load_report_matches_what_the_model_holds() {
     let body = json!({"text": text_of(100), "sampling_params": {"max_new_tokens": 100}, "routed_dp_rank": 1})
         .to_string();
     let mut requests = Vec::new();
-    for _ in 0..3 {
+    for index in 0..3 {
         let url = format!("{}/generate", server.url());
         let body = body.clone();
         requests.push(tokio::spawn(async move {
@@ -37,8 +37,13 @@ async fn load_report_matches_what_the_model_holds() {
                 .await
                 .map(|response| response.status())
         }));
-        // Keep arrival order deterministic.
-        tokio::time::sleep(Duration::from_millis(30)).await;
+        if index == 0 {
+            // The first is prefilled and decoding before the others arrive.
+            wait_for(Duration::from_secs(5), || async {
+                (rank_tokens(&server).await[1] == 101).then_some(())
+            })
+            .await;
+        }
     }
     let loads = wait_for(Duration::from_secs(5), || async {
         let loads = get_json(&server, "/get_load").await;
@@ -392,4 +397,51 @@ async fn instant_mode_counts_in_flight_and_answers_at_once() {
     .await;
     assert!(started.elapsed() >= Duration::from_millis(150));
     assert!(reply.text.ends_with("data: [DONE]\n\n"));
+}
+
+#[tokio::test]
+async fn lockstep_ranks_wait_for_the_slowest() {
+    // Rank 0 decodes a 100k-token batch (20 + 100 ms a step); rank 1 a tiny
+    // one. Independently rank 1 would step every 20 ms; in lockstep every
+    // 120 ms.
+    for (lockstep, slow) in [(false, false), (true, true)] {
+        let server = start(SimConfig {
+            lockstep,
+            decode_step_ms: 20.0,
+            decode_step_us_per_token: 1.0,
+            ..fast_config()
+        })
+        .await;
+        let url = format!("{}/generate", server.url());
+        let heavy = tokio::spawn(async move {
+            let body = json!({"text": text_of(100_000), "sampling_params": {"max_new_tokens": 100}, "routed_dp_rank": 0});
+            let _ = client().post(url).body(body.to_string()).send().await;
+        });
+        wait_for(Duration::from_secs(10), || async {
+            (get_json(&server, "/v1/loads").await["loads"][0]["num_running_reqs"] == 1)
+                .then_some(())
+        })
+        .await;
+        let started = Instant::now();
+        let reply = post(
+            &server,
+            "/generate",
+            r#"{"text":"x","sampling_params":{"max_new_tokens":4},"routed_dp_rank":1}"#,
+        )
+        .await;
+        assert_eq!(reply.status, StatusCode::OK);
+        let elapsed = started.elapsed();
+        if slow {
+            assert!(
+                elapsed >= Duration::from_millis(3 * 120),
+                "lockstep: {elapsed:?}"
+            );
+        } else {
+            assert!(
+                elapsed < Duration::from_millis(3 * 120),
+                "independent: {elapsed:?}"
+            );
+        }
+        heavy.abort();
+    }
 }
