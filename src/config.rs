@@ -17,7 +17,24 @@ pub const RANK_FIELD_ALIASES: [&str; 2] = ["routed_dp_rank", "data_parallel_rank
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ConfigJson {
-    pub workers: Vec<WorkerJson>,
+    /// Regular mode: the workers requests are routed to.
+    #[serde(default)]
+    pub workers: Option<Vec<WorkerJson>>,
+    /// PD mode: prefill workers (called out to) and decode workers (routed to).
+    #[serde(default)]
+    pub prefill_workers: Option<Vec<WorkerJson>>,
+    #[serde(default)]
+    pub decode_workers: Option<Vec<WorkerJson>>,
+    #[serde(default)]
+    pub prefill_cluster: Option<String>,
+    #[serde(default)]
+    pub prefill_timeout_ms: Option<u64>,
+    #[serde(default)]
+    pub prefill_rank_field: Option<String>,
+    #[serde(default)]
+    pub decode_rank_field: Option<String>,
+    #[serde(default)]
+    pub decode_prefill_rank_field: Option<String>,
     #[serde(default)]
     pub poll_cluster: Option<String>,
     #[serde(default)]
@@ -58,6 +75,9 @@ pub struct WorkerJson {
     pub dp_size: Option<u32>,
     #[serde(default)]
     pub name: Option<String>,
+    /// Prefill workers only: the KV bootstrap port, told to both sides (null: none).
+    #[serde(default)]
+    pub bootstrap_port: Option<u16>,
 }
 
 /// Which load endpoint a worker is polled on.
@@ -107,12 +127,50 @@ pub struct Worker {
     pub name: String,
     pub address: SocketAddr,
     pub dp_size: Option<u32>,
+    pub bootstrap_port: Option<u16>,
 }
 
 impl Worker {
     /// `ip:port` as Envoy prints host addresses (the override_host value).
     pub fn endpoint(&self) -> String {
         self.address.to_string()
+    }
+}
+
+/// Where a rank value comes from, for the fields PD mode writes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RankOf {
+    Prefill,
+    Decode,
+}
+
+/// PD (prefill/decode disaggregation) settings; `Config::workers` are then
+/// the decode workers.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Prefill {
+    pub workers: Vec<Worker>,
+    pub cluster: String,
+    pub timeout_ms: u64,
+    /// Rank fields written into the body sent to the prefill worker.
+    pub prefill_body_fields: Vec<(String, RankOf)>,
+    /// Rank fields written into the body forwarded to the decode worker.
+    pub decode_body_fields: Vec<(String, RankOf)>,
+}
+
+impl Prefill {
+    /// Every rank field name a client could have sent, on either body.
+    pub fn field_names(&self) -> Vec<&str> {
+        let mut names: Vec<&str> = RANK_FIELD_ALIASES.to_vec();
+        for (name, _) in self
+            .prefill_body_fields
+            .iter()
+            .chain(&self.decode_body_fields)
+        {
+            if !names.contains(&name.as_str()) {
+                names.push(name);
+            }
+        }
+        names
     }
 }
 
@@ -135,9 +193,13 @@ pub struct Config {
     /// Whether this plugin instance takes part in polling. Off for HTTP filters
     /// when a singleton `WasmService` with the same vm_id and state_key polls.
     pub poll_loads: bool,
+    /// Some in PD mode.
+    pub prefill: Option<Prefill>,
 }
 
 pub const DEFAULT_POLL_CLUSTER: &str = "dprank_poll";
+pub const DEFAULT_PREFILL_CLUSTER: &str = "dprank_prefill";
+pub const DEFAULT_PREFILL_TIMEOUT_MS: u64 = 600_000;
 pub const DEFAULT_ROUTE_HEADER: &str = "x-dprank-endpoint";
 pub const DEFAULT_POLL_INTERVAL_MS: u64 = 1000;
 pub const DEFAULT_PATHS: [&str; 3] = ["/generate", "/v1/completions", "/v1/chat/completions"];
@@ -184,6 +246,13 @@ impl Config {
         names
     }
 
+    /// Every polled worker: the routed pool, then the prefill pool in PD mode.
+    pub fn all_workers(&self) -> impl Iterator<Item = &Worker> {
+        self.workers
+            .iter()
+            .chain(self.prefill.iter().flat_map(|p| p.workers.iter()))
+    }
+
     pub fn routes_path(&self, path: &str) -> bool {
         let path = path.split('?').next().unwrap_or(path);
         self.paths.iter().any(|p| p == path)
@@ -204,13 +273,26 @@ fn is_metric_name(name: &str) -> bool {
             .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
 }
 
-fn validate_workers(json: Vec<WorkerJson>) -> Result<Vec<Worker>, ConfigError> {
+/// Validates one pool. `others` are the workers of pools already validated:
+/// addresses and names must be unique across pools (they key shared state and stats).
+fn validate_workers(
+    list_key: &str,
+    json: Vec<WorkerJson>,
+    others: &[Worker],
+    bootstrap_allowed: bool,
+) -> Result<Vec<Worker>, ConfigError> {
     if json.is_empty() {
-        return Err(invalid("workers", "at least one worker is required"));
+        return Err(invalid(list_key, "at least one worker is required"));
     }
     let mut workers: Vec<Worker> = Vec::with_capacity(json.len());
     for (i, w) in json.into_iter().enumerate() {
-        let key = format!("workers[{i}]");
+        let key = format!("{list_key}[{i}]");
+        if w.bootstrap_port.is_some() && !bootstrap_allowed {
+            return Err(invalid(
+                format!("{key}.bootstrap_port"),
+                "only prefill workers have a bootstrap port",
+            ));
+        }
         let address: SocketAddr = w.address.parse().map_err(|_| {
             invalid(
                 format!("{key}.address"),
@@ -242,13 +324,13 @@ fn validate_workers(json: Vec<WorkerJson>) -> Result<Vec<Worker>, ConfigError> {
                 .map(|c| if c.is_ascii_alphanumeric() { c } else { '_' })
                 .collect(),
         };
-        if workers.iter().any(|o| o.address == address) {
+        if workers.iter().chain(others).any(|o| o.address == address) {
             return Err(invalid(
                 format!("{key}.address"),
                 format!("{address} is listed twice"),
             ));
         }
-        if workers.iter().any(|o| o.name == name) {
+        if workers.iter().chain(others).any(|o| o.name == name) {
             return Err(invalid(
                 format!("{key}.name"),
                 format!("`{name}` is used twice"),
@@ -258,16 +340,142 @@ fn validate_workers(json: Vec<WorkerJson>) -> Result<Vec<Worker>, ConfigError> {
             name,
             address,
             dp_size: w.dp_size,
+            bootstrap_port: w.bootstrap_port,
         });
     }
     Ok(workers)
+}
+
+fn field_name(key: &str, name: Option<String>, default: &str) -> Result<String, ConfigError> {
+    match name {
+        Some(n) if n.is_empty() || n.contains('"') || n.contains('\\') => {
+            Err(invalid(key, format!("`{n}` is not a usable JSON key")))
+        }
+        Some(n) => Ok(n),
+        None => Ok(default.to_string()),
+    }
+}
+
+type PdFields = (Vec<(String, RankOf)>, Vec<(String, RankOf)>);
+
+/// The rank fields of each PD body. `current`: prefill body `routed_dp_rank`=p;
+/// decode body `routed_dp_rank`=d and `disagg_prefill_dp_rank`=p. `legacy` (the
+/// seed change, one body sent to both): `data_parallel_rank`=p, `decode_dp_rank`=d.
+fn pd_fields(
+    naming: Naming,
+    prefill_rank: Option<String>,
+    decode_rank: Option<String>,
+    decode_prefill_rank: Option<String>,
+) -> Result<PdFields, ConfigError> {
+    let (p_default, d_default, dp_default) = match naming {
+        Naming::Current => ("routed_dp_rank", "routed_dp_rank", "disagg_prefill_dp_rank"),
+        Naming::Legacy => ("data_parallel_rank", "decode_dp_rank", "data_parallel_rank"),
+    };
+    let p = field_name("prefill_rank_field", prefill_rank, p_default)?;
+    let d = field_name("decode_rank_field", decode_rank, d_default)?;
+    let dp = field_name("decode_prefill_rank_field", decode_prefill_rank, dp_default)?;
+    if d == dp {
+        return Err(invalid(
+            "decode_prefill_rank_field",
+            "must differ from decode_rank_field",
+        ));
+    }
+    let decode_fields = vec![(d.clone(), RankOf::Decode), (dp, RankOf::Prefill)];
+    let prefill_fields = match naming {
+        Naming::Legacy if p != d => vec![(p, RankOf::Prefill), (d, RankOf::Decode)],
+        _ => vec![(p, RankOf::Prefill)],
+    };
+    Ok((prefill_fields, decode_fields))
 }
 
 impl TryFrom<ConfigJson> for Config {
     type Error = ConfigError;
 
     fn try_from(json: ConfigJson) -> Result<Self, Self::Error> {
-        let workers = validate_workers(json.workers)?;
+        let naming = json.naming.unwrap_or(Naming::Current);
+        let (workers, prefill) = match (json.workers, json.prefill_workers, json.decode_workers) {
+            (Some(workers), None, None) => {
+                let pd_only = [
+                    ("prefill_cluster", json.prefill_cluster.is_some()),
+                    ("prefill_timeout_ms", json.prefill_timeout_ms.is_some()),
+                    ("prefill_rank_field", json.prefill_rank_field.is_some()),
+                    ("decode_rank_field", json.decode_rank_field.is_some()),
+                    (
+                        "decode_prefill_rank_field",
+                        json.decode_prefill_rank_field.is_some(),
+                    ),
+                ];
+                if let Some((key, _)) = pd_only.iter().find(|(_, set)| *set) {
+                    return Err(invalid(
+                        *key,
+                        "applies to PD mode only (prefill_workers and decode_workers)",
+                    ));
+                }
+                (validate_workers("workers", workers, &[], false)?, None)
+            }
+            (None, Some(prefill), Some(decode)) => {
+                let decode = validate_workers("decode_workers", decode, &[], false)?;
+                let prefill_workers = validate_workers("prefill_workers", prefill, &decode, true)?;
+                let cluster = json
+                    .prefill_cluster
+                    .unwrap_or_else(|| DEFAULT_PREFILL_CLUSTER.to_string());
+                if cluster.is_empty() {
+                    return Err(invalid("prefill_cluster", "must not be empty"));
+                }
+                let timeout_ms = json
+                    .prefill_timeout_ms
+                    .unwrap_or(DEFAULT_PREFILL_TIMEOUT_MS);
+                if timeout_ms == 0 {
+                    return Err(invalid("prefill_timeout_ms", "must be positive"));
+                }
+                if json.rank_field.is_some() {
+                    return Err(invalid(
+                        "rank_field",
+                        "PD mode names its fields with prefill_rank_field, decode_rank_field and decode_prefill_rank_field",
+                    ));
+                }
+                let (prefill_body_fields, decode_body_fields) = pd_fields(
+                    naming,
+                    json.prefill_rank_field,
+                    json.decode_rank_field,
+                    json.decode_prefill_rank_field,
+                )?;
+                (
+                    decode,
+                    Some(Prefill {
+                        workers: prefill_workers,
+                        cluster,
+                        timeout_ms,
+                        prefill_body_fields,
+                        decode_body_fields,
+                    }),
+                )
+            }
+            (None, None, None) => {
+                return Err(invalid(
+                    "workers",
+                    "list `workers`, or `prefill_workers` and `decode_workers` for PD mode",
+                ))
+            }
+            (Some(_), _, _) => {
+                return Err(invalid(
+                    "workers",
+                    "use either `workers` or `prefill_workers` + `decode_workers`, not both",
+                ))
+            }
+            (None, Some(_), None) => {
+                return Err(invalid(
+                    "decode_workers",
+                    "PD mode needs decode workers too",
+                ))
+            }
+            (None, None, Some(_)) => {
+                return Err(invalid(
+                    "prefill_workers",
+                    "PD mode needs prefill workers too",
+                ))
+            }
+        };
 
         let poll_interval_ms = json.poll_interval_ms.unwrap_or(DEFAULT_POLL_INTERVAL_MS);
         if poll_interval_ms < MIN_POLL_INTERVAL_MS {
@@ -293,7 +501,7 @@ impl TryFrom<ConfigJson> for Config {
             ));
         }
 
-        let rank_field = match (json.rank_field, json.naming.unwrap_or(Naming::Current)) {
+        let rank_field = match (json.rank_field, naming) {
             (Some(name), _) => {
                 if name.is_empty() || name.contains('"') || name.contains('\\') {
                     return Err(invalid(
@@ -378,6 +586,7 @@ impl TryFrom<ConfigJson> for Config {
             pin_header,
             state_key,
             poll_loads: json.poll_loads.unwrap_or(true),
+            prefill,
         })
     }
 }
@@ -608,6 +817,120 @@ mod tests {
                 r#"{"workers":[{"address":"127.0.0.1:1"}],"state_key":"a.b"}"#
             )),
             "state_key"
+        );
+    }
+    const PD: &str = r#""prefill_workers":[{"address":"127.0.0.1:1","name":"p0","bootstrap_port":8998},{"address":"127.0.0.1:2","name":"p1"}],"decode_workers":[{"address":"127.0.0.1:3","name":"d0"}]"#;
+
+    fn pd(extra: &str) -> Result<Config, ConfigError> {
+        parse(&format!("{{{PD}{extra}}}"))
+    }
+
+    #[test]
+    fn pd_mode_current_naming() {
+        let c = pd("").unwrap();
+        let p = c.prefill.as_ref().unwrap();
+        assert_eq!(c.workers[0].name, "d0");
+        assert_eq!(p.workers[0].bootstrap_port, Some(8998));
+        assert_eq!(p.workers[1].bootstrap_port, None);
+        assert_eq!(p.cluster, "dprank_prefill");
+        assert_eq!(p.timeout_ms, 600_000);
+        assert_eq!(
+            p.prefill_body_fields,
+            vec![("routed_dp_rank".to_string(), RankOf::Prefill)]
+        );
+        assert_eq!(
+            p.decode_body_fields,
+            vec![
+                ("routed_dp_rank".to_string(), RankOf::Decode),
+                ("disagg_prefill_dp_rank".to_string(), RankOf::Prefill)
+            ]
+        );
+        let names: Vec<&str> = c.all_workers().map(|w| w.name.as_str()).collect();
+        assert_eq!(names, vec!["d0", "p0", "p1"]);
+    }
+
+    #[test]
+    fn pd_mode_legacy_naming_sends_both_ranks_on_both_bodies() {
+        let c = pd(r#","naming":"legacy""#).unwrap();
+        let p = c.prefill.unwrap();
+        let both = vec![
+            ("data_parallel_rank".to_string(), RankOf::Prefill),
+            ("decode_dp_rank".to_string(), RankOf::Decode),
+        ];
+        assert_eq!(p.prefill_body_fields, both);
+        assert_eq!(p.decode_body_fields, vec![both[1].clone(), both[0].clone()]);
+    }
+
+    #[test]
+    fn pd_mode_explicit_field_names() {
+        let c = pd(r#","prefill_rank_field":"pr","decode_rank_field":"dr","decode_prefill_rank_field":"dpr","prefill_cluster":"pc","prefill_timeout_ms":5000"#)
+            .unwrap();
+        let p = c.prefill.unwrap();
+        assert_eq!(
+            p.prefill_body_fields,
+            vec![("pr".to_string(), RankOf::Prefill)]
+        );
+        assert_eq!(
+            p.decode_body_fields[1],
+            ("dpr".to_string(), RankOf::Prefill)
+        );
+        assert_eq!((p.cluster.as_str(), p.timeout_ms), ("pc", 5000));
+        assert!(p.field_names().contains(&"dr"));
+    }
+
+    #[test]
+    fn pd_mode_errors_name_their_key() {
+        assert_eq!(
+            key_of(pd(r#","workers":[{"address":"127.0.0.1:9"}]"#)),
+            "workers"
+        );
+        assert_eq!(
+            key_of(parse(r#"{"prefill_workers":[{"address":"127.0.0.1:1"}]}"#)),
+            "decode_workers"
+        );
+        assert_eq!(
+            key_of(parse(r#"{"decode_workers":[{"address":"127.0.0.1:1"}]}"#)),
+            "prefill_workers"
+        );
+        assert_eq!(key_of(parse("{}")), "workers");
+        assert_eq!(
+            key_of(parse(
+                r#"{"prefill_workers":[{"address":"127.0.0.1:3"}],"decode_workers":[{"address":"127.0.0.1:3"}]}"#
+            )),
+            "prefill_workers[0].address"
+        );
+        assert_eq!(
+            key_of(parse(
+                r#"{"prefill_workers":[{"address":"127.0.0.1:1"}],"decode_workers":[{"address":"127.0.0.1:3","bootstrap_port":1}]}"#
+            )),
+            "decode_workers[0].bootstrap_port"
+        );
+        assert_eq!(key_of(pd(r#","rank_field":"x""#)), "rank_field");
+        assert_eq!(
+            key_of(pd(r#","prefill_timeout_ms":0"#)),
+            "prefill_timeout_ms"
+        );
+        assert_eq!(
+            key_of(pd(
+                r#","decode_rank_field":"x","decode_prefill_rank_field":"x""#
+            )),
+            "decode_prefill_rank_field"
+        );
+    }
+
+    #[test]
+    fn pd_keys_rejected_in_regular_mode() {
+        assert_eq!(
+            key_of(parse(
+                r#"{"workers":[{"address":"127.0.0.1:1"}],"prefill_cluster":"x"}"#
+            )),
+            "prefill_cluster"
+        );
+        assert_eq!(
+            key_of(parse(
+                r#"{"workers":[{"address":"127.0.0.1:1","bootstrap_port":8998}]}"#
+            )),
+            "workers[0].bootstrap_port"
         );
     }
 }

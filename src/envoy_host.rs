@@ -63,16 +63,22 @@ impl Host for EnvoyHost {
         }
     }
 
-    fn http_get(
+    fn random_u64(&self) -> u64 {
+        // wasi random_get; Envoy fills it from its own entropy source.
+        getrandom::u64().unwrap_or_else(|_| self.now_ms().wrapping_mul(0x9E37_79B9_7F4A_7C15))
+    }
+
+    fn http_call(
         &self,
         cluster: &str,
         headers: &[(&str, &str)],
+        body: Option<&[u8]>,
         timeout_ms: u64,
     ) -> Result<u32, String> {
         hostcalls::dispatch_http_call(
             cluster,
             headers.to_vec(),
-            None,
+            body,
             vec![],
             Duration::from_millis(timeout_ms),
         )
@@ -122,6 +128,10 @@ pub fn call_response_body(size: usize) -> Vec<u8> {
         .ok()
         .flatten()
         .unwrap_or_default()
+}
+
+pub fn resume_response() {
+    let _ = hostcalls::resume_http_response();
 }
 
 pub fn set_tick_period(ms: u64) -> bool {

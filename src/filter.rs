@@ -3,8 +3,9 @@
 
 use crate::config::Config;
 use crate::envoy_host::{self as envoy, EnvoyHost};
-use crate::poller::{tick_period_ms, Poller};
-use crate::router::{self, Decision, PassReason};
+use crate::host::Host;
+use crate::poller::{tick_period_ms, Poller, POLL_DESTINATION_HEADER};
+use crate::router::{self, Decision, PassReason, PdRouted};
 use crate::state::Ticket;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{Action, ContextType};
@@ -54,7 +55,8 @@ impl RootContext for DprankRoot {
         }
         let mut poller = Poller::new(&config);
         // Threads start their tie-break sequences apart, so they don't break ties alike.
-        self.requests.set(poller.vm_id(&config, &EnvoyHost).wrapping_mul(0x9E37_79B9));
+        self.requests
+            .set(poller.vm_id(&config, &EnvoyHost).wrapping_mul(0x9E37_79B9));
         self.poller = Some(poller);
         self.config = Some(Rc::new(config));
         true
@@ -75,12 +77,29 @@ impl RootContext for DprankRoot {
             had_content_length: false,
             pin: None,
             ticket: None,
+            prefill_ticket: None,
+            prefill: PrefillLeg::None,
+            response_held: false,
         }))
     }
 
     fn get_type(&self) -> Option<ContextType> {
         Some(ContextType::HttpContext)
     }
+}
+
+/// The prefill leg of a PD request.
+enum PrefillLeg {
+    /// Regular mode, or not dispatched.
+    None,
+    Pending {
+        worker: usize,
+    },
+    Done,
+    Failed {
+        status: u32,
+        body: String,
+    },
 }
 
 pub struct DprankHttp {
@@ -91,7 +110,15 @@ pub struct DprankHttp {
     had_content_length: bool,
     pin: Option<String>,
     ticket: Option<Ticket>,
+    prefill_ticket: Option<Ticket>,
+    prefill: PrefillLeg,
+    /// The decode response headers wait for the prefill leg.
+    response_held: bool,
 }
+
+/// Client headers the prefill leg carries too (auth and tracing).
+const PREFILL_FORWARDED_HEADERS: [&str; 4] =
+    ["authorization", "x-request-id", "traceparent", "tracestate"];
 
 impl DprankHttp {
     fn replace_body(&self, old_size: usize, body: &[u8]) {
@@ -99,9 +126,89 @@ impl DprankHttp {
             envoy::set_request_header("content-length", Some(&body.len().to_string()));
         }
     }
+
+    fn release_tickets(&mut self) {
+        for ticket in [self.ticket.take(), self.prefill_ticket.take()]
+            .into_iter()
+            .flatten()
+        {
+            router::release(&self.config, &EnvoyHost, &ticket);
+        }
+    }
+
+    /// Sends the prefill leg; false if Envoy refused to dispatch it.
+    fn dispatch_prefill(&mut self, pd: &PdRouted) -> bool {
+        let Some(prefill) = &self.config.prefill else {
+            return false;
+        };
+        let path = envoy::request_header(":path").unwrap_or_default();
+        let forwarded: Vec<(&str, String)> = PREFILL_FORWARDED_HEADERS
+            .iter()
+            .filter_map(|h| envoy::request_header(h).map(|v| (*h, v)))
+            .collect();
+        let mut headers = vec![
+            (":method", "POST"),
+            (":path", path.as_str()),
+            (":authority", pd.prefill.endpoint.as_str()),
+            (POLL_DESTINATION_HEADER, pd.prefill.endpoint.as_str()),
+            ("content-type", "application/json"),
+        ];
+        headers.extend(forwarded.iter().map(|(k, v)| (*k, v.as_str())));
+        match EnvoyHost.http_call(
+            &prefill.cluster,
+            &headers,
+            Some(&pd.prefill_body),
+            prefill.timeout_ms,
+        ) {
+            Ok(_) => {
+                self.prefill = PrefillLeg::Pending {
+                    worker: pd.prefill.worker,
+                };
+                true
+            }
+            Err(e) => {
+                log::warn!(
+                    "dprank: prefill call to {} not dispatched: {e}",
+                    pd.prefill.endpoint
+                );
+                false
+            }
+        }
+    }
 }
 
-impl Context for DprankHttp {}
+impl Context for DprankHttp {
+    fn on_http_call_response(
+        &mut self,
+        _token: u32,
+        _headers: usize,
+        body_size: usize,
+        _trailers: usize,
+    ) {
+        let PrefillLeg::Pending { worker } = self.prefill else {
+            return;
+        };
+        if let Some(ticket) = self.prefill_ticket.take() {
+            router::release(&self.config, &EnvoyHost, &ticket);
+        }
+        let status = envoy::call_response_status();
+        let body = envoy::call_response_body(body_size);
+        match router::prefill_outcome(&self.config, &EnvoyHost, worker, status, &body) {
+            None => {
+                self.prefill = PrefillLeg::Done;
+                if self.response_held {
+                    self.response_held = false;
+                    envoy::resume_response();
+                }
+            }
+            Some((status, body)) => {
+                // The decode side waits for a KV cache that will never come: answer now.
+                envoy::send_response(status, "application/json", body.as_bytes());
+                self.prefill = PrefillLeg::Failed { status, body };
+            }
+        }
+    }
+}
 
 impl HttpContext for DprankHttp {
     fn on_http_request_headers(&mut self, _headers: usize, end_of_stream: bool) -> Action {
@@ -160,6 +267,22 @@ impl HttpContext for DprankHttp {
                 self.ticket = routed.ticket;
                 Action::Continue
             }
+            Decision::Pd(pd) => {
+                self.ticket = pd.decode_ticket;
+                self.prefill_ticket = pd.prefill_ticket;
+                if !self.dispatch_prefill(&pd) {
+                    self.release_tickets();
+                    let (status, body) =
+                        router::prefill_not_sent(&self.config, &EnvoyHost, pd.prefill.worker);
+                    envoy::send_response(status, "application/json", body.as_bytes());
+                    return Action::Pause;
+                }
+                if let Some(decode) = &pd.decode {
+                    envoy::set_request_header(&self.config.route_header, Some(&decode.endpoint));
+                }
+                self.replace_body(body_size, &pd.decode_body);
+                Action::Continue
+            }
             Decision::PassThrough { body: new_body, .. } => {
                 if let Some(new_body) = &new_body {
                     self.replace_body(body_size, new_body);
@@ -173,9 +296,21 @@ impl HttpContext for DprankHttp {
         }
     }
 
-    fn on_log(&mut self) {
-        if let Some(ticket) = self.ticket.take() {
-            router::release(&self.config, &EnvoyHost, &ticket);
+    fn on_http_response_headers(&mut self, _headers: usize, _end_of_stream: bool) -> Action {
+        match &self.prefill {
+            PrefillLeg::Pending { .. } => {
+                self.response_held = true;
+                Action::Pause
+            }
+            PrefillLeg::Failed { status, body } => {
+                envoy::send_response(*status, "application/json", body.as_bytes());
+                Action::Pause
+            }
+            PrefillLeg::None | PrefillLeg::Done => Action::Continue,
         }
+    }
+
+    fn on_log(&mut self) {
+        self.release_tickets();
     }
 }

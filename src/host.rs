@@ -20,13 +20,16 @@ pub trait Host {
     fn count(&self, metric: &str, delta: u64);
     /// Sets a gauge stat.
     fn gauge(&self, metric: &str, value: u64);
-    /// Dispatches an HTTP GET through `cluster`; returns the call's token.
-    fn http_get(
+    /// Dispatches an HTTP call through `cluster`; returns the call's token.
+    fn http_call(
         &self,
         cluster: &str,
         headers: &[(&str, &str)],
+        body: Option<&[u8]>,
         timeout_ms: u64,
     ) -> Result<u32, String>;
+    /// A random number (bootstrap rooms).
+    fn random_u64(&self) -> u64;
 }
 
 /// How many times a read-modify-write on shared data is retried when another
@@ -74,6 +77,9 @@ pub mod fake {
         pub next_token: Cell<u32>,
         /// Writes that fail with CasMismatch before succeeding (simulates another thread).
         pub conflicts: Cell<usize>,
+        pub random: Cell<u64>,
+        /// Bodies of dispatched calls, in order.
+        pub bodies: RefCell<Vec<Option<Vec<u8>>>>,
     }
 
     impl FakeHost {
@@ -122,12 +128,19 @@ pub mod fake {
         fn gauge(&self, metric: &str, value: u64) {
             self.gauges.borrow_mut().insert(metric.to_string(), value);
         }
-        fn http_get(
+        fn random_u64(&self) -> u64 {
+            let n = self.random.get().wrapping_add(0x9E37_79B9_7F4A_7C15);
+            self.random.set(n);
+            n
+        }
+        fn http_call(
             &self,
             cluster: &str,
             headers: &[(&str, &str)],
+            body: Option<&[u8]>,
             _timeout_ms: u64,
         ) -> Result<u32, String> {
+            self.bodies.borrow_mut().push(body.map(|b| b.to_vec()));
             let token = self.next_token.get() + 1;
             self.next_token.set(token);
             let headers = headers

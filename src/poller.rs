@@ -95,9 +95,9 @@ impl Poller {
         };
         Poller {
             vm_id: 0,
-            endpoints: vec![first; config.workers.len()],
+            endpoints: vec![first; config.all_workers().count()],
             outstanding: HashMap::new(),
-            healthy: vec![None; config.workers.len()],
+            healthy: vec![None; config.all_workers().count()],
         }
     }
 
@@ -148,7 +148,7 @@ impl Poller {
             return;
         }
         let now = host.now_ms();
-        for (worker, w) in config.workers.iter().enumerate() {
+        for (worker, w) in config.all_workers().enumerate() {
             let states = host
                 .shared_get(&worker_key(config, worker))
                 .and_then(|(b, _)| WorkerState::decode(&b));
@@ -168,7 +168,7 @@ impl Poller {
 
     fn dispatch(&mut self, config: &Config, host: &dyn Host, worker: usize) {
         let (Some(w), Some(endpoint)) = (
-            config.workers.get(worker),
+            config.all_workers().nth(worker),
             self.endpoints.get(worker).copied(),
         ) else {
             return;
@@ -187,7 +187,7 @@ impl Poller {
             (POLL_DESTINATION_HEADER, authority.as_str()),
             ("accept", "application/json"),
         ];
-        match host.http_get(&config.poll_cluster, &headers, config.poll_timeout_ms) {
+        match host.http_call(&config.poll_cluster, &headers, None, config.poll_timeout_ms) {
             Ok(token) => {
                 self.outstanding.insert(
                     token,
@@ -221,7 +221,7 @@ impl Poller {
         let Some(call) = self.outstanding.remove(&token) else {
             return;
         };
-        let Some(w) = config.workers.get(call.worker) else {
+        let Some(w) = config.all_workers().nth(call.worker) else {
             return;
         };
         let outcome = match status {
@@ -478,5 +478,29 @@ mod tests {
         let mut p = Poller::new(&c);
         p.on_response(&c, &h, 77, Some(200), b"[]");
         assert_eq!(h.counters.borrow().len(), 0);
+    }
+
+    #[test]
+    fn pd_mode_polls_both_pools() {
+        let c = Config::from_json(
+            br#"{"prefill_workers":[{"address":"127.0.0.1:1"}],"decode_workers":[{"address":"127.0.0.1:2"},{"address":"127.0.0.1:3"}]}"#,
+        )
+        .unwrap();
+        let h = FakeHost::default();
+        h.now.set(9_000_000);
+        let mut p = Poller::new(&c);
+        p.on_tick(&c, &h);
+        let targets: Vec<String> = (0..3)
+            .map(|i| header(&h.calls.borrow(), i, POLL_DESTINATION_HEADER).to_string())
+            .collect();
+        assert_eq!(targets, vec!["127.0.0.1:2", "127.0.0.1:3", "127.0.0.1:1"]);
+        p.on_response(&c, &h, 3, Some(200), br#"[{"num_tokens":4}]"#);
+        assert_eq!(
+            read_worker_states(&c, &h)[2]
+                .as_ref()
+                .unwrap()
+                .polled_tokens(0),
+            Some(4)
+        );
     }
 }

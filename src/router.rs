@@ -1,8 +1,8 @@
 //! Per-request routing: body in, decision out. Knows nothing of proxy-wasm;
 //! the HTTP context applies the decision.
 
-use crate::body::JsonObject;
-use crate::config::{Config, FailMode};
+use crate::body::{json_string, BodyError, JsonObject};
+use crate::config::{Config, FailMode, Prefill, RankOf, Worker};
 use crate::host::{shared_update, Host};
 use crate::scheduler::{self, Candidate};
 use crate::state::{Ticket, WorkerState};
@@ -53,6 +53,8 @@ pub enum Decision {
         /// The body with untrusted client rank fields neutralised, if it had any.
         body: Option<Vec<u8>>,
     },
+    /// PD mode: send `prefill_body` to the prefill worker, forward the decode body.
+    Pd(PdRouted),
     Reject {
         status: u32,
         body: String,
@@ -61,15 +63,16 @@ pub enum Decision {
 
 pub fn worker_key(config: &Config, worker: usize) -> String {
     let endpoint = config
-        .workers
-        .get(worker)
+        .all_workers()
+        .nth(worker)
         .map(|w| w.endpoint())
         .unwrap_or_default();
     format!("{}.w.{}", config.state_key, endpoint)
 }
 
+/// Shared state of every worker, indexed like `Config::all_workers`.
 pub fn read_worker_states(config: &Config, host: &dyn Host) -> Vec<Option<WorkerState>> {
-    (0..config.workers.len())
+    (0..config.all_workers().count())
         .map(|i| {
             host.shared_get(&worker_key(config, i))
                 .and_then(|(bytes, _)| WorkerState::decode(&bytes))
@@ -90,14 +93,7 @@ fn pass_or_reject(
 ) -> Decision {
     match (config.fail_mode, reason) {
         (FailMode::Closed, PassReason::NotJson | PassReason::NotObject) => {
-            host.count(&format!("dprank.rejected.{}", reason.as_str()), 1);
-            Decision::Reject {
-                status: 400,
-                body: error_body(
-                    "invalid_request_error",
-                    "request body must be a JSON object (dprank routes by its fields)",
-                ),
-            }
+            reject_bad_body(host, reason)
         }
         (FailMode::Closed, PassReason::NoFreshData) => {
             host.count(&format!("dprank.rejected.{}", reason.as_str()), 1);
@@ -113,9 +109,27 @@ fn pass_or_reject(
     }
 }
 
+fn reject_bad_body(host: &dyn Host, reason: PassReason) -> Decision {
+    host.count(&format!("dprank.rejected.{}", reason.as_str()), 1);
+    Decision::Reject {
+        status: 400,
+        body: error_body(
+            "invalid_request_error",
+            "request body must be a JSON object (dprank routes by its fields)",
+        ),
+    }
+}
+
 /// Counts a request that is not routed for a reason seen before its body.
 pub fn pass_early(host: &dyn Host, reason: PassReason) {
     host.count(&format!("dprank.passthrough.{}", reason.as_str()), 1);
+}
+
+fn parse_body(body: &[u8]) -> Result<JsonObject<'_>, PassReason> {
+    JsonObject::parse(body).map_err(|e| match e {
+        BodyError::NotJson => PassReason::NotJson,
+        BodyError::NotObject => PassReason::NotObject,
+    })
 }
 
 /// The rank a trusted client asked for, if it asked with a valid integer.
@@ -124,6 +138,71 @@ fn client_rank(config: &Config, body: &JsonObject) -> Option<u32> {
         let raw = body.raw_value(name)?;
         std::str::from_utf8(raw).ok()?.parse::<u32>().ok()
     })
+}
+
+/// The best (worker, rank) of one pool: `workers` are `Config::all_workers`
+/// from `offset` on; the candidate's `worker` is a global index.
+#[allow(clippy::too_many_arguments)]
+fn choose(
+    config: &Config,
+    host: &dyn Host,
+    states: &[Option<WorkerState>],
+    workers: &[Worker],
+    offset: usize,
+    only_rank: Option<u32>,
+    pin: Option<&str>,
+    tie_breaker: u64,
+) -> Option<Candidate> {
+    let states = states.get(offset..offset + workers.len())?;
+    let mut candidates =
+        scheduler::fresh_candidates(workers, states, host.now_ms(), config.stale_after_ms);
+    if let Some(rank) = only_rank {
+        candidates = scheduler::only_rank(candidates, rank);
+    }
+    let pinned = pin.and_then(|p| {
+        let hit = scheduler::pinned(&candidates, workers, p);
+        if hit.is_none() {
+            host.count("dprank.pin_ignored", 1);
+        }
+        hit
+    });
+    let mut choice = pinned.or_else(|| scheduler::least_loaded(&candidates, tie_breaker))?;
+    choice.worker += offset;
+    Some(choice)
+}
+
+/// Adds a routed request's estimate to its rank and counts the route.
+fn account(
+    config: &Config,
+    host: &dyn Host,
+    worker: usize,
+    rank: u32,
+    cost: u64,
+) -> Option<Ticket> {
+    let ticket = shared_update(host, &worker_key(config, worker), |current| {
+        let mut state = current.and_then(WorkerState::decode)?;
+        let ticket = state.add(worker, rank, cost)?;
+        Some((state.encode(), ticket))
+    });
+    if ticket.is_none() {
+        host.count("dprank.accounting_skipped", 1);
+    }
+    if let Some(w) = config.all_workers().nth(worker) {
+        host.count(&format!("dprank.routed.{}.rank_{rank}", w.name), 1);
+    }
+    ticket
+}
+
+/// The body with `set` written and every other field of `neutralise` that
+/// the client sent set to null (null = let the server decide).
+fn rewrite(object: &JsonObject, set: &[(&str, String)], neutralise: &[&str]) -> Vec<u8> {
+    let mut fields: Vec<(&str, &str)> = set.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    for name in neutralise {
+        if !set.iter().any(|(k, _)| k == name) && object.has_any(&[name]) {
+            fields.push((name, "null"));
+        }
+    }
+    object.with_fields(&fields)
 }
 
 /// Decides where a request with this body goes. `pin` is the test-only pin
@@ -136,90 +215,53 @@ pub fn route(
     pin: Option<&str>,
     tie_breaker: u64,
 ) -> Decision {
-    let object = match JsonObject::parse(body) {
+    if let Some(prefill) = &config.prefill {
+        return route_pd(config, prefill, host, body, pin, tie_breaker);
+    }
+    let object = match parse_body(body) {
         Ok(o) => o,
-        Err(e) => {
-            let reason = match e {
-                crate::body::BodyError::NotJson => PassReason::NotJson,
-                crate::body::BodyError::NotObject => PassReason::NotObject,
-            };
-            return pass_or_reject(config, host, reason, None);
-        }
+        Err(reason) => return pass_or_reject(config, host, reason, None),
     };
     let rank_names = config.rank_field_names();
-    let trusted_rank = if config.keep_client_rank {
-        client_rank(config, &object)
-    } else {
-        None
-    };
-
+    let trusted_rank = config
+        .keep_client_rank
+        .then(|| client_rank(config, &object))
+        .flatten();
     let states = read_worker_states(config, host);
-    let mut candidates = scheduler::fresh_candidates(
-        &config.workers,
+    let Some(Candidate { worker, rank, .. }) = choose(
+        config,
+        host,
         &states,
-        host.now_ms(),
-        config.stale_after_ms,
-    );
-    if let Some(rank) = trusted_rank {
-        candidates = scheduler::only_rank(candidates, rank);
-    }
-    let pinned = pin.and_then(|p| {
-        let hit = scheduler::pinned(&candidates, &config.workers, p);
-        if hit.is_none() {
-            host.count("dprank.pin_ignored", 1);
-        }
-        hit
-    });
-    let Some(Candidate { worker, rank, .. }) =
-        pinned.or_else(|| scheduler::least_loaded(&candidates, tie_breaker))
-    else {
-        // Untrusted client rank fields are neutralised (null = let the server decide).
-        let neutralised = (trusted_rank.is_none() && object.has_any(&rank_names)).then(|| {
-            let nulls: Vec<(&str, &str)> = rank_names.iter().map(|n| (*n, "null")).collect();
-            object.with_fields(&nulls_present(&object, &nulls))
-        });
+        &config.workers,
+        0,
+        trusted_rank,
+        pin,
+        tie_breaker,
+    ) else {
+        let neutralised = (trusted_rank.is_none() && object.has_any(&rank_names))
+            .then(|| rewrite(&object, &[], &rank_names));
         return pass_or_reject(config, host, PassReason::NoFreshData, neutralised);
     };
-
-    let cost = object.prompt.estimate(config.cost_estimate);
-    let ticket = shared_update(host, &worker_key(config, worker), |current| {
-        let mut state = current.and_then(WorkerState::decode)?;
-        let ticket = state.add(worker, rank, cost)?;
-        Some((state.encode(), ticket))
-    });
-    if ticket.is_none() {
-        host.count("dprank.accounting_skipped", 1);
-    }
-
-    let body = if trusted_rank.is_some() {
-        None
-    } else {
-        let rank_text = rank.to_string();
-        let mut set: Vec<(&str, &str)> = vec![(config.rank_field.as_str(), rank_text.as_str())];
-        // Aliases the client sent get the same value, so no client value survives.
-        set.extend(nulls_present(
+    let ticket = account(
+        config,
+        host,
+        worker,
+        rank,
+        object.prompt.estimate(config.cost_estimate),
+    );
+    let body = trusted_rank.is_none().then(|| {
+        rewrite(
             &object,
-            &rank_names
-                .iter()
-                .skip(1)
-                .map(|n| (*n, rank_text.as_str()))
-                .collect::<Vec<_>>(),
-        ));
-        Some(object.with_fields(&set))
-    };
-
-    let name = config
-        .workers
-        .get(worker)
-        .map(|w| w.name.as_str())
-        .unwrap_or("unknown");
-    host.count(&format!("dprank.routed.{name}.rank_{rank}"), 1);
+            &[(config.rank_field.as_str(), rank.to_string())],
+            &rank_names,
+        )
+    });
     Decision::Route(Routed {
         worker,
         rank,
         endpoint: config
-            .workers
-            .get(worker)
+            .all_workers()
+            .nth(worker)
             .map(|w| w.endpoint())
             .unwrap_or_default(),
         body,
@@ -227,16 +269,173 @@ pub fn route(
     })
 }
 
-/// The subset of `fields` whose keys the body already has.
-fn nulls_present<'a>(
-    object: &JsonObject,
-    fields: &[(&'a str, &'a str)],
-) -> Vec<(&'a str, &'a str)> {
-    fields
-        .iter()
-        .filter(|(k, _)| object.has_any(&[k]))
-        .copied()
-        .collect()
+/// A worker and, when load data allowed a choice, its rank.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Target {
+    /// Index in `Config::all_workers`.
+    pub worker: usize,
+    pub rank: Option<u32>,
+    pub endpoint: String,
+}
+
+#[derive(Debug, PartialEq, Eq)]
+pub struct PdRouted {
+    pub prefill: Target,
+    /// None when no decode worker has fresh data: the cluster's fallback picks.
+    pub decode: Option<Target>,
+    pub prefill_body: Vec<u8>,
+    pub decode_body: Vec<u8>,
+    pub prefill_ticket: Option<Ticket>,
+    pub decode_ticket: Option<Ticket>,
+}
+
+/// Number of prompts in a batched request (`text` or `input_ids` of arrays), if batched.
+fn batch_size(object: &JsonObject) -> Option<usize> {
+    if let Some(text) = object.raw_value("text") {
+        return serde_json::from_slice::<Vec<serde::de::IgnoredAny>>(text)
+            .ok()
+            .map(|v| v.len());
+    }
+    let ids = object.raw_value("input_ids")?;
+    let rows: Vec<&serde_json::value::RawValue> = serde_json::from_slice(ids).ok()?;
+    rows.first()
+        .filter(|r| r.get().trim_start().starts_with('['))
+        .map(|_| rows.len())
+}
+
+/// PD mode: picks a prefill and a decode (worker, rank) from their pools and
+/// writes the bootstrap fields both sides need to meet.
+fn route_pd(
+    config: &Config,
+    prefill: &Prefill,
+    host: &dyn Host,
+    body: &[u8],
+    pin: Option<&str>,
+    tie_breaker: u64,
+) -> Decision {
+    let object = match parse_body(body) {
+        // Without the bootstrap fields neither side could serve it.
+        Err(reason) => return reject_bad_body(host, reason),
+        Ok(o) => o,
+    };
+    let (prefill_pin, decode_pin) = match pin.map(|p| p.split_once(',').unwrap_or((p, ""))) {
+        Some((p, d)) => (
+            Some(p.trim()).filter(|p| !p.is_empty()),
+            Some(d.trim()).filter(|d| !d.is_empty()),
+        ),
+        None => (None, None),
+    };
+    let states = read_worker_states(config, host);
+    let offset = config.workers.len();
+    let p = choose(
+        config,
+        host,
+        &states,
+        &prefill.workers,
+        offset,
+        None,
+        prefill_pin,
+        tie_breaker,
+    );
+    let d = choose(
+        config,
+        host,
+        &states,
+        &config.workers,
+        0,
+        None,
+        decode_pin,
+        tie_breaker,
+    );
+    if p.is_none() {
+        host.count("dprank.passthrough.no_fresh_data_prefill", 1);
+    }
+    if d.is_none() {
+        host.count("dprank.passthrough.no_fresh_data", 1);
+    }
+    // Without prefill data, rotate over the prefill workers and let them pick the rank.
+    let prefill_index = p
+        .map(|c| c.worker - offset)
+        .unwrap_or((tie_breaker % prefill.workers.len().max(1) as u64) as usize);
+    let Some(prefill_worker) = prefill.workers.get(prefill_index) else {
+        return reject_bad_body(host, PassReason::NoFreshData);
+    };
+
+    let cost = object.prompt.estimate(config.cost_estimate);
+    let prefill_ticket = p.and_then(|c| account(config, host, c.worker, c.rank, cost));
+    let decode_ticket = d.and_then(|c| account(config, host, c.worker, c.rank, cost));
+
+    let host_json = json_string(&prefill_worker.address.ip().to_string());
+    let port_json = prefill_worker
+        .bootstrap_port
+        .map_or("null".to_string(), |p| p.to_string());
+    let (bootstrap_host, bootstrap_port, bootstrap_room) = match batch_size(&object) {
+        Some(n) => {
+            let rooms: Vec<String> = (0..n)
+                .map(|_| (host.random_u64() >> 1).to_string())
+                .collect();
+            (
+                format!("[{}]", vec![host_json; n].join(",")),
+                format!("[{}]", vec![port_json; n].join(",")),
+                format!("[{}]", rooms.join(",")),
+            )
+        }
+        None => (host_json, port_json, (host.random_u64() >> 1).to_string()),
+    };
+    let bootstrap = [
+        ("bootstrap_host", bootstrap_host),
+        ("bootstrap_port", bootstrap_port),
+        ("bootstrap_room", bootstrap_room),
+    ];
+    let ranks = (p.map(|c| c.rank), d.map(|c| c.rank));
+    let neutralise = prefill.field_names();
+    let prefill_body = rewrite(
+        &object,
+        &pd_body_fields(&bootstrap, &prefill.prefill_body_fields, ranks),
+        &neutralise,
+    );
+    let decode_body = rewrite(
+        &object,
+        &pd_body_fields(&bootstrap, &prefill.decode_body_fields, ranks),
+        &neutralise,
+    );
+    let target = |worker: usize, rank: Option<u32>| Target {
+        worker,
+        rank,
+        endpoint: config
+            .all_workers()
+            .nth(worker)
+            .map(|w| w.endpoint())
+            .unwrap_or_default(),
+    };
+    Decision::Pd(PdRouted {
+        prefill: target(offset + prefill_index, p.map(|c| c.rank)),
+        decode: d.map(|c| target(c.worker, Some(c.rank))),
+        prefill_body,
+        decode_body,
+        prefill_ticket,
+        decode_ticket,
+    })
+}
+
+/// The bootstrap fields plus each rank field whose rank is known; `ranks` is
+/// (prefill rank, decode rank).
+fn pd_body_fields<'a>(
+    bootstrap: &[(&'a str, String)],
+    rank_fields: &'a [(String, RankOf)],
+    ranks: (Option<u32>, Option<u32>),
+) -> Vec<(&'a str, String)> {
+    let mut set = bootstrap.to_vec();
+    for (name, of) in rank_fields {
+        let rank = match of {
+            RankOf::Prefill => ranks.0,
+            RankOf::Decode => ranks.1,
+        };
+        if let Some(rank) = rank {
+            set.push((name.as_str(), rank.to_string()));
+        }
+    }
+    set
 }
 
 /// Gives back a routed request's estimate when its stream ends.
@@ -244,6 +443,97 @@ pub fn release(config: &Config, host: &dyn Host, ticket: &Ticket) {
     shared_update(host, &worker_key(config, ticket.worker), |current| {
         let mut state = current.and_then(WorkerState::decode)?;
         state.release(ticket);
+        Some((state.encode(), ()))
+    });
+}
+
+/// What the client gets when the prefill leg ended: None if it succeeded,
+/// else the status and JSON error body. A prefill that did not answer at all
+/// also takes its worker out of rotation until its next good poll.
+pub fn prefill_outcome(
+    config: &Config,
+    host: &dyn Host,
+    worker: usize,
+    status: Option<u32>,
+    body: &[u8],
+) -> Option<(u32, String)> {
+    let endpoint = config
+        .all_workers()
+        .nth(worker)
+        .map(|w| w.endpoint())
+        .unwrap_or_default();
+    let name = config
+        .all_workers()
+        .nth(worker)
+        .map(|w| w.name.clone())
+        .unwrap_or_default();
+    match status {
+        Some(200..=299) => {
+            host.count(&format!("dprank.prefill_ok.{name}"), 1);
+            None
+        }
+        Some(code) => {
+            host.count(&format!("dprank.prefill_failed.{name}"), 1);
+            let detail =
+                String::from_utf8_lossy(body.get(..body.len().min(512)).unwrap_or_default())
+                    .into_owned();
+            // The client's own mistakes (4xx) keep their status; server failures are a bad gateway.
+            let status = if (400..500).contains(&code) {
+                code
+            } else {
+                502
+            };
+            Some((
+                status,
+                error_body(
+                    "prefill_failed",
+                    &format!("prefill worker {endpoint} answered HTTP {code}: {detail}"),
+                ),
+            ))
+        }
+        None => Some(prefill_not_answered(config, host, worker, &endpoint, &name)),
+    }
+}
+
+/// The prefill leg could not even be dispatched.
+pub fn prefill_not_sent(config: &Config, host: &dyn Host, worker: usize) -> (u32, String) {
+    let endpoint = config
+        .all_workers()
+        .nth(worker)
+        .map(|w| w.endpoint())
+        .unwrap_or_default();
+    let name = config
+        .all_workers()
+        .nth(worker)
+        .map(|w| w.name.clone())
+        .unwrap_or_default();
+    prefill_not_answered(config, host, worker, &endpoint, &name)
+}
+
+fn prefill_not_answered(
+    config: &Config,
+    host: &dyn Host,
+    worker: usize,
+    endpoint: &str,
+    name: &str,
+) -> (u32, String) {
+    host.count(&format!("dprank.prefill_failed.{name}"), 1);
+    mark_unreachable(config, host, worker);
+    (
+        502,
+        error_body(
+            "prefill_failed",
+            &format!("prefill worker {endpoint} did not answer (connection failure or timeout)"),
+        ),
+    )
+}
+
+/// A prefill worker that could not be reached gets no more requests until a
+/// poll succeeds again.
+pub fn mark_unreachable(config: &Config, host: &dyn Host, worker: usize) {
+    shared_update(host, &worker_key(config, worker), |current| {
+        let mut state = current.and_then(WorkerState::decode)?;
+        state.mark_unreachable();
         Some((state.encode(), ()))
     });
 }
@@ -362,7 +652,7 @@ mod tests {
         ));
         assert_eq!(
             r.body.unwrap(),
-            br#"{"data_parallel_rank":2,"routed_dp_rank":2,"text":"x"}"#
+            br#"{"data_parallel_rank":null,"routed_dp_rank":2,"text":"x"}"#
         );
     }
 
@@ -469,5 +759,204 @@ mod tests {
         let (c, h) = fleet(r#","naming":"legacy""#);
         let r = routed(route(&c, &h, br#"{"prompt":"x"}"#, None, 0));
         assert_eq!(r.body.unwrap(), br#"{"data_parallel_rank":2,"prompt":"x"}"#);
+    }
+    fn pd_fleet(extra: &str) -> (Config, FakeHost) {
+        let c = Config::from_json(
+            format!(
+                r#"{{"prefill_workers":[{{"address":"10.0.0.1:30000","name":"p0","bootstrap_port":8998}},{{"address":"10.0.0.2:30000","name":"p1"}}],
+                    "decode_workers":[{{"address":"10.0.1.1:30000","name":"d0"}},{{"address":"10.0.1.2:30000","name":"d1"}}]{extra}}}"#
+            )
+            .as_bytes(),
+        )
+        .unwrap();
+        let h = FakeHost::default();
+        h.now.set(10_000);
+        poll(&c, &h, 0, &[50, 50]); // d0
+        poll(&c, &h, 1, &[50, 5]); // d1: rank 1 lowest
+        poll(&c, &h, 2, &[9, 1]); // p0: rank 1 lowest
+        poll(&c, &h, 3, &[30, 30]); // p1
+        (c, h)
+    }
+
+    fn pd(d: Decision) -> PdRouted {
+        match d {
+            Decision::Pd(pd) => pd,
+            other => panic!("expected PD routing, got {other:?}"),
+        }
+    }
+
+    fn json(bytes: &[u8]) -> serde_json::Value {
+        serde_json::from_slice(bytes).unwrap()
+    }
+
+    #[test]
+    fn pd_picks_both_pools_and_writes_matching_bootstrap_fields() {
+        let (c, h) = pd_fleet("");
+        let r = pd(route(&c, &h, br#"{"text":"hello","stream":true}"#, None, 0));
+        assert_eq!(
+            (
+                r.prefill.worker,
+                r.prefill.rank,
+                r.prefill.endpoint.as_str()
+            ),
+            (2, Some(1), "10.0.0.1:30000")
+        );
+        let decode = r.decode.unwrap();
+        assert_eq!(
+            (decode.worker, decode.rank, decode.endpoint.as_str()),
+            (1, Some(1), "10.0.1.2:30000")
+        );
+        let (p, d) = (json(&r.prefill_body), json(&r.decode_body));
+        assert_eq!(p["bootstrap_host"], "10.0.0.1");
+        assert_eq!(p["bootstrap_port"], 8998);
+        assert_eq!(p["bootstrap_room"], d["bootstrap_room"]);
+        assert!(p["bootstrap_room"].as_u64().unwrap() <= i64::MAX as u64);
+        assert_eq!(
+            (
+                p["routed_dp_rank"].as_u64(),
+                p.get("disagg_prefill_dp_rank")
+            ),
+            (Some(1), None)
+        );
+        assert_eq!(
+            (
+                d["routed_dp_rank"].as_u64(),
+                d["disagg_prefill_dp_rank"].as_u64()
+            ),
+            (Some(1), Some(1))
+        );
+        assert_eq!(d["bootstrap_host"], "10.0.0.1");
+        assert_eq!(
+            (p["text"].as_str(), d["stream"].as_bool()),
+            (Some("hello"), Some(true))
+        );
+        assert!(r.prefill_ticket.is_some() && r.decode_ticket.is_some());
+        assert_eq!(
+            h.counter("dprank.routed.p0.rank_1") + h.counter("dprank.routed.d1.rank_1"),
+            2
+        );
+    }
+
+    #[test]
+    fn pd_legacy_naming_sends_both_ranks_on_both_bodies() {
+        let (c, h) = pd_fleet(r#","naming":"legacy""#);
+        let r = pd(route(&c, &h, br#"{"text":"hello"}"#, None, 0));
+        for body in [&r.prefill_body, &r.decode_body] {
+            let v = json(body);
+            assert_eq!(
+                (
+                    v["data_parallel_rank"].as_u64(),
+                    v["decode_dp_rank"].as_u64()
+                ),
+                (Some(1), Some(1))
+            );
+            assert!(v.get("routed_dp_rank").is_none());
+        }
+    }
+
+    #[test]
+    fn pd_batched_text_gets_one_room_per_prompt() {
+        let (c, h) = pd_fleet("");
+        let r = pd(route(&c, &h, br#"{"text":["a","b","c"]}"#, None, 0));
+        let (p, d) = (json(&r.prefill_body), json(&r.decode_body));
+        assert_eq!(
+            p["bootstrap_host"],
+            serde_json::json!(["10.0.0.1", "10.0.0.1", "10.0.0.1"])
+        );
+        assert_eq!(p["bootstrap_port"], serde_json::json!([8998, 8998, 8998]));
+        let rooms = p["bootstrap_room"].as_array().unwrap();
+        assert_eq!(rooms.len(), 3);
+        assert_ne!(rooms[0], rooms[1]);
+        assert_eq!(p["bootstrap_room"], d["bootstrap_room"]);
+    }
+
+    #[test]
+    fn pd_without_prefill_data_rotates_and_lets_the_prefill_server_pick_its_rank() {
+        let c = Config::from_json(
+            br#"{"prefill_workers":[{"address":"10.0.0.1:1"},{"address":"10.0.0.2:1"}],"decode_workers":[{"address":"10.0.1.1:1"}]}"#,
+        )
+        .unwrap();
+        let h = FakeHost::default();
+        h.now.set(10_000);
+        poll(&c, &h, 0, &[3, 1]);
+        let a = pd(route(
+            &c,
+            &h,
+            br#"{"text":"x","routed_dp_rank":5}"#,
+            None,
+            0,
+        ));
+        let b = pd(route(&c, &h, br#"{"text":"x"}"#, None, 1));
+        assert_ne!(a.prefill.worker, b.prefill.worker);
+        assert_eq!(a.prefill.rank, None);
+        let p = json(&a.prefill_body);
+        assert_eq!(
+            p["routed_dp_rank"],
+            serde_json::Value::Null,
+            "client value neutralised"
+        );
+        assert_eq!(p["bootstrap_port"], serde_json::Value::Null);
+        let d = json(&a.decode_body);
+        assert_eq!(
+            (
+                d["routed_dp_rank"].as_u64(),
+                d.get("disagg_prefill_dp_rank")
+            ),
+            (Some(1), None)
+        );
+        assert_eq!(h.counter("dprank.passthrough.no_fresh_data_prefill"), 2);
+    }
+
+    #[test]
+    fn pd_rejects_bodies_it_cannot_extend() {
+        let (c, h) = pd_fleet("");
+        assert!(matches!(
+            route(&c, &h, b"not json", None, 0),
+            Decision::Reject { status: 400, .. }
+        ));
+        assert!(matches!(
+            route(&c, &h, b"[1]", None, 0),
+            Decision::Reject { status: 400, .. }
+        ));
+    }
+
+    #[test]
+    fn pd_pin_names_both_sides() {
+        let (c, h) = pd_fleet(r#","pin_header":"x-pin""#);
+        let r = pd(route(&c, &h, b"{}", Some("p1/0, d0/1"), 0));
+        assert_eq!((r.prefill.worker, r.prefill.rank), (3, Some(0)));
+        assert_eq!(r.decode.map(|d| (d.worker, d.rank)), Some((0, Some(1))));
+    }
+
+    #[test]
+    fn prefill_outcomes() {
+        let (c, h) = pd_fleet("");
+        assert_eq!(prefill_outcome(&c, &h, 2, Some(200), b"{}"), None);
+        assert_eq!(h.counter("dprank.prefill_ok.p0"), 1);
+        let (status, body) = prefill_outcome(&c, &h, 2, Some(503), b"overloaded").unwrap();
+        assert_eq!(status, 502);
+        assert!(body.contains("503") && body.contains("overloaded"));
+        assert_eq!(
+            prefill_outcome(&c, &h, 2, Some(400), b"too long")
+                .unwrap()
+                .0,
+            400
+        );
+        assert!(read_worker_states(&c, &h)[2]
+            .as_ref()
+            .unwrap()
+            .is_fresh(10_000, c.stale_after_ms));
+        let (status, body) = prefill_outcome(&c, &h, 2, None, b"").unwrap();
+        assert_eq!(status, 502);
+        assert_eq!(json(body.as_bytes())["error"]["type"], "prefill_failed");
+        assert!(!read_worker_states(&c, &h)[2]
+            .as_ref()
+            .unwrap()
+            .is_fresh(10_000, c.stale_after_ms));
+        // The dead prefill worker gets no more traffic.
+        for i in 0..4 {
+            assert_eq!(pd(route(&c, &h, b"{}", None, i)).prefill.worker, 3);
+        }
+        assert_eq!(h.counter("dprank.prefill_failed.p0"), 3);
     }
 }

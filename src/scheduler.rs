@@ -90,6 +90,7 @@ mod tests {
             name: name.into(),
             address: format!("127.0.0.1:{port}").parse().unwrap(),
             dp_size,
+            bootstrap_port: None,
         }
     }
 

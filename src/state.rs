@@ -101,6 +101,11 @@ impl WorkerState {
         true
     }
 
+    /// Makes the worker stale until its next successful poll.
+    pub fn mark_unreachable(&mut self) {
+        self.snapshot_at_ms = 0;
+    }
+
     /// Adds a routed request's estimate; returns the ticket to release it with.
     pub fn add(&mut self, worker: usize, rank: u32, cost: u64) -> Option<Ticket> {
         let ranks = self.tokens.len();
