@@ -1,0 +1,13 @@
+//! End-to-end tests of the dprank filter (regular mode) in a real Envoy, with
+//! simulated SGLang workers (`dprank-sim`). Each test starts its own workers
+//! and Envoy from the shipped `envoy/dprank.yaml` plus the overrides in its
+//! scenario folder `tests/e2e/<scenario>/`. Needs Envoy, the wasm and the
+//! simulator built: `make test` does all of it.
+
+// Test code: a failed step panics, which fails the test with its message.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+mod common;
+
+#[path = "e2e/routing.rs"]
+mod routing;
