@@ -76,10 +76,7 @@ impl<'a> JsonObject<'a> {
             Err(_) => return Err(BodyError::NotJson),
         };
         de.end().map_err(|_| BodyError::NotJson)?;
-        let open = body
-            .iter()
-            .position(|b| *b == b'{')
-            .ok_or(BodyError::NotObject)?;
+        let open = body.iter().position(|b| *b == b'{').ok_or(BodyError::NotObject)?;
         let (fields, prompt) = parsed;
         Ok(JsonObject {
             body,
@@ -113,11 +110,7 @@ impl<'a> JsonObject<'a> {
         let mut replacements: Vec<(&Range<usize>, &str)> = self
             .fields
             .iter()
-            .filter_map(|f| {
-                set.iter()
-                    .find(|(k, _)| *k == f.key)
-                    .map(|(_, v)| (&f.value, *v))
-            })
+            .filter_map(|f| set.iter().find(|(k, _)| *k == f.key).map(|(_, v)| (&f.value, *v)))
             .collect();
         replacements.sort_by_key(|(r, _)| r.start);
         let inserts: Vec<&(&str, &str)> = set
@@ -311,10 +304,7 @@ mod tests {
 
     #[test]
     fn inserts_into_empty_object_without_a_comma() {
-        assert_eq!(
-            set("{}", &[("a", "1"), ("b", "\"x\"")]),
-            "{\"a\":1,\"b\":\"x\"}"
-        );
+        assert_eq!(set("{}", &[("a", "1"), ("b", "\"x\"")]), "{\"a\":1,\"b\":\"x\"}");
     }
 
     #[test]
@@ -363,39 +353,18 @@ mod tests {
         let out = set(body, &[("routed_dp_rank", "2")]);
         let mut expected: serde_json::Value = serde_json::from_str(body).unwrap();
         expected["routed_dp_rank"] = 2.into();
-        assert_eq!(
-            serde_json::from_str::<serde_json::Value>(&out).unwrap(),
-            expected
-        );
+        assert_eq!(serde_json::from_str::<serde_json::Value>(&out).unwrap(), expected);
     }
 
     #[test]
     fn non_objects_are_told_apart_from_non_json() {
-        assert_eq!(
-            JsonObject::parse(b"[1,2]").unwrap_err(),
-            BodyError::NotObject
-        );
-        assert_eq!(
-            JsonObject::parse(b"\"s\"").unwrap_err(),
-            BodyError::NotObject
-        );
-        assert_eq!(
-            JsonObject::parse(b"null").unwrap_err(),
-            BodyError::NotObject
-        );
+        assert_eq!(JsonObject::parse(b"[1,2]").unwrap_err(), BodyError::NotObject);
+        assert_eq!(JsonObject::parse(b"\"s\"").unwrap_err(), BodyError::NotObject);
+        assert_eq!(JsonObject::parse(b"null").unwrap_err(), BodyError::NotObject);
         assert_eq!(JsonObject::parse(b"").unwrap_err(), BodyError::NotJson);
-        assert_eq!(
-            JsonObject::parse(b"{\"a\":1").unwrap_err(),
-            BodyError::NotJson
-        );
-        assert_eq!(
-            JsonObject::parse(b"{\"a\":1} x").unwrap_err(),
-            BodyError::NotJson
-        );
-        assert_eq!(
-            JsonObject::parse(b"text=hello").unwrap_err(),
-            BodyError::NotJson
-        );
+        assert_eq!(JsonObject::parse(b"{\"a\":1").unwrap_err(), BodyError::NotJson);
+        assert_eq!(JsonObject::parse(b"{\"a\":1} x").unwrap_err(), BodyError::NotJson);
+        assert_eq!(JsonObject::parse(b"text=hello").unwrap_err(), BodyError::NotJson);
         assert_eq!(
             JsonObject::parse(b"{\"a\":\"\xff\"}").unwrap_err(),
             BodyError::NotJson
@@ -408,10 +377,8 @@ mod tests {
 
     #[test]
     fn prompt_sizes_per_endpoint_shape() {
-        let gen = JsonObject::parse(
-            br#"{"text":"one two  three","sampling_params":{"x":"ignored words"}}"#,
-        )
-        .unwrap();
+        let gen = JsonObject::parse(br#"{"text":"one two  three","sampling_params":{"x":"ignored words"}}"#)
+            .unwrap();
         assert_eq!(
             gen.prompt,
             PromptSize {

@@ -161,11 +161,7 @@ impl Prefill {
     /// Every rank field name a client could have sent, on either body.
     pub fn field_names(&self) -> Vec<&str> {
         let mut names: Vec<&str> = RANK_FIELD_ALIASES.to_vec();
-        for (name, _) in self
-            .prefill_body_fields
-            .iter()
-            .chain(&self.decode_body_fields)
-        {
+        for (name, _) in self.prefill_body_fields.iter().chain(&self.decode_body_fields) {
             if !names.contains(&name.as_str()) {
                 names.push(name);
             }
@@ -230,8 +226,7 @@ fn invalid(key: impl Into<String>, reason: impl Into<String>) -> ConfigError {
 
 impl Config {
     pub fn from_json(bytes: &[u8]) -> Result<Config, ConfigError> {
-        let json: ConfigJson =
-            serde_json::from_slice(bytes).map_err(|e| ConfigError::Json(e.to_string()))?;
+        let json: ConfigJson = serde_json::from_slice(bytes).map_err(|e| ConfigError::Json(e.to_string()))?;
         Config::try_from(json)
     }
 
@@ -331,10 +326,7 @@ fn validate_workers(
             ));
         }
         if workers.iter().chain(others).any(|o| o.name == name) {
-            return Err(invalid(
-                format!("{key}.name"),
-                format!("`{name}` is used twice"),
-            ));
+            return Err(invalid(format!("{key}.name"), format!("`{name}` is used twice")));
         }
         workers.push(Worker {
             name,
@@ -422,9 +414,7 @@ impl TryFrom<ConfigJson> for Config {
                 if cluster.is_empty() {
                     return Err(invalid("prefill_cluster", "must not be empty"));
                 }
-                let timeout_ms = json
-                    .prefill_timeout_ms
-                    .unwrap_or(DEFAULT_PREFILL_TIMEOUT_MS);
+                let timeout_ms = json.prefill_timeout_ms.unwrap_or(DEFAULT_PREFILL_TIMEOUT_MS);
                 if timeout_ms == 0 {
                     return Err(invalid("prefill_timeout_ms", "must be positive"));
                 }
@@ -464,16 +454,10 @@ impl TryFrom<ConfigJson> for Config {
                 ))
             }
             (None, Some(_), None) => {
-                return Err(invalid(
-                    "decode_workers",
-                    "PD mode needs decode workers too",
-                ))
+                return Err(invalid("decode_workers", "PD mode needs decode workers too"))
             }
             (None, None, Some(_)) => {
-                return Err(invalid(
-                    "prefill_workers",
-                    "PD mode needs prefill workers too",
-                ))
+                return Err(invalid("prefill_workers", "PD mode needs prefill workers too"))
             }
         };
 
@@ -495,9 +479,7 @@ impl TryFrom<ConfigJson> for Config {
         if stale_after_ms < poll_interval_ms {
             return Err(invalid(
                 "stale_after_ms",
-                format!(
-                    "must be at least poll_interval_ms ({poll_interval_ms}), got {stale_after_ms}"
-                ),
+                format!("must be at least poll_interval_ms ({poll_interval_ms}), got {stale_after_ms}"),
             ));
         }
 
@@ -520,10 +502,7 @@ impl TryFrom<ConfigJson> for Config {
                 if paths.is_empty() {
                     return Err(invalid("paths", "at least one path is required"));
                 }
-                if let Some(p) = paths
-                    .iter()
-                    .find(|p| !p.starts_with('/') || p.contains('?'))
-                {
+                if let Some(p) = paths.iter().find(|p| !p.starts_with('/') || p.contains('?')) {
                     return Err(invalid(
                         "paths",
                         format!("`{p}` must start with '/' and hold no query"),
@@ -643,18 +622,13 @@ mod tests {
         assert_eq!(c.fail_mode, FailMode::Closed);
         assert_eq!(c.pin_header.as_deref(), Some("x-pin"));
         assert!(!c.poll_loads);
-        assert_eq!(
-            c.rank_field_names(),
-            vec!["data_parallel_rank", "routed_dp_rank"]
-        );
+        assert_eq!(c.rank_field_names(), vec!["data_parallel_rank", "routed_dp_rank"]);
     }
 
     #[test]
     fn explicit_rank_field_wins_over_naming() {
-        let c = parse(
-            r#"{"workers":[{"address":"127.0.0.1:1"}],"naming":"legacy","rank_field":"my_rank"}"#,
-        )
-        .unwrap();
+        let c = parse(r#"{"workers":[{"address":"127.0.0.1:1"}],"naming":"legacy","rank_field":"my_rank"}"#)
+            .unwrap();
         assert_eq!(
             c.rank_field_names(),
             vec!["my_rank", "routed_dp_rank", "data_parallel_rank"]
@@ -670,8 +644,7 @@ mod tests {
 
     #[test]
     fn unknown_key_is_named() {
-        let err =
-            parse(r#"{"workers":[{"address":"127.0.0.1:1"}],"poll_intervall_ms":5}"#).unwrap_err();
+        let err = parse(r#"{"workers":[{"address":"127.0.0.1:1"}],"poll_intervall_ms":5}"#).unwrap_err();
         assert!(err.to_string().contains("poll_intervall_ms"), "{err}");
     }
 
@@ -682,8 +655,7 @@ mod tests {
 
     #[test]
     fn wrong_enum_value_is_named() {
-        let err = parse(r#"{"workers":[{"address":"127.0.0.1:1"}],"load_endpoint":"metrics"}"#)
-            .unwrap_err();
+        let err = parse(r#"{"workers":[{"address":"127.0.0.1:1"}],"load_endpoint":"metrics"}"#).unwrap_err();
         assert!(err.to_string().contains("metrics"), "{err}");
     }
 
@@ -702,9 +674,7 @@ mod tests {
 
     #[test]
     fn duplicate_address_rejected() {
-        let r = parse(
-            r#"{"workers":[{"address":"127.0.0.1:1"},{"address":"127.0.0.1:1","name":"b"}]}"#,
-        );
+        let r = parse(r#"{"workers":[{"address":"127.0.0.1:1"},{"address":"127.0.0.1:1","name":"b"}]}"#);
         assert_eq!(key_of(r), "workers[1].address");
     }
 
@@ -725,15 +695,11 @@ mod tests {
     #[test]
     fn zero_and_huge_dp_size_rejected() {
         assert_eq!(
-            key_of(parse(
-                r#"{"workers":[{"address":"127.0.0.1:1","dp_size":0}]}"#
-            )),
+            key_of(parse(r#"{"workers":[{"address":"127.0.0.1:1","dp_size":0}]}"#)),
             "workers[0].dp_size"
         );
         assert_eq!(
-            key_of(parse(
-                r#"{"workers":[{"address":"127.0.0.1:1","dp_size":5000}]}"#
-            )),
+            key_of(parse(r#"{"workers":[{"address":"127.0.0.1:1","dp_size":5000}]}"#)),
             "workers[0].dp_size"
         );
     }
@@ -746,9 +712,8 @@ mod tests {
 
     #[test]
     fn timeout_longer_than_interval_rejected() {
-        let r = parse(
-            r#"{"workers":[{"address":"127.0.0.1:1"}],"poll_interval_ms":500,"poll_timeout_ms":600}"#,
-        );
+        let r =
+            parse(r#"{"workers":[{"address":"127.0.0.1:1"}],"poll_interval_ms":500,"poll_timeout_ms":600}"#);
         assert_eq!(key_of(r), "poll_timeout_ms");
     }
 
@@ -771,9 +736,7 @@ mod tests {
     #[test]
     fn bad_paths_rejected() {
         assert_eq!(
-            key_of(parse(
-                r#"{"workers":[{"address":"127.0.0.1:1"}],"paths":[]}"#
-            )),
+            key_of(parse(r#"{"workers":[{"address":"127.0.0.1:1"}],"paths":[]}"#)),
             "paths"
         );
         assert_eq!(
@@ -866,24 +829,15 @@ mod tests {
         let c = pd(r#","prefill_rank_field":"pr","decode_rank_field":"dr","decode_prefill_rank_field":"dpr","prefill_cluster":"pc","prefill_timeout_ms":5000"#)
             .unwrap();
         let p = c.prefill.unwrap();
-        assert_eq!(
-            p.prefill_body_fields,
-            vec![("pr".to_string(), RankOf::Prefill)]
-        );
-        assert_eq!(
-            p.decode_body_fields[1],
-            ("dpr".to_string(), RankOf::Prefill)
-        );
+        assert_eq!(p.prefill_body_fields, vec![("pr".to_string(), RankOf::Prefill)]);
+        assert_eq!(p.decode_body_fields[1], ("dpr".to_string(), RankOf::Prefill));
         assert_eq!((p.cluster.as_str(), p.timeout_ms), ("pc", 5000));
         assert!(p.field_names().contains(&"dr"));
     }
 
     #[test]
     fn pd_mode_errors_name_their_key() {
-        assert_eq!(
-            key_of(pd(r#","workers":[{"address":"127.0.0.1:9"}]"#)),
-            "workers"
-        );
+        assert_eq!(key_of(pd(r#","workers":[{"address":"127.0.0.1:9"}]"#)), "workers");
         assert_eq!(
             key_of(parse(r#"{"prefill_workers":[{"address":"127.0.0.1:1"}]}"#)),
             "decode_workers"
@@ -906,14 +860,9 @@ mod tests {
             "decode_workers[0].bootstrap_port"
         );
         assert_eq!(key_of(pd(r#","rank_field":"x""#)), "rank_field");
+        assert_eq!(key_of(pd(r#","prefill_timeout_ms":0"#)), "prefill_timeout_ms");
         assert_eq!(
-            key_of(pd(r#","prefill_timeout_ms":0"#)),
-            "prefill_timeout_ms"
-        );
-        assert_eq!(
-            key_of(pd(
-                r#","decode_rank_field":"x","decode_prefill_rank_field":"x""#
-            )),
+            key_of(pd(r#","decode_rank_field":"x","decode_prefill_rank_field":"x""#)),
             "decode_prefill_rank_field"
         );
     }

@@ -24,13 +24,7 @@ pub struct DprankRoot {
 }
 
 impl Context for DprankRoot {
-    fn on_http_call_response(
-        &mut self,
-        token: u32,
-        _headers: usize,
-        body_size: usize,
-        _trailers: usize,
-    ) {
+    fn on_http_call_response(&mut self, token: u32, _headers: usize, body_size: usize, _trailers: usize) {
         if let (Some(config), Some(poller)) = (&self.config, &mut self.poller) {
             let status = envoy::call_response_status();
             let body = envoy::call_response_body(body_size);
@@ -117,8 +111,7 @@ pub struct DprankHttp {
 }
 
 /// Client headers the prefill leg carries too (auth and tracing).
-const PREFILL_FORWARDED_HEADERS: [&str; 4] =
-    ["authorization", "x-request-id", "traceparent", "tracestate"];
+const PREFILL_FORWARDED_HEADERS: [&str; 4] = ["authorization", "x-request-id", "traceparent", "tracestate"];
 
 impl DprankHttp {
     fn replace_body(&self, old_size: usize, body: &[u8]) {
@@ -178,13 +171,7 @@ impl DprankHttp {
 }
 
 impl Context for DprankHttp {
-    fn on_http_call_response(
-        &mut self,
-        _token: u32,
-        _headers: usize,
-        body_size: usize,
-        _trailers: usize,
-    ) {
+    fn on_http_call_response(&mut self, _token: u32, _headers: usize, body_size: usize, _trailers: usize) {
         let PrefillLeg::Pending { worker } = self.prefill else {
             return;
         };
@@ -252,13 +239,7 @@ impl HttpContext for DprankHttp {
         let body = envoy::request_body(body_size).unwrap_or_default();
         let tie_breaker = self.requests.get().wrapping_add(1);
         self.requests.set(tie_breaker);
-        match router::route(
-            &self.config,
-            &EnvoyHost,
-            &body,
-            self.pin.as_deref(),
-            tie_breaker,
-        ) {
+        match router::route(&self.config, &EnvoyHost, &body, self.pin.as_deref(), tie_breaker) {
             Decision::Route(routed) => {
                 envoy::set_request_header(&self.config.route_header, Some(&routed.endpoint));
                 if let Some(new_body) = &routed.body {
@@ -307,6 +288,15 @@ impl HttpContext for DprankHttp {
                 Action::Pause
             }
             PrefillLeg::None | PrefillLeg::Done => Action::Continue,
+        }
+    }
+
+    fn on_http_response_body(&mut self, _body_size: usize, _end_of_stream: bool) -> Action {
+        // Continuing here would release the held headers with the body.
+        if self.response_held {
+            Action::Pause
+        } else {
+            Action::Continue
         }
     }
 

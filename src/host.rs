@@ -98,12 +98,7 @@ pub mod fake {
         fn shared_get(&self, key: &str) -> Option<(Vec<u8>, u32)> {
             self.shared.borrow().get(key).cloned()
         }
-        fn shared_set(
-            &self,
-            key: &str,
-            value: &[u8],
-            cas: Option<u32>,
-        ) -> Result<(), SharedSetError> {
+        fn shared_set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), SharedSetError> {
             if self.conflicts.get() > 0 {
                 self.conflicts.set(self.conflicts.get() - 1);
                 return Err(SharedSetError::CasMismatch);
@@ -119,11 +114,7 @@ pub mod fake {
             Ok(())
         }
         fn count(&self, metric: &str, delta: u64) {
-            *self
-                .counters
-                .borrow_mut()
-                .entry(metric.to_string())
-                .or_default() += delta;
+            *self.counters.borrow_mut().entry(metric.to_string()).or_default() += delta;
         }
         fn gauge(&self, metric: &str, value: u64) {
             self.gauges.borrow_mut().insert(metric.to_string(), value);

@@ -75,20 +75,15 @@ impl RankEntry {
     /// Preference order from PROTOCOL.md: total (used + pending), then the
     /// legacy `num_tokens`, then used KV only.
     fn tokens(&self) -> Option<u64> {
-        [
-            &self.num_total_tokens,
-            &self.num_tokens,
-            &self.num_used_tokens,
-        ]
-        .into_iter()
-        .flatten()
-        .find_map(token_count)
+        [&self.num_total_tokens, &self.num_tokens, &self.num_used_tokens]
+            .into_iter()
+            .flatten()
+            .find_map(token_count)
     }
 }
 
 pub fn parse_load_report(body: &[u8]) -> Result<RankTokens, LoadError> {
-    let report: Report =
-        serde_json::from_slice(body).map_err(|e| LoadError::NotJson(e.to_string()))?;
+    let report: Report = serde_json::from_slice(body).map_err(|e| LoadError::NotJson(e.to_string()))?;
     let entries = match report {
         Report::V1 { loads } => loads,
         Report::Array(entries) => entries,
@@ -153,19 +148,13 @@ mod tests {
             "loads":[{"dp_rank":0,"num_used_tokens":4096,"num_total_tokens":5000,"max_total_num_tokens":200000},
                      {"dp_rank":1,"num_used_tokens":100,"token_usage":0.0}],
             "aggregate":{"total":1}}"#;
-        assert_eq!(
-            parse_load_report(body).unwrap(),
-            vec![Some(5000), Some(100)]
-        );
+        assert_eq!(parse_load_report(body).unwrap(), vec![Some(5000), Some(100)]);
     }
 
     #[test]
     fn ranks_out_of_order_and_gaps() {
         let body = br#"[{"dp_rank":2,"num_tokens":9},{"dp_rank":0,"num_tokens":1}]"#;
-        assert_eq!(
-            parse_load_report(body).unwrap(),
-            vec![Some(1), None, Some(9)]
-        );
+        assert_eq!(parse_load_report(body).unwrap(), vec![Some(1), None, Some(9)]);
     }
 
     #[test]
@@ -178,13 +167,9 @@ mod tests {
 
     #[test]
     fn unusable_token_fields_make_the_rank_unknown() {
-        let body =
-            br#"[{"dp_rank":0,"num_tokens":-5},{"dp_rank":1,"num_tokens":"12"},{"dp_rank":2},
+        let body = br#"[{"dp_rank":0,"num_tokens":-5},{"dp_rank":1,"num_tokens":"12"},{"dp_rank":2},
                         {"dp_rank":3,"num_tokens":12.0}]"#;
-        assert_eq!(
-            parse_load_report(body).unwrap(),
-            vec![None, None, None, Some(12)]
-        );
+        assert_eq!(parse_load_report(body).unwrap(), vec![None, None, None, Some(12)]);
     }
 
     #[test]
@@ -209,19 +194,13 @@ mod tests {
 
     #[test]
     fn malformed_and_truncated_rejected() {
-        assert!(matches!(
-            parse_load_report(b"<html>"),
-            Err(LoadError::NotJson(_))
-        ));
+        assert!(matches!(parse_load_report(b"<html>"), Err(LoadError::NotJson(_))));
         assert!(matches!(
             parse_load_report(br#"[{"dp_rank":0,"num_tok"#),
             Err(LoadError::NotJson(_))
         ));
         assert!(matches!(parse_load_report(b""), Err(LoadError::NotJson(_))));
-        assert!(matches!(
-            parse_load_report(b"42"),
-            Err(LoadError::NotJson(_))
-        ));
+        assert!(matches!(parse_load_report(b"42"), Err(LoadError::NotJson(_))));
         assert!(matches!(
             parse_load_report(br#"{"error":"busy"}"#),
             Err(LoadError::NotJson(_))
@@ -235,9 +214,6 @@ mod tests {
     #[test]
     fn empty_lists_rejected() {
         assert_eq!(parse_load_report(b"[]"), Err(LoadError::NoRanks));
-        assert_eq!(
-            parse_load_report(br#"{"loads":[]}"#),
-            Err(LoadError::NoRanks)
-        );
+        assert_eq!(parse_load_report(br#"{"loads":[]}"#), Err(LoadError::NoRanks));
     }
 }

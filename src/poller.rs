@@ -32,9 +32,7 @@ impl Lease {
     }
     fn decode(bytes: &[u8]) -> Option<Lease> {
         let word = |i: usize| -> Option<u64> {
-            Some(u64::from_le_bytes(
-                bytes.get(i * 8..i * 8 + 8)?.try_into().ok()?,
-            ))
+            Some(u64::from_le_bytes(bytes.get(i * 8..i * 8 + 8)?.try_into().ok()?))
         };
         (bytes.len() == 24).then_some(())?;
         Some(Lease {
@@ -226,10 +224,7 @@ impl Poller {
         };
         let outcome = match status {
             Some(200) => parse_load_report(body).map_err(|e| e.to_string()),
-            Some(404)
-                if call.endpoint == Endpoint::V1Loads
-                    && config.load_endpoint == LoadEndpoint::Auto =>
-            {
+            Some(404) if call.endpoint == Endpoint::V1Loads && config.load_endpoint == LoadEndpoint::Auto => {
                 log::info!(
                     "dprank: {} has no /v1/loads; polling /get_load from now on",
                     w.endpoint()
@@ -329,13 +324,7 @@ mod tests {
             let calls: Vec<_> = h.calls.borrow_mut().drain(..).collect();
             for (_, _, token) in calls {
                 for vm in &mut vms {
-                    vm.on_response(
-                        &c,
-                        &h,
-                        token,
-                        Some(200),
-                        br#"[{"dp_rank":0,"num_tokens":1}]"#,
-                    );
+                    vm.on_response(&c, &h, token, Some(200), br#"[{"dp_rank":0,"num_tokens":1}]"#);
                 }
             }
         }
@@ -496,10 +485,7 @@ mod tests {
         assert_eq!(targets, vec!["127.0.0.1:2", "127.0.0.1:3", "127.0.0.1:1"]);
         p.on_response(&c, &h, 3, Some(200), br#"[{"num_tokens":4}]"#);
         assert_eq!(
-            read_worker_states(&c, &h)[2]
-                .as_ref()
-                .unwrap()
-                .polled_tokens(0),
+            read_worker_states(&c, &h)[2].as_ref().unwrap().polled_tokens(0),
             Some(4)
         );
     }

@@ -85,16 +85,9 @@ fn error_body(kind: &str, message: &str) -> String {
 }
 
 /// Counts a pass-through and, in closed mode, turns routing failures into errors.
-fn pass_or_reject(
-    config: &Config,
-    host: &dyn Host,
-    reason: PassReason,
-    body: Option<Vec<u8>>,
-) -> Decision {
+fn pass_or_reject(config: &Config, host: &dyn Host, reason: PassReason, body: Option<Vec<u8>>) -> Decision {
     match (config.fail_mode, reason) {
-        (FailMode::Closed, PassReason::NotJson | PassReason::NotObject) => {
-            reject_bad_body(host, reason)
-        }
+        (FailMode::Closed, PassReason::NotJson | PassReason::NotObject) => reject_bad_body(host, reason),
         (FailMode::Closed, PassReason::NoFreshData) => {
             host.count(&format!("dprank.rejected.{}", reason.as_str()), 1);
             Decision::Reject {
@@ -154,8 +147,7 @@ fn choose(
     tie_breaker: u64,
 ) -> Option<Candidate> {
     let states = states.get(offset..offset + workers.len())?;
-    let mut candidates =
-        scheduler::fresh_candidates(workers, states, host.now_ms(), config.stale_after_ms);
+    let mut candidates = scheduler::fresh_candidates(workers, states, host.now_ms(), config.stale_after_ms);
     if let Some(rank) = only_rank {
         candidates = scheduler::only_rank(candidates, rank);
     }
@@ -172,13 +164,7 @@ fn choose(
 }
 
 /// Adds a routed request's estimate to its rank and counts the route.
-fn account(
-    config: &Config,
-    host: &dyn Host,
-    worker: usize,
-    rank: u32,
-    cost: u64,
-) -> Option<Ticket> {
+fn account(config: &Config, host: &dyn Host, worker: usize, rank: u32, cost: u64) -> Option<Ticket> {
     let ticket = shared_update(host, &worker_key(config, worker), |current| {
         let mut state = current.and_then(WorkerState::decode)?;
         let ticket = state.add(worker, rank, cost)?;
@@ -208,13 +194,7 @@ fn rewrite(object: &JsonObject, set: &[(&str, String)], neutralise: &[&str]) -> 
 /// Decides where a request with this body goes. `pin` is the test-only pin
 /// header (already None unless the config enables it). `tie_breaker` varies
 /// per request so equal loads spread.
-pub fn route(
-    config: &Config,
-    host: &dyn Host,
-    body: &[u8],
-    pin: Option<&str>,
-    tie_breaker: u64,
-) -> Decision {
+pub fn route(config: &Config, host: &dyn Host, body: &[u8], pin: Option<&str>, tie_breaker: u64) -> Decision {
     if let Some(prefill) = &config.prefill {
         return route_pd(config, prefill, host, body, pin, tie_breaker);
     }
@@ -371,9 +351,7 @@ fn route_pd(
         .map_or("null".to_string(), |p| p.to_string());
     let (bootstrap_host, bootstrap_port, bootstrap_room) = match batch_size(&object) {
         Some(n) => {
-            let rooms: Vec<String> = (0..n)
-                .map(|_| (host.random_u64() >> 1).to_string())
-                .collect();
+            let rooms: Vec<String> = (0..n).map(|_| (host.random_u64() >> 1).to_string()).collect();
             (
                 format!("[{}]", vec![host_json; n].join(",")),
                 format!("[{}]", vec![port_json; n].join(",")),
@@ -457,74 +435,60 @@ pub fn prefill_outcome(
     status: Option<u32>,
     body: &[u8],
 ) -> Option<(u32, String)> {
-    let endpoint = config
+    let (endpoint, name) = config
         .all_workers()
         .nth(worker)
-        .map(|w| w.endpoint())
+        .map(|w| (w.endpoint(), w.name.clone()))
         .unwrap_or_default();
-    let name = config
-        .all_workers()
-        .nth(worker)
-        .map(|w| w.name.clone())
-        .unwrap_or_default();
-    match status {
-        Some(200..=299) => {
-            host.count(&format!("dprank.prefill_ok.{name}"), 1);
-            None
-        }
-        Some(code) => {
-            host.count(&format!("dprank.prefill_failed.{name}"), 1);
-            let detail =
-                String::from_utf8_lossy(body.get(..body.len().min(512)).unwrap_or_default())
-                    .into_owned();
-            // The client's own mistakes (4xx) keep their status; server failures are a bad gateway.
-            let status = if (400..500).contains(&code) {
-                code
-            } else {
-                502
-            };
-            Some((
-                status,
-                error_body(
-                    "prefill_failed",
-                    &format!("prefill worker {endpoint} answered HTTP {code}: {detail}"),
-                ),
-            ))
-        }
-        None => Some(prefill_not_answered(config, host, worker, &endpoint, &name)),
+    if let Some(200..=299) = status {
+        host.count(&format!("dprank.prefill_ok.{name}"), 1);
+        return None;
     }
+    host.count(&format!("dprank.prefill_failed.{name}"), 1);
+    // Envoy answers 503 itself when it cannot connect; 502/504 mean the same
+    // from a proxy in between. Either way, stop sending there until a poll succeeds.
+    if matches!(status, None | Some(502..=504)) {
+        mark_unreachable(config, host, worker);
+    }
+    let detail = String::from_utf8_lossy(body.get(..body.len().min(512)).unwrap_or_default()).into_owned();
+    Some(match status {
+        // The client's own mistakes (4xx) keep their status.
+        Some(code @ 400..=499) => (
+            code,
+            prefill_error(&format!(
+                "prefill worker {endpoint} answered HTTP {code}: {detail}"
+            )),
+        ),
+        Some(code) => (
+            502,
+            prefill_error(&format!(
+                "prefill worker {endpoint} answered HTTP {code}: {detail}"
+            )),
+        ),
+        None => (
+            502,
+            prefill_error(&format!(
+                "prefill worker {endpoint} did not answer (timeout or reset)"
+            )),
+        ),
+    })
 }
 
-/// The prefill leg could not even be dispatched.
+fn prefill_error(message: &str) -> String {
+    error_body("prefill_failed", message)
+}
+
+/// The prefill leg could not even be dispatched (Envoy refused the call).
 pub fn prefill_not_sent(config: &Config, host: &dyn Host, worker: usize) -> (u32, String) {
-    let endpoint = config
-        .all_workers()
-        .nth(worker)
-        .map(|w| w.endpoint())
-        .unwrap_or_default();
     let name = config
         .all_workers()
         .nth(worker)
         .map(|w| w.name.clone())
         .unwrap_or_default();
-    prefill_not_answered(config, host, worker, &endpoint, &name)
-}
-
-fn prefill_not_answered(
-    config: &Config,
-    host: &dyn Host,
-    worker: usize,
-    endpoint: &str,
-    name: &str,
-) -> (u32, String) {
     host.count(&format!("dprank.prefill_failed.{name}"), 1);
-    mark_unreachable(config, host, worker);
     (
         502,
-        error_body(
-            "prefill_failed",
-            &format!("prefill worker {endpoint} did not answer (connection failure or timeout)"),
-        ),
+        prefill_error("the prefill leg could not be dispatched (is the prefill cluster defined?)"),
     )
 }
 
@@ -589,10 +553,7 @@ mod tests {
     fn routes_to_the_joint_minimum_and_injects_the_rank() {
         let (c, h) = fleet("");
         let r = routed(route(&c, &h, br#"{"text":"hi"}"#, None, 0));
-        assert_eq!(
-            (r.worker, r.rank, r.endpoint.as_str()),
-            (1, 2, "127.0.0.1:2")
-        );
+        assert_eq!((r.worker, r.rank, r.endpoint.as_str()), (1, 2, "127.0.0.1:2"));
         assert_eq!(r.body.unwrap(), br#"{"routed_dp_rank":2,"text":"hi"}"#);
         assert_eq!(h.counter("dprank.routed.b.rank_2"), 1);
     }
@@ -659,22 +620,10 @@ mod tests {
     #[test]
     fn trusted_client_rank_keeps_the_body_and_picks_the_worker() {
         let (c, h) = fleet(r#","keep_client_rank":true"#);
-        let r = routed(route(
-            &c,
-            &h,
-            br#"{"routed_dp_rank":1,"text":"x"}"#,
-            None,
-            0,
-        ));
+        let r = routed(route(&c, &h, br#"{"routed_dp_rank":1,"text":"x"}"#, None, 0));
         assert_eq!((r.worker, r.rank, r.body), (0, 1, None));
         // Not an integer: ignored, routed normally.
-        let r = routed(route(
-            &c,
-            &h,
-            br#"{"routed_dp_rank":"1","text":"x"}"#,
-            None,
-            0,
-        ));
+        let r = routed(route(&c, &h, br#"{"routed_dp_rank":"1","text":"x"}"#, None, 0));
         assert_eq!((r.worker, r.rank), (1, 2));
     }
 
@@ -794,11 +743,7 @@ mod tests {
         let (c, h) = pd_fleet("");
         let r = pd(route(&c, &h, br#"{"text":"hello","stream":true}"#, None, 0));
         assert_eq!(
-            (
-                r.prefill.worker,
-                r.prefill.rank,
-                r.prefill.endpoint.as_str()
-            ),
+            (r.prefill.worker, r.prefill.rank, r.prefill.endpoint.as_str()),
             (2, Some(1), "10.0.0.1:30000")
         );
         let decode = r.decode.unwrap();
@@ -812,17 +757,11 @@ mod tests {
         assert_eq!(p["bootstrap_room"], d["bootstrap_room"]);
         assert!(p["bootstrap_room"].as_u64().unwrap() <= i64::MAX as u64);
         assert_eq!(
-            (
-                p["routed_dp_rank"].as_u64(),
-                p.get("disagg_prefill_dp_rank")
-            ),
+            (p["routed_dp_rank"].as_u64(), p.get("disagg_prefill_dp_rank")),
             (Some(1), None)
         );
         assert_eq!(
-            (
-                d["routed_dp_rank"].as_u64(),
-                d["disagg_prefill_dp_rank"].as_u64()
-            ),
+            (d["routed_dp_rank"].as_u64(), d["disagg_prefill_dp_rank"].as_u64()),
             (Some(1), Some(1))
         );
         assert_eq!(d["bootstrap_host"], "10.0.0.1");
@@ -844,10 +783,7 @@ mod tests {
         for body in [&r.prefill_body, &r.decode_body] {
             let v = json(body);
             assert_eq!(
-                (
-                    v["data_parallel_rank"].as_u64(),
-                    v["decode_dp_rank"].as_u64()
-                ),
+                (v["data_parallel_rank"].as_u64(), v["decode_dp_rank"].as_u64()),
                 (Some(1), Some(1))
             );
             assert!(v.get("routed_dp_rank").is_none());
@@ -879,13 +815,7 @@ mod tests {
         let h = FakeHost::default();
         h.now.set(10_000);
         poll(&c, &h, 0, &[3, 1]);
-        let a = pd(route(
-            &c,
-            &h,
-            br#"{"text":"x","routed_dp_rank":5}"#,
-            None,
-            0,
-        ));
+        let a = pd(route(&c, &h, br#"{"text":"x","routed_dp_rank":5}"#, None, 0));
         let b = pd(route(&c, &h, br#"{"text":"x"}"#, None, 1));
         assert_ne!(a.prefill.worker, b.prefill.worker);
         assert_eq!(a.prefill.rank, None);
@@ -898,10 +828,7 @@ mod tests {
         assert_eq!(p["bootstrap_port"], serde_json::Value::Null);
         let d = json(&a.decode_body);
         assert_eq!(
-            (
-                d["routed_dp_rank"].as_u64(),
-                d.get("disagg_prefill_dp_rank")
-            ),
+            (d["routed_dp_rank"].as_u64(), d.get("disagg_prefill_dp_rank")),
             (Some(1), None)
         );
         assert_eq!(h.counter("dprank.passthrough.no_fresh_data_prefill"), 2);
@@ -931,32 +858,32 @@ mod tests {
     #[test]
     fn prefill_outcomes() {
         let (c, h) = pd_fleet("");
+        let fresh = |h: &FakeHost| {
+            read_worker_states(&c, h)[2]
+                .as_ref()
+                .unwrap()
+                .is_fresh(10_000, c.stale_after_ms)
+        };
         assert_eq!(prefill_outcome(&c, &h, 2, Some(200), b"{}"), None);
         assert_eq!(h.counter("dprank.prefill_ok.p0"), 1);
-        let (status, body) = prefill_outcome(&c, &h, 2, Some(503), b"overloaded").unwrap();
+        let (status, body) = prefill_outcome(&c, &h, 2, Some(500), b"internal").unwrap();
         assert_eq!(status, 502);
-        assert!(body.contains("503") && body.contains("overloaded"));
-        assert_eq!(
-            prefill_outcome(&c, &h, 2, Some(400), b"too long")
-                .unwrap()
-                .0,
-            400
-        );
-        assert!(read_worker_states(&c, &h)[2]
-            .as_ref()
-            .unwrap()
-            .is_fresh(10_000, c.stale_after_ms));
-        let (status, body) = prefill_outcome(&c, &h, 2, None, b"").unwrap();
-        assert_eq!(status, 502);
+        assert!(body.contains("500") && body.contains("internal"));
         assert_eq!(json(body.as_bytes())["error"]["type"], "prefill_failed");
-        assert!(!read_worker_states(&c, &h)[2]
-            .as_ref()
-            .unwrap()
-            .is_fresh(10_000, c.stale_after_ms));
+        assert_eq!(prefill_outcome(&c, &h, 2, Some(400), b"too long").unwrap().0, 400);
+        assert!(fresh(&h), "an answering worker stays in rotation");
+        assert_eq!(prefill_outcome(&c, &h, 2, None, b"").unwrap().0, 502);
+        assert!(!fresh(&h));
+        poll(&c, &h, 2, &[9, 1]);
+        assert!(fresh(&h), "a good poll brings it back");
+        let (status, body) = prefill_outcome(&c, &h, 2, Some(503), b"upstream connect error").unwrap();
+        assert_eq!(status, 502);
+        assert!(body.contains("upstream connect error"));
+        assert!(!fresh(&h), "Envoy's own 503 means unreachable");
         // The dead prefill worker gets no more traffic.
         for i in 0..4 {
             assert_eq!(pd(route(&c, &h, b"{}", None, i)).prefill.worker, 3);
         }
-        assert_eq!(h.counter("dprank.prefill_failed.p0"), 3);
+        assert_eq!(h.counter("dprank.prefill_failed.p0"), 4);
     }
 }

@@ -25,10 +25,7 @@ pub fn fresh_candidates(
 ) -> Vec<Candidate> {
     let mut out = Vec::new();
     for (worker, (config, state)) in workers.iter().zip(states).enumerate() {
-        let Some(state) = state
-            .as_ref()
-            .filter(|s| s.is_fresh(now_ms, stale_after_ms))
-        else {
+        let Some(state) = state.as_ref().filter(|s| s.is_fresh(now_ms, stale_after_ms)) else {
             continue;
         };
         let ranks = match config.dp_size {
@@ -60,11 +57,7 @@ pub fn least_loaded(candidates: &[Candidate], tie_breaker: u64) -> Option<Candid
     let min = candidates.iter().map(|c| c.load).min()?;
     let tied = candidates.iter().filter(|c| c.load == min).count() as u64;
     let nth = (tie_breaker % tied.max(1)) as usize;
-    candidates
-        .iter()
-        .filter(|c| c.load == min)
-        .nth(nth)
-        .copied()
+    candidates.iter().filter(|c| c.load == min).nth(nth).copied()
 }
 
 /// Test-only choice from a pin header `<worker name or ip:port>/<rank>`; the
@@ -97,11 +90,7 @@ mod tests {
     fn state(tokens: &[u64], at: u64) -> Option<WorkerState> {
         let mut s = WorkerState::default();
         let seq = s.begin_poll();
-        s.apply_snapshot(
-            seq,
-            at,
-            &tokens.iter().map(|t| Some(*t)).collect::<Vec<_>>(),
-        );
+        s.apply_snapshot(seq, at, &tokens.iter().map(|t| Some(*t)).collect::<Vec<_>>());
         Some(s)
     }
 
@@ -111,11 +100,7 @@ mod tests {
 
     #[test]
     fn fresh_candidates_skip_stale_and_unpolled_workers() {
-        let workers = [
-            worker("a", 1, None),
-            worker("b", 2, None),
-            worker("c", 3, None),
-        ];
+        let workers = [worker("a", 1, None), worker("b", 2, None), worker("c", 3, None)];
         let states = [state(&[5, 6], 1000), state(&[1], 100), None];
         let got = fresh_candidates(&workers, &states, 2000, 1500);
         assert_eq!(got, vec![c(0, 0, 5), c(0, 1, 6)]);

@@ -11,7 +11,7 @@
 
 /// Tokens value stored for a rank the report said nothing usable about.
 const UNKNOWN: u64 = u64::MAX;
-const MAGIC: &[u8; 4] = b"DPW1";
+const MAGIC: &[u8; 4] = b"DPW2";
 
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct WorkerState {
@@ -21,6 +21,8 @@ pub struct WorkerState {
     pub snapshot_seq: u64,
     /// When that snapshot was received, ms since the epoch (0: never).
     pub snapshot_at_ms: u64,
+    /// A request to this worker failed to connect: out of rotation until the next good poll.
+    pub unreachable: bool,
     /// Polled tokens per rank, `UNKNOWN` where the report had no usable figure.
     tokens: Vec<u64>,
     /// Estimates of requests not yet covered by a snapshot, by poll bucket.
@@ -48,7 +50,9 @@ impl WorkerState {
     }
 
     pub fn is_fresh(&self, now_ms: u64, stale_after_ms: u64) -> bool {
-        self.snapshot_seq > 0 && now_ms.saturating_sub(self.snapshot_at_ms) <= stale_after_ms
+        self.snapshot_seq > 0
+            && !self.unreachable
+            && now_ms.saturating_sub(self.snapshot_at_ms) <= stale_after_ms
     }
 
     pub fn polled_tokens(&self, rank: usize) -> Option<u64> {
@@ -88,6 +92,7 @@ impl WorkerState {
         }
         self.snapshot_seq = seq;
         self.snapshot_at_ms = now_ms;
+        self.unreachable = false;
         self.tokens = tokens
             .iter()
             .map(|t| t.map_or(UNKNOWN, |v| v.min(UNKNOWN - 1)))
@@ -103,7 +108,7 @@ impl WorkerState {
 
     /// Makes the worker stale until its next successful poll.
     pub fn mark_unreachable(&mut self) {
-        self.snapshot_at_ms = 0;
+        self.unreachable = true;
     }
 
     /// Adds a routed request's estimate; returns the ticket to release it with.
@@ -158,7 +163,12 @@ impl WorkerState {
             4 + 8 * 3 + 8 + 8 * ranks * (1 + self.pending.len()) + 12 * self.pending.len(),
         );
         out.extend_from_slice(MAGIC);
-        for v in [self.sent_seq, self.snapshot_seq, self.snapshot_at_ms] {
+        for v in [
+            self.sent_seq,
+            self.snapshot_seq,
+            self.snapshot_at_ms,
+            u64::from(self.unreachable),
+        ] {
             out.extend_from_slice(&v.to_le_bytes());
         }
         out.extend_from_slice(&(ranks as u32).to_le_bytes());
@@ -184,17 +194,14 @@ impl WorkerState {
         let sent_seq = r.u64()?;
         let snapshot_seq = r.u64()?;
         let snapshot_at_ms = r.u64()?;
+        let unreachable = r.u64()? != 0;
         let ranks = r.u32()? as usize;
         if ranks > crate::config::MAX_DP_SIZE as usize {
             return None;
         }
         let tokens = (0..ranks).map(|_| r.u64()).collect::<Option<Vec<_>>>()?;
         let buckets = r.u32()? as usize;
-        if buckets
-            .saturating_mul(ranks.saturating_add(1))
-            .saturating_mul(8)
-            > bytes.len()
-        {
+        if buckets.saturating_mul(ranks.saturating_add(1)).saturating_mul(8) > bytes.len() {
             return None;
         }
         let mut pending = Vec::with_capacity(buckets);
@@ -210,6 +217,7 @@ impl WorkerState {
             sent_seq,
             snapshot_seq,
             snapshot_at_ms,
+            unreachable,
             tokens,
             pending,
         })
@@ -242,11 +250,7 @@ mod tests {
     fn polled(tokens: &[u64]) -> WorkerState {
         let mut w = WorkerState::default();
         let seq = w.begin_poll();
-        assert!(w.apply_snapshot(
-            seq,
-            1000,
-            &tokens.iter().map(|t| Some(*t)).collect::<Vec<_>>()
-        ));
+        assert!(w.apply_snapshot(seq, 1000, &tokens.iter().map(|t| Some(*t)).collect::<Vec<_>>()));
         w
     }
 
@@ -257,11 +261,7 @@ mod tests {
         assert_eq!(w.effective_tokens(1), Some(150));
         // This poll left after the request: its figures include it.
         let seq = w.begin_poll();
-        assert_eq!(
-            w.effective_tokens(1),
-            Some(150),
-            "dispatch alone changes nothing"
-        );
+        assert_eq!(w.effective_tokens(1), Some(150), "dispatch alone changes nothing");
         w.apply_snapshot(seq, 2000, &[Some(100), Some(148)]);
         assert_eq!(w.effective_tokens(1), Some(148), "not counted twice");
         assert_eq!(w.pending_total(), 0);
@@ -274,11 +274,7 @@ mod tests {
         let t = w.add(0, 0, 30).unwrap();
         assert_eq!(t.seq, seq);
         w.apply_snapshot(seq, 2000, &[Some(5)]);
-        assert_eq!(
-            w.effective_tokens(0),
-            Some(35),
-            "the poll may have missed it"
-        );
+        assert_eq!(w.effective_tokens(0), Some(35), "the poll may have missed it");
     }
 
     #[test]
@@ -326,11 +322,19 @@ mod tests {
         assert!(w.apply_snapshot(new, 3000, &[Some(9)]));
         assert!(!w.apply_snapshot(old, 3100, &[Some(1)]));
         assert!(!w.apply_snapshot(new, 3100, &[Some(1)]));
-        assert!(
-            !w.apply_snapshot(new + 5, 3100, &[Some(1)]),
-            "never dispatched"
-        );
+        assert!(!w.apply_snapshot(new + 5, 3100, &[Some(1)]), "never dispatched");
         assert_eq!(w.polled_tokens(0), Some(9));
+    }
+
+    #[test]
+    fn unreachable_until_the_next_good_poll() {
+        let mut w = polled(&[1]);
+        w.mark_unreachable();
+        assert!(!w.is_fresh(1000, 3000));
+        assert_eq!(WorkerState::decode(&w.encode()), Some(w.clone()));
+        let seq = w.begin_poll();
+        w.apply_snapshot(seq, 2000, &[Some(1)]);
+        assert!(w.is_fresh(2000, 3000));
     }
 
     #[test]
@@ -377,14 +381,14 @@ mod tests {
         let mut longer = bytes.clone();
         longer.push(0);
         assert_eq!(WorkerState::decode(&longer), None);
-        assert_eq!(WorkerState::decode(b"DPW0"), None);
+        assert_eq!(WorkerState::decode(b"DPW1"), None);
         assert_eq!(WorkerState::decode(b""), None);
     }
 
     #[test]
     fn decode_rejects_absurd_sizes_without_allocating() {
         let mut bytes = MAGIC.to_vec();
-        bytes.extend_from_slice(&[0u8; 24]);
+        bytes.extend_from_slice(&[0u8; 32]);
         bytes.extend_from_slice(&u32::MAX.to_le_bytes());
         assert_eq!(WorkerState::decode(&bytes), None);
     }
