@@ -87,6 +87,10 @@ pub struct SimConfig {
     /// Answer 404 on /v1/loads (stock images).
     #[arg(long)]
     pub no_v1_loads: bool,
+    /// Serving requests kept for /_sim/requests (the latest ones; 0 keeps
+    /// none), so long benchmarks do not grow without bound.
+    #[arg(long, default_value_t = 100_000)]
+    pub record_limit: usize,
     /// Model name reported by /v1/models and /server_info.
     #[arg(long, default_value = "sim-model")]
     pub model: String,
@@ -115,6 +119,7 @@ impl Default for SimConfig {
             role: Role::Regular,
             no_total_tokens: false,
             no_v1_loads: false,
+            record_limit: 100_000,
             model: "sim-model".to_string(),
             kv_wait_timeout_ms: 5000,
             kv_poll_interval_ms: 2,

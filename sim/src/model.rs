@@ -192,11 +192,7 @@ impl RankState {
     pub fn next_step(&self) -> Step {
         if !self.prefilling.is_empty() {
             Step::Prefill {
-                tokens: self
-                    .prefilling
-                    .iter()
-                    .map(|group| group.prompt_tokens)
-                    .sum(),
+                tokens: self.prefilling.iter().map(|group| group.prompt_tokens).sum(),
             }
         } else if !self.running.is_empty() {
             Step::Decode {
@@ -260,10 +256,7 @@ impl RankState {
             }
             Err(message) => {
                 self.release(&group);
-                let _ = group.events.send(Event::Failed {
-                    status: 500,
-                    message,
-                });
+                let _ = group.events.send(Event::Failed { status: 500, message });
             }
         }
     }

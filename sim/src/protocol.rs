@@ -70,11 +70,7 @@ fn rank_fields(role: Role) -> &'static [&'static str] {
     }
 }
 
-fn parse_rank(
-    body: &Map<String, Value>,
-    role: Role,
-    dp_size: usize,
-) -> Result<Option<usize>, Rejection> {
+fn parse_rank(body: &Map<String, Value>, role: Role, dp_size: usize) -> Result<Option<usize>, Rejection> {
     let mut chosen = None;
     for name in rank_fields(role) {
         let Some(value) = body.get(*name) else {
@@ -84,9 +80,7 @@ fn parse_rank(
             continue;
         }
         let Some(rank) = value.as_i64() else {
-            return Err(bad_request(format!(
-                "{name} must be an integer, got {value}"
-            )));
+            return Err(bad_request(format!("{name} must be an integer, got {value}")));
         };
         if rank < 0 || rank as u64 >= dp_size as u64 {
             return Err(bad_request(format!(
@@ -114,9 +108,7 @@ fn prompt_token_counts(value: &Value, field: &str) -> Result<(Vec<u64>, bool), R
                 .iter()
                 .map(|item| match item {
                     Value::String(text) => Ok(tokens_of_text(text)),
-                    Value::Array(ids) if ids.iter().all(Value::is_number) => {
-                        Ok((ids.len() as u64).max(1))
-                    }
+                    Value::Array(ids) if ids.iter().all(Value::is_number) => Ok((ids.len() as u64).max(1)),
                     _ => Err(bad_request(format!(
                         "{field} has an element of an unsupported type"
                     ))),
@@ -183,9 +175,7 @@ fn scalar_or_array<T>(
     read: impl Fn(&Value) -> Option<T>,
 ) -> Result<Vec<Option<T>>, Rejection> {
     match value {
-        None => Err(bad_request(format!(
-            "{name} is required in disaggregated mode"
-        ))),
+        None => Err(bad_request(format!("{name} is required in disaggregated mode"))),
         Some(Value::Array(items)) => Ok(items.iter().map(&read).collect()),
         Some(other) => Ok(vec![read(other)]),
     }
@@ -224,14 +214,9 @@ fn parse_bootstrap(body: &Map<String, Value>, role: Role) -> Result<Option<Boots
 }
 
 /// Parses and validates a serving request body.
-pub fn parse_request(
-    api: Api,
-    body: &[u8],
-    role: Role,
-    dp_size: usize,
-) -> Result<ParsedRequest, Rejection> {
-    let value: Value = serde_json::from_slice(body)
-        .map_err(|err| bad_request(format!("invalid JSON body: {err}")))?;
+pub fn parse_request(api: Api, body: &[u8], role: Role, dp_size: usize) -> Result<ParsedRequest, Rejection> {
+    let value: Value =
+        serde_json::from_slice(body).map_err(|err| bad_request(format!("invalid JSON body: {err}")))?;
     let Value::Object(body) = value else {
         return Err(bad_request("the body must be a JSON object"));
     };
@@ -266,10 +251,7 @@ pub fn parse_request(
         include_usage,
         rank: parse_rank(&body, role, dp_size)?,
         bootstrap: parse_bootstrap(&body, role)?,
-        model: body
-            .get("model")
-            .and_then(Value::as_str)
-            .map(str::to_string),
+        model: body.get("model").and_then(Value::as_str).map(str::to_string),
     })
 }
 
@@ -459,16 +441,9 @@ mod tests {
 
     #[test]
     fn counts_text_input_ids_and_batches() {
-        let parsed =
-            parse_request(Api::Generate, br#"{"text":"abcdefghi"}"#, Role::Regular, 4).unwrap();
+        let parsed = parse_request(Api::Generate, br#"{"text":"abcdefghi"}"#, Role::Regular, 4).unwrap();
         assert_eq!(parsed.prompt_tokens, vec![3]);
-        let parsed = parse_request(
-            Api::Generate,
-            br#"{"text":["abcd","abcde"]}"#,
-            Role::Regular,
-            4,
-        )
-        .unwrap();
+        let parsed = parse_request(Api::Generate, br#"{"text":["abcd","abcde"]}"#, Role::Regular, 4).unwrap();
         assert_eq!(parsed.prompt_tokens, vec![1, 2]);
         let parsed = parse_request(
             Api::Generate,
@@ -478,16 +453,9 @@ mod tests {
         )
         .unwrap();
         assert_eq!(parsed.prompt_tokens, vec![5]);
-        let parsed = parse_request(
-            Api::Completions,
-            br#"{"prompt":[[1,2],[3]]}"#,
-            Role::Regular,
-            4,
-        )
-        .unwrap();
+        let parsed = parse_request(Api::Completions, br#"{"prompt":[[1,2],[3]]}"#, Role::Regular, 4).unwrap();
         assert_eq!(parsed.prompt_tokens, vec![2, 1]);
-        let parsed =
-            parse_request(Api::Completions, br#"{"prompt":""}"#, Role::Regular, 4).unwrap();
+        let parsed = parse_request(Api::Completions, br#"{"prompt":""}"#, Role::Regular, 4).unwrap();
         assert_eq!(parsed.prompt_tokens, vec![1]);
         let parsed = parse_request(
             Api::Chat,
@@ -566,7 +534,8 @@ mod tests {
                 .status,
             400
         );
-        let decode = r#"{"text":"a","decode_dp_rank":1,"bootstrap_host":"h","bootstrap_port":1,"bootstrap_room":7}"#;
+        let decode =
+            r#"{"text":"a","decode_dp_rank":1,"bootstrap_host":"h","bootstrap_port":1,"bootstrap_room":7}"#;
         assert_eq!(parse(decode, Role::Decode).unwrap().rank, Some(1));
         assert_eq!(parse(decode, Role::Regular).unwrap().rank, None);
     }
@@ -574,7 +543,8 @@ mod tests {
     #[test]
     fn bootstrap_fields() {
         let parse = |body: &str, role| parse_request(Api::Generate, body.as_bytes(), role, 4);
-        let batched = r#"{"text":["a","b"],"bootstrap_host":["h","h"],"bootstrap_port":[9,9],"bootstrap_room":[1,2]}"#;
+        let batched =
+            r#"{"text":["a","b"],"bootstrap_host":["h","h"],"bootstrap_port":[9,9],"bootstrap_room":[1,2]}"#;
         let bootstrap = parse(batched, Role::Decode).unwrap().bootstrap.unwrap();
         assert_eq!(
             bootstrap,
@@ -584,21 +554,14 @@ mod tests {
                 rooms: vec![1, 2]
             }
         );
-        let no_port =
-            r#"{"text":"a","bootstrap_host":"h","bootstrap_port":null,"bootstrap_room":1}"#;
+        let no_port = r#"{"text":"a","bootstrap_host":"h","bootstrap_port":null,"bootstrap_room":1}"#;
         assert_eq!(parse(no_port, Role::Decode).unwrap_err().status, 400);
         assert!(parse(no_port, Role::Prefill).unwrap().bootstrap.is_some());
+        assert_eq!(parse(r#"{"text":"a"}"#, Role::Prefill).unwrap_err().status, 400);
+        let big_room =
+            r#"{"text":"a","bootstrap_host":"h","bootstrap_port":1,"bootstrap_room":9223372036854775807}"#;
         assert_eq!(
-            parse(r#"{"text":"a"}"#, Role::Prefill).unwrap_err().status,
-            400
-        );
-        let big_room = r#"{"text":"a","bootstrap_host":"h","bootstrap_port":1,"bootstrap_room":9223372036854775807}"#;
-        assert_eq!(
-            parse(big_room, Role::Prefill)
-                .unwrap()
-                .bootstrap
-                .unwrap()
-                .rooms,
+            parse(big_room, Role::Prefill).unwrap().bootstrap.unwrap().rooms,
             vec![i64::MAX as u64]
         );
     }

@@ -33,10 +33,7 @@ const CHUNKS_BEFORE_CLOSE: u32 = 2;
 fn json_response(status: StatusCode, value: &Value) -> Response {
     (
         status,
-        [(
-            header::CONTENT_TYPE,
-            HeaderValue::from_static("application/json"),
-        )],
+        [(header::CONTENT_TYPE, HeaderValue::from_static("application/json"))],
         value.to_string(),
     )
         .into_response()
@@ -184,10 +181,7 @@ async fn load_response(worker: &Worker, v1: bool) -> Response {
         LoadFault::NotFound => not_found().await,
         LoadFault::Malformed => (
             StatusCode::OK,
-            [(
-                header::CONTENT_TYPE,
-                HeaderValue::from_static("application/json"),
-            )],
+            [(header::CONTENT_TYPE, HeaderValue::from_static("application/json"))],
             "<html>this is not JSON",
         )
             .into_response(),
@@ -196,10 +190,7 @@ async fn load_response(worker: &Worker, v1: bool) -> Response {
             text.truncate(text.len() / 2);
             (
                 StatusCode::OK,
-                [(
-                    header::CONTENT_TYPE,
-                    HeaderValue::from_static("application/json"),
-                )],
+                [(header::CONTENT_TYPE, HeaderValue::from_static("application/json"))],
                 text,
             )
                 .into_response()
@@ -210,11 +201,7 @@ async fn load_response(worker: &Worker, v1: bool) -> Response {
 }
 
 async fn kv_room(State(worker): State<Arc<Worker>>, Path(room): Path<String>) -> Response {
-    match room
-        .parse::<u64>()
-        .ok()
-        .and_then(|room| worker.room_rank(room))
-    {
+    match room.parse::<u64>().ok().and_then(|room| worker.room_rank(room)) {
         Some(rank) => json_response(StatusCode::OK, &json!({"ready": true, "dp_rank": rank})),
         None => json_response(StatusCode::NOT_FOUND, &json!({"ready": false})),
     }
@@ -308,7 +295,7 @@ async fn serve(
                 )
             })
             .collect(),
-        body: body.to_vec(),
+        body: body.clone(),
         rank: None,
         status: None,
     });
@@ -353,11 +340,10 @@ async fn answer(
         return (error_response(500, "injected serving fault"), None);
     }
     let config: &SimConfig = &worker.config;
-    let request: ParsedRequest =
-        match protocol::parse_request(api, body, config.role, config.dp_size) {
-            Ok(request) => request,
-            Err(rejection) => return (rejection_response(&rejection), None),
-        };
+    let request: ParsedRequest = match protocol::parse_request(api, body, config.role, config.dp_size) {
+        Ok(request) => request,
+        Err(rejection) => return (rejection_response(&rejection), None),
+    };
     let admitted = match worker.submit(&request) {
         Ok(admitted) => admitted,
         Err(rejection) => return (rejection_response(&rejection), None),
@@ -370,14 +356,8 @@ async fn answer(
     };
     let shape = ResponseShape {
         api,
-        id: format!(
-            "{prefix}sim{:x}",
-            RESPONSE_IDS.fetch_add(1, Ordering::Relaxed)
-        ),
-        model: request
-            .model
-            .clone()
-            .unwrap_or_else(|| config.model.clone()),
+        id: format!("{prefix}sim{:x}", RESPONSE_IDS.fetch_add(1, Ordering::Relaxed)),
+        model: request.model.clone().unwrap_or_else(|| config.model.clone()),
         created: unix_seconds(),
         prompt_tokens: request.prompt_tokens.clone(),
         max_new_tokens: admitted.max_new_tokens,
@@ -388,9 +368,7 @@ async fn answer(
     let mut events = admitted.events;
     let first = match events.recv().await {
         Some(Event::Tokens(count)) => count,
-        Some(Event::Failed { status, message }) => {
-            return (error_response(status, &message), Some(rank))
-        }
+        Some(Event::Failed { status, message }) => return (error_response(status, &message), Some(rank)),
         None => return (error_response(500, "the request was aborted"), Some(rank)),
     };
     let close_mid_stream = fault == ServingFault::CloseMidStream;
@@ -434,9 +412,7 @@ async fn answer(
             }
         }
         drop(admitted.instant_guard);
-        let text = shape
-            .full(count, started.elapsed().as_secs_f64())
-            .to_string();
+        let text = shape.full(count, started.elapsed().as_secs_f64()).to_string();
         if close_mid_stream {
             let whole = Bytes::from(text.into_bytes());
             let half = whole.slice(0..whole.len() / 2);
@@ -444,20 +420,14 @@ async fn answer(
                 .chain(stream::once(injected_close()));
             (
                 StatusCode::OK,
-                [(
-                    header::CONTENT_TYPE,
-                    HeaderValue::from_static("application/json"),
-                )],
+                [(header::CONTENT_TYPE, HeaderValue::from_static("application/json"))],
                 Body::from_stream(parts),
             )
                 .into_response()
         } else {
             (
                 StatusCode::OK,
-                [(
-                    header::CONTENT_TYPE,
-                    HeaderValue::from_static("application/json"),
-                )],
+                [(header::CONTENT_TYPE, HeaderValue::from_static("application/json"))],
                 text,
             )
                 .into_response()
@@ -496,9 +466,7 @@ fn concat(parts: Vec<Bytes>) -> Bytes {
     Bytes::from(joined)
 }
 
-async fn next_stream_chunk(
-    mut state: StreamState,
-) -> Option<(Result<Bytes, io::Error>, StreamState)> {
+async fn next_stream_chunk(mut state: StreamState) -> Option<(Result<Bytes, io::Error>, StreamState)> {
     if state.done {
         return None;
     }
@@ -513,10 +481,7 @@ async fn next_stream_chunk(
             Some(Event::Failed { message, .. }) => {
                 state.done = true;
                 return Some((
-                    Ok(concat(vec![
-                        protocol::sse_error(&message),
-                        protocol::sse_done(),
-                    ])),
+                    Ok(concat(vec![protocol::sse_error(&message), protocol::sse_done()])),
                     state,
                 ));
             }

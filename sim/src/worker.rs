@@ -73,7 +73,7 @@ pub struct Record {
     pub query: Option<String>,
     pub method: String,
     pub headers: Vec<(String, String)>,
-    pub body: Vec<u8>,
+    pub body: bytes::Bytes,
     pub rank: Option<usize>,
     pub status: Option<u16>,
 }
@@ -178,7 +178,8 @@ pub struct Worker {
     round_robin: AtomicUsize,
     next_id: AtomicU64,
     control: Mutex<Control>,
-    records: Mutex<Vec<Arc<Mutex<Record>>>>,
+    /// The latest `--record-limit` serving requests, oldest first.
+    records: Mutex<VecDeque<Arc<Mutex<Record>>>>,
     get_load_polls: AtomicU64,
     v1_loads_polls: AtomicU64,
     served: Vec<AtomicU64>,
@@ -212,7 +213,7 @@ impl Worker {
                 base_tokens: vec![0; dp_size],
                 ..Control::default()
             }),
-            records: Mutex::new(Vec::new()),
+            records: Mutex::new(VecDeque::new()),
             get_load_polls: AtomicU64::new(0),
             v1_loads_polls: AtomicU64::new(0),
             served: (0..dp_size).map(|_| AtomicU64::new(0)).collect(),
@@ -267,18 +268,20 @@ impl Worker {
 
     pub fn record(&self, record: Record) -> Arc<Mutex<Record>> {
         let record = Arc::new(Mutex::new(record));
-        lock(&self.records).push(record.clone());
+        let limit = self.config.record_limit;
+        if limit > 0 {
+            let mut records = lock(&self.records);
+            if records.len() >= limit {
+                records.pop_front();
+            }
+            records.push_back(record.clone());
+        }
         record
     }
 
     pub fn records_json(&self) -> Value {
-        let records: Vec<Arc<Mutex<Record>>> = lock(&self.records).clone();
-        Value::Array(
-            records
-                .iter()
-                .map(|record| lock(record).to_json())
-                .collect(),
-        )
+        let records: Vec<Arc<Mutex<Record>>> = lock(&self.records).iter().cloned().collect();
+        Value::Array(records.iter().map(|record| lock(record).to_json()).collect())
     }
 
     pub fn count_load_poll(&self, v1: bool) {
@@ -304,10 +307,7 @@ impl Worker {
 
     /// The model's loads right now (without the control offsets).
     pub fn rank_loads(&self) -> Vec<RankLoad> {
-        self.ranks
-            .iter()
-            .map(|rank| lock(&rank.state).load())
-            .collect()
+        self.ranks.iter().map(|rank| lock(&rank.state).load()).collect()
     }
 
     fn choose_rank(&self) -> usize {
@@ -346,9 +346,7 @@ impl Worker {
         } else {
             request.max_new_tokens
         };
-        let max_new_tokens = wanted
-            .min((config.kv_capacity - prompt_tokens) / seqs)
-            .max(1);
+        let max_new_tokens = wanted.min((config.kv_capacity - prompt_tokens) / seqs).max(1);
         let (sender, events) = unbounded_channel();
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let group = SeqGroup {
@@ -421,16 +419,10 @@ impl Worker {
             (Role::Decode, Some(bootstrap)) => {
                 let worker = self.clone();
                 tokio::spawn(async move {
-                    match worker
-                        .wait_for_rooms(&bootstrap, || group.cancelled())
-                        .await
-                    {
+                    match worker.wait_for_rooms(&bootstrap, || group.cancelled()).await {
                         Ok(()) => send_all(&group),
                         Err(message) => {
-                            let _ = group.events.send(Event::Failed {
-                                status: 500,
-                                message,
-                            });
+                            let _ = group.events.send(Event::Failed { status: 500, message });
                         }
                     }
                 });
@@ -473,10 +465,7 @@ impl Worker {
             (state.next_step(), transfers)
         };
         for transfer in transfers {
-            tokio::spawn(
-                self.clone()
-                    .transfer_kv(index, transfer.id, transfer.bootstrap),
-            );
+            tokio::spawn(self.clone().transfer_kv(index, transfer.id, transfer.bootstrap));
         }
         step
     }
@@ -487,8 +476,7 @@ impl Worker {
             Step::Idle => Duration::ZERO,
             Step::Prefill { tokens } => self.scaled(tokens as f64 / config.prefill_tokens_per_s),
             Step::Decode { batch_tokens } => self.scaled(
-                config.decode_step_ms / 1e3
-                    + config.decode_step_us_per_token * batch_tokens as f64 / 1e6,
+                config.decode_step_ms / 1e3 + config.decode_step_us_per_token * batch_tokens as f64 / 1e6,
             ),
         }
     }
@@ -500,9 +488,9 @@ impl Worker {
         let mut state = lock(&rank.state);
         match step {
             Step::Idle => {}
-            Step::Prefill { .. } => state.finish_prefill(self.config.role, &mut |rooms| {
-                self.mark_rooms_ready(rooms, index)
-            }),
+            Step::Prefill { .. } => {
+                state.finish_prefill(self.config.role, &mut |rooms| self.mark_rooms_ready(rooms, index))
+            }
             Step::Decode { .. } => state.finish_decode(),
         }
     }
@@ -536,9 +524,7 @@ impl Worker {
     /// shared), so a step lasts as long as the slowest rank's batch.
     pub async fn run_lockstep(self: Arc<Self>) {
         loop {
-            let steps: Vec<Step> = (0..self.ranks.len())
-                .map(|index| self.plan_step(index))
-                .collect();
+            let steps: Vec<Step> = (0..self.ranks.len()).map(|index| self.plan_step(index)).collect();
             if steps.iter().all(|step| *step == Step::Idle) {
                 self.any_wake.notified().await;
                 continue;

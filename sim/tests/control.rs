@@ -23,16 +23,8 @@ async fn rank_fields_are_honoured_and_checked() {
     for (path, body, rank) in [
         ("/generate", r#"{"text":"x","routed_dp_rank":2}"#, 2),
         ("/generate", r#"{"text":"x","data_parallel_rank":3}"#, 3),
-        (
-            "/v1/completions",
-            r#"{"prompt":"x","data_parallel_rank":1}"#,
-            1,
-        ),
-        (
-            "/v1/chat/completions",
-            r#"{"messages":[],"routed_dp_rank":3}"#,
-            3,
-        ),
+        ("/v1/completions", r#"{"prompt":"x","data_parallel_rank":1}"#, 1),
+        ("/v1/chat/completions", r#"{"messages":[],"routed_dp_rank":3}"#, 3),
         // The current name wins over the legacy alias.
         (
             "/generate",
@@ -138,10 +130,7 @@ async fn recording_holds_the_exact_bytes() {
     assert_eq!(reply.status, StatusCode::OK);
     assert_eq!(get_json(&server, "/_sim/requests").await, json!([]));
     let counters = get_json(&server, "/_sim/counters").await;
-    assert_eq!(
-        counters["load_requests"],
-        json!({"/get_load": 0, "/v1/loads": 0})
-    );
+    assert_eq!(counters["load_requests"], json!({"/get_load": 0, "/v1/loads": 0}));
     assert_eq!(counters["served_per_rank"], json!([0, 0, 0, 0]));
     // base_tokens survive a reset unless given.
     assert_eq!(rank_tokens(&server).await, vec![7, 0, 0, 0]);
@@ -170,10 +159,7 @@ async fn each_load_fault_behaves_as_specified() {
     let server = start(instant()).await;
     for path in ["/get_load", "/v1/loads?include=core"] {
         control(&server, r#"{"load_fault":"http_500"}"#).await;
-        assert_eq!(
-            get(&server, path).await.status,
-            StatusCode::INTERNAL_SERVER_ERROR
-        );
+        assert_eq!(get(&server, path).await.status, StatusCode::INTERNAL_SERVER_ERROR);
 
         control(&server, r#"{"load_fault":"not_found"}"#).await;
         assert_eq!(get(&server, path).await.status, StatusCode::NOT_FOUND);
@@ -237,14 +223,7 @@ async fn older_builds_can_be_emulated() {
         get(&server, "/v1/loads?include=core").await.status,
         StatusCode::NOT_FOUND
     );
-    assert_eq!(
-        get_json(&server, "/get_load")
-            .await
-            .as_array()
-            .unwrap()
-            .len(),
-        4
-    );
+    assert_eq!(get_json(&server, "/get_load").await.as_array().unwrap().len(), 4);
     let server = start(SimConfig {
         no_total_tokens: true,
         ..instant()
@@ -309,10 +288,7 @@ async fn start_up_endpoints_satisfy_a_gateway() {
     })
     .await;
     assert_eq!(get(&server, "/health").await.status, StatusCode::OK);
-    assert_eq!(
-        get(&server, "/health_generate").await.status,
-        StatusCode::OK
-    );
+    assert_eq!(get(&server, "/health_generate").await.status, StatusCode::OK);
     let models = get_json(&server, "/v1/models").await;
     assert_eq!(models["object"], "list");
     assert_eq!(models["data"][0]["id"], "org/sim-7b");
@@ -388,4 +364,24 @@ async fn the_binary_serves_a_fleet_and_prints_ready_lines() {
         .unwrap();
     assert_eq!(counters["served_per_rank"], json!([0, 1]));
     child.kill().await.unwrap();
+}
+
+#[tokio::test]
+async fn recordings_keep_the_latest_requests_up_to_the_limit() {
+    let server = start(SimConfig {
+        record_limit: 2,
+        ..instant()
+    })
+    .await;
+    for text in ["a", "b", "c"] {
+        post(&server, "/generate", &json!({"text": text}).to_string()).await;
+    }
+    let records = get_json(&server, "/_sim/requests").await;
+    let bodies: Vec<&str> = records
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["body"].as_str().unwrap())
+        .collect();
+    assert_eq!(bodies, vec![r#"{"text":"b"}"#, r#"{"text":"c"}"#]);
 }

@@ -98,7 +98,8 @@ async fn a_longer_queue_means_longer_waits() {
     for _ in 0..4 {
         let url = format!("{}/generate", server.url());
         requests.push(tokio::spawn(async move {
-            let body = json!({"text": "hello", "sampling_params": {"max_new_tokens": 5}, "routed_dp_rank": 0});
+            let body =
+                json!({"text": "hello", "sampling_params": {"max_new_tokens": 5}, "routed_dp_rank": 0});
             let response = client().post(url).body(body.to_string()).send().await.unwrap();
             assert_eq!(response.status(), StatusCode::OK);
             response.text().await.unwrap();
@@ -219,10 +220,7 @@ async fn streaming_yields_chunks_over_time() {
             arrivals.push(started.elapsed());
             text.push_str(std::str::from_utf8(&chunk).unwrap());
         }
-        let events: Vec<&str> = text
-            .split("\n\n")
-            .filter(|event| !event.is_empty())
-            .collect();
+        let events: Vec<&str> = text.split("\n\n").filter(|event| !event.is_empty()).collect();
         assert_eq!(events.len(), 6, "{path}: {text}");
         assert_eq!(*events.last().unwrap(), "data: [DONE]");
         let payloads: Vec<serde_json::Value> = events[..5]
@@ -263,12 +261,7 @@ async fn non_streamed_shapes() {
     assert_eq!(items.as_array().unwrap().len(), 2);
     assert_eq!(items[1]["meta_info"]["prompt_tokens"], 2);
     assert_eq!(items[1]["text"], " the quick");
-    let reply = post(
-        &server,
-        "/v1/completions",
-        r#"{"prompt":[1,2,3],"max_tokens":3}"#,
-    )
-    .await;
+    let reply = post(&server, "/v1/completions", r#"{"prompt":[1,2,3],"max_tokens":3}"#).await;
     let body = reply.json();
     assert_eq!(body["choices"][0]["text"], " the quick brown");
     assert_eq!(
@@ -295,12 +288,7 @@ async fn prompts_larger_than_the_kv_cache_are_rejected() {
         ..fast_config()
     })
     .await;
-    let reply = post(
-        &server,
-        "/generate",
-        &json!({"text": text_of(100)}).to_string(),
-    )
-    .await;
+    let reply = post(&server, "/generate", &json!({"text": text_of(100)}).to_string()).await;
     assert_eq!(reply.status, StatusCode::BAD_REQUEST);
     assert!(reply.json()["error"]["message"]
         .as_str()
@@ -327,7 +315,8 @@ async fn minimum_tokens_dispatch_avoids_the_loaded_rank() {
     .await;
     let url = format!("{}/generate", server.url());
     let heavy = tokio::spawn(async move {
-        let body = json!({"text": text_of(5000), "sampling_params": {"max_new_tokens": 50}, "routed_dp_rank": 0});
+        let body =
+            json!({"text": text_of(5000), "sampling_params": {"max_new_tokens": 50}, "routed_dp_rank": 0});
         let _ = client().post(url).body(body.to_string()).send().await;
     });
     wait_for(Duration::from_secs(5), || async {
@@ -389,12 +378,7 @@ async fn instant_mode_counts_in_flight_and_answers_at_once() {
 
     control(&server, r#"{"response_delay_ms":150}"#).await;
     let started = Instant::now();
-    let reply = post(
-        &server,
-        "/v1/completions",
-        r#"{"prompt":"x","stream":true}"#,
-    )
-    .await;
+    let reply = post(&server, "/v1/completions", r#"{"prompt":"x","stream":true}"#).await;
     assert!(started.elapsed() >= Duration::from_millis(150));
     assert!(reply.text.ends_with("data: [DONE]\n\n"));
 }
@@ -418,8 +402,7 @@ async fn lockstep_ranks_wait_for_the_slowest() {
             let _ = client().post(url).body(body.to_string()).send().await;
         });
         wait_for(Duration::from_secs(10), || async {
-            (get_json(&server, "/v1/loads").await["loads"][0]["num_running_reqs"] == 1)
-                .then_some(())
+            (get_json(&server, "/v1/loads").await["loads"][0]["num_running_reqs"] == 1).then_some(())
         })
         .await;
         let started = Instant::now();
@@ -432,10 +415,7 @@ async fn lockstep_ranks_wait_for_the_slowest() {
         assert_eq!(reply.status, StatusCode::OK);
         let elapsed = started.elapsed();
         if slow {
-            assert!(
-                elapsed >= Duration::from_millis(3 * 120),
-                "lockstep: {elapsed:?}"
-            );
+            assert!(elapsed >= Duration::from_millis(3 * 120), "lockstep: {elapsed:?}");
         } else {
             assert!(
                 elapsed < Duration::from_millis(3 * 120),

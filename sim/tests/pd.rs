@@ -51,16 +51,8 @@ async fn decode_waits_for_the_prefill_room() {
             .await
             .unwrap();
         let status = response.status();
-        let rank = response.headers()["x-sim-dp-rank"]
-            .to_str()
-            .unwrap()
-            .to_string();
-        (
-            status,
-            rank,
-            started.elapsed(),
-            response.text().await.unwrap(),
-        )
+        let rank = response.headers()["x-sim-dp-rank"].to_str().unwrap().to_string();
+        (status, rank, started.elapsed(), response.text().await.unwrap())
     });
     // The decode rank holds the request's KV while it waits.
     let loads = wait_for(Duration::from_secs(5), || async {
@@ -78,12 +70,7 @@ async fn decode_waits_for_the_prefill_room() {
         &pd_body(bootstrap_port, room, "routed_dp_rank", 1),
     )
     .await;
-    assert_eq!(
-        prefill_reply.status,
-        StatusCode::OK,
-        "{}",
-        prefill_reply.text
-    );
+    assert_eq!(prefill_reply.status, StatusCode::OK, "{}", prefill_reply.text);
     assert_eq!(prefill_reply.rank(), 1);
     assert_eq!(prefill_reply.json()["meta_info"]["completion_tokens"], 1);
     // The room is served on the main port and on the bootstrap port.
@@ -140,18 +127,12 @@ async fn decode_fails_when_the_room_never_becomes_ready() {
         // The legacy decode-rank name is honoured.
         let reply = post(&decode, "/v1/completions", &{
             let mut body: serde_json::Value =
-                serde_json::from_str(&pd_body(prefill.addr.port(), 5, "decode_dp_rank", 2))
-                    .unwrap();
+                serde_json::from_str(&pd_body(prefill.addr.port(), 5, "decode_dp_rank", 2)).unwrap();
             body["prompt"] = json!("abcd");
             body.to_string()
         })
         .await;
-        assert_eq!(
-            reply.status,
-            StatusCode::INTERNAL_SERVER_ERROR,
-            "{}",
-            reply.text
-        );
+        assert_eq!(reply.status, StatusCode::INTERNAL_SERVER_ERROR, "{}", reply.text);
         assert!(reply.json()["error"]["message"]
             .as_str()
             .unwrap()
@@ -173,8 +154,7 @@ async fn pd_requests_need_their_bootstrap_fields() {
         ..fast_config()
     })
     .await;
-    let mut body: serde_json::Value =
-        serde_json::from_str(&pd_body(1, 5, "routed_dp_rank", 0)).unwrap();
+    let mut body: serde_json::Value = serde_json::from_str(&pd_body(1, 5, "routed_dp_rank", 0)).unwrap();
     body["bootstrap_port"] = serde_json::Value::Null;
     let reply = post(&decode, "/generate", &body.to_string()).await;
     assert_eq!(reply.status, StatusCode::BAD_REQUEST);

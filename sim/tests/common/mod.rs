@@ -38,16 +38,11 @@ pub struct Reply {
 
 impl Reply {
     pub fn json(&self) -> Value {
-        serde_json::from_str(&self.text)
-            .unwrap_or_else(|err| panic!("not JSON ({err}): {}", self.text))
+        serde_json::from_str(&self.text).unwrap_or_else(|err| panic!("not JSON ({err}): {}", self.text))
     }
 
     pub fn rank(&self) -> i64 {
-        self.headers["x-sim-dp-rank"]
-            .to_str()
-            .unwrap()
-            .parse()
-            .unwrap()
+        self.headers["x-sim-dp-rank"].to_str().unwrap().parse().unwrap()
     }
 }
 
