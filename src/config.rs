@@ -65,7 +65,29 @@ pub struct ConfigJson {
     pub state_key: Option<String>,
     #[serde(default)]
     pub poll_loads: Option<bool>,
+    /// Regular mode: follow an Envoy cluster's membership instead of `workers`.
+    #[serde(default)]
+    pub workers_from_cluster: Option<DiscoveryJson>,
 }
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DiscoveryJson {
+    pub cluster: String,
+    #[serde(default)]
+    pub admin_cluster: Option<String>,
+}
+
+/// Workers taken from an Envoy cluster, read from the admin API's
+/// `/clusters?format=json` through `admin_cluster` (a cluster pointing at
+/// Envoy's own admin listener on loopback).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Discovery {
+    pub cluster: String,
+    pub admin_cluster: String,
+}
+
+pub const DEFAULT_ADMIN_CLUSTER: &str = "dprank_admin";
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -191,6 +213,9 @@ pub struct Config {
     pub poll_loads: bool,
     /// Some in PD mode.
     pub prefill: Option<Prefill>,
+    /// Some when the workers come from a cluster's membership; `workers` is
+    /// then the current membership (empty until the first discovery).
+    pub discovery: Option<Discovery>,
 }
 
 pub const DEFAULT_POLL_CLUSTER: &str = "dprank_poll";
@@ -241,6 +266,14 @@ impl Config {
         names
     }
 
+    /// This configuration with another routed pool (a cluster's membership changed).
+    pub fn with_workers(&self, workers: Vec<Worker>) -> Config {
+        Config {
+            workers,
+            ..self.clone()
+        }
+    }
+
     /// Every polled worker: the routed pool, then the prefill pool in PD mode.
     pub fn all_workers(&self) -> impl Iterator<Item = &Worker> {
         self.workers
@@ -270,6 +303,15 @@ fn is_metric_name(name: &str) -> bool {
 
 /// Validates one pool. `others` are the workers of pools already validated:
 /// addresses and names must be unique across pools (they key shared state and stats).
+/// A worker's stat name when the config gives none: its address, '_' for punctuation.
+pub fn default_worker_name(address: &SocketAddr) -> String {
+    address
+        .to_string()
+        .chars()
+        .map(|c| if c.is_ascii_alphanumeric() { c } else { '_' })
+        .collect()
+}
+
 fn validate_workers(
     list_key: &str,
     json: Vec<WorkerJson>,
@@ -313,11 +355,7 @@ fn validate_workers(
                     format!("`{n}` may only hold letters, digits, '-' and '_' (it names stats)"),
                 ))
             }
-            None => address
-                .to_string()
-                .chars()
-                .map(|c| if c.is_ascii_alphanumeric() { c } else { '_' })
-                .collect(),
+            None => default_worker_name(&address),
         };
         if workers.iter().chain(others).any(|o| o.address == address) {
             return Err(invalid(
@@ -385,7 +423,41 @@ impl TryFrom<ConfigJson> for Config {
 
     fn try_from(json: ConfigJson) -> Result<Self, Self::Error> {
         let naming = json.naming.unwrap_or(Naming::Current);
-        let (workers, prefill) = match (json.workers, json.prefill_workers, json.decode_workers) {
+        let discovery = match json.workers_from_cluster {
+            None => None,
+            Some(_)
+                if json.workers.is_some()
+                    || json.prefill_workers.is_some()
+                    || json.decode_workers.is_some() =>
+            {
+                return Err(invalid(
+                    "workers_from_cluster",
+                    "replaces `workers` (regular mode only): list workers or name a cluster, not both",
+                ))
+            }
+            Some(d) => {
+                let admin_cluster = d
+                    .admin_cluster
+                    .unwrap_or_else(|| DEFAULT_ADMIN_CLUSTER.to_string());
+                if d.cluster.is_empty() || admin_cluster.is_empty() {
+                    return Err(invalid(
+                        "workers_from_cluster",
+                        "`cluster` and `admin_cluster` must not be empty",
+                    ));
+                }
+                Some(Discovery {
+                    cluster: d.cluster,
+                    admin_cluster,
+                })
+            }
+        };
+        let listed = if discovery.is_some() {
+            Some(Vec::new())
+        } else {
+            json.workers
+        };
+        let (workers, prefill) = match (listed, json.prefill_workers, json.decode_workers) {
+            (Some(_), None, None) if discovery.is_some() => (Vec::new(), None),
             (Some(workers), None, None) => {
                 let pd_only = [
                     ("prefill_cluster", json.prefill_cluster.is_some()),
@@ -566,6 +638,7 @@ impl TryFrom<ConfigJson> for Config {
             state_key,
             poll_loads: json.poll_loads.unwrap_or(true),
             prefill,
+            discovery,
         })
     }
 }
@@ -881,5 +954,41 @@ mod tests {
             )),
             "workers[0].bootstrap_port"
         );
+    }
+
+    #[test]
+    fn workers_from_cluster() {
+        let c = parse(r#"{"workers_from_cluster":{"cluster":"sglang"}}"#).unwrap();
+        assert!(c.workers.is_empty());
+        assert_eq!(
+            c.discovery,
+            Some(Discovery {
+                cluster: "sglang".into(),
+                admin_cluster: "dprank_admin".into()
+            })
+        );
+        let c = parse(r#"{"workers_from_cluster":{"cluster":"s","admin_cluster":"a"}}"#).unwrap();
+        assert_eq!(c.discovery.unwrap().admin_cluster, "a");
+    }
+
+    #[test]
+    fn workers_from_cluster_errors() {
+        assert_eq!(
+            key_of(parse(
+                r#"{"workers_from_cluster":{"cluster":"s"},"workers":[{"address":"127.0.0.1:1"}]}"#
+            )),
+            "workers_from_cluster"
+        );
+        assert_eq!(
+            key_of(parse(&format!(
+                r#"{{{PD},"workers_from_cluster":{{"cluster":"s"}}}}"#
+            ))),
+            "workers_from_cluster"
+        );
+        assert_eq!(
+            key_of(parse(r#"{"workers_from_cluster":{"cluster":""}}"#)),
+            "workers_from_cluster"
+        );
+        assert!(parse(r#"{"workers_from_cluster":{"name":"s"}}"#).is_err());
     }
 }

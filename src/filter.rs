@@ -2,6 +2,7 @@
 //! the router and poller, and apply what those decide.
 
 use crate::config::Config;
+use crate::discovery::Membership;
 use crate::envoy_host::{self as envoy, EnvoyHost};
 use crate::host::Host;
 use crate::poller::{tick_period_ms, Poller, POLL_DESTINATION_HEADER};
@@ -9,7 +10,7 @@ use crate::router::{self, Decision, PassReason, PdRouted};
 use crate::state::Ticket;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{Action, ContextType};
-use std::cell::Cell;
+use std::cell::{Cell, RefCell};
 use std::rc::Rc;
 
 pub const VERSION: &str = env!("CARGO_PKG_VERSION");
@@ -17,7 +18,8 @@ pub const GIT_REVISION: &str = env!("DPRANK_GIT_REVISION");
 
 #[derive(Default)]
 pub struct DprankRoot {
-    config: Option<Rc<Config>>,
+    /// The configuration in force (with the current cluster membership, if any).
+    membership: Option<Rc<RefCell<Membership>>>,
     poller: Option<Poller>,
     /// Requests seen by this VM: varies the tie-break per request.
     requests: Rc<Cell<u64>>,
@@ -25,10 +27,11 @@ pub struct DprankRoot {
 
 impl Context for DprankRoot {
     fn on_http_call_response(&mut self, token: u32, _headers: usize, body_size: usize, _trailers: usize) {
-        if let (Some(config), Some(poller)) = (&self.config, &mut self.poller) {
+        if let (Some(membership), Some(poller)) = (&self.membership, &mut self.poller) {
+            let config = membership.borrow_mut().current(&EnvoyHost);
             let status = envoy::call_response_status();
             let body = envoy::call_response_body(body_size);
-            poller.on_response(config, &EnvoyHost, token, status, &body);
+            poller.on_response(&config, &EnvoyHost, token, status, &body);
         }
     }
 }
@@ -45,27 +48,30 @@ impl RootContext for DprankRoot {
         };
         log::info!("dprank {VERSION} ({GIT_REVISION}) starting with {config:?}");
         if config.poll_loads && !envoy::set_tick_period(tick_period_ms(&config)) {
-            log::error!("dprank: cannot set the tick period; load polling is off");
+            log::error!("cannot set the tick period; load polling is off");
         }
         let mut poller = Poller::new(&config);
         // Threads start their tie-break sequences apart, so they don't break ties alike.
         self.requests
             .set(poller.vm_id(&config, &EnvoyHost).wrapping_mul(0x9E37_79B9));
         self.poller = Some(poller);
-        self.config = Some(Rc::new(config));
+        self.membership = Some(Rc::new(RefCell::new(Membership::new(Rc::new(config)))));
         true
     }
 
     fn on_tick(&mut self) {
-        if let (Some(config), Some(poller)) = (&self.config, &mut self.poller) {
-            poller.on_tick(config, &EnvoyHost);
+        if let (Some(membership), Some(poller)) = (&self.membership, &mut self.poller) {
+            let config = membership.borrow_mut().current(&EnvoyHost);
+            poller.on_tick(&config, &EnvoyHost);
         }
     }
 
     fn create_http_context(&self, _context_id: u32) -> Option<Box<dyn HttpContext>> {
-        let config = self.config.clone()?;
+        let membership = self.membership.clone()?;
+        let config = membership.borrow().base();
         Some(Box::new(DprankHttp {
             config,
+            membership,
             requests: self.requests.clone(),
             routing: false,
             had_content_length: false,
@@ -97,7 +103,9 @@ enum PrefillLeg {
 }
 
 pub struct DprankHttp {
+    /// The configuration this request is routed (and its estimates released) with.
     config: Rc<Config>,
+    membership: Rc<RefCell<Membership>>,
     requests: Rc<Cell<u64>>,
     /// The body will be read and routed.
     routing: bool,
@@ -236,6 +244,7 @@ impl HttpContext for DprankHttp {
             return Action::Pause;
         }
         self.routing = false;
+        self.config = self.membership.borrow_mut().current(&EnvoyHost);
         let body = envoy::request_body(body_size).unwrap_or_default();
         let tie_breaker = self.requests.get().wrapping_add(1);
         self.requests.set(tie_breaker);

@@ -8,6 +8,7 @@
 
 pub mod body;
 pub mod config;
+pub mod discovery;
 pub mod envoy_host;
 pub mod filter;
 pub mod host;

@@ -2,12 +2,14 @@
 //! shared data, sends one load request per worker per interval and stores the
 //! parsed snapshots where every thread's router reads them.
 
-use crate::config::{Config, LoadEndpoint};
+use crate::config::{Config, Discovery, LoadEndpoint};
+use crate::discovery;
 use crate::host::{shared_update, Host};
 use crate::load::parse_load_report;
 use crate::router::worker_key;
 use crate::state::WorkerState;
 use hashbrown::HashMap;
+use std::net::SocketAddr;
 
 /// Header that tells the ORIGINAL_DST poll cluster which host to connect to.
 pub const POLL_DESTINATION_HEADER: &str = "x-envoy-original-dst-host";
@@ -59,20 +61,27 @@ impl Endpoint {
 }
 
 #[derive(Debug, Clone, Copy)]
-struct PollCall {
-    worker: usize,
-    seq: u64,
-    endpoint: Endpoint,
+enum Call {
+    Load {
+        worker: SocketAddr,
+        seq: u64,
+        endpoint: Endpoint,
+    },
+    /// The admin API's cluster listing (workers taken from a cluster).
+    Membership,
 }
 
+/// Per-VM poller state. Workers are keyed by address, so a membership change
+/// between a poll and its answer cannot misfile the answer.
 pub struct Poller {
     /// This VM's identity in the lease (0 until assigned).
     vm_id: u64,
-    /// Endpoint in use per worker (`auto` starts on /v1/loads).
-    endpoints: Vec<Endpoint>,
-    outstanding: HashMap<u32, PollCall>,
+    first_endpoint: Endpoint,
+    /// Endpoint in use per worker, once `auto` had to fall back.
+    endpoints: HashMap<SocketAddr, Endpoint>,
+    outstanding: HashMap<u32, Call>,
     /// Whether the last poll of each worker succeeded, to log changes only.
-    healthy: Vec<Option<bool>>,
+    healthy: HashMap<SocketAddr, bool>,
 }
 
 /// How often every thread's root context ticks: fine enough for sub-second
@@ -87,15 +96,15 @@ fn lease_ttl_ms(config: &Config) -> u64 {
 
 impl Poller {
     pub fn new(config: &Config) -> Poller {
-        let first = match config.load_endpoint {
-            LoadEndpoint::Auto | LoadEndpoint::V1Loads => Endpoint::V1Loads,
-            LoadEndpoint::GetLoad => Endpoint::GetLoad,
-        };
         Poller {
             vm_id: 0,
-            endpoints: vec![first; config.all_workers().count()],
+            first_endpoint: match config.load_endpoint {
+                LoadEndpoint::Auto | LoadEndpoint::V1Loads => Endpoint::V1Loads,
+                LoadEndpoint::GetLoad => Endpoint::GetLoad,
+            },
+            endpoints: HashMap::new(),
             outstanding: HashMap::new(),
-            healthy: vec![None; config.all_workers().count()],
+            healthy: HashMap::new(),
         }
     }
 
@@ -145,33 +154,65 @@ impl Poller {
         if !self.lease_round_due(config, host) {
             return;
         }
+        if let Some(discovery) = &config.discovery {
+            self.dispatch_membership(config, discovery, host);
+        }
         let now = host.now_ms();
-        for (worker, w) in config.all_workers().enumerate() {
-            let states = host
-                .shared_get(&worker_key(config, worker))
+        for (index, w) in config.all_workers().enumerate() {
+            let state = host
+                .shared_get(&worker_key(config, index))
                 .and_then(|(b, _)| WorkerState::decode(&b));
-            let age = states
+            let age = state
                 .as_ref()
                 .filter(|s| s.snapshot_seq > 0)
                 .map(|s| now.saturating_sub(s.snapshot_at_ms))
                 .unwrap_or(u64::MAX >> 1);
             host.gauge(&format!("dprank.snapshot_age_ms.{}", w.name), age);
-            if self.outstanding.values().any(|c| c.worker == worker) {
+            if self
+                .outstanding
+                .values()
+                .any(|c| matches!(c, Call::Load { worker, .. } if *worker == w.address))
+            {
                 host.count(&format!("dprank.poll_skipped.{}", w.name), 1);
                 continue;
             }
-            self.dispatch(config, host, worker);
+            self.dispatch(config, host, index);
         }
     }
 
-    fn dispatch(&mut self, config: &Config, host: &dyn Host, worker: usize) {
-        let (Some(w), Some(endpoint)) = (
-            config.all_workers().nth(worker),
-            self.endpoints.get(worker).copied(),
-        ) else {
+    fn dispatch_membership(&mut self, config: &Config, discovery: &Discovery, host: &dyn Host) {
+        if self.outstanding.values().any(|c| matches!(c, Call::Membership)) {
+            return;
+        }
+        let headers = [
+            (":method", "GET"),
+            (":path", "/clusters?format=json"),
+            (":authority", "dprank-admin"),
+        ];
+        match host.http_call(&discovery.admin_cluster, &headers, None, config.poll_timeout_ms) {
+            Ok(token) => {
+                self.outstanding.insert(token, Call::Membership);
+            }
+            Err(e) => {
+                host.count("dprank.membership_failed", 1);
+                log::warn!(
+                    "dprank: cannot read cluster membership through `{}`: {e}",
+                    discovery.admin_cluster
+                );
+            }
+        }
+    }
+
+    fn dispatch(&mut self, config: &Config, host: &dyn Host, index: usize) {
+        let Some(w) = config.all_workers().nth(index) else {
             return;
         };
-        let seq = shared_update(host, &worker_key(config, worker), |cur| {
+        let endpoint = self
+            .endpoints
+            .get(&w.address)
+            .copied()
+            .unwrap_or(self.first_endpoint);
+        let seq = shared_update(host, &worker_key(config, index), |cur| {
             let mut state = cur.and_then(WorkerState::decode).unwrap_or_default();
             let seq = state.begin_poll();
             Some((state.encode(), seq))
@@ -189,8 +230,8 @@ impl Poller {
             Ok(token) => {
                 self.outstanding.insert(
                     token,
-                    PollCall {
-                        worker,
+                    Call::Load {
+                        worker: w.address,
                         seq,
                         endpoint,
                     },
@@ -207,7 +248,7 @@ impl Poller {
         }
     }
 
-    /// Handles a load response; `status` is None when the call failed (timeout, reset).
+    /// Handles a callout response; `status` is None when the call failed (timeout, reset).
     pub fn on_response(
         &mut self,
         config: &Config,
@@ -216,26 +257,48 @@ impl Poller {
         status: Option<u32>,
         body: &[u8],
     ) {
-        let Some(call) = self.outstanding.remove(&token) else {
-            return;
-        };
-        let Some(w) = config.all_workers().nth(call.worker) else {
+        match self.outstanding.remove(&token) {
+            Some(Call::Load {
+                worker,
+                seq,
+                endpoint,
+            }) => self.on_load_response(config, host, worker, seq, endpoint, status, body),
+            Some(Call::Membership) => on_membership_response(config, host, status, body),
+            None => {}
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn on_load_response(
+        &mut self,
+        config: &Config,
+        host: &dyn Host,
+        address: SocketAddr,
+        seq: u64,
+        endpoint: Endpoint,
+        status: Option<u32>,
+        body: &[u8],
+    ) {
+        // The worker may have left the cluster since the poll was sent.
+        let Some((index, w)) = config
+            .all_workers()
+            .enumerate()
+            .find(|(_, w)| w.address == address)
+        else {
             return;
         };
         let outcome = match status {
             Some(200) => parse_load_report(body).map_err(|e| e.to_string()),
-            Some(404) if call.endpoint == Endpoint::V1Loads && config.load_endpoint == LoadEndpoint::Auto => {
+            Some(404) if endpoint == Endpoint::V1Loads && config.load_endpoint == LoadEndpoint::Auto => {
                 log::info!(
                     "dprank: {} has no /v1/loads; polling /get_load from now on",
                     w.endpoint()
                 );
-                if let Some(e) = self.endpoints.get_mut(call.worker) {
-                    *e = Endpoint::GetLoad;
-                }
-                self.dispatch(config, host, call.worker);
+                self.endpoints.insert(address, Endpoint::GetLoad);
+                self.dispatch(config, host, index);
                 return;
             }
-            Some(code) => Err(format!("HTTP {code} from {}", call.endpoint.path())),
+            Some(code) => Err(format!("HTTP {code} from {}", endpoint.path())),
             None => Err("no response (timeout or connection failure)".to_string()),
         };
         let ok = match outcome {
@@ -252,10 +315,10 @@ impl Poller {
                     }
                 }
                 let now = host.now_ms();
-                shared_update(host, &worker_key(config, call.worker), |cur| {
+                shared_update(host, &worker_key(config, index), |cur| {
                     let mut state = cur.and_then(WorkerState::decode).unwrap_or_default();
                     state
-                        .apply_snapshot(call.seq, now, &tokens)
+                        .apply_snapshot(seq, now, &tokens)
                         .then(|| (state.encode(), ()))
                 });
                 for (rank, t) in tokens.iter().enumerate() {
@@ -268,7 +331,7 @@ impl Poller {
             }
             Err(reason) => {
                 host.count(&format!("dprank.poll_failed.{}", w.name), 1);
-                if self.healthy.get(call.worker).copied().flatten() != Some(false) {
+                if self.healthy.get(&address) != Some(&false) {
                     log::warn!(
                         "dprank: load poll of {} failed: {reason}; keeping its last snapshot",
                         w.endpoint()
@@ -277,13 +340,62 @@ impl Poller {
                 false
             }
         };
-        if let Some(h) = self.healthy.get_mut(call.worker) {
-            if *h == Some(false) && ok {
-                log::info!("dprank: load poll of {} recovered", w.endpoint());
-            }
-            *h = Some(ok);
+        if self.healthy.insert(address, ok) == Some(false) && ok {
+            log::info!("load poll of {} recovered", w.endpoint());
         }
     }
+}
+
+/// Stores a new membership for every thread; workers that left lose their state.
+fn on_membership_response(config: &Config, host: &dyn Host, status: Option<u32>, body: &[u8]) {
+    let Some(discovery) = &config.discovery else {
+        return;
+    };
+    let members = match status {
+        Some(200) => discovery::cluster_members(body, &discovery.cluster),
+        Some(code) => Err(format!("admin answered HTTP {code}")),
+        None => Err("admin did not answer".to_string()),
+    };
+    let members = match members {
+        Ok(m) => m,
+        Err(e) => {
+            host.count("dprank.membership_failed", 1);
+            log::warn!(
+                "dprank: cannot read the members of cluster `{}`: {e}",
+                discovery.cluster
+            );
+            return;
+        }
+    };
+    let key = discovery::members_key(config);
+    let previous = host
+        .shared_get(&key)
+        .map(|(b, _)| discovery::decode_members(&b))
+        .unwrap_or_default();
+    if previous == members {
+        return;
+    }
+    if host
+        .shared_set(&key, &discovery::encode_members(&members), None)
+        .is_err()
+    {
+        return;
+    }
+    for gone in previous.iter().filter(|a| !members.contains(a)) {
+        // An empty value decodes as "no state": the worker starts afresh if it comes back.
+        let _ = host.shared_set(&discovery::state_key_of(config, gone), b"", None);
+    }
+    host.count("dprank.membership_changes", 1);
+    log::info!(
+        "dprank: cluster `{}` now has {} worker(s): {}",
+        discovery.cluster,
+        members.len(),
+        members
+            .iter()
+            .map(|a| a.to_string())
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
 }
 
 #[cfg(test)]
@@ -488,5 +600,82 @@ mod tests {
             read_worker_states(&c, &h)[2].as_ref().unwrap().polled_tokens(0),
             Some(4)
         );
+    }
+
+    #[test]
+    fn membership_is_read_from_the_admin_api_and_published() {
+        use crate::discovery::{members_key, state_key_of, Membership};
+        use std::rc::Rc;
+        let base = Rc::new(Config::from_json(br#"{"workers_from_cluster":{"cluster":"sglang"}}"#).unwrap());
+        let h = FakeHost::default();
+        h.now.set(9_000_000);
+        let mut membership = Membership::new(base.clone());
+        let mut p = Poller::new(&base);
+        p.on_tick(&membership.current(&h), &h);
+        assert_eq!(h.calls.borrow()[0].0, "dprank_admin");
+        assert_eq!(header(&h.calls.borrow(), 0, ":path"), "/clusters?format=json");
+        let admin = |hosts: &[&str]| {
+            let hosts: Vec<String> = hosts
+                .iter()
+                .map(|a| {
+                    let (ip, port) = a.split_once(':').unwrap();
+                    format!(r#"{{"address":{{"socket_address":{{"address":"{ip}","port_value":{port}}}}}}}"#)
+                })
+                .collect();
+            format!(
+                r#"{{"cluster_statuses":[{{"name":"sglang","host_statuses":[{}]}}]}}"#,
+                hosts.join(",")
+            )
+        };
+        p.on_response(
+            &membership.current(&h),
+            &h,
+            1,
+            Some(200),
+            admin(&["10.0.0.1:1", "10.0.0.2:1"]).as_bytes(),
+        );
+        let config = membership.current(&h);
+        assert_eq!(config.workers.len(), 2);
+        // The next round polls the members.
+        h.now.set(9_001_000);
+        p.on_tick(&config, &h);
+        let polled: Vec<String> = h.calls.borrow()[1..]
+            .iter()
+            .filter(|c| c.0 == "dprank_poll")
+            .map(|c| {
+                c.1.iter()
+                    .find(|(k, _)| k == POLL_DESTINATION_HEADER)
+                    .unwrap()
+                    .1
+                    .clone()
+            })
+            .collect();
+        assert_eq!(polled, vec!["10.0.0.1:1", "10.0.0.2:1"]);
+        let gone: SocketAddr = "10.0.0.1:1".parse().unwrap();
+        assert!(h
+            .shared_get(&state_key_of(&base, &gone))
+            .is_some_and(|(b, _)| !b.is_empty()));
+        // A worker leaves: its state is dropped.
+        let admin_token = h
+            .calls
+            .borrow()
+            .iter()
+            .rev()
+            .find(|c| c.0 == "dprank_admin")
+            .unwrap()
+            .2;
+        p.on_response(
+            &config,
+            &h,
+            admin_token,
+            Some(200),
+            admin(&["10.0.0.2:1"]).as_bytes(),
+        );
+        assert_eq!(membership.current(&h).workers.len(), 1);
+        assert!(h
+            .shared_get(&state_key_of(&base, &gone))
+            .is_some_and(|(b, _)| b.is_empty()));
+        assert_eq!(h.shared_get(&members_key(&base)).unwrap().0, b"10.0.0.2:1");
+        assert_eq!(h.counter("dprank.membership_changes"), 2);
     }
 }

@@ -1,0 +1,221 @@
+//! Workers taken from an Envoy cluster: the poller reads the cluster's hosts
+//! from the admin API and publishes them in shared data; every thread builds
+//! its routing configuration from that list.
+
+use crate::config::{default_worker_name, Config, Worker};
+use crate::host::Host;
+use serde::Deserialize;
+use std::net::SocketAddr;
+use std::rc::Rc;
+
+pub fn members_key(config: &Config) -> String {
+    format!("{}.members", config.state_key)
+}
+
+pub fn state_key_of(config: &Config, address: &SocketAddr) -> String {
+    format!("{}.w.{}", config.state_key, address)
+}
+
+#[derive(Deserialize)]
+struct AdminClusters {
+    #[serde(default)]
+    cluster_statuses: Vec<ClusterStatus>,
+}
+
+#[derive(Deserialize)]
+struct ClusterStatus {
+    name: String,
+    #[serde(default)]
+    host_statuses: Vec<HostStatus>,
+}
+
+#[derive(Deserialize)]
+struct HostStatus {
+    address: HostAddress,
+    #[serde(default)]
+    health_status: HealthStatus,
+}
+
+#[derive(Deserialize)]
+struct HostAddress {
+    socket_address: Option<SocketAddress>,
+}
+
+#[derive(Deserialize)]
+struct SocketAddress {
+    address: String,
+    #[serde(default)]
+    port_value: u16,
+}
+
+#[derive(Deserialize, Default)]
+struct HealthStatus {
+    #[serde(default)]
+    failed_active_health_check: bool,
+    #[serde(default)]
+    failed_outlier_check: bool,
+    #[serde(default)]
+    eds_health_status: Option<String>,
+}
+
+impl HealthStatus {
+    /// Hosts Envoy itself would not send to are not offered to the scheduler.
+    fn usable(&self) -> bool {
+        !self.failed_active_health_check
+            && !self.failed_outlier_check
+            && !matches!(
+                self.eds_health_status.as_deref(),
+                Some("UNHEALTHY" | "DRAINING" | "TIMEOUT")
+            )
+    }
+}
+
+/// The usable hosts of `cluster` in an admin `/clusters?format=json` answer, sorted.
+pub fn cluster_members(admin_json: &[u8], cluster: &str) -> Result<Vec<SocketAddr>, String> {
+    let clusters: AdminClusters = serde_json::from_slice(admin_json).map_err(|e| e.to_string())?;
+    let status = clusters
+        .cluster_statuses
+        .into_iter()
+        .find(|c| c.name == cluster)
+        .ok_or_else(|| format!("Envoy has no cluster `{cluster}`"))?;
+    let mut members: Vec<SocketAddr> = status
+        .host_statuses
+        .iter()
+        .filter(|h| h.health_status.usable())
+        .filter_map(|h| {
+            let s = h.address.socket_address.as_ref()?;
+            let ip = s.address.parse().ok()?;
+            Some(SocketAddr::new(ip, s.port_value))
+        })
+        .collect();
+    members.sort();
+    members.dedup();
+    Ok(members)
+}
+
+pub fn encode_members(members: &[SocketAddr]) -> Vec<u8> {
+    members
+        .iter()
+        .map(|a| a.to_string())
+        .collect::<Vec<_>>()
+        .join("\n")
+        .into_bytes()
+}
+
+pub fn decode_members(bytes: &[u8]) -> Vec<SocketAddr> {
+    std::str::from_utf8(bytes)
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| l.parse().ok())
+        .collect()
+}
+
+/// The configuration to route with: the plugin's own, or with a cluster's
+/// membership as its workers. Rebuilt only when the published list changes.
+pub struct Membership {
+    base: Rc<Config>,
+    cas: Option<u32>,
+    current: Rc<Config>,
+}
+
+impl Membership {
+    pub fn new(base: Rc<Config>) -> Membership {
+        Membership {
+            current: base.clone(),
+            base,
+            cas: None,
+        }
+    }
+
+    /// The plugin's configuration as written (headers-time decisions need nothing more).
+    pub fn base(&self) -> Rc<Config> {
+        self.base.clone()
+    }
+
+    pub fn current(&mut self, host: &dyn Host) -> Rc<Config> {
+        if self.base.discovery.is_none() {
+            return self.base.clone();
+        }
+        match host.shared_get(&members_key(&self.base)) {
+            Some((bytes, cas)) if Some(cas) != self.cas => {
+                let workers = decode_members(&bytes)
+                    .into_iter()
+                    .map(|address| Worker {
+                        name: default_worker_name(&address),
+                        address,
+                        dp_size: None,
+                        bootstrap_port: None,
+                    })
+                    .collect();
+                self.current = Rc::new(self.base.with_workers(workers));
+                self.cas = Some(cas);
+            }
+            _ => {}
+        }
+        self.current.clone()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::host::fake::FakeHost;
+
+    const ADMIN: &[u8] = br#"{"cluster_statuses":[
+        {"name":"other","host_statuses":[{"address":{"socket_address":{"address":"10.9.9.9","port_value":1}}}]},
+        {"name":"sglang","added_via_api":true,"host_statuses":[
+          {"address":{"socket_address":{"address":"10.0.0.2","port_value":30000}},"health_status":{"eds_health_status":"HEALTHY"},"weight":1},
+          {"address":{"socket_address":{"address":"10.0.0.1","port_value":30000}},"health_status":{"eds_health_status":"HEALTHY"}},
+          {"address":{"socket_address":{"address":"10.0.0.3","port_value":30000}},"health_status":{"failed_active_health_check":true}},
+          {"address":{"socket_address":{"address":"10.0.0.4","port_value":30000}},"health_status":{"eds_health_status":"DRAINING"}},
+          {"address":{"pipe":{"path":"/tmp/x"}}}
+        ]}]}"#;
+
+    #[test]
+    fn members_are_the_usable_hosts_of_the_named_cluster() {
+        let m = cluster_members(ADMIN, "sglang").unwrap();
+        assert_eq!(
+            m,
+            vec![
+                "10.0.0.1:30000".parse().unwrap(),
+                "10.0.0.2:30000".parse().unwrap()
+            ]
+        );
+        assert!(cluster_members(ADMIN, "nope").unwrap_err().contains("nope"));
+        assert!(cluster_members(b"<html>", "sglang").is_err());
+    }
+
+    #[test]
+    fn members_round_trip_and_ignore_junk() {
+        let m: Vec<SocketAddr> = vec!["10.0.0.1:1".parse().unwrap(), "[::1]:2".parse().unwrap()];
+        assert_eq!(decode_members(&encode_members(&m)), m);
+        assert_eq!(decode_members(b"junk\n10.0.0.1:1"), vec![m[0]]);
+        assert!(decode_members(b"\xff").is_empty());
+    }
+
+    #[test]
+    fn membership_follows_the_published_list() {
+        let base = Rc::new(Config::from_json(br#"{"workers_from_cluster":{"cluster":"sglang"}}"#).unwrap());
+        let host = FakeHost::default();
+        let mut membership = Membership::new(base.clone());
+        assert!(membership.current(&host).workers.is_empty());
+        host.shared_set(&members_key(&base), b"10.0.0.1:1\n10.0.0.2:1", None)
+            .unwrap();
+        let c = membership.current(&host);
+        assert_eq!(c.workers.len(), 2);
+        assert_eq!(c.workers[1].name, "10_0_0_2_1");
+        assert!(
+            Rc::ptr_eq(&c, &membership.current(&host)),
+            "unchanged list, same config"
+        );
+        host.shared_set(&members_key(&base), b"10.0.0.2:1", None).unwrap();
+        assert_eq!(membership.current(&host).workers[0].endpoint(), "10.0.0.2:1");
+    }
+
+    #[test]
+    fn static_workers_are_used_as_configured() {
+        let base = Rc::new(Config::from_json(br#"{"workers":[{"address":"10.0.0.1:1"}]}"#).unwrap());
+        let mut membership = Membership::new(base.clone());
+        assert!(Rc::ptr_eq(&membership.current(&FakeHost::default()), &base));
+    }
+}
