@@ -74,6 +74,7 @@ impl RootContext for DprankRoot {
             membership,
             requests: self.requests.clone(),
             routing: false,
+            body_size: 0,
             had_content_length: false,
             pin: None,
             ticket: None,
@@ -109,6 +110,8 @@ pub struct DprankHttp {
     requests: Rc<Cell<u64>>,
     /// The body will be read and routed.
     routing: bool,
+    /// Bytes buffered so far.
+    body_size: usize,
     had_content_length: bool,
     pin: Option<String>,
     ticket: Option<Ticket>,
@@ -125,6 +128,51 @@ impl DprankHttp {
     fn replace_body(&self, old_size: usize, body: &[u8]) {
         if envoy::replace_request_body(old_size, body) && self.had_content_length {
             envoy::set_request_header("content-length", Some(&body.len().to_string()));
+        }
+    }
+
+    /// Routes the whole buffered body and applies the decision.
+    fn route_body(&mut self, body_size: usize) -> Action {
+        self.routing = false;
+        self.config = self.membership.borrow_mut().current(&EnvoyHost);
+        let body = envoy::request_body(body_size).unwrap_or_default();
+        let tie_breaker = self.requests.get().wrapping_add(1);
+        self.requests.set(tie_breaker);
+        match router::route(&self.config, &EnvoyHost, &body, self.pin.as_deref(), tie_breaker) {
+            Decision::Route(routed) => {
+                envoy::set_request_header(&self.config.route_header, Some(&routed.endpoint));
+                if let Some(new_body) = &routed.body {
+                    self.replace_body(body_size, new_body);
+                }
+                self.ticket = routed.ticket;
+                Action::Continue
+            }
+            Decision::Pd(pd) => {
+                self.ticket = pd.decode_ticket;
+                self.prefill_ticket = pd.prefill_ticket;
+                if !self.dispatch_prefill(&pd) {
+                    self.release_tickets();
+                    let (status, body) =
+                        router::prefill_not_sent(&self.config, &EnvoyHost, pd.prefill.worker);
+                    envoy::send_response(status, "application/json", body.as_bytes());
+                    return Action::Pause;
+                }
+                if let Some(decode) = &pd.decode {
+                    envoy::set_request_header(&self.config.route_header, Some(&decode.endpoint));
+                }
+                self.replace_body(body_size, &pd.decode_body);
+                Action::Continue
+            }
+            Decision::PassThrough { body: new_body, .. } => {
+                if let Some(new_body) = &new_body {
+                    self.replace_body(body_size, new_body);
+                }
+                Action::Continue
+            }
+            Decision::Reject { status, body } => {
+                envoy::send_response(status, "application/json", body.as_bytes());
+                Action::Pause
+            }
         }
     }
 
@@ -240,50 +288,19 @@ impl HttpContext for DprankHttp {
         if !self.routing {
             return Action::Continue;
         }
+        self.body_size = body_size;
         if !end_of_stream {
             return Action::Pause;
         }
-        self.routing = false;
-        self.config = self.membership.borrow_mut().current(&EnvoyHost);
-        let body = envoy::request_body(body_size).unwrap_or_default();
-        let tie_breaker = self.requests.get().wrapping_add(1);
-        self.requests.set(tie_breaker);
-        match router::route(&self.config, &EnvoyHost, &body, self.pin.as_deref(), tie_breaker) {
-            Decision::Route(routed) => {
-                envoy::set_request_header(&self.config.route_header, Some(&routed.endpoint));
-                if let Some(new_body) = &routed.body {
-                    self.replace_body(body_size, new_body);
-                }
-                self.ticket = routed.ticket;
-                Action::Continue
-            }
-            Decision::Pd(pd) => {
-                self.ticket = pd.decode_ticket;
-                self.prefill_ticket = pd.prefill_ticket;
-                if !self.dispatch_prefill(&pd) {
-                    self.release_tickets();
-                    let (status, body) =
-                        router::prefill_not_sent(&self.config, &EnvoyHost, pd.prefill.worker);
-                    envoy::send_response(status, "application/json", body.as_bytes());
-                    return Action::Pause;
-                }
-                if let Some(decode) = &pd.decode {
-                    envoy::set_request_header(&self.config.route_header, Some(&decode.endpoint));
-                }
-                self.replace_body(body_size, &pd.decode_body);
-                Action::Continue
-            }
-            Decision::PassThrough { body: new_body, .. } => {
-                if let Some(new_body) = &new_body {
-                    self.replace_body(body_size, new_body);
-                }
-                Action::Continue
-            }
-            Decision::Reject { status, body } => {
-                envoy::send_response(status, "application/json", body.as_bytes());
-                Action::Pause
-            }
+        self.route_body(body_size)
+    }
+
+    fn on_http_request_trailers(&mut self, _trailers: usize) -> Action {
+        // A body followed by trailers never sees end_of_stream in the body callback.
+        if self.routing {
+            return self.route_body(self.body_size);
         }
+        Action::Continue
     }
 
     fn on_http_response_headers(&mut self, _headers: usize, _end_of_stream: bool) -> Action {
