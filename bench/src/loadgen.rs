@@ -41,7 +41,6 @@ pub struct LoadSample {
 #[derive(Debug, Clone)]
 pub struct LoadReport {
     pub label: String,
-    pub time_scale: f64,
     pub sent: usize,
     pub ok: usize,
     pub errors: usize,
@@ -55,7 +54,6 @@ pub struct LoadReport {
     pub throughput_rps: f64,
     /// Output tokens per simulated second.
     pub token_throughput: f64,
-    pub wall_s: f64,
     pub samples: Vec<LoadSample>,
     /// Time-averaged max/mean of per-rank tokens while arrivals last.
     pub imbalance: Option<f64>,
@@ -176,10 +174,7 @@ async fn sample_loads(
 }
 
 /// Replays `trace` and measures it.
-pub async fn run_trace(
-    trace: &[TraceRequest],
-    options: &LoadOptions,
-) -> Result<LoadReport, String> {
+pub async fn run_trace(trace: &[TraceRequest], options: &LoadOptions) -> Result<LoadReport, String> {
     if options.targets.is_empty() {
         return Err("no target".into());
     }
@@ -232,15 +227,14 @@ pub async fn run_trace(
                 true,
                 i as u64,
             ));
-            let outcome =
-                match tokio::time::timeout(timeout, stream_request(&client, uri, body)).await {
-                    Ok(outcome) => outcome,
-                    Err(_) => StreamOutcome {
-                        error: Some(format!("no complete response within {timeout:?}")),
-                        e2e: timeout,
-                        ..StreamOutcome::default()
-                    },
-                };
+            let outcome = match tokio::time::timeout(timeout, stream_request(&client, uri, body)).await {
+                Ok(outcome) => outcome,
+                Err(_) => StreamOutcome {
+                    error: Some(format!("no complete response within {timeout:?}")),
+                    e2e: timeout,
+                    ..StreamOutcome::default()
+                },
+            };
             (outcome, Instant::now())
         });
         // Reap finished requests as we go so memory stays flat.
@@ -267,7 +261,6 @@ pub async fn run_trace(
     let mut itl_us = Histogram::<u64>::new(3).map_err(|e| format!("histogram: {e}"))?;
     let mut report = LoadReport {
         label: options.label.clone(),
-        time_scale: scale,
         sent: trace.len(),
         ok: 0,
         errors: trace.len().saturating_sub(outcomes.len()),
@@ -277,7 +270,6 @@ pub async fn run_trace(
         itl_us: Histogram::new(3).map_err(|e| format!("histogram: {e}"))?,
         throughput_rps: 0.0,
         token_throughput: 0.0,
-        wall_s: start.elapsed().as_secs_f64(),
         samples: Vec::new(),
         imbalance: None,
         arrival_window_s: arrivals_end.as_secs_f64() * scale,

@@ -1,11 +1,20 @@
 //! dprank-bench: load generator and benchmarks for dprank (see `--help`).
 
 mod client;
+mod compare;
+mod cpu;
+mod envoy;
+mod fleet;
 mod loadgen;
+mod overhead;
+mod plot;
 mod procs;
+mod selection;
+mod stats;
 mod trace;
 
 use std::net::SocketAddr;
+use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
 
@@ -20,6 +29,9 @@ use crate::trace::{LengthModel, TraceSpec};
     about = "Benchmarks for dprank: load generator, comparisons, overhead, selection cost"
 )]
 struct Cli {
+    /// Repository root (where target/, envoy/ and .venv/ are).
+    #[arg(long, global = true, default_value = ".")]
+    root: PathBuf,
     #[command(subcommand)]
     command: Command,
 }
@@ -28,37 +40,55 @@ struct Cli {
 enum Command {
     /// Replay a seeded trace against an endpoint and print latency, throughput and rank imbalance.
     Load(LoadArgs),
+    /// Same trace through Envoy round robin, Envoy + dprank, smg, the ideal, and two Envoys + dprank.
+    Compare(compare::CompareArgs),
+    /// Latency and throughput a router adds in front of an instant worker.
+    Overhead(overhead::OverheadArgs),
+    /// Cost of the filter's selection step and body handling (host micro-benchmark).
+    Selection(selection::SelectionArgs),
+    /// compare, then overhead, then selection, with their defaults.
+    All {
+        #[arg(long, default_value = "bench-results")]
+        out: PathBuf,
+        /// Runs per compare variant and per overhead cell.
+        #[arg(long, default_value_t = 3)]
+        runs: usize,
+    },
 }
 
 /// Shape of the trace: arrivals and lengths.
 #[derive(Debug, Clone, Args)]
-struct TraceArgs {
+pub struct TraceArgs {
     /// Arrivals per simulated second (Poisson).
-    #[arg(long, default_value_t = 10.0)]
-    rate: f64,
+    #[arg(long, default_value_t = DEFAULT_RATE)]
+    pub rate: f64,
     /// Simulated seconds of arrivals.
-    #[arg(long, default_value_t = 30.0)]
-    duration: f64,
+    #[arg(long, default_value_t = DEFAULT_DURATION_S)]
+    pub duration: f64,
     #[arg(long, default_value_t = 42)]
-    seed: u64,
+    pub seed: u64,
     /// Median prompt tokens (lognormal).
     #[arg(long, default_value_t = LengthModel::SHAREGPT_INPUT.median)]
-    input_median: f64,
+    pub input_median: f64,
     #[arg(long, default_value_t = LengthModel::SHAREGPT_INPUT.sigma)]
-    input_sigma: f64,
+    pub input_sigma: f64,
     #[arg(long, default_value_t = LengthModel::SHAREGPT_INPUT.max)]
-    input_max: u32,
+    pub input_max: u32,
     /// Median output tokens (lognormal).
     #[arg(long, default_value_t = LengthModel::SHAREGPT_OUTPUT.median)]
-    output_median: f64,
+    pub output_median: f64,
     #[arg(long, default_value_t = LengthModel::SHAREGPT_OUTPUT.sigma)]
-    output_sigma: f64,
+    pub output_sigma: f64,
     #[arg(long, default_value_t = LengthModel::SHAREGPT_OUTPUT.max)]
-    output_max: u32,
+    pub output_max: u32,
 }
 
+/// Default load: near the saturation of the default compare fleet.
+pub const DEFAULT_RATE: f64 = 12.0;
+pub const DEFAULT_DURATION_S: f64 = 60.0;
+
 impl TraceArgs {
-    fn spec(&self) -> TraceSpec {
+    pub fn spec(&self) -> TraceSpec {
         TraceSpec {
             rate: self.rate,
             duration_s: self.duration,
@@ -118,17 +148,46 @@ async fn load(args: LoadArgs) -> Result<(), String> {
 
 async fn run(cli: Cli) -> Result<(), String> {
     procs::install_kill_guards();
+    let command_line = std::env::args()
+        .map(|a| if a.contains(' ') { format!("'{a}'") } else { a })
+        .collect::<Vec<_>>()
+        .join(" ");
     match cli.command {
         Command::Load(args) => load(args).await,
+        Command::Compare(args) => {
+            compare::compare(&fleet::Tools::find(&cli.root)?, &args, &command_line).await
+        }
+        Command::Overhead(args) => {
+            overhead::overhead(&fleet::Tools::find(&cli.root)?, &args, &command_line).await
+        }
+        Command::Selection(args) => selection::selection(&args, &command_line),
+        Command::All { out, runs } => {
+            let tools = fleet::Tools::find(&cli.root)?;
+            let mut parsed = Cli::parse_from(["dprank-bench", "compare"]);
+            if let Command::Compare(mut args) = parsed.command {
+                args.out = out.clone();
+                args.runs = runs;
+                compare::compare(&tools, &args, &command_line).await?;
+            }
+            parsed = Cli::parse_from(["dprank-bench", "overhead"]);
+            if let Command::Overhead(mut args) = parsed.command {
+                args.out = out.clone();
+                args.runs = runs;
+                overhead::overhead(&tools, &args, &command_line).await?;
+            }
+            parsed = Cli::parse_from(["dprank-bench", "selection"]);
+            if let Command::Selection(mut args) = parsed.command {
+                args.out = out;
+                selection::selection(&args, &command_line)?;
+            }
+            Ok(())
+        }
     }
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    let runtime = match tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-    {
+    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
         Ok(runtime) => runtime,
         Err(e) => {
             eprintln!("dprank-bench: cannot start the runtime: {e}");

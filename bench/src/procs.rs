@@ -6,7 +6,7 @@
 
 use std::fs::File;
 use std::io::{BufRead, BufReader};
-use std::net::{SocketAddr, TcpListener};
+use std::net::TcpListener;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -67,24 +67,14 @@ pub struct Managed {
 
 impl Managed {
     /// Starts `program args` with stdout/stderr appended to `logs/<name>.log`.
-    pub fn spawn(
-        name: &str,
-        program: &Path,
-        args: &[String],
-        logs: &Path,
-    ) -> Result<Managed, String> {
+    pub fn spawn(name: &str, program: &Path, args: &[String], logs: &Path) -> Result<Managed, String> {
         let log = logs.join(format!("{name}.log"));
-        let out =
-            File::create(&log).map_err(|e| format!("cannot create {}: {e}", log.display()))?;
+        let out = File::create(&log).map_err(|e| format!("cannot create {}: {e}", log.display()))?;
         let err = out
             .try_clone()
             .map_err(|e| format!("cannot reopen {}: {e}", log.display()))?;
         let mut command = Command::new(program);
-        command
-            .args(args)
-            .stdin(Stdio::null())
-            .stdout(out)
-            .stderr(err);
+        command.args(args).stdin(Stdio::null()).stdout(out).stderr(err);
         // SAFETY: only async-signal-safe calls between fork and exec.
         unsafe {
             command.pre_exec(|| {
@@ -190,16 +180,4 @@ pub fn free_port() -> Result<u16, String> {
         .local_addr()
         .map(|a| a.port())
         .map_err(|e| format!("no free port: {e}"))
-}
-
-/// Waits until something accepts TCP connections on `addr`.
-pub fn wait_for_port(addr: SocketAddr, timeout: Duration) -> bool {
-    let deadline = Instant::now() + timeout;
-    while Instant::now() < deadline {
-        if std::net::TcpStream::connect_timeout(&addr, Duration::from_millis(200)).is_ok() {
-            return true;
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    false
 }

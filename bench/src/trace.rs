@@ -105,9 +105,7 @@ impl TraceSpec {
 
 /// Three-letter words and a space: exactly 4 bytes per token, as the
 /// simulator (and dprank's `bytes` estimate) count ceil(bytes / 4).
-const WORDS: [&str; 8] = [
-    "the ", "cat ", "sat ", "far ", "big ", "red ", "sky ", "old ",
-];
+const WORDS: [&str; 8] = ["the ", "cat ", "sat ", "far ", "big ", "red ", "sky ", "old "];
 
 /// Prompt text of `tokens` tokens at 4 bytes each.
 pub fn prompt_text(tokens: u32, salt: u64) -> String {

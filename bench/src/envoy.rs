@@ -1,0 +1,221 @@
+//! Renders Envoy configurations for the benchmark from the shipped
+//! envoy/dprank.yaml, so every variant runs the configuration users get:
+//! only ports, worker addresses, the wasm path, the poll interval and (for
+//! the variants without dprank) the wasm filter itself are changed.
+
+use std::net::SocketAddr;
+use std::path::Path;
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Balancer {
+    /// The shipped config: dprank picks worker and rank.
+    Dprank { poll_interval_ms: u64 },
+    /// Wasm filter removed: the cluster's fallback round robin over workers.
+    RoundRobin,
+    /// Wasm filter removed, fallback policy least_request over workers.
+    LeastRequest,
+}
+
+pub struct EnvoyPorts {
+    pub listener: u16,
+    pub admin: u16,
+}
+
+fn indent_of(line: &str) -> usize {
+    line.len() - line.trim_start().len()
+}
+
+fn replace_once(text: &str, from: &str, to: &str) -> Result<String, String> {
+    match text.matches(from).count() {
+        1 => Ok(text.replacen(from, to, 1)),
+        n => Err(format!("envoy template: expected `{from}` once, found {n} times")),
+    }
+}
+
+/// Lines from `start` on that are indented deeper than `start` (its block).
+fn block_end(lines: &[String], start: usize) -> usize {
+    let base = lines.get(start).map_or(0, |l| indent_of(l));
+    let mut end = start + 1;
+    while let Some(line) = lines.get(end) {
+        if !line.trim().is_empty() && indent_of(line) <= base {
+            break;
+        }
+        end += 1;
+    }
+    end
+}
+
+/// The list item `- name: <name>` and its block.
+fn list_item_range(lines: &[String], name: &str) -> Result<(usize, usize), String> {
+    let start = lines
+        .iter()
+        .position(|l| l.trim() == format!("- name: {name}"))
+        .ok_or_else(|| format!("envoy template: no `- name: {name}`"))?;
+    let base = indent_of(&lines[start]);
+    let mut end = start + 1;
+    while let Some(line) = lines.get(end) {
+        if !line.trim().is_empty() && indent_of(line) <= base {
+            break;
+        }
+        end += 1;
+    }
+    Ok((start, end))
+}
+
+pub fn render(
+    template: &str,
+    ports: &EnvoyPorts,
+    workers: &[SocketAddr],
+    balancer: Balancer,
+    wasm: &Path,
+) -> Result<String, String> {
+    let mut text = replace_once(
+        template,
+        "port_value: 10000",
+        &format!("port_value: {}", ports.listener),
+    )?;
+    text = replace_once(&text, "port_value: 9901", &format!("port_value: {}", ports.admin))?;
+    if balancer == Balancer::LeastRequest {
+        text = replace_once(
+            &text,
+            "envoy.load_balancing_policies.round_robin\n",
+            "envoy.load_balancing_policies.least_request\n",
+        )?;
+        text = replace_once(
+            &text,
+            "round_robin.v3.RoundRobin",
+            "least_request.v3.LeastRequest",
+        )?;
+    }
+    let mut lines: Vec<String> = text.lines().map(str::to_string).collect();
+
+    // The workers of the `sglang` cluster.
+    let at = lines
+        .iter()
+        .position(|l| l.trim() == "- lb_endpoints:")
+        .ok_or("envoy template: no lb_endpoints")?;
+    let item_indent = indent_of(&lines[at]) + 2;
+    let mut end = at + 1;
+    while lines
+        .get(end)
+        .is_some_and(|l| l.trim_start().starts_with("- endpoint:"))
+    {
+        end += 1;
+    }
+    let endpoints: Vec<String> = workers
+        .iter()
+        .map(|w| {
+            format!(
+                "{:item_indent$}- endpoint: {{ address: {{ socket_address: {{ address: {}, port_value: {} }} }} }}",
+                "",
+                w.ip(),
+                w.port()
+            )
+        })
+        .collect();
+    lines.splice(at + 1..end, endpoints);
+
+    match balancer {
+        Balancer::Dprank { poll_interval_ms } => {
+            let (start, end) = list_item_range(&lines, "envoy.filters.http.wasm")?;
+            let wasm_line = (start..end)
+                .find(|i| lines[*i].contains("filename:"))
+                .ok_or("envoy template: no wasm filename")?;
+            let indent = indent_of(&lines[wasm_line]);
+            lines[wasm_line] = format!("{:indent$}local: {{ filename: {} }}", "", wasm.display());
+            let value = (start..end)
+                .find(|i| lines[*i].trim() == "value: |")
+                .ok_or("envoy template: no filter configuration `value: |`")?;
+            let value_end = block_end(&lines, value);
+            let json_text = lines[value + 1..value_end].join("\n");
+            let mut config: serde_json::Value = serde_json::from_str(&json_text)
+                .map_err(|e| format!("envoy template: filter configuration is not JSON: {e}"))?;
+            let object = config
+                .as_object_mut()
+                .ok_or("envoy template: filter configuration is not an object")?;
+            let named: Vec<serde_json::Value> = workers
+                .iter()
+                .enumerate()
+                .map(|(i, w)| serde_json::json!({"address": w.to_string(), "name": format!("worker_{i}")}))
+                .collect();
+            object.insert("workers".into(), serde_json::Value::Array(named));
+            object.insert("poll_interval_ms".into(), poll_interval_ms.into());
+            let indent = indent_of(&lines[value]) + 2;
+            lines.splice(value + 1..value_end, [format!("{:indent$}{}", "", config)]);
+        }
+        Balancer::RoundRobin | Balancer::LeastRequest => {
+            let (start, end) = list_item_range(&lines, "envoy.filters.http.wasm")?;
+            lines.drain(start..end);
+        }
+    }
+    let mut out = lines.join("\n");
+    out.push('\n');
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn template() -> String {
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../envoy/dprank.yaml")).unwrap()
+    }
+
+    fn workers() -> Vec<SocketAddr> {
+        vec![
+            "127.0.0.1:4001".parse().unwrap(),
+            "127.0.0.1:4002".parse().unwrap(),
+            "127.0.0.1:4003".parse().unwrap(),
+        ]
+    }
+
+    const PORTS: EnvoyPorts = EnvoyPorts {
+        listener: 5000,
+        admin: 5001,
+    };
+
+    #[test]
+    fn dprank_variant_rewrites_workers_ports_and_interval() {
+        let out = render(
+            &template(),
+            &PORTS,
+            &workers(),
+            Balancer::Dprank {
+                poll_interval_ms: 250,
+            },
+            Path::new("/x/d.wasm"),
+        )
+        .unwrap();
+        assert!(out.contains("port_value: 5000") && out.contains("port_value: 5001"));
+        assert!(out.contains("port_value: 4003 }"));
+        assert!(!out.contains("30001"));
+        assert!(out.contains("\"poll_interval_ms\":250"));
+        assert!(out.contains("\"address\":\"127.0.0.1:4002\""));
+        assert!(out.contains("filename: /x/d.wasm"));
+        assert!(out.contains("envoy.filters.http.router"));
+    }
+
+    #[test]
+    fn plain_variants_drop_the_filter() {
+        let rr = render(
+            &template(),
+            &PORTS,
+            &workers(),
+            Balancer::RoundRobin,
+            Path::new("/x"),
+        )
+        .unwrap();
+        assert!(!rr.contains("envoy.filters.http.wasm") && !rr.contains("dprank.wasm"));
+        assert!(rr.contains("- name: envoy.filters.http.router"));
+        assert!(rr.contains("round_robin.v3.RoundRobin"));
+        let lr = render(
+            &template(),
+            &PORTS,
+            &workers(),
+            Balancer::LeastRequest,
+            Path::new("/x"),
+        )
+        .unwrap();
+        assert!(lr.contains("least_request.v3.LeastRequest") && !lr.contains("RoundRobin"));
+    }
+}

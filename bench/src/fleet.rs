@@ -1,0 +1,312 @@
+//! Starting what a benchmark variant needs: the simulated workers and the
+//! front (Envoy with or without dprank, smg), each a [`Managed`] child.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use crate::client::{get_text, PooledClient};
+use crate::envoy::{render, Balancer, EnvoyPorts};
+use crate::procs::{free_port, Managed};
+
+/// Where the tools live (all relative to the repository root).
+#[derive(Debug, Clone)]
+pub struct Tools {
+    pub root: PathBuf,
+    pub sim: PathBuf,
+    pub envoy: PathBuf,
+    pub smg: Option<PathBuf>,
+    pub wasm: PathBuf,
+    pub logs: PathBuf,
+}
+
+impl Tools {
+    pub fn find(root: &Path) -> Result<Tools, String> {
+        let root = root
+            .canonicalize()
+            .map_err(|e| format!("repository root {}: {e}", root.display()))?;
+        let sim = root.join("target/release/dprank-sim");
+        let envoy = std::env::var_os("ENVOY_BIN")
+            .map(PathBuf::from)
+            .unwrap_or_else(|| root.join(".venv/bin/envoy"));
+        let smg = Some(root.join(".venv/bin/smg")).filter(|p| p.exists());
+        let wasm = root.join("target/wasm32-wasip1/release/dprank.wasm");
+        for (what, path, how) in [
+            ("dprank-sim", &sim, "cargo build --release -p dprank-sim"),
+            ("envoy", &envoy, "./scripts/setup.sh"),
+            ("dprank.wasm", &wasm, "make wasm"),
+        ] {
+            if !path.exists() {
+                return Err(format!("{what} not found at {} (run `{how}`)", path.display()));
+            }
+        }
+        let logs = root.join("target/bench-logs");
+        std::fs::create_dir_all(&logs).map_err(|e| format!("cannot create {}: {e}", logs.display()))?;
+        Ok(Tools {
+            root,
+            sim,
+            envoy,
+            smg,
+            wasm,
+            logs,
+        })
+    }
+}
+
+/// Simulator options for one fleet.
+#[derive(Debug, Clone)]
+pub struct SimOptions {
+    pub workers: usize,
+    pub dp_size: usize,
+    pub time_scale: f64,
+    pub minimum_tokens: bool,
+    pub instant: bool,
+    /// Further model flags, passed as given.
+    pub extra: Vec<String>,
+}
+
+/// One simulator process serving every worker of the fleet.
+pub struct SimFleet {
+    _process: Managed,
+    pub workers: Vec<SocketAddr>,
+}
+
+impl SimFleet {
+    pub fn start(tools: &Tools, options: &SimOptions, name: &str) -> Result<SimFleet, String> {
+        let mut args = Vec::new();
+        for _ in 0..options.workers {
+            // Port 0: other programs on a shared machine hold fixed ports.
+            args.extend(["--listen".to_string(), "127.0.0.1:0".to_string()]);
+        }
+        args.extend([
+            "--dp-size".into(),
+            options.dp_size.to_string(),
+            "--time-scale".into(),
+            options.time_scale.to_string(),
+            "--dispatch".into(),
+            if options.minimum_tokens {
+                "minimum_tokens"
+            } else {
+                "round_robin"
+            }
+            .into(),
+        ]);
+        if options.instant {
+            args.push("--instant".into());
+        }
+        args.extend(options.extra.iter().cloned());
+        let mut process = Managed::spawn(name, &tools.sim, &args, &tools.logs)?;
+        let lines = process.wait_for_lines("ready ", options.workers, Duration::from_secs(10))?;
+        let workers = lines
+            .iter()
+            .map(|l| {
+                l.split_whitespace()
+                    .nth(1)
+                    .and_then(|a| a.parse().ok())
+                    .ok_or_else(|| format!("unexpected simulator line `{l}`"))
+            })
+            .collect::<Result<Vec<SocketAddr>, String>>()?;
+        Ok(SimFleet {
+            _process: process,
+            workers,
+        })
+    }
+
+    /// Load requests the workers have answered so far (polls by any router).
+    pub async fn load_polls(&self, client: &PooledClient) -> Vec<u64> {
+        let mut out = Vec::new();
+        for w in &self.workers {
+            let polls = get_text(client, &format!("http://{w}/_sim/counters"))
+                .await
+                .ok()
+                .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
+                .and_then(|v| {
+                    v.get("load_requests")
+                        .and_then(|m| m.as_object())
+                        .map(|m| m.values().filter_map(|n| n.as_u64()).sum())
+                })
+                .unwrap_or(0);
+            out.push(polls);
+        }
+        out
+    }
+}
+
+/// Polls `uri` until it answers 2xx.
+pub async fn wait_http_ok(
+    client: &PooledClient,
+    uri: &str,
+    process: &mut Managed,
+    timeout: Duration,
+) -> Result<(), String> {
+    let deadline = Instant::now() + timeout;
+    loop {
+        if get_text(client, uri).await.is_ok() {
+            return Ok(());
+        }
+        if !process.is_running() {
+            return Err(format!(
+                "{} exited during start-up:\n{}",
+                process.name,
+                process.log_tail()
+            ));
+        }
+        if Instant::now() > deadline {
+            return Err(format!(
+                "{} not ready at {uri} after {timeout:?}:\n{}",
+                process.name,
+                process.log_tail()
+            ));
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// A running router in front of the fleet.
+pub struct Front {
+    _process: Managed,
+    pub url: String,
+    pub addr: SocketAddr,
+}
+
+pub async fn start_envoy(
+    tools: &Tools,
+    client: &PooledClient,
+    fleet: &SimFleet,
+    balancer: Balancer,
+    name: &str,
+) -> Result<Front, String> {
+    let template_path = tools.root.join("envoy/dprank.yaml");
+    let template = std::fs::read_to_string(&template_path)
+        .map_err(|e| format!("cannot read {}: {e}", template_path.display()))?;
+    let ports = EnvoyPorts {
+        listener: free_port()?,
+        admin: free_port()?,
+    };
+    let yaml = render(&template, &ports, &fleet.workers, balancer, &tools.wasm)?;
+    let config = tools.logs.join(format!("{name}.yaml"));
+    std::fs::write(&config, yaml).map_err(|e| format!("cannot write {}: {e}", config.display()))?;
+    let polls_before = fleet.load_polls(client).await;
+    let args: Vec<String> = vec![
+        "-c".into(),
+        config.display().to_string(),
+        // Two Envoys may run at once; hot restart would make them share memory.
+        "--disable-hot-restart".into(),
+        "-l".into(),
+        "warning".into(),
+    ];
+    let mut process = Managed::spawn(name, &tools.envoy, &args, &tools.logs)?;
+    let admin = format!("http://127.0.0.1:{}/ready", ports.admin);
+    wait_http_ok(client, &admin, &mut process, Duration::from_secs(20)).await?;
+    if let Balancer::Dprank { .. } = balancer {
+        // Routing starts only once every worker has been polled.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let polls = fleet.load_polls(client).await;
+            if polls.iter().zip(&polls_before).all(|(now, before)| now > before) {
+                break;
+            }
+            if Instant::now() > deadline {
+                return Err(format!(
+                    "{name}: dprank never polled the workers:\n{}",
+                    process.log_tail()
+                ));
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        // One more interval so the snapshot is in shared data on every thread.
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let addr = SocketAddr::from(([127, 0, 0, 1], ports.listener));
+    Ok(Front {
+        _process: process,
+        url: format!("http://{addr}"),
+        addr,
+    })
+}
+
+/// smg options that distinguish the variants.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SmgMode {
+    /// `--dp-aware`: ranks spread round robin.
+    DpAware,
+    /// `--dp-aware --dp-minimum-tokens-scheduler --load-monitor-interval 1`.
+    DpMinimumTokens,
+}
+
+pub async fn start_smg(
+    tools: &Tools,
+    client: &PooledClient,
+    fleet: &SimFleet,
+    mode: SmgMode,
+    name: &str,
+) -> Result<Option<Front>, String> {
+    let Some(smg) = &tools.smg else {
+        return Ok(None);
+    };
+    let port = free_port()?;
+    let metrics = free_port()?;
+    let mut args: Vec<String> = vec![
+        "launch".into(),
+        "--host".into(),
+        "127.0.0.1".into(),
+        "--port".into(),
+        port.to_string(),
+        "--prometheus-host".into(),
+        "127.0.0.1".into(),
+        "--prometheus-port".into(),
+        metrics.to_string(),
+        // The same worker policy as Envoy's round robin.
+        "--policy".into(),
+        "round_robin".into(),
+        "--log-level".into(),
+        "warn".into(),
+        "--dp-aware".into(),
+        "--worker-urls".into(),
+    ];
+    args.extend(fleet.workers.iter().map(|w| format!("http://{w}")));
+    if mode == SmgMode::DpMinimumTokens {
+        args.extend([
+            "--dp-minimum-tokens-scheduler".into(),
+            "--load-monitor-interval".into(),
+            "1".into(),
+        ]);
+    }
+    let mut process = Managed::spawn(name, smg, &args, &tools.logs)?;
+    let base = format!("http://127.0.0.1:{port}");
+    wait_http_ok(
+        client,
+        &format!("{base}/health"),
+        &mut process,
+        Duration::from_secs(60),
+    )
+    .await?;
+    // Ready once it routes: a tiny request must succeed.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let addr = SocketAddr::from(([127, 0, 0, 1], port));
+    loop {
+        let probe = crate::client::Connection::open(addr).await;
+        let ok = match probe {
+            Ok(mut c) => c
+                .post(
+                    "/generate",
+                    bytes::Bytes::from(crate::trace::generate_body(4, 1, false, 0)),
+                )
+                .await
+                .is_ok(),
+            Err(_) => false,
+        };
+        if ok {
+            break;
+        }
+        if !process.is_running() || Instant::now() > deadline {
+            return Err(format!("{name} does not route requests:\n{}", process.log_tail()));
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    Ok(Some(Front {
+        _process: process,
+        url: base,
+        addr,
+    }))
+}

@@ -1,0 +1,183 @@
+//! PNG plots with plotters' bitmap backend. Text needs a TrueType font: the
+//! first of a few usual system paths (Debian's fonts-dejavu-core) is loaded
+//! at run time; without one the plots are drawn without any text.
+
+use std::path::Path;
+use std::sync::OnceLock;
+
+use plotters::coord::combinators::IntoLogRange;
+use plotters::prelude::*;
+
+use crate::loadgen::LoadReport;
+
+const FONT_PATHS: [&str; 4] = [
+    "/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf",
+    "/usr/share/fonts/dejavu/DejaVuSans.ttf",
+    "/usr/share/fonts/truetype/liberation/LiberationSans-Regular.ttf",
+    "/usr/share/fonts/TTF/DejaVuSans.ttf",
+];
+
+/// Whether a font could be registered (once per process).
+fn has_font() -> bool {
+    static FONT: OnceLock<bool> = OnceLock::new();
+    *FONT.get_or_init(|| {
+        for path in FONT_PATHS {
+            if let Ok(bytes) = std::fs::read(path) {
+                // plotters keeps the font for the whole process.
+                let bytes: &'static [u8] = Box::leak(bytes.into_boxed_slice());
+                if plotters::style::register_font("sans-serif", FontStyle::Normal, bytes).is_ok() {
+                    return true;
+                }
+            }
+        }
+        eprintln!("no TrueType font found (apt-get install fonts-dejavu-core): plots are drawn without text");
+        false
+    })
+}
+
+fn err<E: std::fmt::Display>(e: E) -> String {
+    format!("plot: {e}")
+}
+
+fn color(i: usize) -> RGBColor {
+    const COLORS: [RGBColor; 10] = [
+        RGBColor(31, 119, 180),
+        RGBColor(255, 127, 14),
+        RGBColor(44, 160, 44),
+        RGBColor(214, 39, 40),
+        RGBColor(148, 103, 189),
+        RGBColor(140, 86, 75),
+        RGBColor(227, 119, 194),
+        RGBColor(127, 127, 127),
+        RGBColor(188, 189, 34),
+        RGBColor(23, 190, 207),
+    ];
+    COLORS[i % COLORS.len()]
+}
+
+/// Tokens per rank over time, one panel per report, same axes.
+pub fn rank_tokens(path: &Path, panels: &[(&LoadReport, &str)], dp_size: usize) -> Result<(), String> {
+    let text = has_font();
+    let root = BitMapBackend::new(path, (1200, 420 * panels.len() as u32)).into_drawing_area();
+    root.fill(&WHITE).map_err(err)?;
+    let x_max = panels
+        .iter()
+        .flat_map(|(r, _)| r.samples.iter().map(|s| s.t_s))
+        .fold(1.0, f64::max);
+    let y_max = panels
+        .iter()
+        .flat_map(|(r, _)| r.samples.iter().flat_map(|s| s.tokens.iter().copied()))
+        .max()
+        .unwrap_or(1)
+        .max(1) as f64
+        * 1.05;
+    let areas = root.split_evenly((panels.len(), 1));
+    for ((report, title), area) in panels.iter().zip(areas.iter()) {
+        let mut builder = ChartBuilder::on(area);
+        builder.margin(12).x_label_area_size(40).y_label_area_size(70);
+        if text {
+            builder.caption(
+                format!("{title}: imbalance {:.3}", report.imbalance.unwrap_or(f64::NAN)),
+                ("sans-serif", 20),
+            );
+        }
+        let mut chart = builder
+            .build_cartesian_2d(0f64..x_max, 0f64..y_max)
+            .map_err(err)?;
+        let mut mesh = chart.configure_mesh();
+        if text {
+            mesh.x_desc("simulated seconds")
+                .y_desc("tokens on the rank (num_total_tokens)");
+        } else {
+            mesh.x_labels(0).y_labels(0);
+        }
+        mesh.draw().map_err(err)?;
+        let ranks = report.samples.first().map_or(0, |s| s.tokens.len());
+        for rank in 0..ranks {
+            let c = color(rank);
+            let points = report
+                .samples
+                .iter()
+                .filter_map(|s| s.tokens.get(rank).map(|t| (s.t_s, *t as f64)));
+            let series = chart
+                .draw_series(LineSeries::new(points, c.stroke_width(2)))
+                .map_err(err)?;
+            if text {
+                let label = format!("worker {} rank {}", rank / dp_size.max(1), rank % dp_size.max(1));
+                series
+                    .label(label)
+                    .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], c.stroke_width(2)));
+            }
+        }
+        if text {
+            chart
+                .configure_series_labels()
+                .position(SeriesLabelPosition::UpperRight)
+                .background_style(WHITE.mix(0.85))
+                .border_style(BLACK)
+                .draw()
+                .map_err(err)?;
+        }
+    }
+    root.present().map_err(err)
+}
+
+/// Empirical CDFs on a log x axis, one line per series.
+pub fn cdf(path: &Path, title: &str, x_desc: &str, series: &[(String, Vec<f64>)]) -> Result<(), String> {
+    let text = has_font();
+    let root = BitMapBackend::new(path, (1200, 700)).into_drawing_area();
+    root.fill(&WHITE).map_err(err)?;
+    let positive = || {
+        series
+            .iter()
+            .flat_map(|(_, v)| v.iter().copied())
+            .filter(|v| *v > 0.0)
+    };
+    let lo = positive().fold(f64::INFINITY, f64::min);
+    let hi = positive().fold(0.0, f64::max);
+    let (lo, hi) = if lo.is_finite() && hi > lo {
+        (lo * 0.9, hi * 1.1)
+    } else {
+        (1.0, 10.0)
+    };
+    let mut builder = ChartBuilder::on(&root);
+    builder.margin(15).x_label_area_size(45).y_label_area_size(60);
+    if text {
+        builder.caption(title, ("sans-serif", 22));
+    }
+    let mut chart = builder
+        .build_cartesian_2d((lo..hi).log_scale(), 0f64..1.0)
+        .map_err(err)?;
+    let mut mesh = chart.configure_mesh();
+    if text {
+        mesh.x_desc(x_desc).y_desc("fraction of requests");
+    } else {
+        mesh.x_labels(0).y_labels(0);
+    }
+    mesh.draw().map_err(err)?;
+    for (i, (name, values)) in series.iter().enumerate() {
+        let mut sorted: Vec<f64> = values.iter().copied().filter(|v| *v > 0.0).collect();
+        sorted.sort_by(|a, b| a.total_cmp(b));
+        let n = sorted.len().max(1) as f64;
+        let c = color(i);
+        let points = sorted.iter().enumerate().map(|(k, v)| (*v, (k + 1) as f64 / n));
+        let drawn = chart
+            .draw_series(LineSeries::new(points, c.stroke_width(2)))
+            .map_err(err)?;
+        if text {
+            drawn
+                .label(name.clone())
+                .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], c.stroke_width(2)));
+        }
+    }
+    if text {
+        chart
+            .configure_series_labels()
+            .position(SeriesLabelPosition::LowerRight)
+            .background_style(WHITE.mix(0.85))
+            .border_style(BLACK)
+            .draw()
+            .map_err(err)?;
+    }
+    root.present().map_err(err)
+}

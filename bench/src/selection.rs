@@ -1,0 +1,191 @@
+//! `dprank-bench selection`: host-side cost of the filter's per-request
+//! steps, called as the filter calls them (native code; inside Envoy they run
+//! as wasm in V8, typically 1.2-2x slower).
+
+use std::fmt::Write as _;
+use std::hint::black_box;
+use std::path::PathBuf;
+use std::time::Instant;
+
+use clap::Args;
+use dprank::body::JsonObject;
+use dprank::config::Config;
+use dprank::scheduler::{fresh_candidates, least_loaded};
+use dprank::state::WorkerState;
+
+use crate::stats::{machine, markdown_table, median, now_utc};
+use crate::trace::generate_body_of_size;
+
+#[derive(Debug, Clone, Args)]
+pub struct SelectionArgs {
+    /// Timed batches per case; the median batch is reported.
+    #[arg(long, default_value_t = 31)]
+    pub batches: usize,
+    #[arg(long, default_value = "bench-results")]
+    pub out: PathBuf,
+}
+
+/// Ranks per worker in the synthetic fleets (one 8-GPU node each).
+const RANKS_PER_WORKER: usize = 8;
+const TOTAL_RANKS: [usize; 4] = [8, 64, 512, 4096];
+
+/// Median ns per call of `f`, over `batches` batches sized to ~2 ms each.
+fn time_ns<F: FnMut() -> u64>(batches: usize, mut f: F) -> f64 {
+    let mut per_batch = 1usize;
+    loop {
+        let start = Instant::now();
+        for _ in 0..per_batch {
+            black_box(f());
+        }
+        if start.elapsed().as_micros() >= 2000 || per_batch >= 1 << 24 {
+            break;
+        }
+        per_batch *= 2;
+    }
+    let samples: Vec<f64> = (0..batches.max(1))
+        .map(|_| {
+            let start = Instant::now();
+            for _ in 0..per_batch {
+                black_box(f());
+            }
+            start.elapsed().as_nanos() as f64 / per_batch as f64
+        })
+        .collect();
+    median(&samples)
+}
+
+/// A fleet of `ranks` ranks: the config, and each worker's state after a poll
+/// plus a few requests sent since (so the pending estimates are walked too).
+fn fleet(ranks: usize) -> Result<(Config, Vec<Option<WorkerState>>), String> {
+    let workers = ranks.div_ceil(RANKS_PER_WORKER);
+    let list: Vec<String> = (0..workers)
+        .map(|i| {
+            format!(
+                r#"{{"address":"127.0.{}.{}:30000","dp_size":{}}}"#,
+                i / 250,
+                i % 250 + 1,
+                RANKS_PER_WORKER
+            )
+        })
+        .collect();
+    let config = Config::from_json(format!(r#"{{"workers":[{}]}}"#, list.join(",")).as_bytes())
+        .map_err(|e| format!("selection fleet config: {e}"))?;
+    let states = (0..workers)
+        .map(|w| {
+            let mut s = WorkerState::default();
+            let seq = s.begin_poll();
+            let tokens: Vec<Option<u64>> = (0..RANKS_PER_WORKER)
+                .map(|r| Some(((w * 7919 + r * 104_729) % 50_000) as u64))
+                .collect();
+            s.apply_snapshot(seq, 1_000, &tokens);
+            s.begin_poll();
+            for r in 0..3u32 {
+                s.add(w, r, 300);
+            }
+            Some(s)
+        })
+        .collect();
+    Ok((config, states))
+}
+
+pub fn selection(args: &SelectionArgs, command_line: &str) -> Result<(), String> {
+    let mut rows = Vec::new();
+    let mut at_4096 = f64::NAN;
+    for ranks in TOTAL_RANKS {
+        let (config, states) = fleet(ranks)?;
+        let mut tie = 0u64;
+        let select = time_ns(args.batches, || {
+            tie = tie.wrapping_add(1);
+            let candidates = fresh_candidates(&config.workers, &states, 1_500, config.stale_after_ms);
+            least_loaded(&candidates, tie).map_or(0, |c| c.load)
+        });
+        // What the filter does per request around the choice: decode every
+        // worker's state from shared data, then re-encode the chosen one.
+        let encoded: Vec<Vec<u8>> = states.iter().flatten().map(WorkerState::encode).collect();
+        let full = time_ns(args.batches, || {
+            tie = tie.wrapping_add(1);
+            let decoded: Vec<Option<WorkerState>> = encoded.iter().map(|b| WorkerState::decode(b)).collect();
+            let candidates = fresh_candidates(&config.workers, &decoded, 1_500, config.stale_after_ms);
+            let Some(choice) = least_loaded(&candidates, tie) else {
+                return 0;
+            };
+            let mut state = decoded
+                .into_iter()
+                .nth(choice.worker)
+                .flatten()
+                .unwrap_or_default();
+            state.add(choice.worker, choice.rank, 100);
+            state.encode().len() as u64
+        });
+        if ranks == 4096 {
+            at_4096 = select;
+        }
+        rows.push(vec![
+            ranks.to_string(),
+            ranks.div_ceil(RANKS_PER_WORKER).to_string(),
+            format!("{select:.0}"),
+            format!("{:.2}", select / ranks as f64),
+            format!("{full:.0}"),
+        ]);
+    }
+    let table = markdown_table(
+        &[
+            "ranks",
+            "workers (8 ranks each)",
+            "fresh_candidates + least_loaded, ns",
+            "ns per rank",
+            "with decode of every state + add + encode, ns",
+        ],
+        &rows,
+    );
+
+    let mut body_rows = Vec::new();
+    for (size, label) in [(1024usize, "1 KB"), (100 * 1024, "100 KB")] {
+        let body = generate_body_of_size(size).into_bytes();
+        let ns = time_ns(args.batches, || match JsonObject::parse(&body) {
+            Ok(object) => object.with_fields(&[("routed_dp_rank", "3")]).len() as u64,
+            Err(_) => 0,
+        });
+        body_rows.push(vec![
+            label.to_string(),
+            body.len().to_string(),
+            format!("{ns:.0}"),
+            format!("{:.2}", ns / body.len() as f64),
+        ]);
+    }
+    let body_table = markdown_table(
+        &[
+            "body",
+            "bytes",
+            "JsonObject::parse + with_fields, ns",
+            "ns per byte",
+        ],
+        &body_rows,
+    );
+    println!("\n{table}\n{body_table}");
+    let verdict = format!(
+        "Selection at 4096 ranks: **{:.1} us** per call (target < 10 us).",
+        at_4096 / 1000.0
+    );
+    println!("{verdict}");
+
+    let mut md = String::new();
+    let _ = writeln!(md, "# dprank selection cost (host micro-benchmark)\n");
+    let _ = writeln!(
+        md,
+        "- date: {}\n- machine: {}\n- command: `{}`\n",
+        now_utc(),
+        machine(),
+        command_line
+    );
+    let _ = writeln!(md, "Median ns per call over {} timed batches of ~2 ms each, native release build of the `dprank` crate (inside Envoy the same code runs as wasm in V8). Fleets of workers with 8 ranks each; every worker's state holds a polled snapshot and three pending estimates, as between two polls. Bodies are `/generate` requests of the given size; `with_fields` splices `routed_dp_rank` in.\n", args.batches);
+    md.push_str(&table);
+    md.push('\n');
+    md.push_str(&body_table);
+    let _ = writeln!(md, "\n{verdict}");
+    std::fs::create_dir_all(&args.out).map_err(|e| format!("cannot create {}: {e}", args.out.display()))?;
+    let path = args.out.join("selection.md");
+    std::fs::write(&path, md).map_err(|e| format!("cannot write {}: {e}", path.display()))?;
+    println!("wrote {}", path.display());
+    Ok(())
+}
