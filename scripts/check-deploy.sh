@@ -8,13 +8,15 @@
 #  dockerfiles docker/*.Dockerfile parsed by BuildKit's parser; every COPY
 #              source present in the build context its .dockerignore leaves;
 #              the simulator's context resolves as a Cargo workspace (--locked);
-#  envoy       every plain-Envoy config (envoy/dprank.yaml, envoy/wasm-service.yaml,
-#              docker/envoy-compose.yaml) through `envoy --mode validate`, which
+#  envoy       every plain-Envoy config (envoy/*.yaml bootstraps, among them
+#              envoy/wasm-service.yaml, and docker/envoy-compose.yaml) through
+#              `envoy --mode validate`, which
 #              also loads dprank.wasm and runs its configuration check; wasm
 #              paths are pointed at the built filter first. Plus the settings
 #              Envoy cannot judge: allow_on_headers_stop_iteration, FAIL_RELOAD,
-#              override_host header = route_header, the poll cluster, workers =
-#              endpoints, the WasmService pairing, and no drift of
+#              override_host header = route_header, the poll (and prefill)
+#              cluster, workers = endpoints or the discovered cluster and its
+#              admin cluster, the WasmService pairing, and no drift of
 #              docker/envoy-compose.yaml from envoy/dprank.yaml;
 #  k8s         envoy/istio/** and envoy/envoy-gateway/*: valid YAML, known
 #              kinds, cross-references (names, headers, clusters), and their
@@ -236,6 +238,24 @@ def check_filter_settings(label, pc):
             "expected FAIL_RELOAD")
 
 
+def routed_workers(cfg):
+    """The workers requests are routed to (None when taken from a cluster)."""
+    if "workers_from_cluster" in cfg:
+        return None
+    return {w["address"] for w in cfg.get("workers", cfg.get("decode_workers", []))}
+
+
+def check_admin_cluster(label, cluster, admin_address):
+    """dprank's admin cluster must point at Envoy's own admin listener."""
+    if cluster is None:
+        bad(f"{label}: the admin cluster for workers_from_cluster is missing")
+        return
+    eps = endpoints(cluster)
+    if admin_address and eps != {admin_address}:
+        bad(f"{label}: admin cluster {cluster['name']} points at {sorted(eps)}, "
+            f"Envoy's admin listens on {admin_address}")
+
+
 def check_plain(path):
     """Lints a plain-Envoy config, then validates it with the built wasm."""
     doc = load(path)
@@ -243,6 +263,8 @@ def check_plain(path):
     filters = [pc for kind, pc in pcs if kind == "filter"]
     services = [pc for kind, pc in pcs if kind == "service"]
     cl = clusters(doc)
+    sa = doc.get("admin", {}).get("address", {}).get("socket_address")
+    admin_address = f"{sa['address']}:{sa['port_value']}" if sa else None
     n_errors = len(errors)
     if not filters:
         bad(f"{path}: no dprank Wasm HTTP filter")
@@ -250,7 +272,7 @@ def check_plain(path):
         check_filter_settings(path, pc)
         cfg = dprank_json(pc)
         route_header = cfg.get("route_header", "x-dprank-endpoint")
-        workers = {w["address"] for w in cfg.get("workers", [])}
+        workers = routed_workers(cfg)
         targets = [c for c in cl.values() if override_headers(c)]
         if not targets:
             bad(f"{path}: no cluster with the override_host LB policy")
@@ -258,9 +280,19 @@ def check_plain(path):
             if route_header not in override_headers(c):
                 bad(f"{path}: cluster {c['name']} reads {override_headers(c)}, "
                     f"dprank writes {route_header}")
-            if endpoints(c) and workers != endpoints(c):
+            if workers is not None and endpoints(c) and workers != endpoints(c):
                 bad(f"{path}: dprank workers {sorted(workers)} != cluster "
                     f"{c['name']} endpoints {sorted(endpoints(c))}")
+        disc = cfg.get("workers_from_cluster")
+        if disc:
+            c = cl.get(disc["cluster"])
+            if c is None or route_header not in override_headers(c):
+                bad(f"{path}: workers_from_cluster names {disc['cluster']}, which must be "
+                    "a cluster with the override_host policy")
+            check_admin_cluster(path, cl.get(disc.get("admin_cluster", "dprank_admin")),
+                                admin_address)
+        if "prefill_workers" in cfg:
+            check_poll_cluster(path, cl.get(cfg.get("prefill_cluster", "dprank_prefill")))
         if cfg.get("poll_loads", True):
             check_poll_cluster(path, cl.get(cfg.get("poll_cluster", "dprank_poll")))
     for svc in services:
@@ -275,8 +307,9 @@ def check_plain(path):
                 bad(f"{path}: service and filter vm_id differ (they share data per vm_id)")
             if fcfg.get("state_key", "dprank") != scfg.get("state_key", "dprank"):
                 bad(f"{path}: service and filter state_key differ")
-            if fcfg.get("workers") != scfg.get("workers"):
-                bad(f"{path}: service and filter list different workers")
+            for key in ("workers", "workers_from_cluster", "prefill_workers", "decode_workers"):
+                if fcfg.get(key) != scfg.get(key):
+                    bad(f"{path}: service and filter differ in {key}")
             if fcfg.get("poll_loads", True) is not False:
                 bad(f"{path}: with a poller service the filter must set poll_loads: false")
             if scfg.get("poll_loads", True) is not True:
@@ -295,6 +328,11 @@ def check_plain(path):
 shipped = check_plain("envoy/dprank.yaml")
 wasm_service = check_plain("envoy/wasm-service.yaml")
 compose_envoy = check_plain("docker/envoy-compose.yaml")
+for other in sorted((ROOT / "envoy").glob("*.yaml")):
+    rel = str(other.relative_to(ROOT))
+    if rel not in ("envoy/dprank.yaml", "envoy/wasm-service.yaml") \
+            and "static_resources" in (load(rel) or {}):
+        check_plain(rel)
 
 
 def normalised(doc):
@@ -508,26 +546,40 @@ def bootstrap(http_filter_config, workers_cluster, extra_clusters, buffer_limit=
 
 
 def workers_cluster(cfg, merge=None):
-    c = {"name": "workers", "type": "STATIC", "connect_timeout": "1s",
-         "load_assignment": {"cluster_name": "workers", "endpoints": [{"lb_endpoints": [
+    """A stand-in for the platform's cluster of the workers."""
+    disc = cfg.get("workers_from_cluster")
+    name = disc["cluster"] if disc else "workers"
+    addresses = [w["address"] for w in cfg["workers"]] if not disc else ["10.0.0.1:30000"]
+    c = {"name": name, "type": "STATIC", "connect_timeout": "1s",
+         "load_assignment": {"cluster_name": name, "endpoints": [{"lb_endpoints": [
              {"endpoint": {"address": {"socket_address": {
-                 "address": w["address"].rsplit(":", 1)[0].strip("[]"),
-                 "port_value": int(w["address"].rsplit(":", 1)[1])}}}}
-             for w in cfg["workers"]]}]}}
+                 "address": a.rsplit(":", 1)[0].strip("[]"),
+                 "port_value": int(a.rsplit(":", 1)[1])}}}}
+             for a in addresses]}]}}
     c.update(merge or {})
     return c
 
 
-def check_platform_links(label, cfg, lb_headers, poll_cluster_names):
+def check_platform_links(label, cfg, lb_headers, added, workers_cluster_name, admin_port):
+    """dprank's configuration against what the platform generates and the
+    patches add: header, poll cluster, and (workers_from_cluster) the cluster
+    name the platform gives the workers and the admin cluster."""
     n_errors = len(errors)
     rh = cfg.get("route_header", "x-dprank-endpoint")
     if rh not in lb_headers:
         bad(f"{label}: override_host reads {lb_headers}, dprank writes {rh}")
-    if cfg.get("poll_cluster", "dprank_poll") not in poll_cluster_names:
-        bad(f"{label}: dprank polls through {cfg.get('poll_cluster', 'dprank_poll')}, "
-            f"clusters added: {poll_cluster_names}")
+    names = {c["name"]: c for c in added}
+    check_poll_cluster(label, names.get(cfg.get("poll_cluster", "dprank_poll")))
+    disc = cfg.get("workers_from_cluster")
+    if disc:
+        if disc["cluster"] != workers_cluster_name:
+            bad(f"{label}: workers_from_cluster names {disc['cluster']!r}; the platform "
+                f"names the workers' cluster {workers_cluster_name!r}")
+        check_admin_cluster(label, names.get(disc.get("admin_cluster", "dprank_admin")),
+                            f"127.0.0.1:{admin_port}")
     if len(errors) == n_errors:
-        ok(f"{label}: route header = override_host header; poll cluster added")
+        ok(f"{label}: route header = override_host header; poll cluster added"
+           + ("; workers from the platform's cluster via the admin cluster" if disc else ""))
 
 
 # Istio: EnvoyFilters (the working form) and the reference WasmPlugin.
@@ -541,9 +593,9 @@ if efs:
     cl_merge = [p for p in patches
                 if p["applyTo"] == "CLUSTER" and p["patch"]["operation"] == "MERGE"]
     lst = [p["patch"]["value"] for p in patches if p["applyTo"] == "LISTENER"]
-    if len(ext) != 1 or len(http) != 1 or len(cl_merge) != 1 or len(cl_add) != 1:
+    if len(ext) != 1 or len(http) != 1 or len(cl_merge) != 1 or not cl_add:
         bad("envoy/istio: expected one EXTENSION_CONFIG, one HTTP_FILTER, one CLUSTER "
-            "MERGE and one CLUSTER ADD patch")
+            "MERGE and CLUSTER ADD patches")
     else:
         ec = ext[0]["patch"]["value"]
         hf = http[0]["patch"]["value"]
@@ -562,8 +614,9 @@ if efs:
         check_filter_settings(label, pc)
         cfg = dprank_json(pc)
         merge = cl_merge[0]["patch"]["value"]
-        check_platform_links(label, cfg, override_headers(merge),
-                             [c["name"] for c in cl_add])
+        m = cl_merge[0]["match"]["cluster"]
+        istio_cluster = f"outbound|{m.get('portNumber', '')}|{m.get('subset', '')}|{m['service']}"
+        check_platform_links(label, cfg, override_headers(merge), cl_add, istio_cluster, 15000)
         limit = next((v.get("per_connection_buffer_limit_bytes") for v in lst), None)
         envoy_validate(bootstrap(copy.deepcopy(ec["typed_config"]),
                                  workers_cluster(cfg, merge), cl_add, limit), label)
@@ -628,7 +681,14 @@ if eeps:
     headers = [e.get("header") for b in btps
                for e in b["spec"].get("loadBalancer", {}).get("endpointOverride", {})
                .get("extractFrom", [])]
-    check_platform_links(label, cfg, headers, [c["name"] for c in added])
+    route = next((r for r in eep["spec"].get("targetRefs", []) if r["kind"] == "HTTPRoute"), None)
+    eg_cluster = (f"httproute/{eep['metadata']['namespace']}/{route['name']}/rule/0"
+                  if route else None)
+    if not any(r.get("kind") == "HTTPRoute" and r.get("name") == (route or {}).get("name")
+               for b in btps for r in b["spec"].get("targetRefs", [])):
+        bad(f"{label}: the BackendTrafficPolicy must target the same HTTPRoute as the "
+            "EnvoyExtensionPolicy")
+    check_platform_links(label, cfg, headers, added, eg_cluster, 19000)
     lb_type = btps[0]["spec"]["loadBalancer"]["type"] if btps else "LeastRequest"
     fallback = {"LeastRequest": "least_request", "RoundRobin": "round_robin",
                 "Random": "random"}.get(lb_type, "least_request")
