@@ -11,3 +11,18 @@ mod common;
 
 #[path = "e2e/routing.rs"]
 mod routing;
+
+#[path = "e2e/body.rs"]
+mod body;
+
+#[path = "e2e/burst.rs"]
+mod burst;
+
+#[path = "e2e/faults.rs"]
+mod faults;
+
+#[path = "e2e/input.rs"]
+mod input;
+
+#[path = "e2e/polling.rs"]
+mod polling;

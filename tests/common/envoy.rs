@@ -102,10 +102,9 @@ pub fn render_config(
     wasm: &Path,
     listener_buffer_limit: Option<u64>,
 ) -> String {
-    let mut doc: Value = serde_yaml_ng::from_str(shipped_yaml)
-        .unwrap_or_else(|e| panic!("{SHIPPED_CONFIG} is not YAML: {e}"));
-    object_mut(&mut doc, &["admin", "address", "socket_address"])
-        .insert("port_value".into(), json!(0));
+    let mut doc: Value =
+        serde_yaml_ng::from_str(shipped_yaml).unwrap_or_else(|e| panic!("{SHIPPED_CONFIG} is not YAML: {e}"));
+    object_mut(&mut doc, &["admin", "address", "socket_address"]).insert("port_value".into(), json!(0));
 
     let resources = doc
         .get_mut("static_resources")
@@ -125,9 +124,8 @@ pub fn render_config(
                 .get("value")
                 .and_then(Value::as_str)
                 .unwrap_or_else(|| panic!("{SHIPPED_CONFIG}: filter configuration has no value"));
-            let mut filter: Value = serde_json::from_str(shipped_text).unwrap_or_else(|e| {
-                panic!("{SHIPPED_CONFIG}: filter configuration is not JSON: {e}")
-            });
+            let mut filter: Value = serde_json::from_str(shipped_text)
+                .unwrap_or_else(|e| panic!("{SHIPPED_CONFIG}: filter configuration is not JSON: {e}"));
             let mut generated: Vec<Value> = workers
                 .iter()
                 .map(|(name, addr)| json!({"address": addr.to_string(), "name": name}))
@@ -177,7 +175,6 @@ pub struct Envoy {
     child: Option<Child>,
     pub admin: SocketAddr,
     pub listener: SocketAddr,
-    pub concurrency: u32,
     log_path: PathBuf,
     stderr_path: PathBuf,
     client: Client,
@@ -188,16 +185,10 @@ fn read_addr(path: &Path) -> Option<SocketAddr> {
 }
 
 impl Envoy {
-    pub fn start(
-        dir: &TestDir,
-        scenario: &Scenario,
-        sims: &[Sim],
-        options: &EnvoyOptions,
-    ) -> Envoy {
+    pub fn start(dir: &TestDir, scenario: &Scenario, sims: &[Sim], options: &EnvoyOptions) -> Envoy {
         let shipped = std::fs::read_to_string(repo_root().join(SHIPPED_CONFIG))
             .unwrap_or_else(|e| panic!("cannot read {SHIPPED_CONFIG}: {e}"));
-        let workers: Vec<(&str, SocketAddr)> =
-            sims.iter().map(|s| (s.name.as_str(), s.addr)).collect();
+        let workers: Vec<(&str, SocketAddr)> = sims.iter().map(|s| (s.name.as_str(), s.addr)).collect();
         let rendered = render_config(
             &shipped,
             &workers,
@@ -221,6 +212,8 @@ impl Envoy {
             .arg(&admin_path)
             .args(["-l", "info", "--log-path"])
             .arg(&log_path)
+            // The log is read when a test fails, after a SIGKILL: flush it often.
+            .args(["--file-flush-interval-msec", "50"])
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(stderr)
@@ -230,7 +223,6 @@ impl Envoy {
             child: Some(child),
             admin: SocketAddr::from(([127, 0, 0, 1], 0)),
             listener: SocketAddr::from(([127, 0, 0, 1], 0)),
-            concurrency: options.concurrency,
             log_path,
             stderr_path,
             client: Client::new(),
@@ -273,8 +265,7 @@ impl Envoy {
     }
 
     pub fn admin_get(&self, path: &str) -> super::Reply {
-        self.client
-            .get(&format!("http://{}{path}", self.admin), &[])
+        self.client.get(&format!("http://{}{path}", self.admin), &[])
     }
 
     /// Every dprank stat (`wasmcustom.dprank.<name>`) by `<name>`, counters and gauges.
@@ -308,16 +299,15 @@ impl Envoy {
             (value >= at_least).then_some(value)
         })
     }
-
-    /// The tail of Envoy's log (for assertion messages).
-    pub fn log_tail(&self, lines: usize) -> String {
-        tail(&self.log_path, lines)
-    }
 }
 
 impl Drop for Envoy {
     fn drop(&mut self) {
         if let Some(mut child) = self.child.take() {
+            if std::thread::panicking() {
+                // One more log flush before the kill.
+                std::thread::sleep(Duration::from_millis(150));
+            }
             let _ = child.kill();
             let _ = child.wait();
         }

@@ -110,10 +110,7 @@ impl Client {
     }
 
     pub fn get(&self, url: &str, headers: &[(&str, &str)]) -> Reply {
-        Client::finish(
-            self.request("GET", url, headers).call(),
-            &format!("GET {url}"),
-        )
+        Client::finish(self.request("GET", url, headers).call(), &format!("GET {url}"))
     }
 
     /// POST with a content-length body.
@@ -177,10 +174,7 @@ pub fn raw_exchange(addr: SocketAddr, head: &str, parts: &[&[u8]], pause: Durati
             Err(_) if !raw.is_empty() => break,
             Err(e) => panic!("reading the response: {e}"),
         }
-        assert!(
-            Instant::now() < deadline,
-            "response not complete after 60 s"
-        );
+        assert!(Instant::now() < deadline, "response not complete after 60 s");
     }
     parse_response(&raw)
 }
@@ -220,14 +214,11 @@ fn parse_response(raw: &[u8]) -> Reply {
 
 fn decode_chunked(mut rest: &[u8]) -> Vec<u8> {
     let mut body = Vec::new();
-    loop {
-        let Some(eol) = rest.windows(2).position(|w| w == b"\r\n") else {
-            break;
-        };
+    while let Some(eol) = rest.windows(2).position(|w| w == b"\r\n") {
         let size_text = String::from_utf8_lossy(&rest[..eol]);
         let size_text = size_text.split(';').next().unwrap_or("").trim();
-        let size = usize::from_str_radix(size_text, 16)
-            .unwrap_or_else(|_| panic!("bad chunk size {size_text:?}"));
+        let size =
+            usize::from_str_radix(size_text, 16).unwrap_or_else(|_| panic!("bad chunk size {size_text:?}"));
         rest = &rest[eol + 2..];
         if size == 0 {
             break;

@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 pub use envoy::{Envoy, EnvoyOptions};
 pub use http::{Client, Reply};
-pub use sim::{Recorded, Sim};
+pub use sim::Sim;
 
 /// The repository root (the `dprank` package's manifest directory).
 pub fn repo_root() -> PathBuf {
@@ -24,13 +24,7 @@ pub fn repo_root() -> PathBuf {
 fn target_dir() -> PathBuf {
     std::env::var_os("CARGO_TARGET_DIR")
         .map(PathBuf::from)
-        .map(|p| {
-            if p.is_absolute() {
-                p
-            } else {
-                repo_root().join(p)
-            }
-        })
+        .map(|p| if p.is_absolute() { p } else { repo_root().join(p) })
         .unwrap_or_else(|| repo_root().join("target"))
 }
 
@@ -45,20 +39,16 @@ fn artefact(what: &str, env_var: &str, defaults: &[PathBuf]) -> PathBuf {
         );
         return path;
     }
-    defaults
-        .iter()
-        .find(|p| p.is_file())
-        .cloned()
-        .unwrap_or_else(|| {
-            panic!(
-                "{what} not found (looked for {env_var}, then {}); run `make test`, which builds and installs it",
-                defaults
-                    .iter()
-                    .map(|p| p.display().to_string())
-                    .collect::<Vec<_>>()
-                    .join(", ")
-            )
-        })
+    defaults.iter().find(|p| p.is_file()).cloned().unwrap_or_else(|| {
+        panic!(
+            "{what} not found (looked for {env_var}, then {}); run `make test`, which builds and installs it",
+            defaults
+                .iter()
+                .map(|p| p.display().to_string())
+                .collect::<Vec<_>>()
+                .join(", ")
+        )
+    })
 }
 
 /// `ENVOY_BIN`, else `.venv/bin/envoy` in the repo, else `envoy` on PATH.
@@ -140,8 +130,7 @@ impl TestDir {
             std::process::id(),
             DIRS.fetch_add(1, Ordering::Relaxed)
         ));
-        std::fs::create_dir_all(&path)
-            .unwrap_or_else(|e| panic!("cannot create {}: {e}", path.display()));
+        std::fs::create_dir_all(&path).unwrap_or_else(|e| panic!("cannot create {}: {e}", path.display()));
         TestDir { path }
     }
 
@@ -216,25 +205,27 @@ pub struct World {
     pub sims: Vec<Sim>,
     pub client: Client,
     pub scenario: Scenario,
-    pub dir: TestDir,
+    /// Held for its Drop: removed after a pass, kept after a failure.
+    _dir: TestDir,
 }
 
 impl World {
-    /// Starts `workers` simulators with `sim_args`, sets their `base_tokens`
-    /// (one list per worker, may be empty), then Envoy with the scenario's
-    /// filter overrides, and waits until every worker has been polled once.
+    /// Starts `workers` simulators with `sim_args`, applies `controls` (one
+    /// `/_sim/control` update per worker, in order; may be shorter), then
+    /// Envoy with the scenario's filter overrides, and (unless told not to)
+    /// waits until every worker has been polled once.
     pub fn start(
         scenario: &str,
         workers: usize,
         sim_args: &[&str],
-        base_tokens: &[&[u64]],
+        controls: &[serde_json::Value],
         options: EnvoyOptions,
     ) -> World {
         let scenario = Scenario::load(scenario);
         let dir = TestDir::new(&scenario.name);
         let sims = start_sims(&dir, workers, sim_args);
-        for (sim, base) in sims.iter().zip(base_tokens) {
-            sim.control(serde_json::json!({ "base_tokens": base }));
+        for (sim, control) in sims.iter().zip(controls) {
+            sim.control(control.clone());
         }
         let envoy = Envoy::start(&dir, &scenario, &sims, &options);
         let world = World {
@@ -242,12 +233,20 @@ impl World {
             sims,
             client: Client::new(),
             scenario,
-            dir,
+            _dir: dir,
         };
         if options.wait_for_polls {
             world.wait_for_first_polls();
         }
         world
+    }
+
+    /// The simplest control: per-rank token offsets for each worker.
+    pub fn base_tokens(per_worker: &[&[u64]]) -> Vec<serde_json::Value> {
+        per_worker
+            .iter()
+            .map(|base| serde_json::json!({ "base_tokens": base }))
+            .collect()
     }
 
     pub fn wait_for_first_polls(&self) {

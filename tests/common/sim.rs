@@ -117,12 +117,6 @@ impl Sim {
         self.control(serde_json::json!({ "load_fault": fault }));
     }
 
-    /// Clears the recorded requests and counters (controls stay).
-    pub fn reset(&self) {
-        let reply = self.client.post(&self.url("/_sim/reset"), &[], b"");
-        assert_eq!(reply.status, 200, "{}: reset refused", self.name);
-    }
-
     pub fn requests(&self) -> Vec<Recorded> {
         let reply = self.client.get(&self.url("/_sim/requests"), &[]);
         assert_eq!(reply.status, 200, "{}: /_sim/requests failed", self.name);

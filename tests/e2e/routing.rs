@@ -18,11 +18,7 @@ fn generate(world: &World, text: &str) -> (String, i64) {
     let recorded = world.sim(&served.0).last_request();
     let mut expected = json!({"text": text, "sampling_params": {"max_new_tokens": 1}});
     expected["routed_dp_rank"] = json!(served.1);
-    assert_eq!(
-        recorded.body_json(),
-        expected,
-        "body received by {served:?}"
-    );
+    assert_eq!(recorded.body_json(), expected, "body received by {served:?}");
     served
 }
 
@@ -31,15 +27,10 @@ fn lowest_pair_is_chosen_and_followed(scenario: &str) {
         scenario,
         2,
         &["--instant"],
-        &[&[5000, 4000, 6000, 7000], &[8000, 9000, 3000, 6500]],
+        &World::base_tokens(&[&[5000, 4000, 6000, 7000], &[8000, 9000, 3000, 6500]]),
         EnvoyOptions::default(),
     );
-    let interval = Duration::from_millis(
-        world
-            .scenario
-            .override_u64("poll_interval_ms")
-            .unwrap_or(1000),
-    );
+    let interval = Duration::from_millis(world.scenario.override_u64("poll_interval_ms").unwrap_or(1000));
     for i in 0..5 {
         assert_eq!(
             generate(&world, &format!("first {i}")),
@@ -49,12 +40,8 @@ fn lowest_pair_is_chosen_and_followed(scenario: &str) {
     assert!(world.envoy.stat("routed.worker_b.rank_2") >= 5);
     assert_eq!(world.envoy.stat("tokens.worker_b.rank_2"), 3000);
 
-    world
-        .sim("worker_a")
-        .set_base_tokens(&[5000, 4000, 6000, 1000]);
-    world
-        .sim("worker_b")
-        .set_base_tokens(&[8000, 9000, 7000, 6500]);
+    world.sim("worker_a").set_base_tokens(&[5000, 4000, 6000, 1000]);
+    world.sim("worker_b").set_base_tokens(&[8000, 9000, 7000, 6500]);
     let changed = Instant::now();
     let deadline = 2 * interval + SCHEDULING_SLACK;
     let mut probes = 0;
