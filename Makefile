@@ -28,6 +28,7 @@ lint:
 
 test: setup wasm tools lint
 	$(CARGO) test --workspace --release -- --test-threads 2
+	./scripts/check-deploy.sh
 
 demo: setup wasm tools
 	./scripts/demo.sh

@@ -16,6 +16,28 @@ pub fn state_key_of(config: &Config, address: &SocketAddr) -> String {
     format!("{}.w.{}", config.state_key, address)
 }
 
+/// Admin path listing only `cluster` (the admin API filters by regex), so a
+/// gateway with many clusters does not serialise them all at every round.
+pub fn admin_clusters_path(cluster: &str) -> String {
+    let mut pattern = String::from("^");
+    for c in cluster.chars() {
+        if "\\.^$|?*+()[]{}".contains(c) {
+            pattern.push('\\');
+        }
+        pattern.push(c);
+    }
+    pattern.push('$');
+    let mut encoded = String::new();
+    for b in pattern.bytes() {
+        if b.is_ascii_alphanumeric() || b"-_.~".contains(&b) {
+            encoded.push(b as char);
+        } else {
+            encoded.push_str(&format!("%{b:02X}"));
+        }
+    }
+    format!("/clusters?format=json&filter={encoded}")
+}
+
 #[derive(Deserialize)]
 struct AdminClusters {
     #[serde(default)]
@@ -183,6 +205,15 @@ mod tests {
         );
         assert!(cluster_members(ADMIN, "nope").unwrap_err().contains("nope"));
         assert!(cluster_members(b"<html>", "sglang").is_err());
+    }
+
+    #[test]
+    fn admin_path_filters_on_the_escaped_cluster_name() {
+        assert_eq!(admin_clusters_path("sglang"), "/clusters?format=json&filter=%5Esglang%24");
+        assert_eq!(
+            admin_clusters_path("outbound|30000||sglang.ns.svc"),
+            "/clusters?format=json&filter=%5Eoutbound%5C%7C30000%5C%7C%5C%7Csglang%5C.ns%5C.svc%24"
+        );
     }
 
     #[test]

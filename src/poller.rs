@@ -184,9 +184,10 @@ impl Poller {
         if self.outstanding.values().any(|c| matches!(c, Call::Membership)) {
             return;
         }
+        let path = discovery::admin_clusters_path(&discovery.cluster);
         let headers = [
             (":method", "GET"),
-            (":path", "/clusters?format=json"),
+            (":path", path.as_str()),
             (":authority", "dprank-admin"),
         ];
         match host.http_call(&discovery.admin_cluster, &headers, None, config.poll_timeout_ms) {
@@ -613,7 +614,7 @@ mod tests {
         let mut p = Poller::new(&base);
         p.on_tick(&membership.current(&h), &h);
         assert_eq!(h.calls.borrow()[0].0, "dprank_admin");
-        assert_eq!(header(&h.calls.borrow(), 0, ":path"), "/clusters?format=json");
+        assert_eq!(header(&h.calls.borrow(), 0, ":path"), "/clusters?format=json&filter=%5Esglang%24");
         let admin = |hosts: &[&str]| {
             let hosts: Vec<String> = hosts
                 .iter()
