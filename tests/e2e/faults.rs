@@ -49,6 +49,12 @@ fn load_endpoint_faults_do_not_cost_answers() {
         world.sim("worker_b").set_load_fault(fault);
         let took = routed_to_within(&world, "worker_a", to_stale, fault);
         eprintln!("{fault}: routing left worker_b after {took:?}");
+        // The gauge is written at each poll round, so it may lag one interval.
+        world.envoy.wait_for_stat(
+            "snapshot_age_ms.worker_b",
+            STALE_AFTER.as_millis() as u64 + 1,
+            to_recover,
+        );
         for i in 0..5 {
             let (worker, _) = send_ok(&world, &format!("{fault} {i}"));
             assert_eq!(worker, "worker_a", "{fault}: worker_b's data is stale");
@@ -66,6 +72,18 @@ fn load_endpoint_faults_do_not_cost_answers() {
         routed_to_within(&world, "worker_b", to_recover, &format!("{fault} recovered"));
         assert_eq!(send_ok(&world, "recovered"), ("worker_b".to_string(), 0));
     }
+
+    // A report with more ranks than the configured dp_size: the extra (empty,
+    // so least loaded) ranks are never chosen; the rest of the report is used.
+    world.sim("worker_b").set_load_fault("wrong_dp_size");
+    world
+        .envoy
+        .wait_for_stat("dp_size_mismatch.worker_b", 2, to_recover);
+    for i in 0..10 {
+        let served = send_ok(&world, &format!("wrong dp_size {i}"));
+        assert_eq!(served, ("worker_b".to_string(), 0), "ranks 4 and 5 do not exist");
+    }
+    world.sim("worker_b").set_load_fault("none");
 
     // The worker dies. Requests sent before its data goes stale may be routed
     // to it; count what clients see then, and require success once stale.

@@ -143,6 +143,7 @@ fn clients_cannot_steer_routing() {
     );
     assert_eq!(world.served_by(&reply), ("worker_a".to_string(), 1));
     let recorded = world.sim("worker_a").last_request();
+    // (The filter's own value, the worker's address, goes upstream with it.)
     assert_ne!(recorded.header("x-dprank-endpoint"), Some(b_addr.as_str()));
     // Also when the filter does not route (the cluster's round robin picks).
     let mut served_by = Vec::new();
