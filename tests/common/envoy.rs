@@ -299,17 +299,34 @@ impl Envoy {
             (value >= at_least).then_some(value)
         })
     }
+
+    /// Error and critical log lines of the wasm VMs (a panic, a trap, a
+    /// refused config): a passing test must leave none.
+    pub fn wasm_errors(&self) -> Vec<String> {
+        std::fs::read_to_string(&self.log_path)
+            .unwrap_or_default()
+            .lines()
+            .filter(|l| l.contains("][wasm]") && (l.contains("[error]") || l.contains("[critical]")))
+            .map(str::to_string)
+            .collect()
+    }
 }
 
 impl Drop for Envoy {
     fn drop(&mut self) {
         if let Some(mut child) = self.child.take() {
-            if std::thread::panicking() {
-                // One more log flush before the kill.
-                std::thread::sleep(Duration::from_millis(150));
-            }
+            // One more log flush (every 50 ms) before the kill.
+            std::thread::sleep(Duration::from_millis(120));
             let _ = child.kill();
             let _ = child.wait();
+        }
+        if !std::thread::panicking() {
+            let errors = self.wasm_errors();
+            assert!(
+                errors.is_empty(),
+                "the dprank filter logged errors in Envoy:\n{}",
+                errors.join("\n")
+            );
         }
         if std::thread::panicking() {
             eprintln!(

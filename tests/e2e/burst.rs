@@ -130,6 +130,20 @@ fn a_burst_fills_the_less_loaded_ranks_first() {
             }
         }
     }
+    // Once the burst has ended its estimates are dropped (no poll has covered
+    // them): the next requests see the polled loads again, whose minimum is 0.
+    for sim in &world.sims {
+        sim.control(json!({ "response_delay_ms": 0 }));
+    }
+    for i in 0..4 {
+        let reply = world.post("/generate", &json!({"text": format!("after {i}")}).to_string());
+        let served = world.served_by(&reply);
+        assert!(
+            base[&(served.0.clone(), served.1 as u64)] == 0,
+            "after the burst, request {i} went to {served:?}: are ended requests' estimates kept?"
+        );
+    }
+
     // The burst evens the totals out: base + sent ends about level.
     let levels: Vec<u64> = base.keys().map(|k| base[k] + sent[k]).collect();
     let mean = levels.iter().sum::<u64>() as f64 / levels.len() as f64;
