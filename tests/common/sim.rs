@@ -54,6 +54,8 @@ impl Sim {
         let mut child = Command::new(sim_bin())
             .args(["--listen", "127.0.0.1:0", "--dp-size", &dp_size.to_string()])
             .args(extra_args)
+            // Every request in its log, for the failure report.
+            .env("RUST_LOG", "dprank_sim=debug")
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(stderr)

@@ -68,7 +68,15 @@ fn bodies_arrive_byte_for_byte_and_responses_stream() {
     let world = World::start(
         "body_fidelity",
         2,
-        &["--time-scale", "5"],
+        &[
+            "--time-scale",
+            "5",
+            // Room for a multi-megabyte prompt, prefilled at once.
+            "--kv-capacity",
+            "4000000",
+            "--prefill-tokens-per-s",
+            "100000000",
+        ],
         &[],
         EnvoyOptions::default(),
     );
@@ -79,6 +87,12 @@ fn bodies_arrive_byte_for_byte_and_responses_stream() {
     bodies.push((
         "/generate",
         format!("{{\"sampling_params\":{{\"max_new_tokens\":1}},\"text\":\"{long_text}\"}}"),
+    ));
+    // Past Envoy's default 1 MiB buffer: the shipped limits let it through.
+    let huge_text = "0123456789abcdef".repeat(6 << 16);
+    bodies.push((
+        "/generate",
+        format!("{{\"text\":\"{huge_text}\",\"sampling_params\":{{\"max_new_tokens\":1}}}}"),
     ));
     // A query string does not stop routing.
     bodies.push((
