@@ -9,6 +9,8 @@ use std::net::SocketAddr;
 pub const MAX_DP_SIZE: u32 = 4096;
 /// Smallest poll interval: below this the poll itself becomes the load.
 pub const MIN_POLL_INTERVAL_MS: u64 = 100;
+/// Largest poll interval (an hour): beyond it load data means nothing.
+pub const MAX_POLL_INTERVAL_MS: u64 = 3_600_000;
 
 /// SGLang field names that select the serving rank; all are accepted by the
 /// server, so a request must not carry a client value under any of them.
@@ -376,11 +378,13 @@ fn validate_workers(
     Ok(workers)
 }
 
+/// A field name dprank writes into bodies verbatim: it must need no JSON escaping.
 fn field_name(key: &str, name: Option<String>, default: &str) -> Result<String, ConfigError> {
     match name {
-        Some(n) if n.is_empty() || n.contains('"') || n.contains('\\') => {
-            Err(invalid(key, format!("`{n}` is not a usable JSON key")))
-        }
+        Some(n) if n.is_empty() || n.chars().any(|c| c == '"' || c == '\\' || c.is_control()) => Err(invalid(
+            key,
+            format!("{n:?} is not usable as a JSON key written verbatim (no quotes, backslashes or control characters)"),
+        )),
         Some(n) => Ok(n),
         None => Ok(default.to_string()),
     }
@@ -457,7 +461,6 @@ impl TryFrom<ConfigJson> for Config {
             json.workers
         };
         let (workers, prefill) = match (listed, json.prefill_workers, json.decode_workers) {
-            (Some(_), None, None) if discovery.is_some() => (Vec::new(), None),
             (Some(workers), None, None) => {
                 let pd_only = [
                     ("prefill_cluster", json.prefill_cluster.is_some()),
@@ -475,7 +478,11 @@ impl TryFrom<ConfigJson> for Config {
                         "applies to PD mode only (prefill_workers and decode_workers)",
                     ));
                 }
-                (validate_workers("workers", workers, &[], false)?, None)
+                if discovery.is_some() {
+                    (Vec::new(), None)
+                } else {
+                    (validate_workers("workers", workers, &[], false)?, None)
+                }
             }
             (None, Some(prefill), Some(decode)) => {
                 let decode = validate_workers("decode_workers", decode, &[], false)?;
@@ -534,10 +541,10 @@ impl TryFrom<ConfigJson> for Config {
         };
 
         let poll_interval_ms = json.poll_interval_ms.unwrap_or(DEFAULT_POLL_INTERVAL_MS);
-        if poll_interval_ms < MIN_POLL_INTERVAL_MS {
+        if !(MIN_POLL_INTERVAL_MS..=MAX_POLL_INTERVAL_MS).contains(&poll_interval_ms) {
             return Err(invalid(
                 "poll_interval_ms",
-                format!("must be at least {MIN_POLL_INTERVAL_MS}, got {poll_interval_ms}"),
+                format!("must be {MIN_POLL_INTERVAL_MS}..={MAX_POLL_INTERVAL_MS}, got {poll_interval_ms}"),
             ));
         }
         let poll_timeout_ms = json.poll_timeout_ms.unwrap_or(poll_interval_ms.min(1000));
@@ -555,19 +562,14 @@ impl TryFrom<ConfigJson> for Config {
             ));
         }
 
-        let rank_field = match (json.rank_field, naming) {
-            (Some(name), _) => {
-                if name.is_empty() || name.contains('"') || name.contains('\\') {
-                    return Err(invalid(
-                        "rank_field",
-                        format!("`{name}` is not a usable JSON key"),
-                    ));
-                }
-                name
-            }
-            (None, Naming::Current) => "routed_dp_rank".to_string(),
-            (None, Naming::Legacy) => "data_parallel_rank".to_string(),
-        };
+        let rank_field = field_name(
+            "rank_field",
+            json.rank_field,
+            match naming {
+                Naming::Current => "routed_dp_rank",
+                Naming::Legacy => "data_parallel_rank",
+            },
+        )?;
 
         let paths = match json.paths {
             Some(paths) => {
@@ -990,5 +992,34 @@ mod tests {
             "workers_from_cluster"
         );
         assert!(parse(r#"{"workers_from_cluster":{"name":"s"}}"#).is_err());
+    }
+
+    #[test]
+    fn huge_poll_interval_rejected_not_overflowed() {
+        let r = parse(r#"{"workers":[{"address":"127.0.0.1:1"}],"poll_interval_ms":6148914691236517206}"#);
+        assert_eq!(key_of(r), "poll_interval_ms");
+        let c = parse(r#"{"workers":[{"address":"127.0.0.1:1"}],"poll_interval_ms":3600000}"#).unwrap();
+        assert_eq!(c.stale_after_ms, 3 * 3_600_000);
+    }
+
+    #[test]
+    fn field_names_needing_escapes_rejected() {
+        // As they appear inside the JSON string: a control character, a quote, a backslash, nothing.
+        for name in [r"rank\u0001", r#"a\"b"#, r"a\\b", ""] {
+            let r = parse(&format!(
+                r#"{{"workers":[{{"address":"127.0.0.1:1"}}],"rank_field":"{name}"}}"#
+            ));
+            assert_eq!(key_of(r), "rank_field", "{name}");
+        }
+        assert_eq!(
+            key_of(pd(r#","decode_rank_field":"x\u001f""#)),
+            "decode_rank_field"
+        );
+    }
+
+    #[test]
+    fn pd_keys_rejected_with_workers_from_cluster() {
+        let r = parse(r#"{"workers_from_cluster":{"cluster":"sglang"},"prefill_rank_field":"x"}"#);
+        assert_eq!(key_of(r), "prefill_rank_field");
     }
 }

@@ -209,7 +209,10 @@ mod tests {
 
     #[test]
     fn admin_path_filters_on_the_escaped_cluster_name() {
-        assert_eq!(admin_clusters_path("sglang"), "/clusters?format=json&filter=%5Esglang%24");
+        assert_eq!(
+            admin_clusters_path("sglang"),
+            "/clusters?format=json&filter=%5Esglang%24"
+        );
         assert_eq!(
             admin_clusters_path("outbound|30000||sglang.ns.svc"),
             "/clusters?format=json&filter=%5Eoutbound%5C%7C30000%5C%7C%5C%7Csglang%5C.ns%5C.svc%24"

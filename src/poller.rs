@@ -614,7 +614,10 @@ mod tests {
         let mut p = Poller::new(&base);
         p.on_tick(&membership.current(&h), &h);
         assert_eq!(h.calls.borrow()[0].0, "dprank_admin");
-        assert_eq!(header(&h.calls.borrow(), 0, ":path"), "/clusters?format=json&filter=%5Esglang%24");
+        assert_eq!(
+            header(&h.calls.borrow(), 0, ":path"),
+            "/clusters?format=json&filter=%5Esglang%24"
+        );
         let admin = |hosts: &[&str]| {
             let hosts: Vec<String> = hosts
                 .iter()

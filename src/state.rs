@@ -11,7 +11,7 @@
 
 /// Tokens value stored for a rank the report said nothing usable about.
 const UNKNOWN: u64 = u64::MAX;
-const MAGIC: &[u8; 4] = b"DPW2";
+const MAGIC: &[u8; 4] = b"DPW3";
 
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct WorkerState {
@@ -97,12 +97,10 @@ impl WorkerState {
             .iter()
             .map(|t| t.map_or(UNKNOWN, |v| v.min(UNKNOWN - 1)))
             .collect();
-        let ranks = self.tokens.len();
+        // Buckets keep estimates of ranks the report no longer lists (a worker
+        // restarted smaller): their requests still end and give them back, and
+        // nothing else can land there while the rank is gone.
         self.pending.retain(|p| p.seq >= seq);
-        for p in &mut self.pending {
-            p.tokens.resize(ranks, 0);
-        }
-        self.pending.retain(|p| p.tokens.iter().any(|t| *t > 0));
         true
     }
 
@@ -129,6 +127,9 @@ impl WorkerState {
                 self.pending.last_mut()?
             }
         };
+        if bucket.tokens.len() < ranks {
+            bucket.tokens.resize(ranks, 0);
+        }
         let slot = bucket.tokens.get_mut(index)?;
         *slot = slot.saturating_add(cost);
         Some(Ticket {
@@ -178,6 +179,7 @@ impl WorkerState {
         out.extend_from_slice(&(self.pending.len() as u32).to_le_bytes());
         for p in &self.pending {
             out.extend_from_slice(&p.seq.to_le_bytes());
+            out.extend_from_slice(&(p.tokens.len() as u32).to_le_bytes());
             for t in &p.tokens {
                 out.extend_from_slice(&t.to_le_bytes());
             }
@@ -201,13 +203,17 @@ impl WorkerState {
         }
         let tokens = (0..ranks).map(|_| r.u64()).collect::<Option<Vec<_>>>()?;
         let buckets = r.u32()? as usize;
-        if buckets.saturating_mul(ranks.saturating_add(1)).saturating_mul(8) > bytes.len() {
+        if buckets.saturating_mul(12) > bytes.len() {
             return None;
         }
         let mut pending = Vec::with_capacity(buckets);
         for _ in 0..buckets {
             let seq = r.u64()?;
-            let tokens = (0..ranks).map(|_| r.u64()).collect::<Option<Vec<_>>>()?;
+            let len = r.u32()? as usize;
+            if len > crate::config::MAX_DP_SIZE as usize {
+                return None;
+            }
+            let tokens = (0..len).map(|_| r.u64()).collect::<Option<Vec<_>>>()?;
             pending.push(Pending { seq, tokens });
         }
         if r.at != bytes.len() {
@@ -357,16 +363,30 @@ mod tests {
     }
 
     #[test]
-    fn dp_size_change_resizes_pending() {
+    fn a_smaller_report_keeps_estimates_of_requests_still_running() {
         let mut w = polled(&[0, 0, 0, 0]);
         w.begin_poll();
-        w.add(0, 3, 10).unwrap();
-        let t = w.add(0, 0, 10).unwrap();
+        let on_rank_3 = w.add(0, 3, 10).unwrap();
+        let on_rank_0 = w.add(0, 0, 10).unwrap();
         let seq = w.sent_seq;
         w.apply_snapshot(seq, 2000, &[Some(1), Some(2)]);
         assert_eq!(w.ranks(), 2);
         assert_eq!(w.effective_tokens(0), Some(11));
-        w.release(&t);
+        assert_eq!(w.add(0, 3, 5), None, "rank 3 is gone");
+        // The fleet grows back; a new request on rank 3 shares the bucket.
+        w.apply_snapshot(seq, 3000, &[Some(1), Some(2), Some(0), Some(0)]);
+        assert!(!w.apply_snapshot(seq, 3000, &[]), "same sequence: ignored");
+        let seq = w.begin_poll();
+        w.apply_snapshot(seq, 3000, &[Some(0), Some(0), Some(0), Some(0)]);
+        let newer = w.add(0, 3, 7).unwrap();
+        w.release(&on_rank_3);
+        w.release(&on_rank_0);
+        assert_eq!(
+            w.effective_tokens(3),
+            Some(7),
+            "an old ticket never takes a new estimate"
+        );
+        w.release(&newer);
         assert_eq!(w.pending_total(), 0);
     }
 
@@ -381,7 +401,7 @@ mod tests {
         let mut longer = bytes.clone();
         longer.push(0);
         assert_eq!(WorkerState::decode(&longer), None);
-        assert_eq!(WorkerState::decode(b"DPW1"), None);
+        assert_eq!(WorkerState::decode(b"DPW2"), None);
         assert_eq!(WorkerState::decode(b""), None);
     }
 
