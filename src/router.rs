@@ -17,6 +17,8 @@ pub enum PassReason {
     NotJson,
     NotObject,
     NoFreshData,
+    /// A trusted client asked for a rank no fresh worker has.
+    ClientRankUnavailable,
 }
 
 impl PassReason {
@@ -29,6 +31,7 @@ impl PassReason {
             PassReason::NotJson => "not_json",
             PassReason::NotObject => "not_object",
             PassReason::NoFreshData => "no_fresh_data",
+            PassReason::ClientRankUnavailable => "client_rank_unavailable",
         }
     }
 }
@@ -88,6 +91,16 @@ fn error_body(kind: &str, message: &str) -> String {
 fn pass_or_reject(config: &Config, host: &dyn Host, reason: PassReason, body: Option<Vec<u8>>) -> Decision {
     match (config.fail_mode, reason) {
         (FailMode::Closed, PassReason::NotJson | PassReason::NotObject) => reject_bad_body(host, reason),
+        (FailMode::Closed, PassReason::ClientRankUnavailable) => {
+            host.count(&format!("dprank.rejected.{}", reason.as_str()), 1);
+            Decision::Reject {
+                status: 400,
+                body: error_body(
+                    "invalid_request_error",
+                    "no worker with fresh load data has the requested rank",
+                ),
+            }
+        }
         (FailMode::Closed, PassReason::NoFreshData) => {
             host.count(&format!("dprank.rejected.{}", reason.as_str()), 1);
             Decision::Reject {
@@ -218,6 +231,11 @@ pub fn route(config: &Config, host: &dyn Host, body: &[u8], pin: Option<&str>, t
         pin,
         tie_breaker,
     ) else {
+        if trusted_rank.is_some()
+            && choose(config, host, &states, &config.workers, 0, None, None, 0).is_some()
+        {
+            return pass_or_reject(config, host, PassReason::ClientRankUnavailable, None);
+        }
         let neutralised = (trusted_rank.is_none() && object.has_any(&rank_names))
             .then(|| rewrite(&object, &[], &rank_names));
         return pass_or_reject(config, host, PassReason::NoFreshData, neutralised);
@@ -885,5 +903,24 @@ mod tests {
             assert_eq!(pd(route(&c, &h, b"{}", None, i)).prefill.worker, 3);
         }
         assert_eq!(h.counter("dprank.prefill_failed.p0"), 4);
+    }
+
+    #[test]
+    fn a_trusted_rank_nobody_has_is_told_apart_from_no_data() {
+        let (c, h) = fleet(r#","keep_client_rank":true"#);
+        let d = route(&c, &h, br#"{"routed_dp_rank":7}"#, None, 0);
+        assert_eq!(
+            d,
+            Decision::PassThrough {
+                reason: PassReason::ClientRankUnavailable,
+                body: None
+            }
+        );
+        assert_eq!(h.counter("dprank.passthrough.client_rank_unavailable"), 1);
+        let (c, h) = fleet(r#","keep_client_rank":true,"fail_mode":"closed""#);
+        assert!(matches!(
+            route(&c, &h, br#"{"routed_dp_rank":7}"#, None, 0),
+            Decision::Reject { status: 400, .. }
+        ));
     }
 }
