@@ -5,7 +5,8 @@
 //!   and only on input that is syntactically valid JSON with an object on top.
 //! - Its fields are the top-level keys in order (escapes decoded) and each
 //!   value range holds exactly that value's text (checked against an
-//!   independent serde_json pass collecting `(key, &RawValue)` pairs).
+//!   independent serde_json pass collecting `(key, &RawValue)` pairs), and the
+//!   prompt sizes are those of the prompt keys' values measured on their own.
 //! - `with_fields(set)` copies every input byte outside the replaced value
 //!   ranges, in order, and writes the absent keys right after the opening
 //!   brace: the output equals the splice rebuilt here from the pairs.
@@ -47,6 +48,64 @@ impl<'de> Deserialize<'de> for Pairs<'de> {
             }
         }
         d.deserialize_map(V)
+    }
+}
+
+/// Sizes of a prompt value as PROTOCOL/body.rs define them: every string
+/// value at any depth (not object keys) adds its UTF-8 bytes and whitespace
+/// words, every integer one token id. Duplicate keys all count.
+#[derive(Default, Debug, PartialEq)]
+struct Sizes {
+    bytes: u64,
+    words: u64,
+    ids: u64,
+}
+
+struct SizeOf<'s>(&'s mut Sizes);
+
+impl<'de> serde::de::DeserializeSeed<'de> for SizeOf<'_> {
+    type Value = ();
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<(), D::Error> {
+        d.deserialize_any(self)
+    }
+}
+
+impl<'de> Visitor<'de> for SizeOf<'_> {
+    type Value = ();
+    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        f.write_str("JSON")
+    }
+    fn visit_str<E>(self, v: &str) -> Result<(), E> {
+        self.0.bytes += v.len() as u64;
+        self.0.words += v.split_whitespace().count() as u64;
+        Ok(())
+    }
+    fn visit_u64<E>(self, _: u64) -> Result<(), E> {
+        self.0.ids += 1;
+        Ok(())
+    }
+    fn visit_i64<E>(self, _: i64) -> Result<(), E> {
+        self.0.ids += 1;
+        Ok(())
+    }
+    fn visit_f64<E>(self, _: f64) -> Result<(), E> {
+        Ok(())
+    }
+    fn visit_bool<E>(self, _: bool) -> Result<(), E> {
+        Ok(())
+    }
+    fn visit_unit<E>(self) -> Result<(), E> {
+        Ok(())
+    }
+    fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<(), A::Error> {
+        while seq.next_element_seed(SizeOf(&mut *self.0))?.is_some() {}
+        Ok(())
+    }
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<(), A::Error> {
+        while map.next_key::<IgnoredAny>()?.is_some() {
+            map.next_value_seed(SizeOf(&mut *self.0))?;
+        }
+        Ok(())
     }
 }
 
@@ -165,6 +224,17 @@ fuzz_target!(|data: &[u8]| {
         assert!(obj.has_any(&[key.as_str()]));
         let _ = raw;
     }
+    // Prompt sizes: the values under text / prompt / messages / input_ids.
+    let mut sizes = Sizes::default();
+    for (key, raw) in &pairs.0 {
+        if ["text", "prompt", "messages", "input_ids"].contains(&key.as_str()) {
+            use serde::de::DeserializeSeed;
+            let mut de = serde_json::Deserializer::from_str(raw.get());
+            SizeOf(&mut sizes).deserialize(&mut de).expect("prompt value of a parsed body");
+        }
+    }
+    let p = obj.prompt;
+    assert_eq!(Sizes { bytes: p.bytes, words: p.words, ids: p.token_ids }, sizes, "prompt size");
     for how in [CostEstimate::Bytes, CostEstimate::Words, CostEstimate::One] {
         assert!(obj.prompt.estimate(how) >= 1);
     }

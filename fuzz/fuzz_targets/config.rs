@@ -14,7 +14,8 @@
 //! - every rank field name it accepts can be spliced into a body: the JSON
 //!   `with_fields` writes with it parses, and holds that key;
 //! - an error names the key at fault: its path (`workers[1].name`) exists in
-//!   the input, except for a missing worker list.
+//!   the input, except for a missing worker list, a default worker name, and
+//!   a PD field name whose default clashes with a given one.
 //! - what is given is taken as written (intervals, rank field, headers), the
 //!   default stale limit is 3 x the poll interval, and PD-only keys are
 //!   refused outside PD mode.
@@ -109,7 +110,13 @@ fn check_error_key(input: &Value, key: &str) {
             rest = &r[end + 1..];
         } else if let Some(r) = rest.strip_prefix('.') {
             let end = r.find(['[', '.']).unwrap_or(r.len());
-            at = at.get(&r[..end]).unwrap_or_else(|| panic!("error key `{key}`: no member {}", &r[..end]));
+            let member = &r[..end];
+            match at.get(member) {
+                Some(v) => at = v,
+                // A default stat name (from the address) can clash with a given one.
+                None if member == "name" && end == r.len() => return,
+                None => panic!("error key `{key}`: no member {member}"),
+            }
             rest = &r[end..];
         } else {
             panic!("error key `{key}` is not a path");
@@ -117,11 +124,20 @@ fn check_error_key(input: &Value, key: &str) {
     }
 }
 
-fn check(bytes: &[u8]) {
+fn check(bytes: &[u8], what: &str) {
     if known::skip_config_input(bytes) {
         return;
     }
-    match Config::from_json(bytes) {
+    let result = Config::from_json(bytes);
+    if std::env::var_os("DPRANK_FUZZ_TRACE").is_some() {
+        let outcome = match &result {
+            Ok(_) => "ok".to_string(),
+            Err(ConfigError::Invalid { key, .. }) => format!("invalid {key}"),
+            Err(ConfigError::Json(e)) => format!("json {e}"),
+        };
+        eprintln!("TRACE {what} {} => {outcome}", String::from_utf8_lossy(bytes));
+    }
+    match result {
         Ok(c) => {
             check_accepted(&c);
             if let Ok(Value::Object(given)) = serde_json::from_slice(bytes) {
@@ -138,146 +154,191 @@ fn check(bytes: &[u8]) {
 
 // ---- Generated configurations ----
 
-fn pick<'a, T: Clone>(u: &mut Unstructured<'a>, pool: &[T], other: impl FnOnce(&mut Unstructured<'a>) -> Result<T>) -> Result<T> {
-    let i = u.int_in_range(0..=pool.len())?;
-    match pool.get(i) {
-        Some(v) => Ok(v.clone()),
-        None => other(u),
+/// Draws values for a generated configuration: from the valid ones, or (when
+/// `wild`, now and then) from the wrong and borderline ones or anything at all.
+struct Gen<'u, 'a> {
+    u: &'u mut Unstructured<'a>,
+    wild: bool,
+    /// Workers so far: good addresses and names are unique.
+    count: u32,
+}
+
+impl<'a> Gen<'_, 'a> {
+    fn bad(&mut self) -> Result<bool> {
+        Ok(self.wild && self.u.ratio(1, 6)?)
+    }
+
+    fn pick(&mut self, good: &[Value], bad: &[Value], any: fn(&mut Unstructured<'a>) -> Result<Value>) -> Result<Value> {
+        if self.bad()? {
+            let i = self.u.int_in_range(0..=bad.len())?;
+            return match bad.get(i) {
+                Some(v) => Ok(v.clone()),
+                None => any(self.u),
+            };
+        }
+        Ok(self.u.choose(good)?.clone())
+    }
+
+    fn text(&mut self, good: &[&str], bad: &[&str]) -> Result<Value> {
+        let good: Vec<Value> = good.iter().map(|s| json!(s)).collect();
+        let bad: Vec<Value> = bad.iter().map(|s| json!(s)).chain([Value::Null, json!(1)]).collect();
+        self.pick(&good, &bad, |u| Ok(json!(u.arbitrary::<String>()?)))
+    }
+
+    fn maybe(&mut self, f: impl FnOnce(&mut Self) -> Result<Value>) -> Result<Option<Value>> {
+        Ok(if self.u.ratio(1, 3)? { Some(f(self)?) } else { None })
+    }
+
+    fn ms(&mut self) -> Result<Value> {
+        let good = [json!(100), json!(250), json!(500), json!(999), json!(1000), json!(1001), json!(3000), json!(600000)];
+        let bad = [
+            json!(0), json!(1), json!(99), json!(u64::MAX / 3), json!(u64::MAX / 3 + 1), json!(u64::MAX),
+            json!(-1), json!("1000"), json!(1.5), Value::Null,
+        ];
+        self.pick(&good, &bad, |u| Ok(json!(u.arbitrary::<u64>()?)))
+    }
+
+    fn worker(&mut self, prefill: bool) -> Result<Value> {
+        let mut w = Map::new();
+        self.count += 1;
+        let n = self.count;
+        if !(self.bad()? && self.u.ratio(1, 5)?) {
+            let good = [json!(format!("10.0.0.{n}:8000")), json!(format!("127.0.0.1:{}", 30000 + n)), json!(format!("[fd00::{n}]:8000"))];
+            let bad: Vec<Value> = BAD_ADDRESSES.iter().map(|a| json!(a)).chain([json!("127.0.0.1:30001"), Value::Null]).collect();
+            let address = self.pick(&good, &bad, |u| Ok(json!(u.arbitrary::<String>()?)))?;
+            w.insert("address".into(), address);
+        }
+        if let Some(v) = self.maybe(|g| {
+            let good = [json!(1), json!(2), json!(8), json!(MAX_DP_SIZE)];
+            let bad = [json!(0), json!(MAX_DP_SIZE + 1), json!(u32::MAX), json!(u64::MAX), json!(-1), json!("8"), Value::Null];
+            g.pick(&good, &bad, |u| Ok(json!(u.arbitrary::<u32>()?)))
+        })? {
+            w.insert("dp_size".into(), v);
+        }
+        if let Some(v) = self.maybe(|g| {
+            let good = [json!(format!("w{n}")), json!(format!("Worker-{n}_a"))];
+            let bad: Vec<Value> = BAD_NAMES.iter().map(|a| json!(a)).chain([Value::Null, json!(1)]).collect();
+            g.pick(&good, &bad, |u| Ok(json!(u.arbitrary::<String>()?)))
+        })? {
+            w.insert("name".into(), v);
+        }
+        let port = if prefill { self.u.ratio(1, 2)? } else { self.bad()? };
+        if port {
+            let good = [json!(8998), json!(8999), json!(0), json!(65535), Value::Null];
+            let bad = [json!(65536), json!(-1), json!("8998")];
+            let v = self.pick(&good, &bad, |u| Ok(json!(u.arbitrary::<u16>()?)))?;
+            w.insert("bootstrap_port".into(), v);
+        }
+        if self.bad()? && self.u.ratio(1, 10)? {
+            w.insert("weight".into(), json!(1));
+        }
+        Ok(Value::Object(w))
+    }
+
+    fn workers(&mut self, prefill: bool) -> Result<Value> {
+        let n = if self.bad()? { self.u.int_in_range(0..=5)? } else { self.u.int_in_range(1..=3)? };
+        let mut v = Vec::new();
+        for _ in 0..n {
+            v.push(self.worker(prefill)?);
+        }
+        Ok(Value::Array(v))
     }
 }
 
-fn maybe<'a>(u: &mut Unstructured<'a>, f: impl FnOnce(&mut Unstructured<'a>) -> Result<Value>) -> Result<Option<Value>> {
-    Ok(if u.ratio(1, 3)? { Some(f(u)?) } else { None })
-}
-
-fn ms(u: &mut Unstructured) -> Result<Value> {
-    let pool = [
-        json!(0), json!(1), json!(99), json!(100), json!(250), json!(500), json!(999), json!(1000),
-        json!(1001), json!(3000), json!(600000), json!(u64::MAX / 3), json!(u64::MAX / 3 + 1),
-        json!(u64::MAX), json!(-1), json!("1000"), json!(1.5), Value::Null,
-    ];
-    pick(u, &pool, |u| Ok(json!(u.arbitrary::<u64>()?)))
-}
-
-fn text(u: &mut Unstructured, pool: &[&str]) -> Result<Value> {
-    let pool: Vec<Value> = pool.iter().map(|s| json!(s)).chain([Value::Null, json!(1)]).collect();
-    pick(u, &pool, |u| Ok(json!(u.arbitrary::<String>()?)))
-}
-
-const HEADERS: [&str; 8] = ["x-dprank-endpoint", "x-pick", "x-pin", "X-Pick", "x pin", "", "x-dprank-pin", "x_1"];
-const FIELDS: [&str; 13] = [
+/// Route headers, then pin headers.
+const HEADERS: [&str; 6] = ["x-dprank-endpoint", "x-pick", "x-route-1", "x-pin", "x-dprank-pin", "x_1"];
+const BAD_HEADERS: [&str; 4] = ["X-Pick", "x pin", "", "x-pin\n"];
+const FIELDS: [&str; 8] = [
     "routed_dp_rank", "data_parallel_rank", "decode_dp_rank", "disagg_prefill_dp_rank", "my_rank",
-    "", "a\"b", "a\\b", "a\nb", "\u{1}", "\u{7f}", "\u{e9}t\u{e9}", "a b",
+    "\u{7f}", "\u{e9}t\u{e9}", "a b",
 ];
-const NAMES: [&str; 7] = ["a", "b", "w-0", "p_1", "a.b", "", "127_0_0_1_30001"];
-const ADDRESSES: [&str; 12] = [
-    "127.0.0.1:30001", "127.0.0.1:30002", "127.0.0.1:30003", "10.0.0.1:8000", "[::1]:8000",
-    "[fe80::1]:1", "0.0.0.0:0", "sglang:30000", "127.0.0.1", "", "1.2.3.4:99999", "127.0.0.1:30001 ",
-];
-
-fn worker(u: &mut Unstructured) -> Result<Value> {
-    let mut w = Map::new();
-    if !u.ratio(1, 20)? {
-        w.insert("address".into(), text(u, &ADDRESSES)?);
-    }
-    if let Some(v) = maybe(u, |u| {
-        let pool = [json!(1), json!(8), json!(0), json!(MAX_DP_SIZE), json!(MAX_DP_SIZE + 1), json!(u32::MAX), json!(u64::MAX), json!(-1), json!("8"), Value::Null];
-        pick(u, &pool, |u| Ok(json!(u.arbitrary::<u32>()?)))
-    })? {
-        w.insert("dp_size".into(), v);
-    }
-    if let Some(v) = maybe(u, |u| text(u, &NAMES))? {
-        w.insert("name".into(), v);
-    }
-    if let Some(v) = maybe(u, |u| {
-        let pool = [json!(8998), json!(0), json!(65535), json!(65536), Value::Null, json!("8998")];
-        pick(u, &pool, |u| Ok(json!(u.arbitrary::<u16>()?)))
-    })? {
-        w.insert("bootstrap_port".into(), v);
-    }
-    if u.ratio(1, 30)? {
-        w.insert("weight".into(), json!(1));
-    }
-    Ok(Value::Object(w))
-}
-
-fn workers(u: &mut Unstructured) -> Result<Value> {
-    let n = u.int_in_range(0..=4)?;
-    let mut v = Vec::new();
-    for _ in 0..n {
-        v.push(worker(u)?);
-    }
-    Ok(Value::Array(v))
-}
+const BAD_FIELDS: [&str; 7] = ["", "a\"b", "a\\b", "a\nb", "\u{1}", "routed_dp_rank\t", "\u{0}"];
+const BAD_NAMES: [&str; 5] = ["a.b", "", "a b", "w1", "127_0_0_1_30001"];
+const BAD_ADDRESSES: [&str; 5] = ["sglang:30000", "127.0.0.1", "", "1.2.3.4:99999", "127.0.0.1:30001 "];
 
 fn generate(u: &mut Unstructured) -> Result<Map<String, Value>> {
+    let wild = u.ratio(1, 2)?;
+    let mut g = Gen { u, wild, count: 0 };
     let mut c = Map::new();
     // The pools: regular, PD, cluster discovery, or a mix of them.
-    let mode = u.int_in_range(0..=5)?;
-    if mode == 0 || mode == 3 || mode == 5 && u.arbitrary()? {
-        c.insert("workers".into(), workers(u)?);
+    let mode = if g.bad()? { g.u.int_in_range(3..=5)? } else { g.u.int_in_range(0..=2)? };
+    if mode == 0 || mode == 3 || mode == 5 && g.u.arbitrary()? {
+        c.insert("workers".into(), g.workers(false)?);
     }
-    if mode == 1 || mode == 4 || mode == 5 && u.arbitrary()? {
-        c.insert("prefill_workers".into(), workers(u)?);
-        if !u.ratio(1, 10)? {
-            c.insert("decode_workers".into(), workers(u)?);
+    if mode == 1 || mode == 4 || mode == 5 && g.u.arbitrary()? {
+        c.insert("prefill_workers".into(), g.workers(true)?);
+        if !(g.bad()? && g.u.ratio(1, 3)?) {
+            c.insert("decode_workers".into(), g.workers(false)?);
         }
     }
-    if mode == 2 || mode >= 3 && u.arbitrary()? {
+    if mode == 2 || mode >= 3 && g.u.arbitrary()? {
         let mut d = Map::new();
-        if !u.ratio(1, 20)? {
-            d.insert("cluster".into(), text(u, &["sglang", ""])?);
+        if !(g.bad()? && g.u.ratio(1, 5)?) {
+            d.insert("cluster".into(), g.text(&["sglang", "sglang_decode"], &[""])?);
         }
-        if let Some(v) = maybe(u, |u| text(u, &["dprank_admin", "admin", ""]))? {
+        if let Some(v) = g.maybe(|g| g.text(&["dprank_admin", "admin"], &[""]))? {
             d.insert("admin_cluster".into(), v);
         }
         c.insert("workers_from_cluster".into(), Value::Object(d));
     }
+    // Keys of the other modes: refused, so only now and then.
+    let pd = c.contains_key("prefill_workers");
+    let pd_keys = ["prefill_timeout_ms", "prefill_cluster", "prefill_rank_field", "decode_rank_field", "decode_prefill_rank_field"];
+    let key_fits = |g: &mut Gen, key: &str| -> Result<bool> {
+        let fits = if pd_keys.contains(&key) { pd } else { !(pd && key == "rank_field") };
+        Ok(fits || g.bad()?)
+    };
     for key in ["poll_interval_ms", "poll_timeout_ms", "stale_after_ms", "prefill_timeout_ms"] {
-        if let Some(v) = maybe(u, ms)? {
-            c.insert(key.into(), v);
+        if key_fits(&mut g, key)? {
+            if let Some(v) = g.maybe(|g| g.ms())? {
+                c.insert(key.into(), v);
+            }
         }
     }
     for key in ["rank_field", "prefill_rank_field", "decode_rank_field", "decode_prefill_rank_field"] {
-        if let Some(v) = maybe(u, |u| text(u, &FIELDS))? {
-            c.insert(key.into(), v);
+        if key_fits(&mut g, key)? {
+            if let Some(v) = g.maybe(|g| g.text(&FIELDS, &BAD_FIELDS))? {
+                c.insert(key.into(), v);
+            }
         }
     }
-    for key in ["route_header", "pin_header"] {
-        if let Some(v) = maybe(u, |u| text(u, &HEADERS))? {
-            c.insert(key.into(), v);
-        }
+    if let Some(v) = g.maybe(|g| g.text(&HEADERS[..3], &BAD_HEADERS))? {
+        c.insert("route_header".into(), v);
     }
-    for (key, pool) in [
-        ("poll_cluster", &["dprank_poll", ""][..]),
-        ("prefill_cluster", &["dprank_prefill", ""][..]),
-        ("state_key", &["dprank", "fleet_a", "a.b", ""][..]),
-        ("load_endpoint", &["auto", "v1_loads", "get_load", "metrics"][..]),
-        ("naming", &["current", "legacy", "old"][..]),
-        ("cost_estimate", &["bytes", "words", "one", "tokens"][..]),
-        ("fail_mode", &["open", "closed", "half"][..]),
+    if let Some(v) = g.maybe(|g| g.text(&HEADERS[3..], &[&BAD_HEADERS[..], &["x-dprank-endpoint"]].concat()))? {
+        c.insert("pin_header".into(), v);
+    }
+    for (key, good, bad) in [
+        ("poll_cluster", &["dprank_poll", "polls"][..], &[""][..]),
+        ("prefill_cluster", &["dprank_prefill", "pc"][..], &[""][..]),
+        ("state_key", &["dprank", "fleet_a", "A-1"][..], &["a.b", ""][..]),
+        ("load_endpoint", &["auto", "v1_loads", "get_load"][..], &["metrics", "Auto"][..]),
+        ("naming", &["current", "legacy"][..], &["old"][..]),
+        ("cost_estimate", &["bytes", "words", "one"][..], &["tokens"][..]),
+        ("fail_mode", &["open", "closed"][..], &["half"][..]),
     ] {
-        if let Some(v) = maybe(u, |u| text(u, pool))? {
-            c.insert(key.into(), v);
+        if key_fits(&mut g, key)? {
+            if let Some(v) = g.maybe(|g| g.text(good, bad))? {
+                c.insert(key.into(), v);
+            }
         }
     }
     for key in ["keep_client_rank", "poll_loads"] {
-        if let Some(v) = maybe(u, |u| pick(u, &[json!(true), json!(false), json!("true"), Value::Null], |_| Ok(json!(0))))? {
+        if let Some(v) = g.maybe(|g| g.pick(&[json!(true), json!(false)], &[json!("true"), Value::Null], |_| Ok(json!(0))))? {
             c.insert(key.into(), v);
         }
     }
-    if let Some(v) = maybe(u, |u| {
-        let pool = ["/generate", "/v1/completions", "/v1/chat/completions", "generate", "/x?y", "/", ""];
-        let n = u.int_in_range(0..=3)?;
+    if let Some(v) = g.maybe(|g| {
+        let n = if g.bad()? { g.u.int_in_range(0..=3)? } else { g.u.int_in_range(1..=3)? };
         let mut paths = Vec::new();
         for _ in 0..n {
-            paths.push(text(u, &pool)?);
+            paths.push(g.text(&["/generate", "/v1/completions", "/v1/chat/completions", "/"], &["generate", "/x?y", ""])?);
         }
         Ok(Value::Array(paths))
     })? {
         c.insert("paths".into(), v);
     }
-    if u.ratio(1, 30)? {
+    if g.bad()? && g.u.ratio(1, 10)? {
         c.insert("poll_intervall_ms".into(), json!(1000));
     }
     Ok(c)
@@ -315,9 +376,9 @@ fn check_taken_as_written(given: &Map<String, Value>, c: &Config) {
 }
 
 fuzz_target!(|data: &[u8]| {
-    check(data);
+    check(data, "raw");
 
     let mut u = Unstructured::new(data);
     let Ok(given) = generate(&mut u) else { return };
-    check(&serde_json::to_vec(&given).expect("config JSON"));
+    check(&serde_json::to_vec(&given).expect("config JSON"), "generated");
 });

@@ -107,9 +107,19 @@ impl Val {
     }
 }
 
+/// Mostly a rank of a small worker, else a value of any type.
+#[derive(Debug)]
+struct Rank(Val);
+
+impl<'a> Arbitrary<'a> for Rank {
+    fn arbitrary(u: &mut Unstructured<'a>) -> Result<Self> {
+        Ok(Rank(if u.ratio(3, 4)? { Val::Small(u.int_in_range(0..=7)?) } else { u.arbitrary()? }))
+    }
+}
+
 #[derive(Debug, Arbitrary)]
 struct Entry {
-    dp_rank: Option<Val>,
+    dp_rank: Option<Rank>,
     tokens: [Option<Val>; 3],
     extras: Vec<(u8, Val)>,
     /// Order of the members in the text.
@@ -119,7 +129,7 @@ struct Entry {
 impl Entry {
     fn json(&self) -> String {
         let mut members: Vec<(String, String)> = Vec::new();
-        if let Some(v) = &self.dp_rank {
+        if let Some(Rank(v)) = &self.dp_rank {
             members.push(("dp_rank".into(), v.json()));
         }
         for (name, v) in TOKEN_FIELDS.iter().zip(&self.tokens) {
@@ -146,7 +156,8 @@ impl Entry {
 #[derive(Debug, Arbitrary)]
 enum Report {
     /// `/get_load`: an array of per-rank objects.
-    GetLoad(Vec<Entry>),
+    GetLoad(Entry, Vec<Entry>),
+    Empty,
     /// `/get_load` on builds that answer with one object.
     Single(Entry),
     /// `/v1/loads`.
@@ -166,7 +177,11 @@ impl Report {
     fn json(&self) -> String {
         let entries = |v: &[Entry]| v.iter().map(Entry::json).collect::<Vec<_>>().join(",");
         match self {
-            Report::GetLoad(v) => format!("[{}]", entries(v)),
+            Report::GetLoad(first, rest) => {
+                let rest = entries(rest);
+                format!("[{}{}{rest}]", first.json(), if rest.is_empty() { "" } else { "," })
+            }
+            Report::Empty => "[]".into(),
             Report::Single(e) => e.json(),
             Report::V1 { loads, dp_rank_count, aggregate } => format!(
                 "{{\"timestamp\":\"2025-01-01T00:00:00Z\",\"version\":\"0.5\",\"dp_rank_count\":{},\"loads\":[{}]{}}}",
@@ -288,6 +303,9 @@ fn check_generated(data: &[u8]) {
         // Numbers serde_json cannot hold make the whole report unreadable.
         Err(_) => Err(LoadError::NotJson(String::new())),
     };
+    if std::env::var_os("DPRANK_FUZZ_TRACE").is_some() {
+        eprintln!("TRACE {text}\nTRACE => {got:?}");
+    }
     let same = match (&got, &want) {
         (Err(LoadError::NotJson(_)), Err(LoadError::NotJson(_))) => true,
         (g, w) => g == w,
