@@ -10,7 +10,9 @@ use clap::Args;
 use crate::client::pooled_client;
 use crate::cpu::CpuTimes;
 use crate::envoy::Balancer;
-use crate::fleet::{start_envoy, start_smg, Front, SimFleet, SimOptions, SmgMode, Tools};
+use crate::fleet::{
+    dprank_counters, start_envoy, start_smg, DprankCounters, Front, SimFleet, SimOptions, SmgMode, Tools,
+};
 use crate::loadgen::{run_trace, LoadOptions, LoadReport};
 use crate::plot;
 use crate::stats::{fmt_spread, machine, markdown_table, median, now_utc};
@@ -60,16 +62,18 @@ pub enum Variant {
     SmgMinimumTokens,
     Ideal,
     TwoEnvoysDprank,
+    EnvoyDprankFastPoll,
 }
 
 impl Variant {
-    pub const ALL: [Variant; 6] = [
+    pub const ALL: [Variant; 7] = [
         Variant::EnvoyRoundRobin,
         Variant::EnvoyDprank,
         Variant::SmgDpAware,
         Variant::SmgMinimumTokens,
         Variant::Ideal,
         Variant::TwoEnvoysDprank,
+        Variant::EnvoyDprankFastPoll,
     ];
 
     pub fn name(self) -> &'static str {
@@ -80,6 +84,7 @@ impl Variant {
             Variant::SmgMinimumTokens => "smg-min-tokens",
             Variant::Ideal => "ideal",
             Variant::TwoEnvoysDprank => "2x-envoy-dprank",
+            Variant::EnvoyDprankFastPoll => "envoy-dprank-fast-poll",
         }
     }
 
@@ -91,6 +96,7 @@ impl Variant {
             Variant::SmgMinimumTokens => "(c') the same + --dp-minimum-tokens-scheduler --load-monitor-interval 1",
             Variant::Ideal => "(d) ideal approximation: workers pick their least-loaded rank themselves (--dispatch minimum_tokens, exact, instantaneous), Envoy least_request over workers",
             Variant::TwoEnvoysDprank => "(e) two Envoy + dprank sharing the fleet, the load generator alternating between them",
+            Variant::EnvoyDprankFastPoll => "(f) extra: Envoy + dprank polling at the filter's minimum interval (100 ms wall), to show how much of the gap to the ideal is the age of the polled loads",
         }
     }
 }
@@ -100,6 +106,8 @@ struct RunResult {
     variant: Variant,
     report: LoadReport,
     busy: Option<f64>,
+    /// Summed over the variant's Envoys, when dprank runs.
+    counters: Option<DprankCounters>,
 }
 
 async fn run_variant(
@@ -129,6 +137,12 @@ async fn run_variant(
             vec![start_envoy(tools, &client, &fleet, Balancer::RoundRobin, &name("")).await?]
         }
         Variant::EnvoyDprank => vec![start_envoy(tools, &client, &fleet, dprank, &name("")).await?],
+        Variant::EnvoyDprankFastPoll => {
+            let fastest = Balancer::Dprank {
+                poll_interval_ms: dprank::config::MIN_POLL_INTERVAL_MS,
+            };
+            vec![start_envoy(tools, &client, &fleet, fastest, &name("")).await?]
+        }
         Variant::Ideal => vec![start_envoy(tools, &client, &fleet, Balancer::LeastRequest, &name("")).await?],
         Variant::TwoEnvoysDprank => vec![
             start_envoy(tools, &client, &fleet, dprank, &name("-1")).await?,
@@ -159,12 +173,26 @@ async fn run_variant(
     let before = CpuTimes::now();
     let report = run_trace(trace, &options).await?;
     let busy = CpuTimes::now().busy_since(&before);
+    let mut counters = None;
+    if matches!(
+        variant,
+        Variant::EnvoyDprank | Variant::TwoEnvoysDprank | Variant::EnvoyDprankFastPoll
+    ) {
+        let mut sum = DprankCounters::default();
+        for admin in fronts.iter().filter_map(|f| f.admin) {
+            if let Some(c) = dprank_counters(&client, admin).await {
+                sum.add(&c);
+            }
+        }
+        counters = Some(sum);
+    }
     drop(fronts);
     drop(fleet);
     Ok(Some(RunResult {
         variant,
         report,
         busy,
+        counters,
     }))
 }
 
@@ -204,6 +232,9 @@ pub async fn compare(tools: &Tools, args: &CompareArgs, command_line: &str) -> R
             match run_variant(tools, args, variant, &trace, run).await? {
                 Some(result) => {
                     println!("  {}", result.report.summary());
+                    if let Some(c) = &result.counters {
+                        println!("    dprank: {}", c.summary());
+                    }
                     for e in &result.report.error_examples {
                         println!("    error: {e}");
                     }
@@ -291,6 +322,24 @@ pub async fn compare(tools: &Tools, args: &CompareArgs, command_line: &str) -> R
         targets,
         "- dprank rank token imbalance = **{imbalance:.3}** (target <= 1.15)"
     );
+    let ideal_imbalance = median(&metric(Variant::Ideal, &|r| r.imbalance.unwrap_or(f64::NAN)));
+    if ideal_imbalance.is_finite() {
+        let _ = writeln!(
+            targets,
+            "- for reference, the ideal's rank token imbalance = {ideal_imbalance:.3} (the floor of this metric on this trace: discrete, heavy-tailed requests on 8 ranks)"
+        );
+    }
+    let fast = ttft99(Variant::EnvoyDprankFastPoll);
+    let ideal99 = ttft99(Variant::Ideal);
+    if fast.is_finite() && ideal99.is_finite() {
+        let _ = writeln!(
+            targets,
+            "- dprank polling every {} ms wall ({:.1} s simulated): TTFT p99 / ideal = {fast:.0} / {ideal99:.0} = {:.2}",
+            dprank::config::MIN_POLL_INTERVAL_MS,
+            dprank::config::MIN_POLL_INTERVAL_MS as f64 * args.time_scale / 1000.0,
+            fast / ideal99
+        );
+    }
     let two = ttft99(Variant::TwoEnvoysDprank);
     if two.is_finite() && dprank99.is_finite() {
         let _ = writeln!(
@@ -350,6 +399,12 @@ pub async fn compare(tools: &Tools, args: &CompareArgs, command_line: &str) -> R
         "compare-ttft-cdf.png",
     ));
 
+    let mut counters_md = String::new();
+    for r in results.iter().filter(|r| r.counters.is_some()) {
+        if let Some(c) = &r.counters {
+            let _ = writeln!(counters_md, "- `{}`: {}", r.report.label, c.summary());
+        }
+    }
     let md = compare_markdown(
         args,
         command_line,
@@ -359,6 +414,7 @@ pub async fn compare(tools: &Tools, args: &CompareArgs, command_line: &str) -> R
         &table,
         &targets,
         &busy_line,
+        &counters_md,
         &plots,
         poll_wall_ms(args),
     );
@@ -383,6 +439,7 @@ fn compare_markdown(
     table: &str,
     targets: &str,
     busy_line: &str,
+    counters: &str,
     plots: &[(&str, &str)],
     poll_ms: u64,
 ) -> String {
@@ -410,6 +467,12 @@ fn compare_markdown(
             md,
             "Skipped (smg not installed): {}\n",
             skipped.iter().map(|v| v.name()).collect::<Vec<_>>().join(", ")
+        );
+    }
+    if !counters.is_empty() {
+        let _ = writeln!(
+            md,
+            "### dprank's counters per run (Envoy admin /stats)\n\n{counters}"
         );
     }
     for (title, file) in plots {

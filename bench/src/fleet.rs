@@ -167,6 +167,70 @@ pub struct Front {
     _process: Managed,
     pub url: String,
     pub addr: SocketAddr,
+    /// Envoy's admin port (None for smg).
+    pub admin: Option<u16>,
+}
+
+/// dprank's own counters from one Envoy's admin `/stats`.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct DprankCounters {
+    pub routed: u64,
+    pub passthrough: u64,
+    pub polls_ok: u64,
+    pub polls_failed: u64,
+    pub polls_skipped: u64,
+    pub shared_data_conflicts: u64,
+    pub accounting_skipped: u64,
+}
+
+impl DprankCounters {
+    pub fn add(&mut self, other: &DprankCounters) {
+        self.routed += other.routed;
+        self.passthrough += other.passthrough;
+        self.polls_ok += other.polls_ok;
+        self.polls_failed += other.polls_failed;
+        self.polls_skipped += other.polls_skipped;
+        self.shared_data_conflicts += other.shared_data_conflicts;
+        self.accounting_skipped += other.accounting_skipped;
+    }
+
+    pub fn summary(&self) -> String {
+        format!(
+            "routed {}, passed through {}, polls ok {} / failed {} / skipped {}, shared-data conflicts {}, accounting skipped {}",
+            self.routed, self.passthrough, self.polls_ok, self.polls_failed, self.polls_skipped, self.shared_data_conflicts, self.accounting_skipped
+        )
+    }
+}
+
+/// Reads the filter's counters (`<prefix>dprank.<name>: <n>` lines).
+pub async fn dprank_counters(client: &PooledClient, admin: u16) -> Option<DprankCounters> {
+    let text = get_text(client, &format!("http://127.0.0.1:{admin}/stats?filter=dprank"))
+        .await
+        .ok()?;
+    let mut c = DprankCounters::default();
+    for line in text.lines() {
+        let Some((name, value)) = line.rsplit_once(": ") else {
+            continue;
+        };
+        let Ok(value) = value.trim().parse::<u64>() else {
+            continue;
+        };
+        let Some((_, metric)) = name.split_once("dprank.") else {
+            continue;
+        };
+        let slot = match metric.split('.').next() {
+            Some("routed") => &mut c.routed,
+            Some("passthrough") => &mut c.passthrough,
+            Some("poll_ok") => &mut c.polls_ok,
+            Some("poll_failed") => &mut c.polls_failed,
+            Some("poll_skipped") => &mut c.polls_skipped,
+            Some("shared_data_conflicts") => &mut c.shared_data_conflicts,
+            Some("accounting_skipped") => &mut c.accounting_skipped,
+            _ => continue,
+        };
+        *slot += value;
+    }
+    Some(c)
 }
 
 pub async fn start_envoy(
@@ -222,6 +286,7 @@ pub async fn start_envoy(
         _process: process,
         url: format!("http://{addr}"),
         addr,
+        admin: Some(ports.admin),
     })
 }
 
@@ -308,5 +373,6 @@ pub async fn start_smg(
         _process: process,
         url: base,
         addr,
+        admin: None,
     }))
 }

@@ -150,7 +150,9 @@ pub fn cdf(path: &Path, title: &str, x_desc: &str, series: &[(String, Vec<f64>)]
         .map_err(err)?;
     let mut mesh = chart.configure_mesh();
     if text {
-        mesh.x_desc(x_desc).y_desc("fraction of requests");
+        mesh.x_desc(x_desc)
+            .y_desc("fraction of requests")
+            .x_label_formatter(&|v| format!("{v:.0}"));
     } else {
         mesh.x_labels(0).y_labels(0);
     }
