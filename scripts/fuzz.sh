@@ -6,19 +6,18 @@
 #
 # Each target runs as
 #   cargo +nightly fuzz run <target> corpus/<t> seeds/<t> [regressions/<t>] -- -max_total_time=N
-# so the committed seeds and the reproducers of known bugs (regressions/<t>)
+# so the committed seeds and the inputs that once found a bug (regressions/<t>)
 # are replayed before the fuzzer mutates anything; new inputs go to the
-# untracked fuzz/corpus/<t>. A crash leaves its input in fuzz/artifacts/<t>/.
+# untracked fuzz/corpus/<t>. A crash leaves its input in fuzz/artifacts/<t>/
+# (copy it to fuzz/regressions/<t>/ once the bug is fixed).
 #
 # Environment:
-#   FUZZ_TARGETS            targets to run (default: all, from `cargo fuzz list`)
-#   FUZZ_SANITIZER          cargo-fuzz --sanitizer (default none: dprank is safe
-#                           Rust, and without ASan builds and runs are ~2x faster)
-#   FUZZ_JOBS               libFuzzer -jobs/-workers (default 1)
-#   DPRANK_FUZZ_SKIP_KNOWN  1 = step around the known, unfixed bugs listed in
-#                           fuzz/fuzz_targets/known.rs (to look for other ones)
-# Budget: the first build takes ~2 min on 2 cores, then N s per target (4
-# targets), so `scripts/fuzz.sh 20` fits a ~3-4 min CI step.
+#   FUZZ_TARGETS     targets to run (default: all, from `cargo fuzz list`)
+#   FUZZ_SANITIZER   cargo-fuzz --sanitizer (default none: dprank is safe
+#                    Rust, and without ASan builds and runs are ~2x faster)
+#   FUZZ_JOBS        libFuzzer -jobs/-workers (default 1)
+# Budget: the first build takes ~1 min on 2 cores, then N s per target (4
+# targets): `scripts/fuzz.sh 20` took 2.5 min from a clean fuzz/target.
 set -euo pipefail
 
 secs="${1:-30}"
