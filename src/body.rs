@@ -63,7 +63,6 @@ pub struct JsonObject<'a> {
     /// Offset of the opening `{`.
     open: usize,
     pub fields: Vec<Field<'a>>,
-    pub prompt: PromptSize,
 }
 
 impl<'a> JsonObject<'a> {
@@ -77,13 +76,46 @@ impl<'a> JsonObject<'a> {
         };
         de.end().map_err(|_| BodyError::NotJson)?;
         let open = body.iter().position(|b| *b == b'{').ok_or(BodyError::NotObject)?;
-        let (fields, prompt) = parsed;
         Ok(JsonObject {
             body,
             open,
-            fields,
-            prompt,
+            fields: parsed,
         })
+    }
+
+    /// Sizes of the prompt-bearing values. Counting words reads every prompt
+    /// character, so it is done only when asked.
+    pub fn prompt_size(&self, count_words: bool) -> PromptSize {
+        let mut size = PromptSize::default();
+        for field in self
+            .fields
+            .iter()
+            .filter(|f| PROMPT_KEYS.contains(&f.key.as_ref()))
+        {
+            let Some(text) = self
+                .body
+                .get(field.value.clone())
+                .and_then(|raw| std::str::from_utf8(raw).ok())
+            else {
+                continue;
+            };
+            // Already validated as part of the body: this cannot fail.
+            let _ = SizeSeed {
+                size: &mut size,
+                count_words,
+            }
+            .deserialize(&mut serde_json::Deserializer::from_str(text));
+        }
+        size
+    }
+
+    /// Tokens this request is estimated to add to its rank.
+    pub fn estimated_tokens(&self, how: CostEstimate) -> u64 {
+        match how {
+            CostEstimate::One => 1,
+            CostEstimate::Bytes => self.prompt_size(false).estimate(how),
+            CostEstimate::Words => self.prompt_size(true).estimate(how),
+        }
     }
 
     /// The raw JSON text of the last value under `key` (JSON parsers keep the last duplicate).
@@ -148,7 +180,7 @@ pub fn json_string(s: &str) -> String {
     serde_json::Value::String(s.to_string()).to_string()
 }
 
-type Parsed<'a> = (Vec<Field<'a>>, PromptSize);
+type Parsed<'a> = Vec<Field<'a>>;
 
 /// Visits the top level: an object yields its fields; anything else yields None.
 struct ObjectVisitor<'a> {
@@ -164,7 +196,6 @@ impl<'de> Visitor<'de> for ObjectVisitor<'de> {
 
     fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
         let mut fields = Vec::new();
-        let mut prompt = PromptSize::default();
         let base = self.body.as_ptr() as usize;
         while let Some(key) = map.next_key::<KeySeedOut<'de>>()? {
             let raw: &'de RawValue = map.next_value()?;
@@ -173,18 +204,12 @@ impl<'de> Visitor<'de> for ObjectVisitor<'de> {
             if start > self.body.len() {
                 return Err(de::Error::custom("value outside the body"));
             }
-            if PROMPT_KEYS.contains(&key.0.as_ref()) {
-                let mut inner = serde_json::Deserializer::from_str(text);
-                SizeSeed(&mut prompt)
-                    .deserialize(&mut inner)
-                    .map_err(de::Error::custom)?;
-            }
             fields.push(Field {
                 key: key.0,
                 value: start..start + text.len(),
             });
         }
-        Ok(Some((fields, prompt)))
+        Ok(Some(fields))
     }
 
     fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
@@ -235,7 +260,10 @@ impl<'de> de::Deserialize<'de> for KeySeedOut<'de> {
 
 /// Adds the sizes of every string (bytes, words) and integer (token ids) in a
 /// value, at any depth, without allocating a tree.
-struct SizeSeed<'p>(&'p mut PromptSize);
+struct SizeSeed<'p> {
+    size: &'p mut PromptSize,
+    count_words: bool,
+}
 
 impl<'de> DeserializeSeed<'de> for SizeSeed<'_> {
     type Value = ();
@@ -251,16 +279,18 @@ impl<'de> Visitor<'de> for SizeSeed<'_> {
         f.write_str("any JSON value")
     }
     fn visit_str<E: de::Error>(self, v: &str) -> Result<(), E> {
-        self.0.bytes += v.len() as u64;
-        self.0.words += v.split_whitespace().count() as u64;
+        self.size.bytes += v.len() as u64;
+        if self.count_words {
+            self.size.words += v.split_whitespace().count() as u64;
+        }
         Ok(())
     }
     fn visit_u64<E: de::Error>(self, _: u64) -> Result<(), E> {
-        self.0.token_ids += 1;
+        self.size.token_ids += 1;
         Ok(())
     }
     fn visit_i64<E: de::Error>(self, _: i64) -> Result<(), E> {
-        self.0.token_ids += 1;
+        self.size.token_ids += 1;
         Ok(())
     }
     fn visit_f64<E: de::Error>(self, _: f64) -> Result<(), E> {
@@ -273,12 +303,21 @@ impl<'de> Visitor<'de> for SizeSeed<'_> {
         Ok(())
     }
     fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<(), A::Error> {
-        while seq.next_element_seed(SizeSeed(&mut *self.0))?.is_some() {}
+        while seq
+            .next_element_seed(SizeSeed {
+                size: &mut *self.size,
+                count_words: self.count_words,
+            })?
+            .is_some()
+        {}
         Ok(())
     }
     fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<(), A::Error> {
         while map.next_key::<de::IgnoredAny>()?.is_some() {
-            map.next_value_seed(SizeSeed(&mut *self.0))?;
+            map.next_value_seed(SizeSeed {
+                size: &mut *self.size,
+                count_words: self.count_words,
+            })?;
         }
         Ok(())
     }
@@ -380,7 +419,7 @@ mod tests {
         let gen = JsonObject::parse(br#"{"text":"one two  three","sampling_params":{"x":"ignored words"}}"#)
             .unwrap();
         assert_eq!(
-            gen.prompt,
+            gen.prompt_size(true),
             PromptSize {
                 bytes: 14,
                 words: 3,
@@ -389,7 +428,7 @@ mod tests {
         );
         let batch = JsonObject::parse(br#"{"text":["ab","cd ef"]}"#).unwrap();
         assert_eq!(
-            batch.prompt,
+            batch.prompt_size(true),
             PromptSize {
                 bytes: 7,
                 words: 3,
@@ -397,13 +436,18 @@ mod tests {
             }
         );
         let ids = JsonObject::parse(br#"{"input_ids":[[1,2,3],[4]]}"#).unwrap();
-        assert_eq!(ids.prompt.token_ids, 4);
+        assert_eq!(ids.prompt_size(false).token_ids, 4);
         let chat = JsonObject::parse(
             br#"{"messages":[{"role":"user","content":"hello world"},{"role":"user","content":[{"type":"text","text":"hi"}]}]}"#,
         )
         .unwrap();
         // "user", "hello world", "user", "text", "hi": every string value counts.
-        assert_eq!(chat.prompt.words, 6);
+        assert_eq!(chat.prompt_size(true).words, 6);
+        assert_eq!(
+            chat.prompt_size(false).words,
+            0,
+            "words are counted only when asked"
+        );
     }
 
     #[test]
@@ -427,11 +471,14 @@ mod tests {
     }
 
     #[test]
-    fn deep_nesting_is_an_error_not_a_crash() {
-        let deep = format!("{{\"text\":{}{}}}", "[".repeat(10_000), "]".repeat(10_000));
-        assert_eq!(
-            JsonObject::parse(deep.as_bytes()).unwrap_err(),
-            BodyError::NotJson
-        );
+    fn deep_nesting_is_valid_json_and_costs_no_recursion() {
+        // serde_json skips values iteratively; only the prompt sizing recurses,
+        // and it stops at serde_json's depth limit instead of overflowing.
+        let deep = format!("{{\"text\":{}{}}}", "[".repeat(100_000), "]".repeat(100_000));
+        let obj = JsonObject::parse(deep.as_bytes()).unwrap();
+        assert_eq!(obj.estimated_tokens(CostEstimate::Words), 1);
+        let out = obj.with_fields(&[("routed_dp_rank", "1")]);
+        assert!(out.starts_with(br#"{"routed_dp_rank":1,"text":[[["#));
+        assert_eq!(out.len(), deep.len() + r#""routed_dp_rank":1,"#.len());
     }
 }

@@ -245,7 +245,7 @@ pub fn route(config: &Config, host: &dyn Host, body: &[u8], pin: Option<&str>, t
         host,
         worker,
         rank,
-        object.prompt.estimate(config.cost_estimate),
+        object.estimated_tokens(config.cost_estimate),
     );
     let body = trusted_rank.is_none().then(|| {
         rewrite(
@@ -359,7 +359,7 @@ fn route_pd(
         return reject_bad_body(host, PassReason::NoFreshData);
     };
 
-    let cost = object.prompt.estimate(config.cost_estimate);
+    let cost = object.estimated_tokens(config.cost_estimate);
     let prefill_ticket = p.and_then(|c| account(config, host, c.worker, c.rank, cost));
     let decode_ticket = d.and_then(|c| account(config, host, c.worker, c.rank, cost));
 
