@@ -32,15 +32,20 @@ pub fn fresh_candidates(
             Some(dp) => state.ranks().min(dp as usize),
             None => state.ranks(),
         };
-        for rank in 0..ranks {
-            if let Some(load) = state.effective_tokens(rank) {
-                out.push(Candidate {
-                    worker,
-                    rank: rank as u32,
-                    load,
-                });
-            }
-        }
+        let loads = state.effective_loads();
+        out.extend(
+            loads
+                .into_iter()
+                .take(ranks)
+                .enumerate()
+                .filter_map(|(rank, load)| {
+                    Some(Candidate {
+                        worker,
+                        rank: rank as u32,
+                        load: load?,
+                    })
+                }),
+        );
     }
     out
 }

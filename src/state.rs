@@ -70,6 +70,22 @@ impl WorkerState {
         Some(polled.saturating_add(pending))
     }
 
+    /// `effective_tokens` of every rank at once: one pass per pending bucket
+    /// instead of one per rank and bucket (the hot path at thousands of ranks).
+    pub fn effective_loads(&self) -> Vec<Option<u64>> {
+        let mut loads: Vec<u64> = self.tokens.clone();
+        for bucket in &self.pending {
+            for (load, pending) in loads.iter_mut().zip(&bucket.tokens) {
+                *load = load.saturating_add(*pending);
+            }
+        }
+        loads
+            .into_iter()
+            .zip(&self.tokens)
+            .map(|(load, polled)| (*polled != UNKNOWN).then_some(load))
+            .collect()
+    }
+
     /// Pending estimate total (all ranks), for stats and tests.
     pub fn pending_total(&self) -> u64 {
         self.pending
@@ -281,6 +297,20 @@ mod tests {
         assert_eq!(t.seq, seq);
         w.apply_snapshot(seq, 2000, &[Some(5)]);
         assert_eq!(w.effective_tokens(0), Some(35), "the poll may have missed it");
+    }
+
+    #[test]
+    fn effective_loads_equal_effective_tokens_per_rank() {
+        let mut w = WorkerState::default();
+        let seq = w.begin_poll();
+        w.apply_snapshot(seq, 1, &[Some(3), None, Some(u64::MAX - 1)]);
+        w.add(0, 0, 4).unwrap();
+        w.add(0, 2, 9).unwrap();
+        w.begin_poll();
+        w.add(0, 0, 1).unwrap();
+        let each: Vec<Option<u64>> = (0..3).map(|r| w.effective_tokens(r)).collect();
+        assert_eq!(w.effective_loads(), each);
+        assert_eq!(each, vec![Some(8), None, Some(u64::MAX)]);
     }
 
     #[test]
