@@ -26,3 +26,6 @@ mod input;
 
 #[path = "e2e/polling.rs"]
 mod polling;
+
+#[path = "e2e/fault_matrix.rs"]
+mod fault_matrix;

@@ -4,8 +4,10 @@
 //! also when a test panics; the logs of a failed test are printed then.
 
 pub mod envoy;
+pub mod faulty;
 pub mod http;
 pub mod sim;
+pub mod traffic;
 
 use std::io::{Read, Seek, SeekFrom};
 use std::path::{Path, PathBuf};
