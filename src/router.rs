@@ -160,18 +160,18 @@ fn choose(
     tie_breaker: u64,
 ) -> Option<Candidate> {
     let states = states.get(offset..offset + workers.len())?;
-    let mut candidates = scheduler::fresh_candidates(workers, states, host.now_ms(), config.stale_after_ms);
-    if let Some(rank) = only_rank {
-        candidates = scheduler::only_rank(candidates, rank);
-    }
+    let candidates = || {
+        let fresh = scheduler::fresh_candidates(workers, states, host.now_ms(), config.stale_after_ms);
+        scheduler::only_rank(fresh, only_rank)
+    };
     let pinned = pin.and_then(|p| {
-        let hit = scheduler::pinned(&candidates, workers, p);
+        let hit = scheduler::pinned(candidates(), workers, p);
         if hit.is_none() {
             host.count("dprank.pin_ignored", 1);
         }
         hit
     });
-    let mut choice = pinned.or_else(|| scheduler::least_loaded(&candidates, tie_breaker))?;
+    let mut choice = pinned.or_else(|| scheduler::least_loaded(candidates(), tie_breaker))?;
     choice.worker += offset;
     Some(choice)
 }

@@ -97,7 +97,7 @@ pub fn selection(args: &SelectionArgs, command_line: &str) -> Result<(), String>
         let select = time_ns(args.batches, || {
             tie = tie.wrapping_add(1);
             let candidates = fresh_candidates(&config.workers, &states, 1_500, config.stale_after_ms);
-            least_loaded(&candidates, tie).map_or(0, |c| c.load)
+            least_loaded(candidates, tie).map_or(0, |c| c.load)
         });
         // Reference: the same choice in one pass over the states through
         // their public API, without materialising the candidates (ties to
@@ -131,7 +131,7 @@ pub fn selection(args: &SelectionArgs, command_line: &str) -> Result<(), String>
             tie = tie.wrapping_add(1);
             let decoded: Vec<Option<WorkerState>> = encoded.iter().map(|b| WorkerState::decode(b)).collect();
             let candidates = fresh_candidates(&config.workers, &decoded, 1_500, config.stale_after_ms);
-            let Some(choice) = least_loaded(&candidates, tie) else {
+            let Some(choice) = least_loaded(candidates, tie) else {
                 return 0;
             };
             let mut state = decoded
