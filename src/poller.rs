@@ -158,10 +158,26 @@ impl Poller {
             self.dispatch_membership(config, discovery, host);
         }
         let now = host.now_ms();
+        // What dprank keeps in shared data, so an operator (and the soak) can see it stay bounded.
+        let mut shared_bytes = [
+            format!("{}.lease", config.state_key),
+            format!("{}.vms", config.state_key),
+        ]
+        .iter()
+        .chain(
+            config
+                .discovery
+                .as_ref()
+                .map(|_| discovery::members_key(config))
+                .iter(),
+        )
+        .filter_map(|k| host.shared_get(k))
+        .map(|(b, _)| b.len() as u64)
+        .sum::<u64>();
         for (index, w) in config.all_workers().enumerate() {
-            let state = host
-                .shared_get(&worker_key(config, index))
-                .and_then(|(b, _)| WorkerState::decode(&b));
+            let bytes = host.shared_get(&worker_key(config, index));
+            shared_bytes += bytes.as_ref().map_or(0, |(b, _)| b.len() as u64);
+            let state = bytes.and_then(|(b, _)| WorkerState::decode(&b));
             let age = state
                 .as_ref()
                 .filter(|s| s.snapshot_seq > 0)
@@ -178,6 +194,7 @@ impl Poller {
             }
             self.dispatch(config, host, index);
         }
+        host.gauge("dprank.shared_data_bytes", shared_bytes);
     }
 
     fn dispatch_membership(&mut self, config: &Config, discovery: &Discovery, host: &dyn Host) {
@@ -444,6 +461,9 @@ mod tests {
         // 40 ticks of 250 ms = 10 s: 10 rounds of 2 workers.
         assert_eq!(h.counter("dprank.poll_ok.a"), 10);
         assert_eq!(h.counter("dprank.poll_ok.b"), 10);
+        // Lease (24) + VM counter (8) + two worker states of one rank.
+        let state_bytes: u64 = h.shared.borrow().values().map(|(b, _)| b.len() as u64).sum();
+        assert_eq!(h.gauge_value("dprank.shared_data_bytes"), Some(state_bytes));
     }
 
     #[test]
