@@ -29,3 +29,12 @@ mod polling;
 
 #[path = "e2e/fault_matrix.rs"]
 mod fault_matrix;
+
+#[path = "e2e/pd.rs"]
+mod pd;
+
+#[path = "e2e/membership.rs"]
+mod membership;
+
+#[path = "e2e/lifecycle.rs"]
+mod lifecycle;

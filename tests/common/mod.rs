@@ -6,6 +6,9 @@
 pub mod envoy;
 pub mod faulty;
 pub mod http;
+pub mod lifecycle;
+pub mod pd;
+pub mod process;
 pub mod sim;
 pub mod traffic;
 
