@@ -173,11 +173,22 @@ pub fn selection(args: &SelectionArgs, command_line: &str) -> Result<(), String>
             Ok(object) => object.with_fields(&[("routed_dp_rank", "3")]).len() as u64,
             Err(_) => 0,
         });
+        // Reference floors: serde_json validating the same bytes while
+        // keeping nothing, and one pass looking for the bytes a JSON scanner
+        // must stop at (quotes and backslashes).
+        let validate = time_ns(args.batches, || {
+            serde_json::from_slice::<serde::de::IgnoredAny>(&body).map_or(0, |_| 1)
+        });
+        let scan = time_ns(args.batches, || {
+            body.iter().filter(|b| **b == b'"' || **b == b'\\').count() as u64
+        });
         body_rows.push(vec![
             label.to_string(),
             body.len().to_string(),
             format!("{ns:.0}"),
             format!("{:.2}", ns / body.len() as f64),
+            format!("{validate:.0}"),
+            format!("{scan:.0}"),
         ]);
     }
     let body_table = markdown_table(
@@ -186,6 +197,8 @@ pub fn selection(args: &SelectionArgs, command_line: &str) -> Result<(), String>
             "bytes",
             "JsonObject::parse + with_fields, ns",
             "ns per byte",
+            "reference: serde_json validate only (IgnoredAny), ns",
+            "reference: byte scan for quotes/backslashes, ns",
         ],
         &body_rows,
     );
