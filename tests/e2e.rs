@@ -38,3 +38,6 @@ mod membership;
 
 #[path = "e2e/lifecycle.rs"]
 mod lifecycle;
+
+#[path = "e2e/input_matrix.rs"]
+mod input_matrix;

@@ -9,6 +9,7 @@ pub mod http;
 pub mod lifecycle;
 pub mod pd;
 pub mod process;
+pub mod raw;
 pub mod sim;
 pub mod traffic;
 
