@@ -175,6 +175,33 @@ impl<'a> JsonObject<'a> {
     }
 }
 
+/// Whether a body dprank cannot parse might still name a rank for a more
+/// lenient parser (Python's `json` accepts a BOM, NaN, UTF-16): "rank" in any
+/// ASCII case, ignoring NUL bytes (UTF-16/32) and `\u` escapes of ASCII.
+pub fn may_name_a_rank(body: &[u8]) -> bool {
+    let narrow: Vec<u8> = body.iter().copied().filter(|b| *b != 0).collect();
+    let mut text = Vec::with_capacity(narrow.len());
+    let mut i = 0;
+    while let Some(&b) = narrow.get(i) {
+        let escaped = (b == b'\\' && narrow.get(i + 1) == Some(&b'u'))
+            .then(|| narrow.get(i + 2..i + 6))
+            .flatten()
+            .and_then(|hex| u32::from_str_radix(std::str::from_utf8(hex).ok()?, 16).ok())
+            .filter(|v| *v < 128);
+        match escaped {
+            Some(v) => {
+                text.push((v as u8).to_ascii_lowercase());
+                i += 6;
+            }
+            None => {
+                text.push(b.to_ascii_lowercase());
+                i += 1;
+            }
+        }
+    }
+    text.windows(4).any(|w| w == b"rank")
+}
+
 /// JSON string escaping for a value spliced into a body.
 pub fn json_string(s: &str) -> String {
     serde_json::Value::String(s.to_string()).to_string()
@@ -461,6 +488,21 @@ mod tests {
         assert_eq!(p.estimate(CostEstimate::Words), 13 + 2);
         assert_eq!(p.estimate(CostEstimate::One), 1);
         assert_eq!(PromptSize::default().estimate(CostEstimate::Bytes), 1);
+    }
+
+    #[test]
+    fn bodies_that_may_name_a_rank() {
+        assert!(may_name_a_rank(b"\xef\xbb\xbf{\"routed_dp_rank\":3}"));
+        assert!(may_name_a_rank(br#"{"routed_dp_rank":3,"t":NaN}"#));
+        assert!(may_name_a_rank(br#"{"dp_\u0052\u0061nk":1"#));
+        let utf16: Vec<u8> = "{\"routed_dp_rank\":3}"
+            .encode_utf16()
+            .flat_map(|u| u.to_le_bytes())
+            .collect();
+        assert!(may_name_a_rank(&utf16));
+        assert!(!may_name_a_rank(b"text=hello&n=1"));
+        assert!(!may_name_a_rank(br#"{"text":"ra nk","t":NaN}"#));
+        assert!(!may_name_a_rank(b"\\u00"));
     }
 
     #[test]

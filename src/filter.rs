@@ -50,7 +50,7 @@ impl RootContext for DprankRoot {
         if config.poll_loads && !envoy::set_tick_period(tick_period_ms(&config)) {
             log::error!("cannot set the tick period; load polling is off");
         }
-        let mut poller = Poller::new(&config);
+        let mut poller = Poller::new(&config, EnvoyHost.now_ms());
         // Threads start their tie-break sequences apart, so they don't break ties alike.
         self.requests
             .set(poller.vm_id(&config, &EnvoyHost).wrapping_mul(0x9E37_79B9));

@@ -23,11 +23,15 @@ struct Lease {
     owner: u64,
     expires_ms: u64,
     last_poll_ms: u64,
+    /// When the holder's configuration was applied: a newer configuration
+    /// (a reload) takes the lease at once instead of waiting for the old
+    /// filter chain to drain.
+    generation: u64,
 }
 
 impl Lease {
     fn encode(&self) -> Vec<u8> {
-        [self.owner, self.expires_ms, self.last_poll_ms]
+        [self.owner, self.expires_ms, self.last_poll_ms, self.generation]
             .iter()
             .flat_map(|v| v.to_le_bytes())
             .collect()
@@ -36,11 +40,12 @@ impl Lease {
         let word = |i: usize| -> Option<u64> {
             Some(u64::from_le_bytes(bytes.get(i * 8..i * 8 + 8)?.try_into().ok()?))
         };
-        (bytes.len() == 24).then_some(())?;
+        (bytes.len() == 32).then_some(())?;
         Some(Lease {
             owner: word(0)?,
             expires_ms: word(1)?,
             last_poll_ms: word(2)?,
+            generation: word(3)?,
         })
     }
 }
@@ -76,6 +81,8 @@ enum Call {
 pub struct Poller {
     /// This VM's identity in the lease (0 until assigned).
     vm_id: u64,
+    /// When this poller's configuration was applied (ms since the epoch).
+    generation: u64,
     first_endpoint: Endpoint,
     /// Endpoint in use per worker, once `auto` had to fall back.
     endpoints: HashMap<SocketAddr, Endpoint>,
@@ -95,9 +102,12 @@ fn lease_ttl_ms(config: &Config) -> u64 {
 }
 
 impl Poller {
-    pub fn new(config: &Config) -> Poller {
+    /// `configured_at_ms`: when the plugin configuration was applied; the
+    /// newest configuration's pollers take over the lease from older ones.
+    pub fn new(config: &Config, configured_at_ms: u64) -> Poller {
         Poller {
             vm_id: 0,
+            generation: configured_at_ms,
             first_endpoint: match config.load_endpoint {
                 LoadEndpoint::Auto | LoadEndpoint::V1Loads => Endpoint::V1Loads,
                 LoadEndpoint::GetLoad => Endpoint::GetLoad,
@@ -135,7 +145,9 @@ impl Poller {
         shared_update(host, &key, |cur| {
             let lease = cur.and_then(Lease::decode);
             let last_poll_ms = match lease {
-                Some(l) if l.owner != me && l.expires_ms > now => return None,
+                Some(l) if l.owner != me && l.expires_ms > now && l.generation >= self.generation => {
+                    return None
+                }
                 Some(l) => l.last_poll_ms,
                 None => 0,
             };
@@ -144,6 +156,7 @@ impl Poller {
                 owner: me,
                 expires_ms: now + lease_ttl_ms(config),
                 last_poll_ms: if due { now } else { last_poll_ms },
+                generation: self.generation,
             };
             Some((renewed.encode(), due))
         })
@@ -444,7 +457,7 @@ mod tests {
         let c = config("");
         let h = FakeHost::default();
         h.now.set(1_000_000);
-        let mut vms: Vec<Poller> = (0..3).map(|_| Poller::new(&c)).collect();
+        let mut vms: Vec<Poller> = (0..3).map(|_| Poller::new(&c, 0)).collect();
         for step in 0..40 {
             h.now.set(1_000_000 + step * tick_period_ms(&c));
             for vm in &mut vms {
@@ -471,8 +484,8 @@ mod tests {
         let c = config("");
         let h = FakeHost::default();
         h.now.set(5_000_000);
-        let mut first = Poller::new(&c);
-        let mut second = Poller::new(&c);
+        let mut first = Poller::new(&c, 0);
+        let mut second = Poller::new(&c, 0);
         first.on_tick(&c, &h);
         second.on_tick(&c, &h);
         assert_eq!(h.calls.borrow().len(), 2, "first polls both workers");
@@ -487,7 +500,7 @@ mod tests {
         let c = config(r#","poll_cluster":"polls""#);
         let h = FakeHost::default();
         h.now.set(9_000_000);
-        Poller::new(&c).on_tick(&c, &h);
+        Poller::new(&c, 0).on_tick(&c, &h);
         let calls = h.calls.borrow();
         assert_eq!(calls[0].0, "polls");
         assert_eq!(header(&calls, 0, ":path"), "/v1/loads?include=core");
@@ -500,7 +513,7 @@ mod tests {
         let c = config("");
         let h = FakeHost::default();
         h.now.set(9_000_000);
-        let mut p = Poller::new(&c);
+        let mut p = Poller::new(&c, 0);
         p.on_tick(&c, &h);
         p.on_response(&c, &h, 1, Some(404), b"not found");
         let calls = h.calls.borrow();
@@ -514,7 +527,7 @@ mod tests {
         let c = config(r#","load_endpoint":"v1_loads""#);
         let h = FakeHost::default();
         h.now.set(9_000_000);
-        let mut p = Poller::new(&c);
+        let mut p = Poller::new(&c, 0);
         p.on_tick(&c, &h);
         p.on_response(&c, &h, 1, Some(404), b"");
         assert_eq!(h.calls.borrow().len(), 2);
@@ -526,7 +539,7 @@ mod tests {
         let c = config("");
         let h = FakeHost::default();
         h.now.set(9_000_000);
-        let mut p = Poller::new(&c);
+        let mut p = Poller::new(&c, 0);
         p.on_tick(&c, &h);
         p.on_response(
             &c,
@@ -555,7 +568,7 @@ mod tests {
         let c = config("");
         let h = FakeHost::default();
         h.now.set(9_000_000);
-        let mut p = Poller::new(&c);
+        let mut p = Poller::new(&c, 0);
         p.on_tick(&c, &h);
         p.on_response(&c, &h, 1, Some(200), b"{\"loads\":[{\"dp_rank\":0,");
         assert_eq!(h.counter("dprank.poll_failed.a"), 1);
@@ -567,7 +580,7 @@ mod tests {
         let c = config("");
         let h = FakeHost::default();
         h.now.set(9_000_000);
-        let mut p = Poller::new(&c);
+        let mut p = Poller::new(&c, 0);
         p.on_tick(&c, &h);
         p.on_response(
             &c,
@@ -585,7 +598,7 @@ mod tests {
         let c = config("");
         let h = FakeHost::default();
         h.now.set(9_000_000);
-        let mut p = Poller::new(&c);
+        let mut p = Poller::new(&c, 0);
         p.on_tick(&c, &h);
         h.now.set(9_001_000);
         p.on_tick(&c, &h);
@@ -597,7 +610,7 @@ mod tests {
     fn unknown_tokens_are_ignored() {
         let c = config("");
         let h = FakeHost::default();
-        let mut p = Poller::new(&c);
+        let mut p = Poller::new(&c, 0);
         p.on_response(&c, &h, 77, Some(200), b"[]");
         assert_eq!(h.counters.borrow().len(), 0);
     }
@@ -610,7 +623,7 @@ mod tests {
         .unwrap();
         let h = FakeHost::default();
         h.now.set(9_000_000);
-        let mut p = Poller::new(&c);
+        let mut p = Poller::new(&c, 0);
         p.on_tick(&c, &h);
         let targets: Vec<String> = (0..3)
             .map(|i| header(&h.calls.borrow(), i, POLL_DESTINATION_HEADER).to_string())
@@ -631,7 +644,7 @@ mod tests {
         let h = FakeHost::default();
         h.now.set(9_000_000);
         let mut membership = Membership::new(base.clone());
-        let mut p = Poller::new(&base);
+        let mut p = Poller::new(&base, 0);
         p.on_tick(&membership.current(&h), &h);
         assert_eq!(h.calls.borrow()[0].0, "dprank_admin");
         assert_eq!(
@@ -701,5 +714,29 @@ mod tests {
             .is_some_and(|(b, _)| b.is_empty()));
         assert_eq!(h.shared_get(&members_key(&base)).unwrap().0, b"10.0.0.2:1");
         assert_eq!(h.counter("dprank.membership_changes"), 2);
+    }
+
+    #[test]
+    fn a_reloaded_configuration_takes_the_lease_at_once() {
+        let old = config("");
+        let new = config(r#","poll_interval_ms":500"#);
+        let h = FakeHost::default();
+        h.now.set(5_000_000);
+        let mut old_poller = Poller::new(&old, 1_000);
+        let mut new_poller = Poller::new(&new, 2_000);
+        old_poller.on_tick(&old, &h);
+        assert_eq!(h.calls.borrow().len(), 2, "the old config polls first");
+        h.now.set(5_000_100);
+        new_poller.on_tick(&new, &h);
+        assert_eq!(
+            h.calls.borrow().len(),
+            2,
+            "its round is not due yet, but it holds the lease now"
+        );
+        h.now.set(5_000_600);
+        old_poller.on_tick(&old, &h);
+        assert_eq!(h.calls.borrow().len(), 2, "the old config backs off");
+        new_poller.on_tick(&new, &h);
+        assert_eq!(h.calls.borrow().len(), 4, "the new one polls at its interval");
     }
 }

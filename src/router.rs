@@ -1,7 +1,7 @@
 //! Per-request routing: body in, decision out. Knows nothing of proxy-wasm;
 //! the HTTP context applies the decision.
 
-use crate::body::{json_string, BodyError, JsonObject};
+use crate::body::{json_string, may_name_a_rank, BodyError, JsonObject};
 use crate::config::{Config, FailMode, Prefill, RankOf, Worker};
 use crate::host::{shared_update, Host};
 use crate::scheduler::{self, Candidate};
@@ -19,6 +19,8 @@ pub enum PassReason {
     NoFreshData,
     /// A trusted client asked for a rank no fresh worker has.
     ClientRankUnavailable,
+    /// Not JSON to dprank, yet it names a rank a lenient server parser could honour.
+    UnreadableRank,
 }
 
 impl PassReason {
@@ -32,6 +34,7 @@ impl PassReason {
             PassReason::NotObject => "not_object",
             PassReason::NoFreshData => "no_fresh_data",
             PassReason::ClientRankUnavailable => "client_rank_unavailable",
+            PassReason::UnreadableRank => "unreadable_rank",
         }
     }
 }
@@ -91,6 +94,17 @@ fn error_body(kind: &str, message: &str) -> String {
 fn pass_or_reject(config: &Config, host: &dyn Host, reason: PassReason, body: Option<Vec<u8>>) -> Decision {
     match (config.fail_mode, reason) {
         (FailMode::Closed, PassReason::NotJson | PassReason::NotObject) => reject_bad_body(host, reason),
+        // Passing it on would let the client pick its rank: refused in every mode.
+        (_, PassReason::UnreadableRank) => {
+            host.count(&format!("dprank.rejected.{}", reason.as_str()), 1);
+            Decision::Reject {
+                status: 400,
+                body: error_body(
+                    "invalid_request_error",
+                    "request body is not strict JSON (RFC 8259) and names a rank field: dprank can neither read nor neutralise it",
+                ),
+            }
+        }
         (FailMode::Closed, PassReason::ClientRankUnavailable) => {
             host.count(&format!("dprank.rejected.{}", reason.as_str()), 1);
             Decision::Reject {
@@ -211,8 +225,19 @@ pub fn route(config: &Config, host: &dyn Host, body: &[u8], pin: Option<&str>, t
     if let Some(prefill) = &config.prefill {
         return route_pd(config, prefill, host, body, pin, tie_breaker);
     }
+    if body.is_empty() {
+        // A chunked or HTTP/2 request whose body turned out empty.
+        pass_early(host, PassReason::EmptyBody);
+        return Decision::PassThrough {
+            reason: PassReason::EmptyBody,
+            body: None,
+        };
+    }
     let object = match parse_body(body) {
         Ok(o) => o,
+        Err(PassReason::NotJson) if !config.keep_client_rank && may_name_a_rank(body) => {
+            return pass_or_reject(config, host, PassReason::UnreadableRank, None)
+        }
         Err(reason) => return pass_or_reject(config, host, reason, None),
     };
     let rank_names = config.rank_field_names();
@@ -921,6 +946,45 @@ mod tests {
         assert!(matches!(
             route(&c, &h, br#"{"routed_dp_rank":7}"#, None, 0),
             Decision::Reject { status: 400, .. }
+        ));
+    }
+
+    #[test]
+    fn an_empty_body_passes_through_as_empty() {
+        let (c, h) = fleet(r#","fail_mode":"closed""#);
+        assert_eq!(
+            route(&c, &h, b"", None, 0),
+            Decision::PassThrough {
+                reason: PassReason::EmptyBody,
+                body: None
+            }
+        );
+        assert_eq!(h.counter("dprank.passthrough.empty_body"), 1);
+    }
+
+    #[test]
+    fn unreadable_bodies_naming_a_rank_are_refused_unless_clients_are_trusted() {
+        let (c, h) = fleet("");
+        let nan = br#"{"text":"x","routed_dp_rank":3,"temperature":NaN}"#;
+        assert!(matches!(
+            route(&c, &h, nan, None, 0),
+            Decision::Reject { status: 400, .. }
+        ));
+        assert_eq!(h.counter("dprank.rejected.unreadable_rank"), 1);
+        assert!(matches!(
+            route(&c, &h, b"text=hi", None, 0),
+            Decision::PassThrough {
+                reason: PassReason::NotJson,
+                ..
+            }
+        ));
+        let (c, h) = fleet(r#","keep_client_rank":true"#);
+        assert!(matches!(
+            route(&c, &h, nan, None, 0),
+            Decision::PassThrough {
+                reason: PassReason::NotJson,
+                ..
+            }
         ));
     }
 }
