@@ -472,7 +472,6 @@ fn input_matrix_fail_closed() {
 }
 
 #[test]
-#[ignore = "filter bug: an empty chunked or HTTP/2 body is counted not_json (400 in closed mode), not empty_body"]
 fn input_matrix_known_bugs() {
     run_matrix("input_matrix", false, true);
     run_matrix("input_matrix_closed", true, true);

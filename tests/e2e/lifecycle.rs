@@ -234,11 +234,6 @@ fn filter_config_reloaded_through_lds() {
 /// more worker (the least loaded). The new config's poller should poll at
 /// the new interval and poll the new worker, so it gets traffic.
 #[test]
-#[ignore = "filter bug: after a reload (LDS/ECDS) the old config's root contexts keep the poll lease \
-            (src/poller.rs, lease_round_due) until the old filter chain is drained (--drain-time-s, \
-            default 600 s): the new poll_interval_ms is not in force, a worker the reload added is \
-            never polled nor routed to, and with the new, shorter stale_after_ms the old poller's \
-            snapshots count as stale, so requests pass through unrouted (passthrough.no_fresh_data)"]
 fn reloaded_config_takes_over_polling() {
     let scenario = Scenario::load("reload_poller");
     let before = Duration::from_millis(scenario.override_u64("poll_interval_ms").expect("set"));
