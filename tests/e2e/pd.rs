@@ -180,11 +180,24 @@ fn bodies_carry_the_fields(world: &PdWorld, naming: Naming) {
     let (_, trace) = world.exchange_with(
         "/generate",
         "{\"text\":\"headers\"}",
-        &[("authorization", "Bearer t0ken"), ("x-request-id", "req-42")],
+        &[
+            ("authorization", "Bearer t0ken"),
+            ("x-request-id", "req-42"),
+            (
+                "traceparent",
+                "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+            ),
+            ("tracestate", "vendor=x"),
+        ],
     );
     for recorded in [&trace.prefill_request, &trace.decode_request] {
         assert_eq!(recorded.header("authorization"), Some("Bearer t0ken"));
         assert_eq!(recorded.header("x-request-id"), Some("req-42"));
+        assert_eq!(
+            recorded.header("traceparent"),
+            Some("00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01")
+        );
+        assert_eq!(recorded.header("tracestate"), Some("vendor=x"));
     }
 }
 
@@ -262,10 +275,8 @@ fn choices_follow_the_loads(world: &PdWorld) {
     let mut probes = 0;
     loop {
         probes += 1;
-        let trace = world.exchange(
-            "/generate",
-            &json!({"text": format!("probe {probes}")}).to_string(),
-        );
+        let body = json!({"text": format!("probe {probes}"), "sampling_params": {"max_new_tokens": 1}});
+        let trace = world.exchange("/generate", &body.to_string());
         let got = (trace.prefill.clone(), trace.decode.clone());
         if got == new {
             break;
@@ -364,6 +375,93 @@ fn pd_prefill_failures_become_502() {
     let trace = world.exchange("/generate", &ok);
     assert_eq!((trace.prefill, trace.decode), lowest);
 
+    // A slow prefill answer: the decode worker has its answer long before
+    // (the KV room is ready once prefilled, the answer comes 400 ms later),
+    // but the client gets nothing until the prefill leg has answered.
+    world.prefill[1].control(json!({"response_delay_ms": 400}));
+    let streamed = json!({"text": "held", "sampling_params": {"max_new_tokens": 5}, "stream": true});
+    let url = world.envoy.url("/generate");
+    let sent = Instant::now();
+    let client = std::thread::spawn(move || {
+        let agent = ureq::AgentBuilder::new().timeout(Duration::from_secs(30)).build();
+        let response = agent
+            .post(&url)
+            .set("content-type", "application/json")
+            .send_string(&streamed.to_string())
+            .unwrap_or_else(|e| panic!("held request: {e}"));
+        let head_after = sent.elapsed();
+        let worker = response.header("x-sim-worker").expect("x-sim-worker").to_string();
+        (
+            head_after,
+            worker,
+            response.into_string().expect("read the stream"),
+        )
+    });
+    // The decode worker answers (status recorded) while the client still waits.
+    let decode_answered =
+        crate::common::wait_until("the decode worker's answer", Duration::from_secs(5), || {
+            world.decode.iter().find_map(|sim| {
+                let last = sim.requests().pop()?;
+                (last.body_json()["text"] == "held" && last.status == Some(200)).then(|| sent.elapsed())
+            })
+        });
+    let (head_after, worker, events) = client.join().expect("the client thread");
+    assert_eq!(worker, world.decode[0].addr.to_string());
+    assert!(events.trim_end().ends_with("data: [DONE]"), "{events}");
+    eprintln!(
+        "slow prefill answer: the decode worker answered after {decode_answered:?}, the client got the \
+         head after {head_after:?}"
+    );
+    assert!(
+        head_after >= Duration::from_millis(400) && head_after > decode_answered + Duration::from_millis(200),
+        "the decode response reached the client after {head_after:?}, before the prefill leg answered"
+    );
+    world.prefill[1].control(json!({"response_delay_ms": 0}));
+    assert_eq!(world.envoy.stat("prefill_failed.prefill_b"), 0);
+
+    // The prefill leg times out (prefill_timeout_ms) after the decode worker
+    // has answered: the held decode response becomes a clean 502.
+    let timeout = Duration::from_millis(world.scenario.override_u64("prefill_timeout_ms").expect("set"));
+    world.prefill[1].control(json!({"response_delay_ms": 3 * timeout.as_millis() as u64}));
+    let sent = Instant::now();
+    let reply = world.post("/generate", &json!({"text": "timed out"}).to_string());
+    let took = sent.elapsed();
+    let message = assert_clean_502(&reply, "prefill timeout");
+    // Envoy answers a callout that timed out with its own 504.
+    assert!(
+        message.contains("did not answer") || message.contains("answered HTTP 504"),
+        "{message}"
+    );
+    assert!(
+        // Envoy's timers are at millisecond granularity.
+        took + Duration::from_millis(20) >= timeout,
+        "502 after {took:?}, the prefill timeout is {timeout:?}"
+    );
+    let decode_request = world.decode[0].last_request();
+    assert_eq!(decode_request.body_json()["text"], "timed out");
+    assert_eq!(decode_request.status, Some(200), "the decode worker had answered");
+    assert_eq!(world.envoy.stat("prefill_failed.prefill_b"), 1);
+    // Out of rotation until its next good poll, which comes at once: it is alive.
+    world.prefill[1].control(json!({"response_delay_ms": 0}));
+    let back = Instant::now();
+    crate::common::wait_until(
+        "prefill_b back in rotation",
+        2 * world.interval() + SCHEDULING_SLACK,
+        || {
+            let trace = world.exchange("/generate", &ok);
+            assert!(
+                [pair("prefill_a", 0), pair("prefill_b", 1)].contains(&trace.prefill),
+                "{:?}",
+                trace.prefill
+            );
+            (trace.prefill == pair("prefill_b", 1)).then_some(())
+        },
+    );
+    eprintln!(
+        "prefill timeout: 502 after {took:?}; prefill_b back after {:?}",
+        back.elapsed()
+    );
+
     // The prefill leg answers 500: the client gets a 502 JSON error. A worker
     // that answers stays in rotation (only an unreachable one leaves it).
     world.prefill[1].control(json!({"serving_fault": "http_500"}));
@@ -371,7 +469,7 @@ fn pd_prefill_failures_become_502() {
         let reply = world.post("/generate", &ok);
         let message = assert_clean_502(&reply, "prefill 500");
         assert!(message.contains("answered HTTP 500"), "{message}");
-        assert_eq!(world.envoy.stat("prefill_failed.prefill_b"), attempt);
+        assert_eq!(world.envoy.stat("prefill_failed.prefill_b"), 1 + attempt);
     }
     eprintln!(
         "prefill 500: decode legs finished {:?} after the 502",
@@ -392,7 +490,7 @@ fn pd_prefill_failures_become_502() {
     let reply = world.post("/generate", &ok);
     let message = assert_clean_502(&reply, "prefill worker dead");
     eprintln!("dead prefill worker: {message}");
-    assert_eq!(world.envoy.stat("prefill_failed.prefill_b"), 3);
+    assert_eq!(world.envoy.stat("prefill_failed.prefill_b"), 4);
     let routed_before = routed_to_b(&world);
     for i in 0..10 {
         let body = json!({"text": format!("after the death {i}"), "sampling_params": {"max_new_tokens": 1}});
@@ -413,7 +511,7 @@ fn pd_prefill_failures_become_502() {
         routed_before,
         "nothing routed to the dead worker"
     );
-    assert_eq!(world.envoy.stat("prefill_failed.prefill_b"), 3);
+    assert_eq!(world.envoy.stat("prefill_failed.prefill_b"), 4);
     assert!(world.envoy.stat("prefill_ok.prefill_a") >= 10);
     assert_eq!(world.envoy.stat("prefill_failed.prefill_a"), 0);
     eprintln!(
