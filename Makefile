@@ -7,7 +7,7 @@ export ENVOY_BIN ?= $(CURDIR)/.venv/bin/envoy
 
 help:
 	@echo "make demo   - build, start Envoy + dprank + simulated workers, send traffic, show the result"
-	@echo "make test   - every test: unit, simulator, and end-to-end in a real Envoy"
+	@echo "make test   - every test: unit, simulator, end-to-end in a real Envoy, deployment files, fuzz smoke"
 	@echo "make bench  - compare dprank with round robin, smg and the ideal (writes bench-results/)"
 	@echo "make wasm   - build $(WASM)"
 	@echo "make lint   - rustfmt and clippy (unwrap/expect/panic denied outside tests)"
@@ -29,6 +29,7 @@ lint:
 test: setup wasm tools lint
 	$(CARGO) test --workspace --release -- --test-threads 2
 	./scripts/check-deploy.sh
+	./scripts/fuzz.sh 15
 
 demo: setup wasm tools
 	./scripts/demo.sh
