@@ -50,7 +50,7 @@ impl RootContext for DprankRoot {
         if config.poll_loads && !envoy::set_tick_period(tick_period_ms(&config)) {
             log::error!("cannot set the tick period; load polling is off");
         }
-        let mut poller = Poller::new(&config, EnvoyHost.now_ms());
+        let mut poller = Poller::new(EnvoyHost.now_ms());
         // Threads start their tie-break sequences apart, so they don't break ties alike.
         self.requests
             .set(poller.vm_id(&config, &EnvoyHost).wrapping_mul(0x9E37_79B9));
@@ -216,10 +216,7 @@ impl DprankHttp {
                 true
             }
             Err(e) => {
-                log::warn!(
-                    "dprank: prefill call to {} not dispatched: {e}",
-                    pd.prefill.endpoint
-                );
+                log::warn!("prefill call to {} not dispatched: {e}", pd.prefill.endpoint);
                 false
             }
         }

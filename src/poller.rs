@@ -83,9 +83,6 @@ pub struct Poller {
     vm_id: u64,
     /// When this poller's configuration was applied (ms since the epoch).
     generation: u64,
-    first_endpoint: Endpoint,
-    /// Endpoint in use per worker, once `auto` had to fall back.
-    endpoints: HashMap<SocketAddr, Endpoint>,
     outstanding: HashMap<u32, Call>,
     /// Whether the last poll of each worker succeeded, to log changes only.
     healthy: HashMap<SocketAddr, bool>,
@@ -104,15 +101,10 @@ fn lease_ttl_ms(config: &Config) -> u64 {
 impl Poller {
     /// `configured_at_ms`: when the plugin configuration was applied; the
     /// newest configuration's pollers take over the lease from older ones.
-    pub fn new(config: &Config, configured_at_ms: u64) -> Poller {
+    pub fn new(configured_at_ms: u64) -> Poller {
         Poller {
             vm_id: 0,
             generation: configured_at_ms,
-            first_endpoint: match config.load_endpoint {
-                LoadEndpoint::Auto | LoadEndpoint::V1Loads => Endpoint::V1Loads,
-                LoadEndpoint::GetLoad => Endpoint::GetLoad,
-            },
-            endpoints: HashMap::new(),
             outstanding: HashMap::new(),
             healthy: HashMap::new(),
         }
@@ -227,7 +219,7 @@ impl Poller {
             Err(e) => {
                 host.count("dprank.membership_failed", 1);
                 log::warn!(
-                    "dprank: cannot read cluster membership through `{}`: {e}",
+                    "cannot read cluster membership through `{}`: {e}",
                     discovery.admin_cluster
                 );
             }
@@ -238,17 +230,20 @@ impl Poller {
         let Some(w) = config.all_workers().nth(index) else {
             return;
         };
-        let endpoint = self
-            .endpoints
-            .get(&w.address)
-            .copied()
-            .unwrap_or(self.first_endpoint);
-        let seq = shared_update(host, &worker_key(config, index), |cur| {
+        let polled = shared_update(host, &worker_key(config, index), |cur| {
             let mut state = cur.and_then(WorkerState::decode).unwrap_or_default();
             let seq = state.begin_poll();
-            Some((state.encode(), seq))
+            Some((state.encode(), (seq, state.get_load_only)))
         });
-        let Some(seq) = seq else { return };
+        let Some((seq, get_load_only)) = polled else {
+            return;
+        };
+        let endpoint = match config.load_endpoint {
+            LoadEndpoint::GetLoad => Endpoint::GetLoad,
+            LoadEndpoint::V1Loads => Endpoint::V1Loads,
+            LoadEndpoint::Auto if get_load_only => Endpoint::GetLoad,
+            LoadEndpoint::Auto => Endpoint::V1Loads,
+        };
         let authority = w.endpoint();
         let headers = [
             (":method", "GET"),
@@ -271,7 +266,7 @@ impl Poller {
             Err(e) => {
                 host.count(&format!("dprank.poll_failed.{}", w.name), 1);
                 log::warn!(
-                    "dprank: cannot poll {} through cluster `{}`: {e}",
+                    "cannot poll {} through cluster `{}`: {e}",
                     authority,
                     config.poll_cluster
                 );
@@ -321,11 +316,13 @@ impl Poller {
         let outcome = match status {
             Some(200) => parse_load_report(body).map_err(|e| e.to_string()),
             Some(404) if endpoint == Endpoint::V1Loads && config.load_endpoint == LoadEndpoint::Auto => {
-                log::info!(
-                    "dprank: {} has no /v1/loads; polling /get_load from now on",
-                    w.endpoint()
-                );
-                self.endpoints.insert(address, Endpoint::GetLoad);
+                log::info!("{} has no /v1/loads; polling /get_load from now on", w.endpoint());
+                // Kept with the worker's state, so whichever thread polls next knows.
+                shared_update(host, &worker_key(config, index), |cur| {
+                    let mut state = cur.and_then(WorkerState::decode).unwrap_or_default();
+                    state.get_load_only = true;
+                    Some((state.encode(), ()))
+                });
                 self.dispatch(config, host, index);
                 return;
             }
@@ -338,7 +335,7 @@ impl Poller {
                     if tokens.len() != dp as usize {
                         host.count(&format!("dprank.dp_size_mismatch.{}", w.name), 1);
                         log::warn!(
-                            "dprank: {} reports {} ranks but dp_size is {dp}; using ranks below {dp}",
+                            "{} reports {} ranks but dp_size is {dp}; using ranks below {dp}",
                             w.endpoint(),
                             tokens.len()
                         );
@@ -364,7 +361,7 @@ impl Poller {
                 host.count(&format!("dprank.poll_failed.{}", w.name), 1);
                 if self.healthy.get(&address) != Some(&false) {
                     log::warn!(
-                        "dprank: load poll of {} failed: {reason}; keeping its last snapshot",
+                        "load poll of {} failed: {reason}; keeping its last snapshot",
                         w.endpoint()
                     );
                 }
@@ -391,10 +388,7 @@ fn on_membership_response(config: &Config, host: &dyn Host, status: Option<u32>,
         Ok(m) => m,
         Err(e) => {
             host.count("dprank.membership_failed", 1);
-            log::warn!(
-                "dprank: cannot read the members of cluster `{}`: {e}",
-                discovery.cluster
-            );
+            log::warn!("cannot read the members of cluster `{}`: {e}", discovery.cluster);
             return;
         }
     };
@@ -418,7 +412,7 @@ fn on_membership_response(config: &Config, host: &dyn Host, status: Option<u32>,
     }
     host.count("dprank.membership_changes", 1);
     log::info!(
-        "dprank: cluster `{}` now has {} worker(s): {}",
+        "cluster `{}` now has {} worker(s): {}",
         discovery.cluster,
         members.len(),
         members
@@ -457,7 +451,7 @@ mod tests {
         let c = config("");
         let h = FakeHost::default();
         h.now.set(1_000_000);
-        let mut vms: Vec<Poller> = (0..3).map(|_| Poller::new(&c, 0)).collect();
+        let mut vms: Vec<Poller> = (0..3).map(|_| Poller::new(0)).collect();
         for step in 0..40 {
             h.now.set(1_000_000 + step * tick_period_ms(&c));
             for vm in &mut vms {
@@ -484,8 +478,8 @@ mod tests {
         let c = config("");
         let h = FakeHost::default();
         h.now.set(5_000_000);
-        let mut first = Poller::new(&c, 0);
-        let mut second = Poller::new(&c, 0);
+        let mut first = Poller::new(0);
+        let mut second = Poller::new(0);
         first.on_tick(&c, &h);
         second.on_tick(&c, &h);
         assert_eq!(h.calls.borrow().len(), 2, "first polls both workers");
@@ -500,7 +494,7 @@ mod tests {
         let c = config(r#","poll_cluster":"polls""#);
         let h = FakeHost::default();
         h.now.set(9_000_000);
-        Poller::new(&c, 0).on_tick(&c, &h);
+        Poller::new(0).on_tick(&c, &h);
         let calls = h.calls.borrow();
         assert_eq!(calls[0].0, "polls");
         assert_eq!(header(&calls, 0, ":path"), "/v1/loads?include=core");
@@ -513,7 +507,7 @@ mod tests {
         let c = config("");
         let h = FakeHost::default();
         h.now.set(9_000_000);
-        let mut p = Poller::new(&c, 0);
+        let mut p = Poller::new(0);
         p.on_tick(&c, &h);
         p.on_response(&c, &h, 1, Some(404), b"not found");
         let calls = h.calls.borrow();
@@ -523,11 +517,37 @@ mod tests {
     }
 
     #[test]
+    fn the_fallback_is_shared_with_every_poller() {
+        let c = config("");
+        let h = FakeHost::default();
+        h.now.set(9_000_000);
+        let mut first = Poller::new(0);
+        first.on_tick(&c, &h);
+        first.on_response(&c, &h, 1, Some(404), b"");
+        // A newer configuration (or thread) takes over polling.
+        let mut second = Poller::new(1);
+        h.now.set(9_001_000);
+        second.on_tick(&c, &h);
+        let to_a: Vec<String> = h
+            .calls
+            .borrow()
+            .iter()
+            .filter(|call| {
+                call.1
+                    .iter()
+                    .any(|(k, v)| k == POLL_DESTINATION_HEADER && v == "127.0.0.1:1")
+            })
+            .map(|call| call.1.iter().find(|(k, _)| k == ":path").unwrap().1.clone())
+            .collect();
+        assert_eq!(to_a, vec!["/v1/loads?include=core", "/get_load", "/get_load"]);
+    }
+
+    #[test]
     fn fixed_v1_endpoint_does_not_fall_back() {
         let c = config(r#","load_endpoint":"v1_loads""#);
         let h = FakeHost::default();
         h.now.set(9_000_000);
-        let mut p = Poller::new(&c, 0);
+        let mut p = Poller::new(0);
         p.on_tick(&c, &h);
         p.on_response(&c, &h, 1, Some(404), b"");
         assert_eq!(h.calls.borrow().len(), 2);
@@ -539,7 +559,7 @@ mod tests {
         let c = config("");
         let h = FakeHost::default();
         h.now.set(9_000_000);
-        let mut p = Poller::new(&c, 0);
+        let mut p = Poller::new(0);
         p.on_tick(&c, &h);
         p.on_response(
             &c,
@@ -568,7 +588,7 @@ mod tests {
         let c = config("");
         let h = FakeHost::default();
         h.now.set(9_000_000);
-        let mut p = Poller::new(&c, 0);
+        let mut p = Poller::new(0);
         p.on_tick(&c, &h);
         p.on_response(&c, &h, 1, Some(200), b"{\"loads\":[{\"dp_rank\":0,");
         assert_eq!(h.counter("dprank.poll_failed.a"), 1);
@@ -580,7 +600,7 @@ mod tests {
         let c = config("");
         let h = FakeHost::default();
         h.now.set(9_000_000);
-        let mut p = Poller::new(&c, 0);
+        let mut p = Poller::new(0);
         p.on_tick(&c, &h);
         p.on_response(
             &c,
@@ -598,7 +618,7 @@ mod tests {
         let c = config("");
         let h = FakeHost::default();
         h.now.set(9_000_000);
-        let mut p = Poller::new(&c, 0);
+        let mut p = Poller::new(0);
         p.on_tick(&c, &h);
         h.now.set(9_001_000);
         p.on_tick(&c, &h);
@@ -610,7 +630,7 @@ mod tests {
     fn unknown_tokens_are_ignored() {
         let c = config("");
         let h = FakeHost::default();
-        let mut p = Poller::new(&c, 0);
+        let mut p = Poller::new(0);
         p.on_response(&c, &h, 77, Some(200), b"[]");
         assert_eq!(h.counters.borrow().len(), 0);
     }
@@ -623,7 +643,7 @@ mod tests {
         .unwrap();
         let h = FakeHost::default();
         h.now.set(9_000_000);
-        let mut p = Poller::new(&c, 0);
+        let mut p = Poller::new(0);
         p.on_tick(&c, &h);
         let targets: Vec<String> = (0..3)
             .map(|i| header(&h.calls.borrow(), i, POLL_DESTINATION_HEADER).to_string())
@@ -644,7 +664,7 @@ mod tests {
         let h = FakeHost::default();
         h.now.set(9_000_000);
         let mut membership = Membership::new(base.clone());
-        let mut p = Poller::new(&base, 0);
+        let mut p = Poller::new(0);
         p.on_tick(&membership.current(&h), &h);
         assert_eq!(h.calls.borrow()[0].0, "dprank_admin");
         assert_eq!(
@@ -722,8 +742,8 @@ mod tests {
         let new = config(r#","poll_interval_ms":500"#);
         let h = FakeHost::default();
         h.now.set(5_000_000);
-        let mut old_poller = Poller::new(&old, 1_000);
-        let mut new_poller = Poller::new(&new, 2_000);
+        let mut old_poller = Poller::new(1_000);
+        let mut new_poller = Poller::new(2_000);
         old_poller.on_tick(&old, &h);
         assert_eq!(h.calls.borrow().len(), 2, "the old config polls first");
         h.now.set(5_000_100);

@@ -66,7 +66,7 @@ pub fn least_loaded(candidates: impl Iterator<Item = Candidate>, tie_breaker: u6
             Some(b) if c.load > b.load => {}
             Some(b) if c.load == b.load => {
                 ties += 1;
-                if mix(tie_breaker, ties) % ties == 0 {
+                if mix(tie_breaker, ties).is_multiple_of(ties) {
                     best = Some(c);
                 }
             }

@@ -11,7 +11,7 @@
 
 /// Tokens value stored for a rank the report said nothing usable about.
 const UNKNOWN: u64 = u64::MAX;
-const MAGIC: &[u8; 4] = b"DPW3";
+const MAGIC: &[u8; 4] = b"DPW4";
 
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct WorkerState {
@@ -23,6 +23,8 @@ pub struct WorkerState {
     pub snapshot_at_ms: u64,
     /// A request to this worker failed to connect: out of rotation until the next good poll.
     pub unreachable: bool,
+    /// `load_endpoint: auto` found no `/v1/loads` here: poll `/get_load`.
+    pub get_load_only: bool,
     /// Polled tokens per rank, `UNKNOWN` where the report had no usable figure.
     tokens: Vec<u64>,
     /// Estimates of requests not yet covered by a snapshot, by poll bucket.
@@ -185,6 +187,7 @@ impl WorkerState {
             self.snapshot_seq,
             self.snapshot_at_ms,
             u64::from(self.unreachable),
+            u64::from(self.get_load_only),
         ] {
             out.extend_from_slice(&v.to_le_bytes());
         }
@@ -213,6 +216,7 @@ impl WorkerState {
         let snapshot_seq = r.u64()?;
         let snapshot_at_ms = r.u64()?;
         let unreachable = r.u64()? != 0;
+        let get_load_only = r.u64()? != 0;
         let ranks = r.u32()? as usize;
         if ranks > crate::config::MAX_DP_SIZE as usize {
             return None;
@@ -240,6 +244,7 @@ impl WorkerState {
             snapshot_seq,
             snapshot_at_ms,
             unreachable,
+            get_load_only,
             tokens,
             pending,
         })
@@ -425,20 +430,21 @@ mod tests {
         let mut w = polled(&[5, u64::MAX - 1, 7]);
         w.begin_poll();
         w.add(1, 2, 99).unwrap();
+        w.get_load_only = true;
         let bytes = w.encode();
         assert_eq!(WorkerState::decode(&bytes), Some(w.clone()));
         assert_eq!(WorkerState::decode(&bytes[..bytes.len() - 1]), None);
         let mut longer = bytes.clone();
         longer.push(0);
         assert_eq!(WorkerState::decode(&longer), None);
-        assert_eq!(WorkerState::decode(b"DPW2"), None);
+        assert_eq!(WorkerState::decode(b"DPW3"), None);
         assert_eq!(WorkerState::decode(b""), None);
     }
 
     #[test]
     fn decode_rejects_absurd_sizes_without_allocating() {
         let mut bytes = MAGIC.to_vec();
-        bytes.extend_from_slice(&[0u8; 32]);
+        bytes.extend_from_slice(&[0u8; 40]);
         bytes.extend_from_slice(&u32::MAX.to_le_bytes());
         assert_eq!(WorkerState::decode(&bytes), None);
     }
