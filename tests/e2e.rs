@@ -41,3 +41,6 @@ mod lifecycle;
 
 #[path = "e2e/input_matrix.rs"]
 mod input_matrix;
+
+#[path = "e2e/security.rs"]
+mod security;

@@ -5,8 +5,13 @@
 //! Requests fail only where the worker itself failed (a response cut because
 //! its process died), and with the shipped retry policy for connect failures
 //! (`connect-failure,refused-stream,reset-before-request`, 2 retries) not
-//! even when the filter sends a request to a worker that just died. Every
-//! test sends background traffic and attributes each failed request.
+//! when the filter sends a request to a worker that died a while ago. One
+//! gap, Envoy's and not the filter's: in the instant after a worker dies,
+//! Envoy may still write a request on a kept-alive connection to it; that
+//! request gets a 503 "connection termination", which the shipped `retry_on`
+//! does not retry (`reset` would). Every test sends background traffic and
+//! attributes each failed request to one of these causes; any other failure
+//! fails the test.
 //!
 //! | case | client sees | stats | routing |
 //! |---|---|---|---|
@@ -18,8 +23,8 @@
 //! | report with extra ranks, `dp_size` configured | same | `dp_size_mismatch.b`, `poll_ok.b`; no gauge for ranks >= dp_size | extra (empty) ranks never chosen |
 //! | tokens negative / string / 1e300 / null / object / missing | same | `poll_ok.b` (the report parses) | those ranks never chosen; b's good ranks and a still used |
 //! | load endpoint flapping (500 <-> ok every 300 ms) | same | both `poll_ok.b` and `poll_failed.b` grow | keeps working, mostly on b |
-//! | worker killed mid-stream | that stream is cut (the worker's failure); requests in flight there at the kill may fail; nothing else | `poll_failed.b` | requests routed to it before its data is stale are retried elsewhere by Envoy; then a only |
-//! | worker restarted with fewer ranks | 200 once its new report is in | `poll_ok.b` | missing ranks never chosen after its next poll; its remaining ranks used |
+//! | worker killed mid-stream | that stream is cut (the worker's failure); requests in flight there at the kill may fail, and one written on a kept-alive connection to it in the instant after (see above); nothing else | `poll_failed.b` | requests routed to it before its data is stale are retried elsewhere by Envoy (connection refused); then a only |
+//! | worker restarted at once with fewer ranks | until its new report is in (one poll), a request for a rank it lost is refused by it (400); then 200 | `poll_ok.b` | missing ranks never chosen after its next poll; its remaining ranks used |
 //! | all workers down | Envoy's own 503 (text, not the filter's JSON) | `routed.*` until stale, then `passthrough.no_fresh_data`; `poll_failed.*` | back within a poll or two of their return |
 
 use crate::common::faulty::{fronted_sim, LoadAnswer, SimProcess};
@@ -433,6 +438,40 @@ fn routed(envoy: &Envoy, worker: &str) -> u64 {
         .sum()
 }
 
+/// What explains a failed request when a worker process was killed between
+/// `killing` and `killed` (None: nothing does, the request was lost).
+fn kill_explains(o: &Outcome, killing: Instant, killed: Instant) -> Option<&'static str> {
+    if o.sent < killed && o.done >= killing {
+        return Some(IN_FLIGHT);
+    }
+    let pooled = o.status == 503 && o.worker.is_none() && o.detail.contains("connection termination");
+    (pooled && o.sent >= killing && o.sent < killed + POOL_RACE).then_some(POOLED)
+}
+
+const IN_FLIGHT: &str = "in flight at the worker when it died";
+const POOLED: &str = "written by Envoy on a kept-alive connection to the dead worker before it saw the \
+    connection close (503 connection termination, which the shipped retry_on does not retry)";
+/// How long after a kill Envoy may still hand a request to a pooled
+/// connection of the dead worker (it closes them as it reads their end;
+/// observed within milliseconds; generous).
+const POOL_RACE: Duration = Duration::from_millis(500);
+
+/// Counts failures by explanation; panics on a failure nothing explains.
+fn attribute(
+    outcomes: &[Outcome],
+    explain: impl Fn(&Outcome) -> Option<&'static str>,
+) -> Vec<(&'static str, usize)> {
+    let mut counts: Vec<(&'static str, usize)> = Vec::new();
+    for o in outcomes.iter().filter(|o| !o.ok()) {
+        let why = explain(o).unwrap_or_else(|| panic!("a request failed that no fault explains: {o:?}"));
+        match counts.iter_mut().find(|(w, _)| *w == why) {
+            Some((_, n)) => *n += 1,
+            None => counts.push((why, 1)),
+        }
+    }
+    counts
+}
+
 #[test]
 fn worker_killed_mid_stream() {
     // Five times faster than real: a 2000-token stream would last ~8 s.
@@ -489,8 +528,9 @@ fn worker_killed_mid_stream() {
 
     let routed_to_b = routed(&world.envoy, "worker_b");
     let failed_polls = polls(&world.envoy, "worker_b").failed;
-    let killed = Instant::now();
+    let killing = Instant::now();
     world.sims[1].kill();
+    let killed = Instant::now();
     let (worker, events, done, end) = stream.join().expect("stream thread");
     assert_eq!(
         worker.as_deref(),
@@ -516,22 +556,14 @@ fn worker_killed_mid_stream() {
     let outcomes = traffic.stop();
     let after_kill = routed(&world.envoy, "worker_b") - routed_to_b;
 
-    // Attribution: a failed request must have been in flight at the dead
-    // worker (sent before the kill, answered after it).
-    let failed: Vec<&Outcome> = outcomes.iter().filter(|o| !o.ok()).collect();
-    for o in &failed {
-        assert!(
-            o.sent < killed && o.done >= killed,
-            "a request the dead worker never had failed: {o:?}"
-        );
-    }
+    // Attribution: every failure is the dead worker's.
+    let failures = attribute(&outcomes, |o| kill_explains(o, killing, killed));
     let sent_after = outcomes.iter().filter(|o| o.sent >= killed).count();
     eprintln!(
-        "mid-stream kill: {} background requests, {} failed (all in flight at the killed worker); \
-         {sent_after} sent after the kill, {after_kill} of them routed to the dead worker and retried by Envoy; \
-         first answer from worker_a {elsewhere:.0?} after the kill",
+        "mid-stream kill: {} background requests, failures {failures:?}; \
+         {sent_after} sent after the kill, {after_kill} of them routed to the dead worker (Envoy retried \
+         the refused connections on worker_a); first answer from worker_a {elsewhere:.0?} after the kill",
         outcomes.len(),
-        failed.len()
     );
 }
 
@@ -551,6 +583,7 @@ fn worker_restarted_with_fewer_ranks() {
     // The process is replaced at once by one with two ranks, on the same port.
     let dir = TestDir::new("worker_restart_restarted");
     let addr = world.sims[1].addr;
+    let killing = Instant::now();
     world.sims[1].kill();
     let killed = Instant::now();
     let _restarted = SimProcess::start_at(&dir, "worker_b-2ranks", addr, 2, &["--instant"]);
@@ -591,19 +624,20 @@ fn worker_restarted_with_fewer_ranks() {
     // Attribution. After the new report: nothing fails. Before it (one poll
     // interval at most), the filter still holds the old process's report and
     // may send a request to a rank the new process lacks: that worker refuses
-    // it (400, rank out of range).
+    // it (400, rank out of range). And the kill itself, as in
+    // worker_killed_mid_stream.
     let b_addr = addr.to_string();
-    let mut window_refusals = 0;
-    for o in outcomes.iter().filter(|o| !o.ok()) {
-        assert!(
-            o.sent < applied
-                && o.status == 400
-                && o.worker.as_deref() == Some(b_addr.as_str())
-                && o.detail.contains("out of range"),
-            "a failure not explained by the restart window: {o:?}"
-        );
-        window_refusals += 1;
-    }
+    let failures = attribute(&outcomes, |o| {
+        let refused = o.sent < applied
+            && o.status == 400
+            && o.worker.as_deref() == Some(b_addr.as_str())
+            && o.detail.contains("out of range");
+        if refused {
+            Some("refused by the new process: a rank it lacks, chosen from the old process's report")
+        } else {
+            kill_explains(o, killing, killed)
+        }
+    });
     for o in outcomes.iter().filter(|o| o.sent >= applied) {
         assert!(
             !(o.worker.as_deref() == Some(b_addr.as_str()) && o.rank.unwrap_or(0) >= 2),
@@ -612,8 +646,7 @@ fn worker_restarted_with_fewer_ranks() {
     }
     eprintln!(
         "restart with 2 ranks: new process up {restarted:?} after the kill, its report in use {:?} after; \
-         {} background requests, {window_refusals} refused by the new process for a rank it lacks \
-         (sent before its first report was in)",
+         {} background requests, failures {failures:?}",
         applied - killed,
         outcomes.len()
     );
@@ -741,6 +774,8 @@ fn all_workers_down_then_back() {
         }
         (reply.status == 200 && routed(&world.envoy, "") > routed_before).then(|| restarted.elapsed())
     });
+    // Both fresh, with their offsets back: the least-loaded pair again.
+    fleet.routed_to_within("worker_b", RECOVER_WITHIN, "least loaded again");
     assert_eq!(fleet.send_ok("routed again"), ("worker_b".to_string(), 0));
     eprintln!(
         "all down: workers back; first answer after {first_ok:?}, first routed request after {back_routed:?} \

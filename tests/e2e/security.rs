@@ -1,0 +1,337 @@
+//! What a client must not be able to do through the filter (README
+//! "Security"), beyond `input.rs`: reach a host outside the pool, pick a rank
+//! when the filter has no data to route with, keep the pin header when it is
+//! configured; and the filter calling anything but its configured clusters.
+
+use crate::common::http::raw_exchange;
+use crate::common::raw::h2_exchange;
+use crate::common::{EnvoyOptions, Reply, Sim, TestDir, World};
+use serde_json::{json, Value};
+use std::collections::BTreeSet;
+use std::time::Duration;
+
+/// worker_a rank 1 is the clear minimum.
+fn loads() -> Vec<Value> {
+    World::base_tokens(&[&[5000, 1000, 5000, 7000], &[6000, 6000, 6000, 2000]])
+}
+
+/// Asserts a simulator outside the pool saw nothing at all.
+fn assert_untouched_outsider(outsider: &Sim, what: &str) {
+    let requests = outsider.requests();
+    assert!(requests.is_empty(), "{what}: the outsider received {requests:?}");
+    let counters = outsider.counters();
+    assert_eq!(
+        counters["load_requests"],
+        json!({"/get_load": 0, "/v1/loads": 0}),
+        "{what}: the outsider was polled"
+    );
+}
+
+/// `cluster.<name>.<stat>` of every cluster, by cluster name.
+fn cluster_stat(world: &World, stat: &str) -> Vec<(String, u64)> {
+    let reply = world
+        .envoy
+        .admin_get(&format!("/stats?format=json&filter=^cluster\\.[^.]+\\.{stat}$"));
+    assert_eq!(reply.status, 200, "{reply:?}");
+    let mut out: Vec<(String, u64)> = reply.json()["stats"]
+        .as_array()
+        .map(|stats| {
+            stats
+                .iter()
+                .filter_map(|s| {
+                    let name = s["name"].as_str()?;
+                    let cluster = name.strip_prefix("cluster.")?.strip_suffix(&format!(".{stat}"))?;
+                    Some((cluster.to_string(), s["value"].as_u64()?))
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    out.sort();
+    out
+}
+
+/// Host addresses Envoy holds for a cluster (ORIGINAL_DST adds one per destination used).
+fn cluster_hosts(world: &World, cluster: &str) -> BTreeSet<String> {
+    let clusters = world.envoy.admin_get("/clusters?format=json").json();
+    clusters["cluster_statuses"]
+        .as_array()
+        .and_then(|all| all.iter().find(|c| c["name"] == cluster))
+        .and_then(|c| c["host_statuses"].as_array().cloned())
+        .unwrap_or_default()
+        .iter()
+        .map(|h| {
+            let socket = &h["address"]["socket_address"];
+            format!(
+                "{}:{}",
+                socket["address"].as_str().unwrap_or("?"),
+                socket["port_value"]
+            )
+        })
+        .collect()
+}
+
+#[test]
+fn no_client_reaches_a_host_outside_the_pool() {
+    let world = World::start("security", 2, &["--instant"], &loads(), EnvoyOptions::default());
+    let dir = TestDir::new("security_outsider");
+    let outsider = Sim::start(&dir, "outsider", 4, &["--instant"]);
+    let out = outsider.addr.to_string();
+    let pool: BTreeSet<String> = world.sims.iter().map(|s| s.addr.to_string()).collect();
+    let steer: [(&str, &str); 3] = [
+        ("x-dprank-endpoint", &out),
+        ("x-envoy-original-dst-host", &out),
+        ("host", &out),
+    ];
+    let answered_by_pool = |reply: &Reply, what: &str| {
+        let worker = reply
+            .header("x-sim-worker")
+            .unwrap_or_else(|| panic!("{what}: not answered by a worker: {reply:?}"));
+        assert!(pool.contains(worker), "{what}: answered by {worker}");
+    };
+
+    // Routed, passed through (not JSON, unrouted path, GET), each with every steering header.
+    let json_headers: Vec<(&str, &str)> = [("content-type", "application/json")]
+        .into_iter()
+        .chain(steer)
+        .collect();
+    let url = |path: &str| world.envoy.url(path);
+    let reply = world
+        .client
+        .post(&url("/generate"), &json_headers, br#"{"text":"steer"}"#);
+    assert_eq!(
+        world.served_by(&reply),
+        ("worker_a".to_string(), 1),
+        "routed as usual"
+    );
+    let recorded = world.sim("worker_a").last_request();
+    assert_eq!(
+        recorded.header("x-dprank-endpoint"),
+        Some(world.sim("worker_a").addr.to_string().as_str()),
+        "only the filter's own route header goes upstream"
+    );
+    for _ in 0..4 {
+        let reply = world.client.post(&url("/generate"), &json_headers, b"not json");
+        answered_by_pool(&reply, "not JSON");
+        assert_eq!(
+            world.sim_of(&reply).last_request().header("x-dprank-endpoint"),
+            None
+        );
+    }
+    let reply = world
+        .client
+        .post(&url("/v1/embeddings"), &json_headers, br#"{"input":"x"}"#);
+    answered_by_pool(&reply, "unrouted path");
+    let reply = world.client.get(&url("/v1/models"), &steer);
+    assert_eq!(reply.status, 200, "{reply:?}");
+    answered_by_pool(&reply, "GET");
+
+    // HTTP/2 with the outsider as :authority.
+    let reply = h2_exchange(
+        world.envoy.listener,
+        "POST",
+        "/generate",
+        &[
+            ("content-type", "application/json"),
+            ("x-dprank-endpoint", &out),
+            ("x-envoy-original-dst-host", &out),
+        ],
+        &[br#"{"text":"h2 steer"}"#],
+        &[],
+    );
+    assert_eq!(reply.status, 200, "{reply:?}");
+    answered_by_pool(&reply, "HTTP/2");
+
+    // Absolute-form request target naming the outsider, and a CONNECT to it.
+    let body = br#"{"text":"absolute"}"#;
+    let head = format!(
+        "POST http://{out}/generate HTTP/1.1\r\nhost: {out}\r\ncontent-type: application/json\r\n\
+         x-envoy-original-dst-host: {out}\r\ncontent-length: {}",
+        body.len()
+    );
+    let reply = raw_exchange(world.envoy.listener, &head, &[body], Duration::ZERO);
+    assert_eq!(reply.status, 200, "{reply:?}");
+    answered_by_pool(&reply, "absolute-form target");
+    let reply = raw_exchange(
+        world.envoy.listener,
+        &format!("CONNECT {out} HTTP/1.1\r\nhost: {out}"),
+        &[],
+        Duration::ZERO,
+    );
+    assert!(
+        reply.status >= 400 && reply.header("x-sim-worker").is_none(),
+        "CONNECT is refused by Envoy: {reply:?}"
+    );
+
+    // A header given twice is removed entirely, on routed and passed-through requests.
+    for (body, routed) in [
+        (&br#"{"text":"twice"}"#[..], true),
+        (&b"not json twice"[..], false),
+    ] {
+        let b_addr = world.sim("worker_b").addr.to_string();
+        let head = format!(
+            "POST /generate HTTP/1.1\r\nhost: dprank\r\ncontent-type: application/json\r\n\
+             X-Dprank-Endpoint: {b_addr}\r\nx-dprank-endpoint: {out}\r\ncontent-length: {}",
+            body.len()
+        );
+        let reply = raw_exchange(world.envoy.listener, &head, &[body], Duration::ZERO);
+        answered_by_pool(&reply, "header twice");
+        let sim = world.sim_of(&reply);
+        let seen = sim.last_request().header("x-dprank-endpoint").map(str::to_string);
+        if routed {
+            assert_eq!(world.served_by(&reply), ("worker_a".to_string(), 1));
+            assert_eq!(seen, Some(sim.addr.to_string()), "the filter's value alone");
+        } else {
+            assert_eq!(seen, None, "not routed: no route header at all");
+        }
+    }
+
+    assert_untouched_outsider(&outsider, "steering headers");
+
+    // The filter's own calls: polls through dprank_poll to the pool only;
+    // client traffic through sglang. No other cluster sees a request.
+    let requests = cluster_stat(&world, "upstream_rq_total");
+    for (cluster, count) in &requests {
+        match cluster.as_str() {
+            "sglang" | "dprank_poll" => assert!(*count > 0, "{cluster}: {requests:?}"),
+            _ => assert_eq!(*count, 0, "cluster {cluster} saw requests: {requests:?}"),
+        }
+    }
+    let connections = cluster_stat(&world, "upstream_cx_total");
+    assert!(
+        connections
+            .iter()
+            .all(|(c, n)| *n == 0 || c == "sglang" || c == "dprank_poll"),
+        "{connections:?}"
+    );
+    assert_eq!(
+        cluster_hosts(&world, "dprank_poll"),
+        pool,
+        "polls go to the pool only"
+    );
+    assert_eq!(cluster_hosts(&world, "sglang"), pool);
+    eprintln!("security: upstream requests per cluster {requests:?}");
+}
+
+#[test]
+fn without_data_client_ranks_are_nulled_and_the_pin_header_is_stripped() {
+    // Every poll fails from the start: nothing to route with.
+    let failing = json!({"load_fault": "http_500"});
+    let world = World::start(
+        "security_pin",
+        2,
+        &["--instant"],
+        &[failing.clone(), failing],
+        EnvoyOptions {
+            wait_for_polls: false,
+            ..EnvoyOptions::default()
+        },
+    );
+    for sim in &world.sims {
+        world
+            .envoy
+            .wait_for_stat(&format!("poll_failed.{}", sim.name), 1, Duration::from_secs(30));
+    }
+    let pin = [
+        ("content-type", "application/json"),
+        ("x-dprank-pin", "worker_b/3"),
+    ];
+
+    // Both rank names (and any duplicate) are nulled: the server decides.
+    let body = r#"{"routed_dp_rank":3,"text":"mine","data_parallel_rank": 3,"routed_dp_rank":2}"#;
+    let mut ranks = BTreeSet::new();
+    for _ in 0..4 {
+        let reply = world
+            .client
+            .post(&world.envoy.url("/generate"), &pin, body.as_bytes());
+        assert_eq!(reply.status, 200, "{reply:?}");
+        let recorded = world.sim_of(&reply).last_request();
+        assert_eq!(
+            recorded.body_text(),
+            r#"{"routed_dp_rank":null,"text":"mine","data_parallel_rank": null,"routed_dp_rank":null}"#
+        );
+        assert_eq!(recorded.header("x-dprank-pin"), None, "pin header stripped");
+        ranks.insert(reply.rank());
+    }
+    assert!(ranks.len() > 1, "the workers' own round robin picks: {ranks:?}");
+    assert!(world.envoy.stat("passthrough.no_fresh_data") >= 4);
+    assert_eq!(
+        world.envoy.stat("pin_ignored"),
+        4,
+        "a pin naming no fresh rank is ignored"
+    );
+
+    // PD names are not rank fields in regular mode: left as sent.
+    let body = r#"{"text":"pd names","decode_dp_rank":3,"disagg_prefill_dp_rank":3}"#;
+    let reply = world.post("/generate", body);
+    assert_eq!(world.sim_of(&reply).last_request().body_text(), body);
+
+    // The pin header is stripped from what the filter does not route, too
+    // (this scenario routes /generate only).
+    let replies = [
+        world.client.post(
+            &world.envoy.url("/v1/completions"),
+            &pin,
+            br#"{"prompt":"x","max_tokens":1}"#,
+        ),
+        world
+            .client
+            .post(&world.envoy.url("/generate"), &pin, b"not json"),
+    ];
+    for reply in &replies {
+        let recorded = world.sim_of(reply).last_request();
+        assert_eq!(recorded.header("x-dprank-pin"), None, "{reply:?}");
+    }
+    assert_eq!(world.envoy.stat("passthrough.path"), 1);
+    assert_eq!(
+        world.envoy.stat("pin_ignored"),
+        4,
+        "only routable requests consult the pin"
+    );
+}
+
+/// Bodies serde_json refuses but Python's `json.loads` (which SGLang's
+/// FastAPI server parses requests with) accepts, each carrying a client rank.
+fn python_only_bodies() -> Vec<(&'static str, Vec<u8>)> {
+    let plain = r#"{"text":"x","routed_dp_rank":3}"#;
+    let mut bom = b"\xef\xbb\xbf".to_vec();
+    bom.extend_from_slice(plain.as_bytes());
+    let mut utf16 = vec![0xff, 0xfe];
+    utf16.extend(plain.encode_utf16().flat_map(u16::to_le_bytes));
+    vec![
+        ("UTF-8 BOM", bom),
+        (
+            "NaN",
+            br#"{"text":"x","routed_dp_rank":3,"temperature":NaN}"#.to_vec(),
+        ),
+        (
+            "Infinity",
+            br#"{"text":"x","routed_dp_rank":3,"top_p":Infinity}"#.to_vec(),
+        ),
+        ("UTF-16", utf16),
+    ]
+}
+
+#[test]
+fn a_client_rank_in_a_body_only_python_parses_is_not_passed_on() {
+    let world = World::start("security", 2, &["--instant"], &loads(), EnvoyOptions::default());
+    let mut passed = Vec::new();
+    for (what, body) in python_only_bodies() {
+        let reply = world.client.post(
+            &world.envoy.url("/generate"),
+            &[("content-type", "application/json")],
+            &body,
+        );
+        let reached = world
+            .sims
+            .iter()
+            .flat_map(|s| s.requests())
+            .any(|r| r.body == body);
+        if reached {
+            passed.push(format!("{what} (client got {})", reply.status));
+        }
+    }
+    assert!(
+        passed.is_empty(),
+        "the worker received these bodies as sent, with \"routed_dp_rank\":3, which SGLang would honour: {passed:?}"
+    );
+}
