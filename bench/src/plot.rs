@@ -87,7 +87,9 @@ pub fn rank_tokens(path: &Path, panels: &[(&LoadReport, &str)], dp_size: usize) 
         let mut mesh = chart.configure_mesh();
         if text {
             mesh.x_desc("simulated seconds")
-                .y_desc("tokens on the rank (num_total_tokens)");
+                .y_desc("tokens on the rank (num_total_tokens)")
+                .x_label_formatter(&|v| format!("{v:.0}"))
+                .y_label_formatter(&|v| format!("{v:.0}"));
         } else {
             mesh.x_labels(0).y_labels(0);
         }
