@@ -10,6 +10,9 @@
 //!   `passthrough.<reason>` counts it. In closed mode a body that is not a
 //!   JSON object is refused instead: 400 with a JSON error from the filter,
 //!   `rejected.<reason>`, and no worker sees it;
+//! - **refused**: a body dprank cannot read that names a rank field (a
+//!   lenient server parser, such as Python's `json`, could honour it): 400
+//!   with a JSON error in every mode, `rejected.unreadable_rank`;
 //! - **refused by Envoy**: the filter never sees it.
 //!
 //! The client's status is the worker's own answer to what it received (the
@@ -49,6 +52,8 @@ enum Expect {
     Exact(&'static str),
     /// Untouched; the passthrough reason.
     Untouched(&'static str),
+    /// Refused by the filter in every mode: 400 with a JSON error; the reason.
+    Refused(&'static str),
     /// Envoy answers this status itself; nothing reaches the filter's counters or a worker.
     Envoy(u16),
 }
@@ -61,8 +66,6 @@ struct Case {
     expect: Expect,
     /// The client's status in open mode (the worker's answer).
     status: u16,
-    /// A known filter bug: the case runs only in the ignored test below.
-    bug: Option<&'static str>,
 }
 
 fn case(name: &'static str, body: impl Into<Vec<u8>>, expect: Expect, status: u16) -> Case {
@@ -73,7 +76,6 @@ fn case(name: &'static str, body: impl Into<Vec<u8>>, expect: Expect, status: u1
         body: body.into(),
         expect,
         status,
-        bug: None,
     }
 }
 
@@ -81,14 +83,6 @@ fn sent_as(mut c: Case, send: Send) -> Case {
     c.send = send;
     c
 }
-
-fn known_bug(mut c: Case, bug: &'static str) -> Case {
-    c.bug = Some(bug);
-    c
-}
-
-const EMPTY_CHUNKED_BUG: &str = "an empty body sent chunked (or as an empty HTTP/2 DATA frame) is counted \
-    passthrough.not_json, and rejected with 400 in closed mode, instead of passthrough.empty_body";
 
 const CHUNKED_HEAD: &str =
     "POST /generate HTTP/1.1\r\nhost: dprank\r\ncontent-type: application/json\r\ntransfer-encoding: chunked";
@@ -116,6 +110,10 @@ fn cases() -> Vec<Case> {
     };
     let mut bom = b"\xef\xbb\xbf".to_vec();
     bom.extend_from_slice(OK.as_bytes());
+    let mut bom_rank = b"\xef\xbb\xbf".to_vec();
+    bom_rank.extend_from_slice(br#"{"text":"x","routed_dp_rank":3}"#);
+    let mut utf16_rank = vec![0xff, 0xfe];
+    utf16_rank.extend(r#"{"text":"x","routed_dp_rank":3}"#.encode_utf16().flat_map(u16::to_le_bytes));
     let chunked_body =
         br#"{"text":"caf\u00e9 odd splits","routed_dp_rank":2,"sampling_params":{"max_new_tokens":1}}"#;
     let cut_in_key = chunked_body.windows(6).position(|w| w == b"dp_ran").unwrap() + 3;
@@ -146,6 +144,12 @@ fn cases() -> Vec<Case> {
         case("trailing comma", r#"{"text":"x",}"#, Untouched("not_json"), 400),
         case("NaN literal", r#"{"text":"x","temperature":NaN}"#, Untouched("not_json"), 400),
         case("comment", r#"{/* c */"text":"x"}"#, Untouched("not_json"), 400),
+        // Unreadable to dprank but naming a rank (Python's json reads all of these): refused.
+        case("NaN, naming the rank", r#"{"text":"x","routed_dp_rank":3,"temperature":NaN}"#, Refused("unreadable_rank"), 400),
+        case("UTF-8 BOM, naming the rank", bom_rank, Refused("unreadable_rank"), 400),
+        case("UTF-16, naming the rank", utf16_rank, Refused("unreadable_rank"), 400),
+        case("Infinity, alias escaped", r#"{"text":"x","data_parallel_\u0072ank":3,"top_p":Infinity}"#, Refused("unreadable_rank"), 400),
+        case("not JSON, \"rank\" in the prompt", "text=frank+talk", Refused("unreadable_rank"), 400),
         // Objects, however odd: routed. (The worker refuses what its own JSON
         // parser does: nesting beyond 128, lone surrogates, numbers beyond f64.)
         case("nesting 100 deep", nested("extra", 100), Spliced, 200),
@@ -215,19 +219,13 @@ fn cases() -> Vec<Case> {
             case("empty body, content-length: 0", "", Untouched("empty_body"), 400),
             Send::Post(vec![("content-type", "application/json")]),
         ),
-        known_bug(
-            sent_as(
-                case("empty body, chunked", "", Untouched("empty_body"), 400),
-                Send::Raw(CHUNKED_HEAD.to_string(), vec![b"0\r\n\r\n".to_vec()]),
-            ),
-            EMPTY_CHUNKED_BUG,
+        sent_as(
+            case("empty body, chunked", "", Untouched("empty_body"), 400),
+            Send::Raw(CHUNKED_HEAD.to_string(), vec![b"0\r\n\r\n".to_vec()]),
         ),
-        known_bug(
-            sent_as(
-                case("empty body, HTTP/2 empty DATA frame", "", Untouched("empty_body"), 400),
-                Send::H2 { parts: 1, content_length: false, trailers: false },
-            ),
-            EMPTY_CHUNKED_BUG,
+        sent_as(
+            case("empty body, HTTP/2 empty DATA frame", "", Untouched("empty_body"), 400),
+            Send::H2 { parts: 1, content_length: false, trailers: false },
         ),
         // Last: the recordings then hold 8 MB.
         case(
@@ -332,8 +330,7 @@ fn reset(world: &World) {
     }
 }
 
-/// Runs the cases with a known bug (`known_bugs`) or all the others.
-fn run_matrix(scenario: &str, closed: bool, known_bugs: bool) {
+fn run_matrix(scenario: &str, closed: bool) {
     let world = World::start(
         scenario,
         2,
@@ -341,10 +338,7 @@ fn run_matrix(scenario: &str, closed: bool, known_bugs: bool) {
         &World::base_tokens(&[&[5000, 1000, 5000, 7000], &[6000, 6000, 6000, 2000]]),
         EnvoyOptions::default(),
     );
-    let cases: Vec<Case> = cases()
-        .into_iter()
-        .filter(|c| c.bug.is_some() == known_bugs)
-        .collect();
+    let cases = cases();
     let mode = if closed { "closed" } else { "open" };
     // Every case runs; the failures are reported together at the end.
     let mut failures = Vec::new();
@@ -387,19 +381,21 @@ fn check(world: &World, c: &Case, closed: bool, what: &str) -> String {
             })
             .collect();
         let rejectable = matches!(c.expect, Expect::Untouched("not_json" | "not_object"));
+        let refused = |reason: &str| {
+            assert_eq!(reply.status, 400, "{what}: {reply:?}");
+            assert_eq!(reply.header("content-type"), Some("application/json"), "{what}");
+            assert!(reply.json()["error"]["message"].is_string(), "{what}: {reply:?}");
+            assert!(
+                reply.header("x-sim-worker").is_none(),
+                "{what}: answered by the filter"
+            );
+            assert!(received.is_empty(), "{what}: no worker sees it: {received:?}");
+            assert_eq!(delta, vec![(format!("rejected.{reason}"), 1)], "{what}");
+            format!("400 JSON error, rejected.{reason}")
+        };
         let outcome = match c.expect {
-            Expect::Untouched(reason) if closed && rejectable => {
-                assert_eq!(reply.status, 400, "{what}: {reply:?}");
-                assert_eq!(reply.header("content-type"), Some("application/json"), "{what}");
-                assert!(reply.json()["error"]["message"].is_string(), "{what}: {reply:?}");
-                assert!(
-                    reply.header("x-sim-worker").is_none(),
-                    "{what}: answered by the filter"
-                );
-                assert!(received.is_empty(), "{what}: no worker sees it: {received:?}");
-                assert_eq!(delta, vec![(format!("rejected.{reason}"), 1)], "{what}");
-                format!("400 JSON error, rejected.{reason}")
-            }
+            Expect::Refused(reason) => refused(reason),
+            Expect::Untouched(reason) if closed && rejectable => refused(reason),
             Expect::Untouched(reason) => {
                 assert_eq!(reply.status, c.status, "{what}: {reply:?}");
                 assert_eq!(received.len(), 1, "{what}: one worker request: {received:?}");
@@ -462,17 +458,11 @@ fn check(world: &World, c: &Case, closed: bool, what: &str) -> String {
 
 #[test]
 fn input_matrix_fail_open() {
-    assert!(cases().iter().filter(|c| c.bug.is_none()).count() >= 30);
-    run_matrix("input_matrix", false, false);
+    assert!(cases().len() >= 30);
+    run_matrix("input_matrix", false);
 }
 
 #[test]
 fn input_matrix_fail_closed() {
-    run_matrix("input_matrix_closed", true, false);
-}
-
-#[test]
-fn input_matrix_known_bugs() {
-    run_matrix("input_matrix", false, true);
-    run_matrix("input_matrix_closed", true, true);
+    run_matrix("input_matrix_closed", true);
 }
