@@ -437,6 +437,16 @@ mod tests {
         .unwrap()
     }
 
+    /// A poller that has dispatched its first round of polls at t = 9,000 s.
+    fn first_round(extra: &str) -> (Config, FakeHost, Poller) {
+        let c = config(extra);
+        let h = FakeHost::default();
+        h.now.set(9_000_000);
+        let mut p = Poller::new(0);
+        p.on_tick(&c, &h);
+        (c, h, p)
+    }
+
     fn header<'a>(calls: &'a [crate::host::fake::Call], i: usize, name: &str) -> &'a str {
         calls[i]
             .1
@@ -504,11 +514,7 @@ mod tests {
 
     #[test]
     fn auto_falls_back_to_get_load_on_404() {
-        let c = config("");
-        let h = FakeHost::default();
-        h.now.set(9_000_000);
-        let mut p = Poller::new(0);
-        p.on_tick(&c, &h);
+        let (c, h, mut p) = first_round("");
         p.on_response(&c, &h, 1, Some(404), b"not found");
         let calls = h.calls.borrow();
         assert_eq!(calls.len(), 3);
@@ -544,11 +550,7 @@ mod tests {
 
     #[test]
     fn fixed_v1_endpoint_does_not_fall_back() {
-        let c = config(r#","load_endpoint":"v1_loads""#);
-        let h = FakeHost::default();
-        h.now.set(9_000_000);
-        let mut p = Poller::new(0);
-        p.on_tick(&c, &h);
+        let (c, h, mut p) = first_round(r#","load_endpoint":"v1_loads""#);
         p.on_response(&c, &h, 1, Some(404), b"");
         assert_eq!(h.calls.borrow().len(), 2);
         assert_eq!(h.counter("dprank.poll_failed.a"), 1);
@@ -556,11 +558,7 @@ mod tests {
 
     #[test]
     fn failures_keep_the_last_good_snapshot() {
-        let c = config("");
-        let h = FakeHost::default();
-        h.now.set(9_000_000);
-        let mut p = Poller::new(0);
-        p.on_tick(&c, &h);
+        let (c, h, mut p) = first_round("");
         p.on_response(
             &c,
             &h,
@@ -585,11 +583,7 @@ mod tests {
 
     #[test]
     fn malformed_reports_count_as_failures() {
-        let c = config("");
-        let h = FakeHost::default();
-        h.now.set(9_000_000);
-        let mut p = Poller::new(0);
-        p.on_tick(&c, &h);
+        let (c, h, mut p) = first_round("");
         p.on_response(&c, &h, 1, Some(200), b"{\"loads\":[{\"dp_rank\":0,");
         assert_eq!(h.counter("dprank.poll_failed.a"), 1);
         assert!(read_worker_states(&c, &h)[0].as_ref().unwrap().snapshot_seq == 0);
@@ -597,11 +591,7 @@ mod tests {
 
     #[test]
     fn configured_dp_size_trims_a_larger_report() {
-        let c = config("");
-        let h = FakeHost::default();
-        h.now.set(9_000_000);
-        let mut p = Poller::new(0);
-        p.on_tick(&c, &h);
+        let (c, h, mut p) = first_round("");
         p.on_response(
             &c,
             &h,
@@ -615,11 +605,7 @@ mod tests {
 
     #[test]
     fn a_hanging_worker_is_not_polled_twice_at_once() {
-        let c = config("");
-        let h = FakeHost::default();
-        h.now.set(9_000_000);
-        let mut p = Poller::new(0);
-        p.on_tick(&c, &h);
+        let (c, h, mut p) = first_round("");
         h.now.set(9_001_000);
         p.on_tick(&c, &h);
         assert_eq!(h.calls.borrow().len(), 2);

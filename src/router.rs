@@ -90,54 +90,50 @@ fn error_body(kind: &str, message: &str) -> String {
     serde_json::json!({"error": {"message": message, "type": kind, "code": "dprank"}}).to_string()
 }
 
+const NOT_AN_OBJECT: &str = "request body must be a JSON object (dprank routes by its fields)";
+
 /// Counts a pass-through and, in closed mode, turns routing failures into errors.
 fn pass_or_reject(config: &Config, host: &dyn Host, reason: PassReason, body: Option<Vec<u8>>) -> Decision {
-    match (config.fail_mode, reason) {
-        (FailMode::Closed, PassReason::NotJson | PassReason::NotObject) => reject_bad_body(host, reason),
+    let refusal = match (config.fail_mode, reason) {
         // Passing it on would let the client pick its rank: refused in every mode.
-        (_, PassReason::UnreadableRank) => {
-            host.count(&format!("dprank.rejected.{}", reason.as_str()), 1);
-            Decision::Reject {
-                status: 400,
-                body: error_body(
-                    "invalid_request_error",
-                    "request body is not strict JSON (RFC 8259) and names a rank field: dprank can neither read nor neutralise it",
-                ),
-            }
+        (_, PassReason::UnreadableRank) => Some((
+            400,
+            "invalid_request_error",
+            "request body is not strict JSON (RFC 8259) and names a rank field: dprank can neither read nor neutralise it",
+        )),
+        (FailMode::Closed, PassReason::NotJson | PassReason::NotObject) => {
+            Some((400, "invalid_request_error", NOT_AN_OBJECT))
         }
-        (FailMode::Closed, PassReason::ClientRankUnavailable) => {
-            host.count(&format!("dprank.rejected.{}", reason.as_str()), 1);
-            Decision::Reject {
-                status: 400,
-                body: error_body(
-                    "invalid_request_error",
-                    "no worker with fresh load data has the requested rank",
-                ),
-            }
-        }
+        (FailMode::Closed, PassReason::ClientRankUnavailable) => Some((
+            400,
+            "invalid_request_error",
+            "no worker with fresh load data has the requested rank",
+        )),
         (FailMode::Closed, PassReason::NoFreshData) => {
-            host.count(&format!("dprank.rejected.{}", reason.as_str()), 1);
-            Decision::Reject {
-                status: 503,
-                body: error_body("service_unavailable", "no worker has fresh load data"),
-            }
+            Some((503, "service_unavailable", "no worker has fresh load data"))
         }
-        _ => {
+        _ => None,
+    };
+    match refusal {
+        Some((status, kind, message)) => reject(host, reason, status, kind, message),
+        None => {
             host.count(&format!("dprank.passthrough.{}", reason.as_str()), 1);
             Decision::PassThrough { reason, body }
         }
     }
 }
 
-fn reject_bad_body(host: &dyn Host, reason: PassReason) -> Decision {
+/// Counts a refusal and answers it with an OpenAI-style JSON error.
+fn reject(host: &dyn Host, reason: PassReason, status: u32, kind: &str, message: &str) -> Decision {
     host.count(&format!("dprank.rejected.{}", reason.as_str()), 1);
     Decision::Reject {
-        status: 400,
-        body: error_body(
-            "invalid_request_error",
-            "request body must be a JSON object (dprank routes by its fields)",
-        ),
+        status,
+        body: error_body(kind, message),
     }
+}
+
+fn reject_bad_body(host: &dyn Host, reason: PassReason) -> Decision {
+    reject(host, reason, 400, "invalid_request_error", NOT_AN_OBJECT)
 }
 
 /// Counts a request that is not routed for a reason seen before its body.
