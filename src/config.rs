@@ -276,6 +276,11 @@ impl Config {
         }
     }
 
+    /// A worker by its index in `all_workers`.
+    pub fn worker(&self, index: usize) -> Option<&Worker> {
+        self.all_workers().nth(index)
+    }
+
     /// Every polled worker: the routed pool, then the prefill pool in PD mode.
     pub fn all_workers(&self) -> impl Iterator<Item = &Worker> {
         self.workers

@@ -227,7 +227,7 @@ impl Poller {
     }
 
     fn dispatch(&mut self, config: &Config, host: &dyn Host, index: usize) {
-        let Some(w) = config.all_workers().nth(index) else {
+        let Some(w) = config.worker(index) else {
             return;
         };
         let polled = shared_update(host, &worker_key(config, index), |cur| {

@@ -68,11 +68,7 @@ pub enum Decision {
 }
 
 pub fn worker_key(config: &Config, worker: usize) -> String {
-    let endpoint = config
-        .all_workers()
-        .nth(worker)
-        .map(|w| w.endpoint())
-        .unwrap_or_default();
+    let endpoint = config.worker(worker).map(|w| w.endpoint()).unwrap_or_default();
     format!("{}.w.{}", config.state_key, endpoint)
 }
 
@@ -196,7 +192,7 @@ fn account(config: &Config, host: &dyn Host, worker: usize, rank: u32, cost: u64
     if ticket.is_none() {
         host.count("dprank.accounting_skipped", 1);
     }
-    if let Some(w) = config.all_workers().nth(worker) {
+    if let Some(w) = config.worker(worker) {
         host.count(&format!("dprank.routed.{}.rank_{rank}", w.name), 1);
     }
     ticket
@@ -278,11 +274,7 @@ pub fn route(config: &Config, host: &dyn Host, body: &[u8], pin: Option<&str>, t
     Decision::Route(Routed {
         worker,
         rank,
-        endpoint: config
-            .all_workers()
-            .nth(worker)
-            .map(|w| w.endpoint())
-            .unwrap_or_default(),
+        endpoint: config.worker(worker).map(|w| w.endpoint()).unwrap_or_default(),
         body,
         ticket,
     })
@@ -419,11 +411,7 @@ fn route_pd(
     let target = |worker: usize, rank: Option<u32>| Target {
         worker,
         rank,
-        endpoint: config
-            .all_workers()
-            .nth(worker)
-            .map(|w| w.endpoint())
-            .unwrap_or_default(),
+        endpoint: config.worker(worker).map(|w| w.endpoint()).unwrap_or_default(),
     };
     Decision::Pd(PdRouted {
         prefill: target(offset + prefill_index, p.map(|c| c.rank)),
@@ -475,8 +463,7 @@ pub fn prefill_outcome(
     body: &[u8],
 ) -> Option<(u32, String)> {
     let (endpoint, name) = config
-        .all_workers()
-        .nth(worker)
+        .worker(worker)
         .map(|w| (w.endpoint(), w.name.clone()))
         .unwrap_or_default();
     if let Some(200..=299) = status {
@@ -519,11 +506,7 @@ fn prefill_error(message: &str) -> String {
 
 /// The prefill leg could not even be dispatched (Envoy refused the call).
 pub fn prefill_not_sent(config: &Config, host: &dyn Host, worker: usize) -> (u32, String) {
-    let name = config
-        .all_workers()
-        .nth(worker)
-        .map(|w| w.name.clone())
-        .unwrap_or_default();
+    let name = config.worker(worker).map(|w| w.name.clone()).unwrap_or_default();
     host.count(&format!("dprank.prefill_failed.{name}"), 1);
     (
         502,
