@@ -153,6 +153,104 @@ pub fn render(
     Ok(out)
 }
 
+/// One PD worker for [`render_pd`].
+pub struct PdWorker {
+    pub addr: SocketAddr,
+    /// Prefill workers: the bootstrap port decode workers fetch the KV from.
+    pub bootstrap_port: Option<u16>,
+}
+
+/// envoy/pd.yaml with the ports, the prefill and decode workers (the filter's
+/// lists and the `sglang_decode` endpoints), the wasm path and the poll
+/// interval replaced; nothing else changes.
+pub fn render_pd(
+    template: &str,
+    ports: &EnvoyPorts,
+    prefill: &[PdWorker],
+    decode: &[SocketAddr],
+    poll_interval_ms: u64,
+    wasm: &Path,
+) -> Result<String, String> {
+    let mut text = replace_once(
+        template,
+        "port_value: 10000",
+        &format!("port_value: {}", ports.listener),
+    )?;
+    text = replace_once(&text, "port_value: 9901", &format!("port_value: {}", ports.admin))?;
+    let mut lines: Vec<String> = text.lines().map(str::to_string).collect();
+
+    let at = lines
+        .iter()
+        .position(|l| l.trim() == "- lb_endpoints:")
+        .ok_or("envoy template: no lb_endpoints")?;
+    let item_indent = indent_of(&lines[at]) + 2;
+    let mut end = at + 1;
+    while lines
+        .get(end)
+        .is_some_and(|l| l.trim_start().starts_with("- endpoint:"))
+    {
+        end += 1;
+    }
+    let endpoints: Vec<String> = decode
+        .iter()
+        .map(|w| {
+            format!(
+                "{:item_indent$}- endpoint: {{ address: {{ socket_address: {{ address: {}, port_value: {} }} }} }}",
+                "",
+                w.ip(),
+                w.port()
+            )
+        })
+        .collect();
+    lines.splice(at + 1..end, endpoints);
+
+    let (start, end) = list_item_range(&lines, "envoy.filters.http.wasm")?;
+    let wasm_line = (start..end)
+        .find(|i| lines[*i].contains("filename:"))
+        .ok_or("envoy template: no wasm filename")?;
+    let indent = indent_of(&lines[wasm_line]);
+    lines[wasm_line] = format!("{:indent$}local: {{ filename: {} }}", "", wasm.display());
+    let value = (start..end)
+        .find(|i| lines[*i].trim() == "value: |")
+        .ok_or("envoy template: no filter configuration `value: |`")?;
+    let value_end = block_end(&lines, value);
+    let json_text = lines[value + 1..value_end].join("\n");
+    let mut config: serde_json::Value = serde_json::from_str(&json_text)
+        .map_err(|e| format!("envoy template: filter configuration is not JSON: {e}"))?;
+    let object = config
+        .as_object_mut()
+        .ok_or("envoy template: filter configuration is not an object")?;
+    for key in ["prefill_workers", "decode_workers"] {
+        if !object.contains_key(key) {
+            return Err(format!("envoy template: filter configuration has no `{key}`"));
+        }
+    }
+    let prefill_json: Vec<serde_json::Value> = prefill
+        .iter()
+        .enumerate()
+        .map(|(i, w)| {
+            let mut item = serde_json::json!({"address": w.addr.to_string(), "name": format!("prefill_{i}")});
+            if let (Some(port), Some(map)) = (w.bootstrap_port, item.as_object_mut()) {
+                map.insert("bootstrap_port".into(), port.into());
+            }
+            item
+        })
+        .collect();
+    let decode_json: Vec<serde_json::Value> = decode
+        .iter()
+        .enumerate()
+        .map(|(i, w)| serde_json::json!({"address": w.to_string(), "name": format!("decode_{i}")}))
+        .collect();
+    object.insert("prefill_workers".into(), serde_json::Value::Array(prefill_json));
+    object.insert("decode_workers".into(), serde_json::Value::Array(decode_json));
+    object.insert("poll_interval_ms".into(), poll_interval_ms.into());
+    let indent = indent_of(&lines[value]) + 2;
+    lines.splice(value + 1..value_end, [format!("{:indent$}{}", "", config)]);
+    let mut out = lines.join("\n");
+    out.push('\n');
+    Ok(out)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -217,5 +315,32 @@ mod tests {
         )
         .unwrap();
         assert!(lr.contains("least_request.v3.LeastRequest") && !lr.contains("RoundRobin"));
+    }
+
+    #[test]
+    fn pd_template_rewrites_both_worker_lists() {
+        let template =
+            std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../envoy/pd.yaml")).unwrap();
+        let prefill = [
+            PdWorker {
+                addr: "127.0.0.1:4001".parse().unwrap(),
+                bootstrap_port: Some(4101),
+            },
+            PdWorker {
+                addr: "127.0.0.1:4002".parse().unwrap(),
+                bootstrap_port: Some(4102),
+            },
+        ];
+        let decode: Vec<SocketAddr> = vec![
+            "127.0.0.1:4201".parse().unwrap(),
+            "127.0.0.1:4202".parse().unwrap(),
+        ];
+        let out = render_pd(&template, &PORTS, &prefill, &decode, 250, Path::new("/x/d.wasm")).unwrap();
+        assert!(out.contains("port_value: 5000") && out.contains("port_value: 5001"));
+        assert!(out.contains("port_value: 4202 }") && !out.contains("32001") && !out.contains("31001"));
+        assert!(out.contains("\"bootstrap_port\":4102"));
+        assert!(out.contains("\"address\":\"127.0.0.1:4201\""));
+        assert!(out.contains("\"poll_interval_ms\":250"));
+        assert!(out.contains("filename: /x/d.wasm"));
     }
 }

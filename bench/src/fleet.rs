@@ -69,6 +69,8 @@ pub struct SimOptions {
 pub struct SimFleet {
     _process: Managed,
     pub workers: Vec<SocketAddr>,
+    /// Each worker's bootstrap listener port (prefill role), in order.
+    pub bootstrap: Vec<Option<u16>>,
 }
 
 impl SimFleet {
@@ -95,8 +97,15 @@ impl SimFleet {
             args.push("--instant".into());
         }
         args.extend(options.extra.iter().cloned());
-        let mut process = Managed::spawn(name, &tools.sim, &args, &tools.logs)?;
-        let lines = process.wait_for_lines("ready ", options.workers, Duration::from_secs(10))?;
+        SimFleet::spawn(tools, &args, options.workers, name)
+    }
+
+    /// Starts `dprank-sim` with exactly `args` (which list `workers`
+    /// `--listen`s) and reads the workers' (and bootstrap listeners')
+    /// addresses from its ready lines.
+    pub fn spawn(tools: &Tools, args: &[String], workers: usize, name: &str) -> Result<SimFleet, String> {
+        let mut process = Managed::spawn(name, &tools.sim, args, &tools.logs)?;
+        let lines = process.wait_for_lines("ready ", workers, Duration::from_secs(10))?;
         let workers = lines
             .iter()
             .map(|l| {
@@ -106,9 +115,19 @@ impl SimFleet {
                     .ok_or_else(|| format!("unexpected simulator line `{l}`"))
             })
             .collect::<Result<Vec<SocketAddr>, String>>()?;
+        let bootstrap = lines
+            .iter()
+            .map(|l| {
+                l.split_whitespace()
+                    .find_map(|w| w.strip_prefix("bootstrap="))
+                    .and_then(|a| a.parse::<SocketAddr>().ok())
+                    .map(|a| a.port())
+            })
+            .collect();
         Ok(SimFleet {
             _process: process,
             workers,
+            bootstrap,
         })
     }
 
@@ -240,17 +259,41 @@ pub async fn start_envoy(
     balancer: Balancer,
     name: &str,
 ) -> Result<Front, String> {
-    let template_path = tools.root.join("envoy/dprank.yaml");
-    let template = std::fs::read_to_string(&template_path)
-        .map_err(|e| format!("cannot read {}: {e}", template_path.display()))?;
+    let template = read_template(tools, "envoy/dprank.yaml")?;
     let ports = EnvoyPorts {
         listener: free_port()?,
         admin: free_port()?,
     };
     let yaml = render(&template, &ports, &fleet.workers, balancer, &tools.wasm)?;
+    let polled: &[&SimFleet] = match balancer {
+        Balancer::Dprank { .. } => &[fleet],
+        Balancer::RoundRobin | Balancer::LeastRequest => &[],
+    };
+    launch_envoy(tools, client, &yaml, &ports, polled, name).await
+}
+
+/// A file of the repository (an Envoy template), as text.
+pub fn read_template(tools: &Tools, relative: &str) -> Result<String, String> {
+    let path = tools.root.join(relative);
+    std::fs::read_to_string(&path).map_err(|e| format!("cannot read {}: {e}", path.display()))
+}
+
+/// Runs Envoy on a rendered configuration; when `polled` names fleets
+/// (dprank runs), returns only once dprank has polled every worker of them.
+pub async fn launch_envoy(
+    tools: &Tools,
+    client: &PooledClient,
+    yaml: &str,
+    ports: &EnvoyPorts,
+    polled: &[&SimFleet],
+    name: &str,
+) -> Result<Front, String> {
     let config = tools.logs.join(format!("{name}.yaml"));
     std::fs::write(&config, yaml).map_err(|e| format!("cannot write {}: {e}", config.display()))?;
-    let polls_before = fleet.load_polls(client).await;
+    let mut polls_before = Vec::new();
+    for fleet in polled {
+        polls_before.extend(fleet.load_polls(client).await);
+    }
     let args: Vec<String> = vec![
         "-c".into(),
         config.display().to_string(),
@@ -262,11 +305,14 @@ pub async fn start_envoy(
     let mut process = Managed::spawn(name, &tools.envoy, &args, &tools.logs)?;
     let admin = format!("http://127.0.0.1:{}/ready", ports.admin);
     wait_http_ok(client, &admin, &mut process, Duration::from_secs(20)).await?;
-    if let Balancer::Dprank { .. } = balancer {
+    if !polled.is_empty() {
         // Routing starts only once every worker has been polled.
         let deadline = Instant::now() + Duration::from_secs(10);
         loop {
-            let polls = fleet.load_polls(client).await;
+            let mut polls = Vec::new();
+            for fleet in polled {
+                polls.extend(fleet.load_polls(client).await);
+            }
             if polls.iter().zip(&polls_before).all(|(now, before)| now > before) {
                 break;
             }
@@ -337,7 +383,20 @@ pub async fn start_smg(
             "1".into(),
         ]);
     }
-    let mut process = Managed::spawn(name, smg, &args, &tools.logs)?;
+    smg_front(tools, client, smg, &args, port, name).await.map(Some)
+}
+
+/// Runs smg with `args` (which bind it to 127.0.0.1:`port`) and returns once
+/// it routes a tiny `/generate`.
+pub async fn smg_front(
+    tools: &Tools,
+    client: &PooledClient,
+    smg: &Path,
+    args: &[String],
+    port: u16,
+    name: &str,
+) -> Result<Front, String> {
+    let mut process = Managed::spawn(name, smg, args, &tools.logs)?;
     let base = format!("http://127.0.0.1:{port}");
     wait_http_ok(
         client,
@@ -369,10 +428,10 @@ pub async fn start_smg(
         }
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
-    Ok(Some(Front {
+    Ok(Front {
         _process: process,
         url: base,
         addr,
         admin: None,
-    }))
+    })
 }

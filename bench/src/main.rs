@@ -7,6 +7,7 @@ mod envoy;
 mod fleet;
 mod loadgen;
 mod overhead;
+mod pd;
 mod plot;
 mod procs;
 mod selection;
@@ -42,11 +43,13 @@ enum Command {
     Load(LoadArgs),
     /// Same trace through Envoy round robin, Envoy + dprank, smg, the ideal, and two Envoys + dprank.
     Compare(compare::CompareArgs),
+    /// Prefill/decode fleet: Envoy + dprank (PD mode) vs the old rule vs smg's minimum-tokens scheduler.
+    Pd(pd::PdArgs),
     /// Latency and throughput a router adds in front of an instant worker.
     Overhead(overhead::OverheadArgs),
     /// Cost of the filter's selection step and body handling (host micro-benchmark).
     Selection(selection::SelectionArgs),
-    /// compare, then overhead, then selection, with their defaults.
+    /// compare, then pd, then overhead, then selection, with their defaults.
     All {
         #[arg(long, default_value = "bench-results")]
         out: PathBuf,
@@ -157,6 +160,7 @@ async fn run(cli: Cli) -> Result<(), String> {
         Command::Compare(args) => {
             compare::compare(&fleet::Tools::find(&cli.root)?, &args, &command_line).await
         }
+        Command::Pd(args) => pd::pd(&fleet::Tools::find(&cli.root)?, &args, &command_line).await,
         Command::Overhead(args) => {
             overhead::overhead(&fleet::Tools::find(&cli.root)?, &args, &command_line).await
         }
@@ -168,6 +172,12 @@ async fn run(cli: Cli) -> Result<(), String> {
                 args.out = out.clone();
                 args.runs = runs;
                 compare::compare(&tools, &args, &command_line).await?;
+            }
+            parsed = Cli::parse_from(["dprank-bench", "pd"]);
+            if let Command::Pd(mut args) = parsed.command {
+                args.out = out.clone();
+                args.runs = runs;
+                pd::pd(&tools, &args, &command_line).await?;
             }
             parsed = Cli::parse_from(["dprank-bench", "overhead"]);
             if let Command::Overhead(mut args) = parsed.command {

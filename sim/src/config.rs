@@ -14,6 +14,11 @@ pub enum Dispatch {
     /// knowledge: the ideal balancer).
     #[value(name = "minimum_tokens", alias = "minimum-tokens")]
     MinimumTokens,
+    /// `bootstrap_room % dp_size` (the first room of a batch), as an SGLang
+    /// prefill server picks a rank when the router names none; requests
+    /// without a room fall back to round robin.
+    #[value(name = "room_modulo", alias = "room-modulo")]
+    RoomModulo,
 }
 
 /// The disaggregation role of the simulated server.

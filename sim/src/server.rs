@@ -130,6 +130,7 @@ async fn server_info(State(worker): State<Arc<Worker>>) -> Response {
             "load_balance_method": match config.dispatch {
                 crate::config::Dispatch::RoundRobin => "round_robin",
                 crate::config::Dispatch::MinimumTokens => "minimum_tokens",
+                crate::config::Dispatch::RoomModulo => "room_modulo",
             },
             "disaggregation_mode": config.role.disaggregation_mode(),
             "max_total_num_tokens": config.kv_capacity,

@@ -310,11 +310,15 @@ impl Worker {
         self.ranks.iter().map(|rank| lock(&rank.state).load()).collect()
     }
 
-    fn choose_rank(&self) -> usize {
+    fn choose_rank(&self, request: &ParsedRequest) -> usize {
         let dp_size = self.ranks.len().max(1);
-        match self.config.dispatch {
-            Dispatch::RoundRobin => self.round_robin.fetch_add(1, Ordering::Relaxed) % dp_size,
-            Dispatch::MinimumTokens => self
+        let room = request.bootstrap.as_ref().and_then(|b| b.rooms.first().copied());
+        match (self.config.dispatch, room) {
+            (Dispatch::RoomModulo, Some(room)) => (room % dp_size as u64) as usize,
+            (Dispatch::RoundRobin | Dispatch::RoomModulo, _) => {
+                self.round_robin.fetch_add(1, Ordering::Relaxed) % dp_size
+            }
+            (Dispatch::MinimumTokens, _) => self
                 .rank_loads()
                 .iter()
                 .enumerate()
@@ -361,7 +365,7 @@ impl Worker {
         };
 
         let dispatch_guard = lock(&self.dispatch_lock);
-        let rank = request.rank.unwrap_or_else(|| self.choose_rank());
+        let rank = request.rank.unwrap_or_else(|| self.choose_rank(request));
         let Some(rank_slot) = self.ranks.get(rank) else {
             return Err(Rejection {
                 status: 400,

@@ -198,3 +198,31 @@ async fn batched_pd_requests_mark_and_wait_for_every_room() {
     assert_eq!(decode_reply.json().as_array().unwrap().len(), 2);
     assert_eq!(decode_reply.json()[1]["meta_info"]["completion_tokens"], 3);
 }
+
+#[tokio::test]
+async fn room_modulo_dispatch_picks_the_room_modulo_dp_size() {
+    let prefill = start_with_bootstrap(SimConfig {
+        role: Role::Prefill,
+        dispatch: dprank_sim::Dispatch::RoomModulo,
+        ..fast_config()
+    })
+    .await;
+    let bootstrap_port = prefill.bootstrap_addr.unwrap().port();
+    for room in [0u64, 5, 6, 11, 9_223_372_036_854_775_807] {
+        let body = json!({
+            "text": text_of(100), "sampling_params": {"max_new_tokens": 4},
+            "bootstrap_host": "127.0.0.1", "bootstrap_port": bootstrap_port, "bootstrap_room": room,
+        });
+        let reply = post(&prefill, "/generate", &body.to_string()).await;
+        assert_eq!(reply.status, StatusCode::OK, "{}", reply.text);
+        assert_eq!(reply.rank() as u64, room % 4, "room {room}");
+    }
+    // A rank named by the router still wins.
+    let reply = post(
+        &prefill,
+        "/generate",
+        &pd_body(bootstrap_port, 5, "routed_dp_rank", 3),
+    )
+    .await;
+    assert_eq!(reply.rank(), 3);
+}
