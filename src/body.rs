@@ -99,7 +99,9 @@ impl<'a> JsonObject<'a> {
             else {
                 continue;
             };
-            // Already validated as part of the body: this cannot fail.
+            // Values nested beyond serde_json's recursion limit, lone
+            // surrogates or numbers beyond f64 stop the count early: the
+            // estimate is then low, for prompts SGLang rejects anyway.
             let _ = SizeSeed {
                 size: &mut size,
                 count_words,
@@ -175,11 +177,19 @@ impl<'a> JsonObject<'a> {
     }
 }
 
-/// Whether a body dprank cannot parse might still name a rank for a more
-/// lenient parser (Python's `json` accepts a BOM, NaN, UTF-16): "rank" in any
-/// ASCII case, ignoring NUL bytes (UTF-16/32) and `\u` escapes of ASCII.
-pub fn may_name_a_rank(body: &[u8]) -> bool {
+/// Whether a body dprank cannot parse might still carry one of `names` for
+/// a more lenient parser (Python's `json` accepts a BOM, NaN, UTF-16): it
+/// opens like an object (after any BOM and whitespace) and names a rank field,
+/// ignoring NUL bytes (UTF-16/32) and `\u` escapes of ASCII.
+pub fn may_name_a_rank(body: &[u8], names: &[&str]) -> bool {
     let narrow: Vec<u8> = body.iter().copied().filter(|b| *b != 0).collect();
+    let opens_like_an_object = narrow
+        .iter()
+        .find(|b| b.is_ascii() && !b.is_ascii_whitespace())
+        .is_some_and(|b| *b == b'{');
+    if !opens_like_an_object {
+        return false;
+    }
     let mut text = Vec::with_capacity(narrow.len());
     let mut i = 0;
     while let Some(&b) = narrow.get(i) {
@@ -190,16 +200,18 @@ pub fn may_name_a_rank(body: &[u8]) -> bool {
             .filter(|v| *v < 128);
         match escaped {
             Some(v) => {
-                text.push((v as u8).to_ascii_lowercase());
+                text.push(v as u8);
                 i += 6;
             }
             None => {
-                text.push(b.to_ascii_lowercase());
+                text.push(b);
                 i += 1;
             }
         }
     }
-    text.windows(4).any(|w| w == b"rank")
+    names
+        .iter()
+        .any(|name| !name.is_empty() && text.windows(name.len()).any(|w| w == name.as_bytes()))
 }
 
 /// JSON string escaping for a value spliced into a body.
@@ -492,17 +504,24 @@ mod tests {
 
     #[test]
     fn bodies_that_may_name_a_rank() {
-        assert!(may_name_a_rank(b"\xef\xbb\xbf{\"routed_dp_rank\":3}"));
-        assert!(may_name_a_rank(br#"{"routed_dp_rank":3,"t":NaN}"#));
-        assert!(may_name_a_rank(br#"{"dp_\u0052\u0061nk":1"#));
-        let utf16: Vec<u8> = "{\"routed_dp_rank\":3}"
+        let names = ["routed_dp_rank", "data_parallel_rank"];
+        assert!(may_name_a_rank(b"\xef\xbb\xbf{\"routed_dp_rank\":3}", &names));
+        assert!(may_name_a_rank(br#" {"routed_dp_rank":3,"t":NaN}"#, &names));
+        assert!(may_name_a_rank(br#"{"data_parallel_\u0072\u0061nk":1"#, &names));
+        let utf16: Vec<u8> = "\u{feff}{\"routed_dp_rank\":3}"
             .encode_utf16()
             .flat_map(|u| u.to_le_bytes())
             .collect();
-        assert!(may_name_a_rank(&utf16));
-        assert!(!may_name_a_rank(b"text=hello&n=1"));
-        assert!(!may_name_a_rank(br#"{"text":"ra nk","t":NaN}"#));
-        assert!(!may_name_a_rank(b"\\u00"));
+        assert!(may_name_a_rank(&utf16, &names));
+        assert!(
+            !may_name_a_rank(b"text=frank&routed_dp_rank=1", &names),
+            "not an object"
+        );
+        assert!(
+            !may_name_a_rank(br#"{"text":"frank","t":NaN}"#, &names),
+            "the word, not a field"
+        );
+        assert!(!may_name_a_rank(b"{\\u00", &names));
     }
 
     #[test]

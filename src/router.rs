@@ -227,7 +227,9 @@ pub fn route(config: &Config, host: &dyn Host, body: &[u8], pin: Option<&str>, t
     }
     let object = match parse_body(body) {
         Ok(o) => o,
-        Err(PassReason::NotJson) if !config.keep_client_rank && may_name_a_rank(body) => {
+        Err(PassReason::NotJson)
+            if !config.keep_client_rank && may_name_a_rank(body, &config.rank_field_names()) =>
+        {
             return pass_or_reject(config, host, PassReason::UnreadableRank, None)
         }
         Err(reason) => return pass_or_reject(config, host, reason, None),

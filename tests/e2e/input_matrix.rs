@@ -149,7 +149,8 @@ fn cases() -> Vec<Case> {
         case("UTF-8 BOM, naming the rank", bom_rank, Refused("unreadable_rank"), 400),
         case("UTF-16, naming the rank", utf16_rank, Refused("unreadable_rank"), 400),
         case("Infinity, alias escaped", r#"{"text":"x","data_parallel_\u0072ank":3,"top_p":Infinity}"#, Refused("unreadable_rank"), 400),
-        case("not JSON, \"rank\" in the prompt", "text=frank+talk", Refused("unreadable_rank"), 400),
+        case("not JSON, \"rank\" in the prompt", "text=frank+talk", Untouched("not_json"), 400),
+        case("not JSON, a rank field's name in a form", "text=x&routed_dp_rank=1", Untouched("not_json"), 400),
         // Objects, however odd: routed. (The worker refuses what its own JSON
         // parser does: nesting beyond 128, lone surrogates, numbers beyond f64.)
         case("nesting 100 deep", nested("extra", 100), Spliced, 200),
