@@ -52,7 +52,7 @@ enum Report {
     Single(RankEntry),
 }
 
-/// A non-negative integer token count; floats are accepted when whole and finite.
+/// A non-negative token count; finite floats are rounded to the nearest integer.
 fn token_count(v: &Value) -> Option<u64> {
     match v {
         Value::Number(n) => n.as_u64().or_else(|| {
@@ -182,6 +182,33 @@ mod tests {
     fn bad_dp_rank_entries_are_skipped() {
         let body = br#"[{"dp_rank":"zero","num_tokens":1},{"dp_rank":1,"num_tokens":2}]"#;
         assert_eq!(parse_load_report(body).unwrap(), vec![None, Some(2)]);
+    }
+
+    #[test]
+    fn an_unusable_preferred_field_falls_through_to_the_next() {
+        let body = br#"{"loads":[{"dp_rank":0,"num_total_tokens":-5,"num_used_tokens":100},
+                                  {"dp_rank":1,"num_total_tokens":"x","num_tokens":7,"num_used_tokens":1}]}"#;
+        assert_eq!(parse_load_report(body).unwrap(), vec![Some(100), Some(7)]);
+    }
+
+    #[test]
+    fn fractions_round_and_duplicates_keep_the_last() {
+        let body =
+            br#"[{"dp_rank":0,"num_tokens":12.5},{"dp_rank":1,"num_tokens":1},{"dp_rank":1,"num_tokens":9},
+                        {"dp_rank":2.0,"num_tokens":4},{"dp_rank":-1,"num_tokens":4}]"#;
+        assert_eq!(parse_load_report(body).unwrap(), vec![Some(13), Some(9)]);
+    }
+
+    #[test]
+    fn a_null_entry_or_null_loads_fail_the_report() {
+        assert!(matches!(
+            parse_load_report(br#"{"loads":[null]}"#),
+            Err(LoadError::NotJson(_))
+        ));
+        assert!(matches!(
+            parse_load_report(br#"{"loads":null}"#),
+            Err(LoadError::NotJson(_))
+        ));
     }
 
     #[test]
