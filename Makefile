@@ -3,17 +3,24 @@ CARGO ?= cargo
 WASM := target/wasm32-wasip1/release/dprank.wasm
 export ENVOY_BIN ?= $(CURDIR)/.venv/bin/envoy
 
-.PHONY: help setup wasm tools test demo bench lint clean
+VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' Cargo.toml | head -n 1)
+IMAGE ?= dprank-wasm:$(VERSION)
+
+.PHONY: help setup build wasm tools test demo bench image lint clean
 
 help:
 	@echo "make demo   - build, start Envoy + dprank + simulated workers, send traffic, show the result"
 	@echo "make test   - every test: unit, simulator, end-to-end in a real Envoy, deployment files, fuzz smoke"
 	@echo "make bench  - compare dprank with round robin, smg and the ideal (writes bench-results/)"
+	@echo "make build  - build the filter ($(WASM)), the simulator and the bench tool"
+	@echo "make image  - package the filter as an OCI image $(IMAGE) (needs a Docker engine; IMAGE=registry/name:tag)"
 	@echo "make wasm   - build $(WASM)"
 	@echo "make lint   - rustfmt and clippy (unwrap/expect/panic denied outside tests)"
 
 setup:
 	./scripts/setup.sh
+
+build: wasm tools
 
 wasm:
 	$(CARGO) build --release --target wasm32-wasip1 -p dprank
@@ -37,6 +44,9 @@ demo: setup wasm tools
 bench: setup wasm tools
 	DPRANK_WITH_SMG=1 ./scripts/setup.sh
 	./target/release/dprank-bench all
+
+image: wasm
+	docker build -f docker/wasm-image.Dockerfile -t $(IMAGE) .
 
 clean:
 	$(CARGO) clean
