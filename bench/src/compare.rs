@@ -127,10 +127,9 @@ async fn run_variant(
         extra: args.sim_args.split_whitespace().map(str::to_string).collect(),
     };
     let fleet = SimFleet::start(tools, &sim, &format!("compare-sim-{}-{run}", variant.name()))?;
-    // The filter's minimum poll interval is 100 ms (wall).
-    let poll_interval_ms = ((args.poll_interval_sim_ms as f64 / args.time_scale).round() as u64)
-        .max(dprank::config::MIN_POLL_INTERVAL_MS);
-    let dprank = Balancer::Dprank { poll_interval_ms };
+    let dprank = Balancer::Dprank {
+        poll_interval_ms: poll_wall_ms(args.poll_interval_sim_ms, args.time_scale),
+    };
     let name = |suffix: &str| format!("compare-{}-{run}{suffix}", variant.name());
     let fronts: Vec<Front> = match variant {
         Variant::EnvoyRoundRobin => {
@@ -199,23 +198,8 @@ async fn run_variant(
 pub async fn compare(tools: &Tools, args: &CompareArgs, command_line: &str) -> Result<(), String> {
     let started = Instant::now();
     let trace = args.trace.spec().generate()?;
-    let variants: Vec<Variant> = if args.only.is_empty() {
-        Variant::ALL.to_vec()
-    } else {
-        Variant::ALL
-            .iter()
-            .copied()
-            .filter(|v| args.only.iter().any(|o| o == v.name()))
-            .collect()
-    };
-    if variants.is_empty() {
-        return Err(format!(
-            "--only matches no variant; names: {}",
-            Variant::ALL.map(|v| v.name()).join(", ")
-        ));
-    }
-    let mean_in = trace.iter().map(|r| f64::from(r.input_tokens)).sum::<f64>() / trace.len().max(1) as f64;
-    let mean_out = trace.iter().map(|r| f64::from(r.output_tokens)).sum::<f64>() / trace.len().max(1) as f64;
+    let variants = select_variants(&Variant::ALL, &args.only, Variant::name)?;
+    let (mean_in, mean_out) = mean_tokens(&trace);
     println!(
         "compare: {} requests over {:.0} simulated s ({:.1} req/s), mean prompt {:.0} / output {:.0} tokens; fleet {} x {} ranks, time scale {}; {} run(s) of {} variant(s)",
         trace.len(), args.trace.duration, args.trace.rate, mean_in, mean_out, args.workers, args.dp_size, args.time_scale, args.runs, variants.len()
@@ -232,16 +216,11 @@ pub async fn compare(tools: &Tools, args: &CompareArgs, command_line: &str) -> R
             match run_variant(tools, args, variant, &trace, run).await? {
                 Some(result) => {
                     println!("  {}", result.report.summary());
-                    if let Some(c) = &result.counters {
-                        println!("    dprank: {}", c.summary());
-                    }
-                    for e in &result.report.error_examples {
-                        println!("    error: {e}");
-                    }
+                    print_run_details(result.counters.as_ref(), &result.report);
                     results.push(result);
                 }
                 None => {
-                    println!("  {}: skipped, smg is not installed (DPRANK_WITH_SMG=1 ./scripts/setup.sh installs it)", variant.name());
+                    print_skipped(variant.name());
                     skipped.push(variant);
                 }
             }
@@ -254,41 +233,22 @@ pub async fn compare(tools: &Tools, args: &CompareArgs, command_line: &str) -> R
     let metric = |v: Variant, f: &dyn Fn(&LoadReport) -> f64| -> Vec<f64> {
         per_variant(v).iter().map(|r| f(&r.report)).collect()
     };
-    let header = [
-        "variant",
-        "TTFT p50 ms",
-        "TTFT p99 ms",
-        "ITL p50 ms",
-        "ITL p99 ms",
-        "E2E p99 ms",
-        "req/s",
-        "rank token imbalance",
-        "errors",
-        "CPU busy",
-    ];
+    let mut header = vec!["variant"];
+    header.extend(LATENCY_HEADER);
+    header.extend(["rank token imbalance", "errors", "CPU busy"]);
     let mut rows = Vec::new();
     for &v in &variants {
-        if per_variant(v).is_empty() {
+        let runs = per_variant(v);
+        if runs.is_empty() {
             continue;
         }
-        rows.push(vec![
-            v.name().to_string(),
-            fmt_spread(&metric(v, &|r| r.ttft_p(50.0)), 0),
-            fmt_spread(&metric(v, &|r| r.ttft_p(99.0)), 0),
-            fmt_spread(&metric(v, &|r| r.itl_p(50.0)), 1),
-            fmt_spread(&metric(v, &|r| r.itl_p(99.0)), 1),
-            fmt_spread(&metric(v, &|r| r.e2e_p(99.0)), 0),
-            fmt_spread(&metric(v, &|r| r.throughput_rps), 2),
-            fmt_spread(&metric(v, &|r| r.imbalance.unwrap_or(f64::NAN)), 3),
-            fmt_spread(&metric(v, &|r| r.errors as f64), 0),
-            fmt_spread(
-                &per_variant(v)
-                    .iter()
-                    .filter_map(|r| r.busy.map(|b| b * 100.0))
-                    .collect::<Vec<_>>(),
-                0,
-            ) + " %",
-        ]);
+        let reports: Vec<&LoadReport> = runs.iter().map(|r| &r.report).collect();
+        let busy: Vec<Option<f64>> = runs.iter().map(|r| r.busy).collect();
+        let mut row = vec![v.name().to_string()];
+        row.extend(latency_cells(&reports));
+        row.push(fmt_spread(&metric(v, &|r| r.imbalance.unwrap_or(f64::NAN)), 3));
+        row.extend(errors_and_busy_cells(&reports, &busy));
+        rows.push(row);
     }
     let table = markdown_table(&header, &rows);
     println!("\n{table}");
@@ -399,12 +359,7 @@ pub async fn compare(tools: &Tools, args: &CompareArgs, command_line: &str) -> R
         "compare-ttft-cdf.png",
     ));
 
-    let mut counters_md = String::new();
-    for r in results.iter().filter(|r| r.counters.is_some()) {
-        if let Some(c) = &r.counters {
-            let _ = writeln!(counters_md, "- `{}`: {}", r.report.label, c.summary());
-        }
-    }
+    let counters_md = counters_markdown(results.iter().map(|r| (&r.report, r.counters.as_ref())));
     let md = compare_markdown(
         args,
         command_line,
@@ -416,7 +371,7 @@ pub async fn compare(tools: &Tools, args: &CompareArgs, command_line: &str) -> R
         &busy_line,
         &counters_md,
         &plots,
-        poll_wall_ms(args),
+        poll_wall_ms(args.poll_interval_sim_ms, args.time_scale),
     );
     let md_path = args.out.join("compare.md");
     std::fs::write(&md_path, md).map_err(|e| format!("cannot write {}: {e}", md_path.display()))?;
@@ -424,9 +379,111 @@ pub async fn compare(tools: &Tools, args: &CompareArgs, command_line: &str) -> R
     Ok(())
 }
 
-fn poll_wall_ms(args: &CompareArgs) -> u64 {
-    ((args.poll_interval_sim_ms as f64 / args.time_scale).round() as u64)
-        .max(dprank::config::MIN_POLL_INTERVAL_MS)
+/// dprank's poll interval in wall ms for one given in simulated ms; the
+/// filter's minimum poll interval is 100 ms (wall).
+pub(crate) fn poll_wall_ms(poll_interval_sim_ms: u64, time_scale: f64) -> u64 {
+    ((poll_interval_sim_ms as f64 / time_scale).round() as u64).max(dprank::config::MIN_POLL_INTERVAL_MS)
+}
+
+/// The variants `--only` names, in `all`'s order (all of them without `--only`).
+pub(crate) fn select_variants<V: Copy>(
+    all: &[V],
+    only: &[String],
+    name: fn(V) -> &'static str,
+) -> Result<Vec<V>, String> {
+    let variants: Vec<V> = if only.is_empty() {
+        all.to_vec()
+    } else {
+        all.iter()
+            .copied()
+            .filter(|v| only.iter().any(|o| o == name(*v)))
+            .collect()
+    };
+    if variants.is_empty() {
+        return Err(format!(
+            "--only matches no variant; names: {}",
+            all.iter().map(|v| name(*v)).collect::<Vec<_>>().join(", ")
+        ));
+    }
+    Ok(variants)
+}
+
+/// What a run prints after its summary line: dprank's counters and errors.
+pub(crate) fn print_run_details(counters: Option<&DprankCounters>, report: &LoadReport) {
+    if let Some(c) = counters {
+        println!("    dprank: {}", c.summary());
+    }
+    for e in &report.error_examples {
+        println!("    error: {e}");
+    }
+}
+
+pub(crate) fn print_skipped(name: &str) {
+    println!("  {name}: skipped, smg is not installed (DPRANK_WITH_SMG=1 ./scripts/setup.sh installs it)");
+}
+
+/// Table columns after the variant's name: latencies and throughput.
+pub(crate) const LATENCY_HEADER: [&str; 6] = [
+    "TTFT p50 ms",
+    "TTFT p99 ms",
+    "ITL p50 ms",
+    "ITL p99 ms",
+    "E2E p99 ms",
+    "req/s",
+];
+
+/// The cells under [`LATENCY_HEADER`] for the runs of one variant.
+pub(crate) fn latency_cells(reports: &[&LoadReport]) -> Vec<String> {
+    let metric = |f: &dyn Fn(&LoadReport) -> f64| -> Vec<f64> { reports.iter().map(|r| f(r)).collect() };
+    vec![
+        fmt_spread(&metric(&|r| r.ttft_p(50.0)), 0),
+        fmt_spread(&metric(&|r| r.ttft_p(99.0)), 0),
+        fmt_spread(&metric(&|r| r.itl_p(50.0)), 1),
+        fmt_spread(&metric(&|r| r.itl_p(99.0)), 1),
+        fmt_spread(&metric(&|r| r.e2e_p(99.0)), 0),
+        fmt_spread(&metric(&|r| r.throughput_rps), 2),
+    ]
+}
+
+/// The last two cells of a variant's row: errors and CPU busy.
+pub(crate) fn errors_and_busy_cells(reports: &[&LoadReport], busy: &[Option<f64>]) -> [String; 2] {
+    let errors: Vec<f64> = reports.iter().map(|r| r.errors as f64).collect();
+    let busy: Vec<f64> = busy.iter().filter_map(|b| b.map(|b| b * 100.0)).collect();
+    [fmt_spread(&errors, 0), fmt_spread(&busy, 0) + " %"]
+}
+
+/// One markdown line per run with dprank's counters.
+pub(crate) fn counters_markdown<'a>(
+    runs: impl Iterator<Item = (&'a LoadReport, Option<&'a DprankCounters>)>,
+) -> String {
+    let mut md = String::new();
+    for (report, counters) in runs {
+        if let Some(c) = counters {
+            let _ = writeln!(md, "- `{}`: {}", report.label, c.summary());
+        }
+    }
+    md
+}
+
+/// The markdown paragraphs on skipped variants and dprank's counters.
+pub(crate) fn skipped_and_counters_markdown(md: &mut String, skipped: &[&str], counters: &str) {
+    if !skipped.is_empty() {
+        let _ = writeln!(md, "Skipped (smg not installed): {}\n", skipped.join(", "));
+    }
+    if !counters.is_empty() {
+        let _ = writeln!(
+            md,
+            "### dprank's counters per run (Envoy admin /stats)\n\n{counters}"
+        );
+    }
+}
+
+/// Mean prompt and output tokens of a trace.
+pub(crate) fn mean_tokens(trace: &[TraceRequest]) -> (f64, f64) {
+    let n = trace.len().max(1) as f64;
+    let mean_in = trace.iter().map(|r| f64::from(r.input_tokens)).sum::<f64>() / n;
+    let mean_out = trace.iter().map(|r| f64::from(r.output_tokens)).sum::<f64>() / n;
+    (mean_in, mean_out)
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -462,19 +519,8 @@ fn compare_markdown(
         md,
         "\n### Targets (measured ratios of medians)\n\n{targets}\n{busy_line}\n"
     );
-    if !skipped.is_empty() {
-        let _ = writeln!(
-            md,
-            "Skipped (smg not installed): {}\n",
-            skipped.iter().map(|v| v.name()).collect::<Vec<_>>().join(", ")
-        );
-    }
-    if !counters.is_empty() {
-        let _ = writeln!(
-            md,
-            "### dprank's counters per run (Envoy admin /stats)\n\n{counters}"
-        );
-    }
+    let skipped: Vec<&str> = skipped.iter().map(|v| v.name()).collect();
+    skipped_and_counters_markdown(&mut md, &skipped, counters);
     for (title, file) in plots {
         let _ = writeln!(md, "### {title}\n\n![{title}]({file})\n");
     }
@@ -482,9 +528,7 @@ fn compare_markdown(
     for v in variants {
         let _ = writeln!(md, "- `{}`: {}", v.name(), v.describe());
     }
-    let n = trace.len().max(1) as f64;
-    let mean_in = trace.iter().map(|r| f64::from(r.input_tokens)).sum::<f64>() / n;
-    let mean_out = trace.iter().map(|r| f64::from(r.output_tokens)).sum::<f64>() / n;
+    let (mean_in, mean_out) = mean_tokens(trace);
     let mut inputs: Vec<f64> = trace.iter().map(|r| f64::from(r.input_tokens)).collect();
     inputs.sort_by(|a, b| a.total_cmp(b));
     let _ = writeln!(

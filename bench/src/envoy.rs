@@ -51,45 +51,21 @@ fn list_item_range(lines: &[String], name: &str) -> Result<(usize, usize), Strin
         .iter()
         .position(|l| l.trim() == format!("- name: {name}"))
         .ok_or_else(|| format!("envoy template: no `- name: {name}`"))?;
-    let base = indent_of(&lines[start]);
-    let mut end = start + 1;
-    while let Some(line) = lines.get(end) {
-        if !line.trim().is_empty() && indent_of(line) <= base {
-            break;
-        }
-        end += 1;
-    }
-    Ok((start, end))
+    Ok((start, block_end(lines, start)))
 }
 
-pub fn render(
-    template: &str,
-    ports: &EnvoyPorts,
-    workers: &[SocketAddr],
-    balancer: Balancer,
-    wasm: &Path,
-) -> Result<String, String> {
-    let mut text = replace_once(
+/// The template with the listener and admin ports replaced.
+fn with_ports(template: &str, ports: &EnvoyPorts) -> Result<String, String> {
+    let text = replace_once(
         template,
         "port_value: 10000",
         &format!("port_value: {}", ports.listener),
     )?;
-    text = replace_once(&text, "port_value: 9901", &format!("port_value: {}", ports.admin))?;
-    if balancer == Balancer::LeastRequest {
-        text = replace_once(
-            &text,
-            "envoy.load_balancing_policies.round_robin\n",
-            "envoy.load_balancing_policies.least_request\n",
-        )?;
-        text = replace_once(
-            &text,
-            "round_robin.v3.RoundRobin",
-            "least_request.v3.LeastRequest",
-        )?;
-    }
-    let mut lines: Vec<String> = text.lines().map(str::to_string).collect();
+    replace_once(&text, "port_value: 9901", &format!("port_value: {}", ports.admin))
+}
 
-    // The workers of the `sglang` cluster.
+/// Replaces the endpoints of the first `lb_endpoints` list with `workers`.
+fn replace_endpoints(lines: &mut Vec<String>, workers: &[SocketAddr]) -> Result<(), String> {
     let at = lines
         .iter()
         .position(|l| l.trim() == "- lb_endpoints:")
@@ -114,43 +90,90 @@ pub fn render(
         })
         .collect();
     lines.splice(at + 1..end, endpoints);
+    Ok(())
+}
+
+/// Points the wasm filter at `wasm` and lets `edit` change its JSON
+/// configuration, which is written back on one line.
+fn rewrite_filter(
+    lines: &mut Vec<String>,
+    wasm: &Path,
+    edit: impl FnOnce(&mut serde_json::Map<String, serde_json::Value>) -> Result<(), String>,
+) -> Result<(), String> {
+    let (start, end) = list_item_range(lines, "envoy.filters.http.wasm")?;
+    let wasm_line = (start..end)
+        .find(|i| lines[*i].contains("filename:"))
+        .ok_or("envoy template: no wasm filename")?;
+    let indent = indent_of(&lines[wasm_line]);
+    lines[wasm_line] = format!("{:indent$}local: {{ filename: {} }}", "", wasm.display());
+    let value = (start..end)
+        .find(|i| lines[*i].trim() == "value: |")
+        .ok_or("envoy template: no filter configuration `value: |`")?;
+    let value_end = block_end(lines, value);
+    let json_text = lines[value + 1..value_end].join("\n");
+    let mut config: serde_json::Value = serde_json::from_str(&json_text)
+        .map_err(|e| format!("envoy template: filter configuration is not JSON: {e}"))?;
+    let object = config
+        .as_object_mut()
+        .ok_or("envoy template: filter configuration is not an object")?;
+    edit(object)?;
+    let indent = indent_of(&lines[value]) + 2;
+    lines.splice(value + 1..value_end, [format!("{:indent$}{}", "", config)]);
+    Ok(())
+}
+
+fn join_lines(lines: &[String]) -> String {
+    let mut out = lines.join("\n");
+    out.push('\n');
+    out
+}
+
+pub fn render(
+    template: &str,
+    ports: &EnvoyPorts,
+    workers: &[SocketAddr],
+    balancer: Balancer,
+    wasm: &Path,
+) -> Result<String, String> {
+    let mut text = with_ports(template, ports)?;
+    if balancer == Balancer::LeastRequest {
+        text = replace_once(
+            &text,
+            "envoy.load_balancing_policies.round_robin\n",
+            "envoy.load_balancing_policies.least_request\n",
+        )?;
+        text = replace_once(
+            &text,
+            "round_robin.v3.RoundRobin",
+            "least_request.v3.LeastRequest",
+        )?;
+    }
+    let mut lines: Vec<String> = text.lines().map(str::to_string).collect();
+
+    // The workers of the `sglang` cluster.
+    replace_endpoints(&mut lines, workers)?;
 
     match balancer {
         Balancer::Dprank { poll_interval_ms } => {
-            let (start, end) = list_item_range(&lines, "envoy.filters.http.wasm")?;
-            let wasm_line = (start..end)
-                .find(|i| lines[*i].contains("filename:"))
-                .ok_or("envoy template: no wasm filename")?;
-            let indent = indent_of(&lines[wasm_line]);
-            lines[wasm_line] = format!("{:indent$}local: {{ filename: {} }}", "", wasm.display());
-            let value = (start..end)
-                .find(|i| lines[*i].trim() == "value: |")
-                .ok_or("envoy template: no filter configuration `value: |`")?;
-            let value_end = block_end(&lines, value);
-            let json_text = lines[value + 1..value_end].join("\n");
-            let mut config: serde_json::Value = serde_json::from_str(&json_text)
-                .map_err(|e| format!("envoy template: filter configuration is not JSON: {e}"))?;
-            let object = config
-                .as_object_mut()
-                .ok_or("envoy template: filter configuration is not an object")?;
-            let named: Vec<serde_json::Value> = workers
-                .iter()
-                .enumerate()
-                .map(|(i, w)| serde_json::json!({"address": w.to_string(), "name": format!("worker_{i}")}))
-                .collect();
-            object.insert("workers".into(), serde_json::Value::Array(named));
-            object.insert("poll_interval_ms".into(), poll_interval_ms.into());
-            let indent = indent_of(&lines[value]) + 2;
-            lines.splice(value + 1..value_end, [format!("{:indent$}{}", "", config)]);
+            rewrite_filter(&mut lines, wasm, |object| {
+                let named: Vec<serde_json::Value> = workers
+                    .iter()
+                    .enumerate()
+                    .map(
+                        |(i, w)| serde_json::json!({"address": w.to_string(), "name": format!("worker_{i}")}),
+                    )
+                    .collect();
+                object.insert("workers".into(), serde_json::Value::Array(named));
+                object.insert("poll_interval_ms".into(), poll_interval_ms.into());
+                Ok(())
+            })?;
         }
         Balancer::RoundRobin | Balancer::LeastRequest => {
             let (start, end) = list_item_range(&lines, "envoy.filters.http.wasm")?;
             lines.drain(start..end);
         }
     }
-    let mut out = lines.join("\n");
-    out.push('\n');
-    Ok(out)
+    Ok(join_lines(&lines))
 }
 
 /// One PD worker for [`render_pd`].
@@ -171,84 +194,38 @@ pub fn render_pd(
     poll_interval_ms: u64,
     wasm: &Path,
 ) -> Result<String, String> {
-    let mut text = replace_once(
-        template,
-        "port_value: 10000",
-        &format!("port_value: {}", ports.listener),
-    )?;
-    text = replace_once(&text, "port_value: 9901", &format!("port_value: {}", ports.admin))?;
+    let text = with_ports(template, ports)?;
     let mut lines: Vec<String> = text.lines().map(str::to_string).collect();
-
-    let at = lines
-        .iter()
-        .position(|l| l.trim() == "- lb_endpoints:")
-        .ok_or("envoy template: no lb_endpoints")?;
-    let item_indent = indent_of(&lines[at]) + 2;
-    let mut end = at + 1;
-    while lines
-        .get(end)
-        .is_some_and(|l| l.trim_start().starts_with("- endpoint:"))
-    {
-        end += 1;
-    }
-    let endpoints: Vec<String> = decode
-        .iter()
-        .map(|w| {
-            format!(
-                "{:item_indent$}- endpoint: {{ address: {{ socket_address: {{ address: {}, port_value: {} }} }} }}",
-                "",
-                w.ip(),
-                w.port()
-            )
-        })
-        .collect();
-    lines.splice(at + 1..end, endpoints);
-
-    let (start, end) = list_item_range(&lines, "envoy.filters.http.wasm")?;
-    let wasm_line = (start..end)
-        .find(|i| lines[*i].contains("filename:"))
-        .ok_or("envoy template: no wasm filename")?;
-    let indent = indent_of(&lines[wasm_line]);
-    lines[wasm_line] = format!("{:indent$}local: {{ filename: {} }}", "", wasm.display());
-    let value = (start..end)
-        .find(|i| lines[*i].trim() == "value: |")
-        .ok_or("envoy template: no filter configuration `value: |`")?;
-    let value_end = block_end(&lines, value);
-    let json_text = lines[value + 1..value_end].join("\n");
-    let mut config: serde_json::Value = serde_json::from_str(&json_text)
-        .map_err(|e| format!("envoy template: filter configuration is not JSON: {e}"))?;
-    let object = config
-        .as_object_mut()
-        .ok_or("envoy template: filter configuration is not an object")?;
-    for key in ["prefill_workers", "decode_workers"] {
-        if !object.contains_key(key) {
-            return Err(format!("envoy template: filter configuration has no `{key}`"));
-        }
-    }
-    let prefill_json: Vec<serde_json::Value> = prefill
-        .iter()
-        .enumerate()
-        .map(|(i, w)| {
-            let mut item = serde_json::json!({"address": w.addr.to_string(), "name": format!("prefill_{i}")});
-            if let (Some(port), Some(map)) = (w.bootstrap_port, item.as_object_mut()) {
-                map.insert("bootstrap_port".into(), port.into());
+    replace_endpoints(&mut lines, decode)?;
+    rewrite_filter(&mut lines, wasm, |object| {
+        for key in ["prefill_workers", "decode_workers"] {
+            if !object.contains_key(key) {
+                return Err(format!("envoy template: filter configuration has no `{key}`"));
             }
-            item
-        })
-        .collect();
-    let decode_json: Vec<serde_json::Value> = decode
-        .iter()
-        .enumerate()
-        .map(|(i, w)| serde_json::json!({"address": w.to_string(), "name": format!("decode_{i}")}))
-        .collect();
-    object.insert("prefill_workers".into(), serde_json::Value::Array(prefill_json));
-    object.insert("decode_workers".into(), serde_json::Value::Array(decode_json));
-    object.insert("poll_interval_ms".into(), poll_interval_ms.into());
-    let indent = indent_of(&lines[value]) + 2;
-    lines.splice(value + 1..value_end, [format!("{:indent$}{}", "", config)]);
-    let mut out = lines.join("\n");
-    out.push('\n');
-    Ok(out)
+        }
+        let prefill_json: Vec<serde_json::Value> = prefill
+            .iter()
+            .enumerate()
+            .map(|(i, w)| {
+                let mut item =
+                    serde_json::json!({"address": w.addr.to_string(), "name": format!("prefill_{i}")});
+                if let (Some(port), Some(map)) = (w.bootstrap_port, item.as_object_mut()) {
+                    map.insert("bootstrap_port".into(), port.into());
+                }
+                item
+            })
+            .collect();
+        let decode_json: Vec<serde_json::Value> = decode
+            .iter()
+            .enumerate()
+            .map(|(i, w)| serde_json::json!({"address": w.to_string(), "name": format!("decode_{i}")}))
+            .collect();
+        object.insert("prefill_workers".into(), serde_json::Value::Array(prefill_json));
+        object.insert("decode_workers".into(), serde_json::Value::Array(decode_json));
+        object.insert("poll_interval_ms".into(), poll_interval_ms.into());
+        Ok(())
+    })?;
+    Ok(join_lines(&lines))
 }
 
 #[cfg(test)]

@@ -355,9 +355,25 @@ pub async fn start_smg(
     let Some(smg) = &tools.smg else {
         return Ok(None);
     };
+    let (port, mut args) = smg_launch_args()?;
+    args.extend(["--dp-aware".into(), "--worker-urls".into()]);
+    args.extend(fleet.workers.iter().map(|w| format!("http://{w}")));
+    if mode == SmgMode::DpMinimumTokens {
+        args.extend([
+            "--dp-minimum-tokens-scheduler".into(),
+            "--load-monitor-interval".into(),
+            "1".into(),
+        ]);
+    }
+    smg_front(tools, client, smg, &args, port, name).await.map(Some)
+}
+
+/// `smg launch` on 127.0.0.1 at a free port (returned), metrics on another,
+/// round robin over workers, warnings only; the variant's own flags follow.
+pub fn smg_launch_args() -> Result<(u16, Vec<String>), String> {
     let port = free_port()?;
     let metrics = free_port()?;
-    let mut args: Vec<String> = vec![
+    let args = vec![
         "launch".into(),
         "--host".into(),
         "127.0.0.1".into(),
@@ -372,18 +388,8 @@ pub async fn start_smg(
         "round_robin".into(),
         "--log-level".into(),
         "warn".into(),
-        "--dp-aware".into(),
-        "--worker-urls".into(),
     ];
-    args.extend(fleet.workers.iter().map(|w| format!("http://{w}")));
-    if mode == SmgMode::DpMinimumTokens {
-        args.extend([
-            "--dp-minimum-tokens-scheduler".into(),
-            "--load-monitor-interval".into(),
-            "1".into(),
-        ]);
-    }
-    smg_front(tools, client, smg, &args, port, name).await.map(Some)
+    Ok((port, args))
 }
 
 /// Runs smg with `args` (which bind it to 127.0.0.1:`port`) and returns once

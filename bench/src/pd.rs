@@ -11,11 +11,12 @@ use std::time::{Duration, Instant};
 use clap::Args;
 
 use crate::client::{get_text, pooled_client, PooledClient};
-use crate::compare::DEFAULT_MODEL;
+use crate::compare::{self, DEFAULT_MODEL};
 use crate::cpu::CpuTimes;
 use crate::envoy::{render_pd, EnvoyPorts, PdWorker};
 use crate::fleet::{
-    dprank_counters, launch_envoy, read_template, smg_front, DprankCounters, Front, SimFleet, Tools,
+    dprank_counters, launch_envoy, read_template, smg_front, smg_launch_args, DprankCounters, Front,
+    SimFleet, Tools,
 };
 use crate::loadgen::{run_trace, sample_imbalance, LoadOptions, LoadReport};
 use crate::procs::free_port;
@@ -150,8 +151,7 @@ fn sim_args(count: usize, args: &PdArgs, role: &[&str]) -> Vec<String> {
 }
 
 fn poll_wall_ms(args: &PdArgs) -> u64 {
-    ((args.poll_interval_sim_ms as f64 / args.time_scale).round() as u64)
-        .max(dprank::config::MIN_POLL_INTERVAL_MS)
+    compare::poll_wall_ms(args.poll_interval_sim_ms, args.time_scale)
 }
 
 async fn start_envoy_pd(
@@ -198,24 +198,8 @@ async fn start_smg_pd(
     let Some(smg) = &tools.smg else {
         return Ok(None);
     };
-    let port = free_port()?;
-    let metrics = free_port()?;
-    let mut args: Vec<String> = vec![
-        "launch".into(),
-        "--host".into(),
-        "127.0.0.1".into(),
-        "--port".into(),
-        port.to_string(),
-        "--prometheus-host".into(),
-        "127.0.0.1".into(),
-        "--prometheus-port".into(),
-        metrics.to_string(),
-        "--policy".into(),
-        "round_robin".into(),
-        "--log-level".into(),
-        "warn".into(),
-        "--pd-disaggregation".into(),
-    ];
+    let (port, mut args) = smg_launch_args()?;
+    args.push("--pd-disaggregation".into());
     for (addr, bootstrap) in prefill.workers.iter().zip(&prefill.bootstrap) {
         args.extend(["--prefill".into(), format!("http://{addr}")]);
         args.push(bootstrap.map_or("none".to_string(), |p| p.to_string()));
@@ -350,21 +334,7 @@ async fn run_variant(
 pub async fn pd(tools: &Tools, args: &PdArgs, command_line: &str) -> Result<(), String> {
     let started = Instant::now();
     let trace = args.trace.spec().generate()?;
-    let variants: Vec<Variant> = if args.only.is_empty() {
-        Variant::ALL.to_vec()
-    } else {
-        Variant::ALL
-            .iter()
-            .copied()
-            .filter(|v| args.only.iter().any(|o| o == v.name()))
-            .collect()
-    };
-    if variants.is_empty() {
-        return Err(format!(
-            "--only matches no variant; names: {}",
-            Variant::ALL.map(|v| v.name()).join(", ")
-        ));
-    }
+    let variants = compare::select_variants(&Variant::ALL, &args.only, Variant::name)?;
     println!(
         "pd: {} requests over {:.0} simulated s ({:.1} req/s); {} prefill x {} and {} decode x {} ranks, time scale {}; {} run(s) of {} variant(s)",
         trace.len(), args.trace.duration, args.trace.rate, args.prefill_workers, args.dp_size, args.decode_workers, args.dp_size, args.time_scale, args.runs, variants.len()
@@ -387,16 +357,11 @@ pub async fn pd(tools: &Tools, args: &PdArgs, command_line: &str) -> Result<(), 
                             .decode_imbalance
                             .map_or("n/a".into(), |v| format!("{v:.3}")),
                     );
-                    if let Some(c) = &result.counters {
-                        println!("    dprank: {}", c.summary());
-                    }
-                    for e in &result.report.error_examples {
-                        println!("    error: {e}");
-                    }
+                    compare::print_run_details(result.counters.as_ref(), &result.report);
                     results.push(result);
                 }
                 None => {
-                    println!("  {}: skipped, smg is not installed (DPRANK_WITH_SMG=1 ./scripts/setup.sh installs it)", variant.name());
+                    compare::print_skipped(variant.name());
                     skipped.push(variant);
                 }
             }
@@ -409,43 +374,34 @@ pub async fn pd(tools: &Tools, args: &PdArgs, command_line: &str) -> Result<(), 
     let metric = |v: Variant, f: &dyn Fn(&RunResult) -> f64| -> Vec<f64> {
         per_variant(v).iter().map(|r| f(r)).collect()
     };
-    let header = [
-        "variant",
-        "TTFT p50 ms",
-        "TTFT p99 ms",
-        "ITL p50 ms",
-        "ITL p99 ms",
-        "E2E p99 ms",
-        "req/s",
+    let mut header = vec!["variant"];
+    header.extend(compare::LATENCY_HEADER);
+    header.extend([
         "prefill reqs/rank max/mean",
         "decode rank imbalance",
         "errors",
         "CPU busy",
-    ];
+    ]);
     let mut rows = Vec::new();
     for &v in &variants {
-        if per_variant(v).is_empty() {
+        let runs = per_variant(v);
+        if runs.is_empty() {
             continue;
         }
-        rows.push(vec![
-            v.name().to_string(),
-            fmt_spread(&metric(v, &|r| r.report.ttft_p(50.0)), 0),
-            fmt_spread(&metric(v, &|r| r.report.ttft_p(99.0)), 0),
-            fmt_spread(&metric(v, &|r| r.report.itl_p(50.0)), 1),
-            fmt_spread(&metric(v, &|r| r.report.itl_p(99.0)), 1),
-            fmt_spread(&metric(v, &|r| r.report.e2e_p(99.0)), 0),
-            fmt_spread(&metric(v, &|r| r.report.throughput_rps), 2),
-            fmt_spread(&metric(v, &|r| r.prefill_spread.unwrap_or(f64::NAN)), 3),
-            fmt_spread(&metric(v, &|r| r.decode_imbalance.unwrap_or(f64::NAN)), 3),
-            fmt_spread(&metric(v, &|r| r.report.errors as f64), 0),
-            fmt_spread(
-                &per_variant(v)
-                    .iter()
-                    .filter_map(|r| r.busy.map(|b| b * 100.0))
-                    .collect::<Vec<_>>(),
-                0,
-            ) + " %",
-        ]);
+        let reports: Vec<&LoadReport> = runs.iter().map(|r| &r.report).collect();
+        let busy: Vec<Option<f64>> = runs.iter().map(|r| r.busy).collect();
+        let mut row = vec![v.name().to_string()];
+        row.extend(compare::latency_cells(&reports));
+        row.push(fmt_spread(
+            &metric(v, &|r| r.prefill_spread.unwrap_or(f64::NAN)),
+            3,
+        ));
+        row.push(fmt_spread(
+            &metric(v, &|r| r.decode_imbalance.unwrap_or(f64::NAN)),
+            3,
+        ));
+        row.extend(compare::errors_and_busy_cells(&reports, &busy));
+        rows.push(row);
     }
     let table = markdown_table(&header, &rows);
     println!("\n{table}");
@@ -479,12 +435,7 @@ pub async fn pd(tools: &Tools, args: &PdArgs, command_line: &str) -> Result<(), 
     );
     println!("{busy_line}");
 
-    let mut counters_md = String::new();
-    for r in &results {
-        if let Some(c) = &r.counters {
-            let _ = writeln!(counters_md, "- `{}`: {}", r.report.label, c.summary());
-        }
-    }
+    let counters_md = compare::counters_markdown(results.iter().map(|r| (&r.report, r.counters.as_ref())));
     let md = pd_markdown(
         args,
         command_line,
@@ -531,26 +482,13 @@ fn pd_markdown(
     let _ = writeln!(md, "## Result\n\nEach cell: median over {} run(s), (min–max) across runs. Latencies in **simulated** ms (wall x {}), throughput in requests per simulated second. Prefill reqs/rank max/mean: requests each of the {} prefill ranks accepted during the trace (`/_sim/counters` `served_per_rank`, after minus before), max over mean (a prefill rank holds tokens only while a prompt waits or is prefilled, so a token imbalance over prefill ranks is mostly one busy rank among idle ones and says little). Decode rank imbalance: time average, while arrivals last, of max/mean `/v1/loads` tokens over the {} decode ranks (samples every 100 ms wall; samples with mean < 1 token skipped). Errors: non-2xx, transport errors and streams without `[DONE]`.\n", args.runs, args.time_scale, args.prefill_workers * args.dp_size, args.decode_workers * args.dp_size);
     md.push_str(table);
     let _ = writeln!(md, "\n### TTFT p99 ratios (medians)\n\n{ratios}\n{busy_line}\n");
-    if !skipped.is_empty() {
-        let _ = writeln!(
-            md,
-            "Skipped (smg not installed): {}\n",
-            skipped.iter().map(|v| v.name()).collect::<Vec<_>>().join(", ")
-        );
-    }
-    if !counters.is_empty() {
-        let _ = writeln!(
-            md,
-            "### dprank's counters per run (Envoy admin /stats)\n\n{counters}"
-        );
-    }
+    let skipped: Vec<&str> = skipped.iter().map(|v| v.name()).collect();
+    compare::skipped_and_counters_markdown(&mut md, &skipped, counters);
     let _ = writeln!(md, "## Variants\n");
     for v in variants {
         let _ = writeln!(md, "- `{}`: {}", v.name(), v.describe());
     }
-    let n = trace.len().max(1) as f64;
-    let mean_in = trace.iter().map(|r| f64::from(r.input_tokens)).sum::<f64>() / n;
-    let mean_out = trace.iter().map(|r| f64::from(r.output_tokens)).sum::<f64>() / n;
+    let (mean_in, mean_out) = compare::mean_tokens(trace);
     let _ = writeln!(
         md,
         "\n## Set-up\n\n- Fleet: {} prefill workers (`dprank-sim --role prefill --dispatch room_modulo`, one bootstrap listener each) and {} decode workers (`--role decode`, default round-robin dispatch), {} ranks each, `--time-scale {}`, model flags `{}`; fresh processes for every run of every variant. Every variant starts the prefill sims with `--dispatch room_modulo`: a request that reaches a prefill server without a rank gets `bootstrap_room % dp_size`, as SGLang does; dprank and smg's minimum-tokens scheduler inject ranks, so it only matters for the old rule (and for dprank's no-data fallback).\n- Trace (the same for every variant and run): seed {}, Poisson arrivals at {} req per simulated s for {} simulated s ({} requests), prompt lognormal(median {}, sigma {}) max {} (mean {:.0}), output lognormal(median {}, sigma {}) max {} (mean {:.0}); `POST /generate`, streamed, as `dprank-bench compare`.\n- dprank: envoy/pd.yaml with only the ports, the worker lists (prefill with their bootstrap ports), the `sglang_decode` endpoints, the wasm path and `poll_interval_ms` = {} ms wall ({} ms simulated / time scale) changed.\n- smg: `smg launch --host 127.0.0.1 --port P --prometheus-host 127.0.0.1 --prometheus-port M --policy round_robin --pd-disaggregation --prefill URL BOOTSTRAP_PORT ... --decode URL ...`, plus the variant's flags; never `--dp-aware` (with it smg does not poll the loads in PD mode, sim/README.md). Its `--load-monitor-interval` is in whole wall seconds, so the default 10 s is 40 simulated s here and the 1 s minimum is 4 simulated s.",
