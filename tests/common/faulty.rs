@@ -4,11 +4,12 @@
 //! simulator and answers load polls itself: late, or with a report the test
 //! writes.
 
-use super::{sim_bin, tail, Sim, TestDir};
-use std::io::{BufRead, BufReader, Read, Write};
+use super::sim::{kill_child, spawn};
+use super::{tail, Sim, TestDir};
+use std::io::{BufReader, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::path::PathBuf;
-use std::process::{Child, ChildStdout, Command, Stdio};
+use std::process::{Child, ChildStdout};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
@@ -37,19 +38,8 @@ impl SimProcess {
         let stderr_path = dir.file(&format!("sim-{label}.stderr"));
         let deadline = Instant::now() + Duration::from_secs(10);
         loop {
-            let stderr = std::fs::File::create(&stderr_path).expect("create sim stderr file");
-            let mut child = Command::new(sim_bin())
-                .args(["--listen", &addr.to_string(), "--dp-size", &dp_size.to_string()])
-                .args(extra_args)
-                .env("RUST_LOG", "dprank_sim=debug")
-                .stdin(Stdio::null())
-                .stdout(Stdio::piped())
-                .stderr(stderr)
-                .spawn()
-                .unwrap_or_else(|e| panic!("cannot start {}: {e}", sim_bin().display()));
-            let mut stdout = BufReader::new(child.stdout.take().expect("sim stdout is piped"));
-            let mut line = String::new();
-            let ready = stdout.read_line(&mut line).is_ok_and(|n| n > 0) && line.starts_with("ready ");
+            let (child, stdout, line, read) = spawn(&stderr_path, &addr.to_string(), dp_size, extra_args);
+            let ready = read && line.starts_with("ready ");
             if ready {
                 return SimProcess {
                     addr,
@@ -58,8 +48,7 @@ impl SimProcess {
                     stderr_path,
                 };
             }
-            let _ = child.kill();
-            let _ = child.wait();
+            kill_child(&mut Some(child));
             assert!(
                 Instant::now() < deadline,
                 "simulator {label} could not listen on {addr}; stderr:\n{}",
@@ -70,10 +59,7 @@ impl SimProcess {
     }
 
     pub fn kill(&mut self) {
-        if let Some(mut child) = self.child.take() {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
+        kill_child(&mut self.child);
     }
 }
 

@@ -179,8 +179,8 @@ pub fn raw_exchange(addr: SocketAddr, head: &str, parts: &[&[u8]], pause: Durati
     parse_response(&raw)
 }
 
-/// Parses a complete HTTP/1.1 response (content-length, chunked or until close).
-fn parse_response(raw: &[u8]) -> Reply {
+/// Parses a complete HTTP/1.x response (content-length, chunked or until close).
+pub fn parse_response(raw: &[u8]) -> Reply {
     let split = raw
         .windows(4)
         .position(|w| w == b"\r\n\r\n")

@@ -247,6 +247,29 @@ impl World {
         world
     }
 
+    /// Two `--instant` workers whose every load poll fails (HTTP 500) from
+    /// the start, and Envoy: not waited on for successful polls, but until
+    /// each worker's first failed poll is counted.
+    pub fn start_with_failing_polls(scenario: &str) -> World {
+        let failing = serde_json::json!({"load_fault": "http_500"});
+        let world = World::start(
+            scenario,
+            2,
+            &["--instant"],
+            &[failing.clone(), failing],
+            EnvoyOptions {
+                wait_for_polls: false,
+                ..EnvoyOptions::default()
+            },
+        );
+        for sim in &world.sims {
+            world
+                .envoy
+                .wait_for_stat(&format!("poll_failed.{}", sim.name), 1, Duration::from_secs(30));
+        }
+        world
+    }
+
     /// The simplest control: per-rank token offsets for each worker.
     pub fn base_tokens(per_worker: &[&[u64]]) -> Vec<serde_json::Value> {
         per_worker

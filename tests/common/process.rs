@@ -14,6 +14,7 @@ use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
+/// Prefix Envoy gives the stats a wasm filter defines, plus the filter's own prefix.
 const STAT_PREFIX: &str = "wasmcustom.dprank.";
 
 /// How the process takes part in Envoy's hot restart.

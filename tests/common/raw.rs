@@ -4,6 +4,7 @@
 //! trailers. HTTP/1.0 and chunked bodies with trailers need no more than
 //! [`super::http::raw_exchange`].
 
+use super::http::parse_response;
 use super::Reply;
 use bytes::Bytes;
 use std::io::{Read, Write};
@@ -56,51 +57,6 @@ pub fn expect_continue_exchange(addr: SocketAddr, head: &str, body: &[u8]) -> (b
         .expect("set read timeout");
     let _ = stream.read_to_end(&mut raw);
     (interim, parse_response(&raw))
-}
-
-/// Parses one complete HTTP/1.x response read until the server closed.
-pub fn parse_response(raw: &[u8]) -> Reply {
-    let split = raw
-        .windows(4)
-        .position(|w| w == b"\r\n\r\n")
-        .unwrap_or_else(|| panic!("no response head in {:?}", String::from_utf8_lossy(raw)));
-    let head = String::from_utf8_lossy(&raw[..split]).into_owned();
-    let mut lines = head.split("\r\n");
-    let status: u16 = lines
-        .next()
-        .and_then(|l| l.split_whitespace().nth(1))
-        .and_then(|s| s.parse().ok())
-        .unwrap_or_else(|| panic!("bad status line in {head:?}"));
-    let headers: Vec<(String, String)> = lines
-        .filter_map(|l| l.split_once(':'))
-        .map(|(k, v)| (k.trim().to_ascii_lowercase(), v.trim().to_string()))
-        .collect();
-    let mut rest = &raw[split + 4..];
-    let chunked = headers
-        .iter()
-        .any(|(k, v)| k == "transfer-encoding" && v.eq_ignore_ascii_case("chunked"));
-    let body = if chunked {
-        let mut body = Vec::new();
-        while let Some(eol) = rest.windows(2).position(|w| w == b"\r\n") {
-            let size = String::from_utf8_lossy(&rest[..eol]);
-            let size = usize::from_str_radix(size.split(';').next().unwrap_or("").trim(), 16)
-                .unwrap_or_else(|_| panic!("bad chunk size {size:?}"));
-            rest = &rest[eol + 2..];
-            if size == 0 {
-                break;
-            }
-            body.extend_from_slice(&rest[..size.min(rest.len())]);
-            rest = &rest[(size + 2).min(rest.len())..];
-        }
-        body
-    } else {
-        rest.to_vec()
-    };
-    Reply {
-        status,
-        headers,
-        body,
-    }
 }
 
 /// One HTTP/2 request over a fresh prior-knowledge (h2c) connection. The body

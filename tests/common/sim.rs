@@ -6,7 +6,7 @@ use base64::Engine;
 use serde_json::Value;
 use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdout, Command, Stdio};
 
 pub struct Sim {
@@ -50,32 +50,18 @@ impl Sim {
     /// and reads the bound address from its `ready <addr> ...` line.
     pub fn start(dir: &TestDir, name: &str, dp_size: u32, extra_args: &[&str]) -> Sim {
         let stderr_path = dir.file(&format!("sim-{name}.stderr"));
-        let stderr = std::fs::File::create(&stderr_path).expect("create sim stderr file");
-        let mut child = Command::new(sim_bin())
-            .args(["--listen", "127.0.0.1:0", "--dp-size", &dp_size.to_string()])
-            .args(extra_args)
-            // Every request in its log, for the failure report.
-            .env("RUST_LOG", "dprank_sim=debug")
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(stderr)
-            .spawn()
-            .unwrap_or_else(|e| panic!("cannot start {}: {e}", sim_bin().display()));
-        let mut stdout = BufReader::new(child.stdout.take().expect("sim stdout is piped"));
-        let mut line = String::new();
-        let read = stdout.read_line(&mut line);
-        let addr = match read {
-            Ok(n) if n > 0 => line
-                .split_whitespace()
+        let (child, stdout, line, read) = spawn(&stderr_path, "127.0.0.1:0", dp_size, extra_args);
+        let addr = if read {
+            line.split_whitespace()
                 .collect::<Vec<_>>()
                 .get(..2)
                 .filter(|w| w[0] == "ready")
-                .and_then(|w| w[1].parse::<SocketAddr>().ok()),
-            _ => None,
+                .and_then(|w| w[1].parse::<SocketAddr>().ok())
+        } else {
+            None
         };
         let Some(addr) = addr else {
-            let _ = child.kill();
-            let _ = child.wait();
+            kill_child(&mut Some(child));
             panic!(
                 "simulator {name} did not print `ready <addr>` (got {line:?}); stderr:\n{}",
                 tail(&stderr_path, 40)
@@ -169,10 +155,42 @@ impl Sim {
 
     /// Kills the process now (a worker going down).
     pub fn kill(&mut self) {
-        if let Some(mut child) = self.child.take() {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
+        kill_child(&mut self.child);
+    }
+}
+
+/// Spawns `dprank-sim --listen <listen> --dp-size <dp_size> <extra_args>`
+/// (stderr to `stderr_path`; every request in its log, for the failure
+/// report) and reads its first stdout line. Returns the child, its stdout
+/// (kept open: the simulator prints its ready line there), that line, and
+/// whether a line was read at all.
+pub(super) fn spawn(
+    stderr_path: &Path,
+    listen: &str,
+    dp_size: u32,
+    extra_args: &[&str],
+) -> (Child, BufReader<ChildStdout>, String, bool) {
+    let stderr = std::fs::File::create(stderr_path).expect("create sim stderr file");
+    let mut child = Command::new(sim_bin())
+        .args(["--listen", listen, "--dp-size", &dp_size.to_string()])
+        .args(extra_args)
+        .env("RUST_LOG", "dprank_sim=debug")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(stderr)
+        .spawn()
+        .unwrap_or_else(|e| panic!("cannot start {}: {e}", sim_bin().display()));
+    let mut stdout = BufReader::new(child.stdout.take().expect("sim stdout is piped"));
+    let mut line = String::new();
+    let read = stdout.read_line(&mut line).is_ok_and(|n| n > 0);
+    (child, stdout, line, read)
+}
+
+/// Kills and reaps the process in `child`, if any (it is taken).
+pub(super) fn kill_child(child: &mut Option<Child>) {
+    if let Some(mut child) = child.take() {
+        let _ = child.kill();
+        let _ = child.wait();
     }
 }
 

@@ -270,22 +270,7 @@ fn trusted_client_rank_and_pin_header() {
 
 #[test]
 fn fail_closed_answers_json_errors() {
-    let failing = json!({"load_fault": "http_500"});
-    let world = World::start(
-        "fail_closed",
-        2,
-        &["--instant"],
-        &[failing.clone(), failing],
-        EnvoyOptions {
-            wait_for_polls: false,
-            ..EnvoyOptions::default()
-        },
-    );
-    for sim in &world.sims {
-        world
-            .envoy
-            .wait_for_stat(&format!("poll_failed.{}", sim.name), 1, Duration::from_secs(30));
-    }
+    let world = World::start_with_failing_polls("fail_closed");
     let assert_error = |reply: &Reply, status: u16| {
         assert_eq!(reply.status, status, "{reply:?}");
         assert_eq!(reply.header("content-type"), Some("application/json"));

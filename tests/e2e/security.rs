@@ -215,22 +215,7 @@ fn no_client_reaches_a_host_outside_the_pool() {
 #[test]
 fn without_data_client_ranks_are_nulled_and_the_pin_header_is_stripped() {
     // Every poll fails from the start: nothing to route with.
-    let failing = json!({"load_fault": "http_500"});
-    let world = World::start(
-        "security_pin",
-        2,
-        &["--instant"],
-        &[failing.clone(), failing],
-        EnvoyOptions {
-            wait_for_polls: false,
-            ..EnvoyOptions::default()
-        },
-    );
-    for sim in &world.sims {
-        world
-            .envoy
-            .wait_for_stat(&format!("poll_failed.{}", sim.name), 1, Duration::from_secs(30));
-    }
+    let world = World::start_with_failing_polls("security_pin");
     let pin = [
         ("content-type", "application/json"),
         ("x-dprank-pin", "worker_b/3"),
