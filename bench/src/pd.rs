@@ -428,7 +428,7 @@ pub async fn pd(tools: &Tools, args: &PdArgs, command_line: &str) -> Result<(), 
     }
     println!("{ratios}");
     let busy_line = format!(
-        "CPU: {} cores, {:.0} % busy on average over the whole command ({:.0} s wall); per-run figures in the table. Other jobs (a CI dry run) shared these cores during the run, so absolute figures are noisier than on an idle machine; all variants ran interleaved under the same conditions.",
+        "CPU: {} cores, {:.0} % busy on average over the whole command ({:.0} s wall); per-run figures in the table. The CPU figures include any other work on the machine; all variants ran in turn under the same conditions.",
         crate::cpu::cores(),
         busy_total.unwrap_or(f64::NAN) * 100.0,
         elapsed.as_secs_f64()
@@ -474,7 +474,7 @@ fn pd_markdown(
     );
     let _ = writeln!(
         md,
-        "- date: {}\n- machine: {}\n- command: `{}`\n- note: other jobs (a CI dry run) were running on the same 2 cores during this benchmark.\n",
+        "- date: {}\n- machine: {}\n- command: `{}`\n",
         now_utc(),
         machine(),
         command_line
