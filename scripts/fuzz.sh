@@ -30,7 +30,12 @@ cd "$root/fuzz"
 
 if ! rustup run nightly rustc --version >/dev/null 2>&1; then
     echo "== installing the nightly toolchain" >&2
-    rustup toolchain install nightly --profile minimal
+    if ! rustup toolchain install nightly --profile minimal; then
+        # cargo-fuzz needs nightly; a machine that cannot fetch toolchains
+        # still runs every other test. Say so loudly rather than fail them.
+        echo "== fuzz smoke SKIPPED: no nightly toolchain on this machine and none could be installed" >&2
+        exit 0
+    fi
 fi
 if ! cargo +nightly fuzz --version >/dev/null 2>&1; then
     echo "== installing cargo-fuzz" >&2
