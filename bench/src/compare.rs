@@ -15,7 +15,7 @@ use crate::fleet::{
 };
 use crate::loadgen::{run_trace, LoadOptions, LoadReport};
 use crate::plot;
-use crate::stats::{fmt_spread, machine, markdown_table, median, now_utc};
+use crate::stats::{fmt_spread, markdown_table, median, report_header};
 use crate::trace::TraceRequest;
 use crate::TraceArgs;
 
@@ -501,17 +501,9 @@ fn compare_markdown(
     poll_ms: u64,
 ) -> String {
     let t = &args.trace;
-    let mut md = String::new();
-    let _ = writeln!(
-        md,
-        "# dprank compare: Envoy round robin vs dprank vs smg vs ideal\n"
-    );
-    let _ = writeln!(
-        md,
-        "- date: {}\n- machine: {}\n- command: `{}`\n",
-        now_utc(),
-        machine(),
-        command_line
+    let mut md = report_header(
+        "dprank compare: Envoy round robin vs dprank vs smg vs ideal",
+        command_line,
     );
     let _ = writeln!(md, "## Result\n\nEach cell: median over {} run(s), (min–max) across runs. Latencies are in **simulated** milliseconds (wall time x {}), throughput in requests per simulated second; the rank token imbalance is the time average, while arrivals last, of max/mean tokens over all {} ranks (samples of `/v1/loads` `num_total_tokens` every 100 ms wall; samples with mean < 1 token skipped). Errors: non-2xx, transport errors and streams without `[DONE]`.\n", args.runs, args.time_scale, args.workers * args.dp_size);
     md.push_str(table);

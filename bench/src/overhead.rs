@@ -15,7 +15,7 @@ use crate::cpu::CpuTimes;
 use crate::envoy::Balancer;
 use crate::fleet::{start_envoy, start_smg, Front, SimFleet, SimOptions, SmgMode, Tools};
 use crate::loadgen::percentile;
-use crate::stats::{fmt_spread, machine, markdown_table, median, now_utc};
+use crate::stats::{fmt_spread, markdown_table, median, report_header};
 use crate::trace::generate_body_of_size;
 
 #[derive(Debug, Clone, Args)]
@@ -252,15 +252,7 @@ pub async fn overhead(tools: &Tools, args: &OverheadArgs, command_line: &str) ->
     );
     println!("{busy_line}");
 
-    let mut md = String::new();
-    let _ = writeln!(md, "# dprank overhead: what the router adds per request\n");
-    let _ = writeln!(
-        md,
-        "- date: {}\n- machine: {}\n- command: `{}`\n",
-        now_utc(),
-        machine(),
-        command_line
-    );
+    let mut md = report_header("dprank overhead: what the router adds per request", command_line);
     let _ = writeln!(md, "One `dprank-sim --instant` worker (4 ranks, answers at once) behind, in turn: nothing (direct), plain Envoy (envoy/dprank.yaml without the wasm filter), Envoy + dprank (the shipped config, poll interval 1 s), and `smg launch --dp-aware --policy round_robin` (regular mode, injects a rank). All run at once; each cell is {} s of closed-loop `POST /generate` (non-streamed, `max_new_tokens` 1) on N dedicated keep-alive connections with TCP_NODELAY after 0.3 s of warm-up; median over {} runs (min–max). The load generator, the worker and the routers share the {} cores, so at 16 connections req/s is what the whole machine sustains.\n", args.seconds, args.runs, crate::cpu::cores());
     md.push_str(&table);
     let _ = writeln!(md, "\n## Targets (medians)\n\n{findings}\n{busy_line}");

@@ -20,7 +20,7 @@ use crate::fleet::{
 };
 use crate::loadgen::{run_trace, sample_imbalance, LoadOptions, LoadReport};
 use crate::procs::free_port;
-use crate::stats::{fmt_spread, machine, markdown_table, median, now_utc};
+use crate::stats::{fmt_spread, markdown_table, median, report_header};
 use crate::trace::TraceRequest;
 use crate::TraceArgs;
 
@@ -467,17 +467,9 @@ fn pd_markdown(
     counters: &str,
 ) -> String {
     let t = &args.trace;
-    let mut md = String::new();
-    let _ = writeln!(
-        md,
-        "# dprank pd: prefill/decode disaggregation, dprank vs the old rule vs smg\n"
-    );
-    let _ = writeln!(
-        md,
-        "- date: {}\n- machine: {}\n- command: `{}`\n",
-        now_utc(),
-        machine(),
-        command_line
+    let mut md = report_header(
+        "dprank pd: prefill/decode disaggregation, dprank vs the old rule vs smg",
+        command_line,
     );
     let _ = writeln!(md, "## Result\n\nEach cell: median over {} run(s), (min–max) across runs. Latencies in **simulated** ms (wall x {}), throughput in requests per simulated second. Prefill reqs/rank max/mean: requests each of the {} prefill ranks accepted during the trace (`/_sim/counters` `served_per_rank`, after minus before), max over mean (a prefill rank holds tokens only while a prompt waits or is prefilled, so a token imbalance over prefill ranks is mostly one busy rank among idle ones and says little). Decode rank imbalance: time average, while arrivals last, of max/mean `/v1/loads` tokens over the {} decode ranks (samples every 100 ms wall; samples with mean < 1 token skipped). Errors: non-2xx, transport errors and streams without `[DONE]`.\n", args.runs, args.time_scale, args.prefill_workers * args.dp_size, args.decode_workers * args.dp_size);
     md.push_str(table);

@@ -13,7 +13,7 @@ use dprank::config::Config;
 use dprank::scheduler::{fresh_candidates, least_loaded};
 use dprank::state::WorkerState;
 
-use crate::stats::{machine, markdown_table, median, now_utc};
+use crate::stats::{markdown_table, median, report_header};
 use crate::trace::generate_body_of_size;
 
 #[derive(Debug, Clone, Args)]
@@ -229,15 +229,7 @@ pub fn selection(args: &SelectionArgs, command_line: &str) -> Result<(), String>
     );
     println!("{verdict}");
 
-    let mut md = String::new();
-    let _ = writeln!(md, "# dprank selection cost (host micro-benchmark)\n");
-    let _ = writeln!(
-        md,
-        "- date: {}\n- machine: {}\n- command: `{}`\n",
-        now_utc(),
-        machine(),
-        command_line
-    );
+    let mut md = report_header("dprank selection cost (host micro-benchmark)", command_line);
     let _ = writeln!(md, "ns per call over {} timed batches of ~2 ms each: the median batch, and in brackets the fastest batch (the machine is shared with other work; the fastest batch is the cost without interference), native release build of the `dprank` crate (inside Envoy the same code runs as wasm in V8). Fleets of workers with 8 ranks each; every worker's state holds a polled snapshot and three pending estimates, as between two polls. Columns: the selection step the target is about (`fresh_candidates` + `least_loaded`); a hand-written one-pass reference through the same public `WorkerState` API, ties to the first (a floor for the step as the state is laid out now); and what the filter does per request around it (`router::read_worker_states` decodes every worker's shared-data bytes, then the choice, then `add` + `encode` of the chosen worker's state), without the host calls themselves. Bodies are `/generate` requests of the given size; `with_fields` splices `routed_dp_rank` in.\n", args.batches);
     md.push_str(&table);
     md.push('\n');

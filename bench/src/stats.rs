@@ -74,6 +74,15 @@ pub fn now_utc() -> String {
     format!("{year:04}-{month:02}-{d:02} {h:02}:{m:02} UTC")
 }
 
+/// The opening of every results file: the title, then when, where and how it was measured.
+pub fn report_header(title: &str, command_line: &str) -> String {
+    format!(
+        "# {title}\n\n- date: {}\n- machine: {}\n- command: `{command_line}`\n\n",
+        now_utc(),
+        machine()
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
