@@ -130,21 +130,18 @@ fn zero_and_huge_dp_size_rejected() {
 }
 
 #[test]
-fn too_short_interval_rejected() {
-    let r = parse(r#"{"workers":[{"address":"127.0.0.1:1"}],"poll_interval_ms":10}"#);
-    assert_eq!(key_of(r), "poll_interval_ms");
-}
-
-#[test]
-fn timeout_longer_than_interval_rejected() {
-    let r = parse(r#"{"workers":[{"address":"127.0.0.1:1"}],"poll_interval_ms":500,"poll_timeout_ms":600}"#);
-    assert_eq!(key_of(r), "poll_timeout_ms");
-}
-
-#[test]
-fn stale_limit_below_interval_rejected() {
-    let r = parse(r#"{"workers":[{"address":"127.0.0.1:1"}],"stale_after_ms":500}"#);
-    assert_eq!(key_of(r), "stale_after_ms");
+fn poll_timing_out_of_bounds_rejected() {
+    for (keys, key) in [
+        (r#""poll_interval_ms":10"#, "poll_interval_ms"),
+        (
+            r#""poll_interval_ms":500,"poll_timeout_ms":600"#,
+            "poll_timeout_ms",
+        ),
+        (r#""stale_after_ms":500"#, "stale_after_ms"),
+    ] {
+        let r = parse(&format!(r#"{{"workers":[{{"address":"127.0.0.1:1"}}],{keys}}}"#));
+        assert_eq!(key_of(r), key);
+    }
 }
 
 #[test]

@@ -50,21 +50,17 @@ pub(super) fn route_pd(
     };
     let (prefill_pin, decode_pin) = split_pin(pin);
     let states = store::read_worker_states(config, host);
-    let pin = |pin| Constraint { only_rank: None, pin };
-    let p = choose(
-        config,
-        host,
-        &pool(config, &states, true),
-        pin(prefill_pin),
-        tie_breaker,
-    );
-    let d = choose(
-        config,
-        host,
-        &pool(config, &states, false),
-        pin(decode_pin),
-        tie_breaker,
-    );
+    let pick = |prefill, pin| {
+        let constraint = Constraint { only_rank: None, pin };
+        choose(
+            config,
+            host,
+            &pool(config, &states, prefill),
+            constraint,
+            tie_breaker,
+        )
+    };
+    let (p, d) = (pick(true, prefill_pin), pick(false, decode_pin));
     if p.is_none() {
         host.count(metrics::NO_FRESH_PREFILL_DATA, 1);
     }
