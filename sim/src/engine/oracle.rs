@@ -1,0 +1,223 @@
+//! The oracle: a fleet-wide, exact, instantaneous chooser. For a request
+//! naming no rank it projects, on every (worker, rank) of the process and
+//! from the exact state of the model, when the request would get its first
+//! token, and picks the earliest. It is the bound other routers are
+//! measured against: it knows what no router can (every queue, every
+//! cache, every reservation, this instant).
+//!
+//! The projection, per candidate rank:
+//! - the request's uncached tokens: its prompt minus the longest prefix the
+//!   rank's cache holds or a prompt queued ahead of it will have put there;
+//! - the queue ahead, in order: the prompt being chunked, the waiting
+//!   requests, requests already placed on the rank still in the tokenizer;
+//!   each needs, like SGLang's admission, its uncached tokens + its output
+//!   (clipped) in free + evictable KV minus the running requests'
+//!   `new_token_ratio` x remaining output, and a running slot; if it does
+//!   not fit, the projection waits for running requests to finish (after
+//!   their remaining tokens at the current decode step time) and frees
+//!   their KV;
+//! - prefill steps of at most the chunk budget, each lasting its prefill
+//!   time or, under lockstep, the other ranks' decode step if longer; no
+//!   step starts before the current one ends, and the request's own prefill
+//!   not before its tokenizer is done.
+//!
+//! Ties go to the candidate with fewer uncached tokens, then fewer tokens
+//! on the rank, then the lowest (worker, rank).
+
+use std::cmp::Reverse;
+use std::collections::BinaryHeap;
+
+use super::rank::Rank;
+use super::worker::Worker;
+use super::{Arrival, Fleet, Micros, Params, ReqId};
+
+/// A request placed on a rank, still in its worker's tokenizer.
+#[derive(Debug, Clone)]
+pub(crate) struct Queued {
+    pub req: ReqId,
+    pub ready_at: Micros,
+    pub uncached: u64,
+    pub tokens: u64,
+    pub max_new: u64,
+}
+
+/// Tokens of `prompt` that would still have to be prefilled on `rank`.
+pub(crate) fn uncached(rank: &Rank, prompt: &[u32]) -> u64 {
+    let cached = rank.cache.match_len(prompt);
+    let queued = rank.queued.as_ref().map_or(0, |tree| tree.match_len(prompt));
+    // At least one token is always computed.
+    let hit = cached.max(queued).min(prompt.len().saturating_sub(1));
+    (prompt.len() - hit) as u64
+}
+
+/// One unit of work in the projected queue.
+struct Item {
+    uncached: u64,
+    tokens: u64,
+    max_new: u64,
+    not_before: Micros,
+}
+
+/// How candidates compare: projected first token, uncached tokens, tokens
+/// on the rank, worker, rank.
+type Score = (Micros, u64, u64, usize, usize);
+
+/// The (worker, rank) with the earliest projected first token.
+pub(crate) fn choose(fleet: &Fleet, now: Micros, arrival: &Arrival) -> (usize, usize) {
+    let params = &fleet.params;
+    let mut best: Option<(Score, (usize, usize))> = None;
+    for (w, worker) in fleet.workers.iter().enumerate() {
+        let ready = worker.tokenized_at(params, now, arrival);
+        for (r, rank) in worker.ranks.iter().enumerate() {
+            let uncached: u64 = arrival.prompts.iter().map(|prompt| uncached(rank, prompt)).sum();
+            let new = Item {
+                uncached,
+                tokens: arrival.tokens(),
+                max_new: arrival.max_new_tokens * arrival.prompts.len().max(1) as u64,
+                not_before: ready,
+            };
+            let first_token = project(params, worker, r, now, new);
+            let load = rank.published.total_tokens;
+            let key = (first_token, uncached, load, w, r);
+            if best.as_ref().is_none_or(|(best_key, _)| key < *best_key) {
+                best = Some((key, (w, r)));
+            }
+        }
+    }
+    best.map_or((0, 0), |(_, choice)| choice)
+}
+
+/// Projected time from `now` until the new request's first token on rank
+/// `r` of `worker`.
+fn project(params: &Params, worker: &Worker, r: usize, now: Micros, new: Item) -> Micros {
+    let rank = &worker.ranks[r];
+    let group = &worker.groups[worker.group_of(r)];
+    let start = group.step.map_or(now, |(_, end)| end.max(now));
+    let decode_time = |rank: &Rank| -> Micros {
+        let kv: u64 = rank
+            .running
+            .iter()
+            .filter_map(|id| rank.seqs.get(id))
+            .map(|seq| seq.computed)
+            .sum();
+        params.decode_us(kv)
+    };
+    let others = group
+        .ranks
+        .iter()
+        .filter(|&&other| other != r)
+        .map(|&other| &worker.ranks[other])
+        .filter(|other| other.has_work())
+        .map(decode_time)
+        .max()
+        .unwrap_or(0);
+    let step = decode_time(rank).max(others);
+
+    let clip = params.clip;
+    let mut budget = (rank.available(params) + rank.cache.evictable_size()) as f64;
+    let mut slots = (rank.running.len() + rank.transferring.len()) as u64;
+    // Running requests finish after their remaining tokens; each frees its
+    // KV and its reservation. Keyed by decode time from `start`.
+    let mut finishes: BinaryHeap<Reverse<(Micros, u64)>> = BinaryHeap::new();
+    for seq in rank
+        .running
+        .iter()
+        .chain(&rank.transferring)
+        .filter_map(|id| rank.seqs.get(id))
+    {
+        let remaining = seq.max_new.saturating_sub(seq.generated);
+        budget -= remaining.min(clip) as f64 * rank.ratio;
+        finishes.push(Reverse((remaining * step, seq.computed + remaining)));
+    }
+
+    let mut queue: Vec<Item> = Vec::new();
+    if let Some(seq) = rank.chunked.and_then(|id| rank.seqs.get(&id)) {
+        // Admitted already: only its prefill is left.
+        queue.push(Item {
+            uncached: seq.prompt.len() as u64 + seq.generated - seq.computed,
+            tokens: 0,
+            max_new: 0,
+            not_before: 0,
+        });
+    }
+    for seq in rank.waiting.iter().filter_map(|id| rank.seqs.get(id)) {
+        queue.push(Item {
+            uncached: seq.oracle_uncached.unwrap_or(seq.est_uncached),
+            tokens: seq.prompt.len() as u64 + seq.generated,
+            max_new: seq.max_new.saturating_sub(seq.generated),
+            not_before: 0,
+        });
+    }
+    for queued in rank
+        .pending
+        .iter()
+        .filter(|queued| queued.ready_at <= new.not_before)
+    {
+        queue.push(Item {
+            uncached: queued.uncached,
+            tokens: queued.tokens,
+            max_new: queued.max_new,
+            not_before: queued.ready_at,
+        });
+    }
+    let last = queue.len();
+    queue.push(new);
+
+    let per_step = params.chunk.unwrap_or(u64::MAX).min(params.max_prefill).max(1);
+    let mut t = start;
+    let mut prefill_spent: Micros = 0;
+    let mut open: u64 = 0;
+    let close = |t: &mut Micros, open: &mut u64, spent: &mut Micros| {
+        if *open > 0 {
+            let duration = params.prefill_us(*open).max(others);
+            *t += duration;
+            *spent += duration;
+            *open = 0;
+        }
+    };
+    for (index, item) in queue.into_iter().enumerate() {
+        let admitted_already = index == 0 && rank.chunked.is_some();
+        if !admitted_already {
+            let need = (item.uncached + item.max_new.min(clip) + params.page) as f64;
+            while need > budget || slots >= params.max_running {
+                close(&mut t, &mut open, &mut prefill_spent);
+                let Some(Reverse((decode_at, freed))) = finishes.pop() else {
+                    break;
+                };
+                t = t.max(start + decode_at + prefill_spent);
+                budget += freed as f64;
+                slots = slots.saturating_sub(1);
+            }
+            budget -= need;
+            slots += 1;
+        }
+        if item.not_before > t {
+            close(&mut t, &mut open, &mut prefill_spent);
+            t = item.not_before;
+        }
+        let mut remaining = item.uncached.max(1);
+        loop {
+            if open >= per_step {
+                close(&mut t, &mut open, &mut prefill_spent);
+            }
+            let take = remaining.min(per_step - open);
+            open += take;
+            remaining -= take;
+            if remaining == 0 {
+                break;
+            }
+        }
+        if index == last {
+            close(&mut t, &mut open, &mut prefill_spent);
+            return t.saturating_sub(now);
+        }
+        if item.max_new > 0 {
+            let joined = t.saturating_sub(start + prefill_spent);
+            finishes.push(Reverse((
+                joined + item.max_new * step,
+                item.tokens + item.max_new,
+            )));
+        }
+    }
+    t.saturating_sub(now)
+}
