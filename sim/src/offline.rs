@@ -100,6 +100,7 @@ pub struct Fleet {
     tracked: HashMap<ReqId, Tracked>,
     reports: Vec<Report>,
     events: Vec<Event>,
+    retractions: Vec<(ReqId, f64)>,
 }
 
 fn micros(seconds: f64) -> Micros {
@@ -125,6 +126,7 @@ impl Fleet {
             tracked: HashMap::new(),
             reports: Vec::new(),
             events: Vec::new(),
+            retractions: Vec::new(),
         })
     }
 
@@ -192,6 +194,8 @@ impl Fleet {
                 rank: 0,
             },
         );
+        // Due now if the tokenizer takes no time.
+        self.advance(at);
         Ok(submitted.req)
     }
 
@@ -279,6 +283,10 @@ impl Fleet {
     /// Turns engine events into reports.
     fn absorb(&mut self) {
         for event in std::mem::take(&mut self.events) {
+            if event.kind == EventKind::Retracted {
+                self.retractions.push((event.req, seconds(event.at)));
+                continue;
+            }
             let EventKind::Token {
                 count,
                 cached_tokens,
@@ -322,6 +330,11 @@ impl Fleet {
                 }
             }
         }
+    }
+
+    /// Every retraction so far: (request, virtual time in seconds).
+    pub fn retractions(&self) -> &[(ReqId, f64)] {
+        &self.retractions
     }
 
     /// The loads each rank of `worker` last published.

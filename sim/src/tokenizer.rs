@@ -3,10 +3,11 @@
 //! Token boundaries are decided locally from the text, the way a BPE
 //! pre-tokenizer splits it: a word with its leading space, runs of digits in
 //! groups of three, whitespace runs, punctuation in pairs, one token per CJK
-//! character, special markers such as `<|im_start|>` whole. Appending text
-//! therefore changes at most the last pre-token of what was there before,
-//! and texts sharing a prefix share a token prefix up to the pre-token that
-//! straddles the point where they part.
+//! character, special markers such as `<|im_start|>` whole; a long word is
+//! cut into pieces chosen from the word itself. Appending text therefore
+//! changes at most the last pre-token (word, digit run, ...) of what was
+//! there before, and texts sharing a prefix share its tokens up to the
+//! pre-token that straddles the point where they part.
 //!
 //! Bytes per token depend on the content, as with a real tokenizer: about
 //! 4 to 5 for English prose, about 3 for code and digits, 3 for CJK, less
@@ -296,6 +297,50 @@ mod tests {
             for_each_token(text, |piece| joined.extend_from_slice(piece));
             assert_eq!(joined, text.as_bytes(), "{text:?}");
         }
+    }
+
+    #[test]
+    fn appending_text_leaves_the_tokens_before_the_last_word_alone() {
+        let texts = [
+            "The quick brown fox, 12345 times: internationalization!",
+            "fn main() {\n    let x = vec![1, 2, 3];\n}",
+            "<|im_start|>user\n你好，世界 — café 🙂<|im_end|>",
+        ];
+        for text in texts {
+            let whole = tokens(text);
+            for (cut, c) in text.char_indices().skip(1) {
+                let before = text[..cut].chars().last().unwrap_or(' ');
+                // Cut where a word or number ends: the text so far keeps
+                // all its tokens.
+                let head_text = &text[..cut];
+                let in_marker = head_text.matches("<|").count() > head_text.matches("|>").count();
+                if before.is_alphanumeric() && !c.is_alphanumeric() && !in_marker {
+                    let head = tokens(&text[..cut]);
+                    assert_eq!(&whole[..head.len()], head.as_slice(), "{text:?} cut at {cut}");
+                }
+            }
+            // Texts sharing a prefix share its tokens.
+            let other = tokens(&format!("{text} and more"));
+            assert_eq!(&other[..whole.len()], whole.as_slice(), "{text:?}");
+        }
+    }
+
+    #[test]
+    fn bytes_per_token_depend_on_the_content() {
+        let ratio = |text: &str| text.len() as f64 / count_tokens(text) as f64;
+        let english = "The history of artificial intelligence began in antiquity, with myths, stories \
+                       and rumors of artificial beings endowed with intelligence or consciousness by \
+                       master craftsmen. The seeds of modern AI were planted by philosophers who \
+                       attempted to describe the process of human thinking.";
+        let code = "fn main() {\n    let mut total: u64 = 0;\n    for (i, v) in values.iter().enumerate() {\n        \
+                    if *v > limit { total += v * 2; }\n    }\n}\n";
+        let digits = "3.14159265358979 2.71828182845904 1.41421356237309 65536 4294967296";
+        let chinese = "人工智能的历史始于古代，有关于由工匠大师赋予智能或意识的人造生物的神话。";
+        let english = ratio(english);
+        assert!((3.8..5.0).contains(&english), "english {english}");
+        assert!(ratio(code) < english - 0.8, "code {}", ratio(code));
+        assert!(ratio(digits) < 3.0, "digits {}", ratio(digits));
+        assert!((2.5..3.5).contains(&ratio(chinese)), "chinese {}", ratio(chinese));
     }
 
     #[test]

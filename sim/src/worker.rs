@@ -204,7 +204,13 @@ impl Drop for RequestGuard {
             let wake = {
                 let mut model = lock(&self.shared.model);
                 match model.routes.remove(&req) {
-                    Some(_) => model.fleet.abort(req),
+                    Some(_) => {
+                        // Placed, though this handler may not have heard yet.
+                        if let Some((worker, Some(rank))) = model.fleet.placement(req) {
+                            self.placed.get_or_insert((worker, rank));
+                        }
+                        model.fleet.abort(req)
+                    }
                     None => None,
                 }
             };

@@ -169,8 +169,7 @@ impl Params {
 struct Pending {
     worker: usize,
     arrival: Arrival,
-    /// Its prompts in the queued-prompts tree of its rank (oracle).
-    queued_nodes: Vec<radix::NodeId>,
+    /// Uncached tokens of each prompt as the oracle projected them.
     oracle_uncached: Vec<u64>,
 }
 
@@ -245,18 +244,11 @@ impl Fleet {
             arrival.rank = Some(chosen_rank);
         }
         let ready_at = self.workers[target].tokenize(&self.params, now, &arrival);
-        let mut queued_nodes = Vec::new();
         let mut oracle_uncached = Vec::new();
         if let (Dispatch::Oracle, Some(rank)) = (self.params.dispatch, arrival.rank) {
             if let Some(rank_state) = self.workers[target].ranks.get_mut(rank) {
                 for prompt in &arrival.prompts {
-                    let uncached = oracle::uncached(rank_state, prompt);
-                    oracle_uncached.push(uncached);
-                    if let Some(queued) = &mut rank_state.queued {
-                        let (_, node) = queued.insert(prompt);
-                        queued.lock(node);
-                        queued_nodes.push(node);
-                    }
+                    oracle_uncached.push(oracle::uncached(rank_state, prompt));
                 }
                 rank_state.pending.push(oracle::Queued {
                     req,
@@ -281,7 +273,6 @@ impl Fleet {
             Pending {
                 worker: target,
                 arrival,
-                queued_nodes,
                 oracle_uncached,
             },
         );
@@ -315,7 +306,6 @@ impl Fleet {
         let Pending {
             worker,
             arrival,
-            queued_nodes,
             oracle_uncached,
         } = pending;
         let params = &self.params;
@@ -346,7 +336,6 @@ impl Fleet {
                 cached_tokens: None,
                 est_uncached: 0,
                 oracle_uncached: oracle_uncached.get(index).copied(),
-                queued_node: queued_nodes.get(index).copied(),
             });
         }
         let group = worker_state.group_of(rank);
@@ -440,16 +429,8 @@ impl Fleet {
             // Still in the tokenizer.
             let key = self.pending.keys().find(|(_, id)| *id == req).copied();
             if let Some(pending) = key.and_then(|key| self.pending.remove(&key)) {
-                if let Some(rank) = pending.arrival.rank {
-                    if let Some(rank_state) = worker.ranks.get_mut(rank) {
-                        rank_state.pending.retain(|queued| queued.req != req);
-                        if let Some(queued) = &mut rank_state.queued {
-                            for node in pending.queued_nodes {
-                                queued.unlock(node);
-                            }
-                            queued.evict(u64::MAX);
-                        }
-                    }
+                if let Some(rank_state) = pending.arrival.rank.and_then(|rank| worker.ranks.get_mut(rank)) {
+                    rank_state.pending.retain(|queued| queued.req != req);
                 }
             }
             return None;

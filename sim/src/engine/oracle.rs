@@ -7,7 +7,9 @@
 //!
 //! The projection, per candidate rank:
 //! - the request's uncached tokens: its prompt minus the longest prefix the
-//!   rank's cache holds or a prompt queued ahead of it will have put there;
+//!   rank's cache holds or a prompt being prefilled there now will have put
+//!   there (prompts only waiting do not count: SGLang computes prompts
+//!   admitted in the same batch in full);
 //! - the queue ahead, in order: the prompt being chunked, the waiting
 //!   requests, requests already placed on the rank still in the tokenizer;
 //!   each needs, like SGLang's admission, its uncached tokens + its output
@@ -41,13 +43,16 @@ pub(crate) struct Queued {
     pub max_new: u64,
 }
 
-/// Tokens of `prompt` that would still have to be prefilled on `rank`.
+/// Tokens of `prompt` that would still have to be prefilled on `rank`:
+/// what neither its cache nor the prompts it is prefilling now hold. (A
+/// prompt only waiting does not count: admitted in the same batch, SGLang
+/// computes both in full.)
 pub(crate) fn uncached(rank: &Rank, prompt: &[u32]) -> u64 {
-    let cached = rank.cache.match_len(prompt);
-    let queued = rank.queued.as_ref().map_or(0, |tree| tree.match_len(prompt));
-    // At least one token is always computed.
-    let hit = cached.max(queued).min(prompt.len().saturating_sub(1));
-    (prompt.len() - hit) as u64
+    let cached = rank.cache.match_len(prompt) as u64;
+    let hit = cached
+        .max(rank.in_flight_match(prompt))
+        .min(prompt.len().saturating_sub(1) as u64);
+    prompt.len() as u64 - hit
 }
 
 /// One unit of work in the projected queue.

@@ -53,8 +53,6 @@ pub(crate) struct Seq {
     pub est_uncached: u64,
     /// Uncached tokens as the oracle projected them when it placed it.
     pub oracle_uncached: Option<u64>,
-    /// Its prompt in the rank's queued-prompts tree (oracle dispatch).
-    pub queued_node: Option<NodeId>,
 }
 
 impl Seq {
@@ -153,8 +151,6 @@ pub(crate) struct Rank {
     /// Decode role: admitted, KV being fetched from the prefill worker.
     pub transferring: Vec<SeqId>,
     pub cache: RadixCache,
-    /// Oracle dispatch: prompts queued on this rank, not yet admitted.
-    pub queued: Option<RadixCache>,
     /// Oracle dispatch: requests placed here still in the tokenizer.
     pub pending: Vec<Queued>,
     /// KV tokens allocated to sequences (outside the cache).
@@ -181,7 +177,7 @@ fn floor_page(tokens: u64, page: u64) -> u64 {
 }
 
 impl Rank {
-    pub fn new(params: &Params, queued_tree: bool) -> Self {
+    pub fn new(params: &Params) -> Self {
         Self {
             seqs: HashMap::new(),
             waiting: VecDeque::new(),
@@ -189,7 +185,6 @@ impl Rank {
             chunked: None,
             transferring: Vec::new(),
             cache: RadixCache::new(params.page as usize),
-            queued: queued_tree.then(|| RadixCache::new(1)),
             pending: Vec::new(),
             alloc_total: 0,
             ratio: params.init_ratio,
@@ -264,25 +259,34 @@ impl Rank {
     pub fn enqueue(&mut self, mut seq: Seq) {
         seq.est_uncached = seq.fill_len() - self.cache.match_len(&seq.prompt) as u64;
         let id = seq.id;
-        if let Some(queued) = &mut self.queued {
-            if seq.queued_node.is_none() {
-                let (_, node) = queued.insert(&seq.prompt);
-                queued.lock(node);
-                seq.queued_node = Some(node);
-            }
-        }
         self.seqs.insert(id, seq);
         self.waiting.push_back(id);
     }
 
-    fn forget_queued(&mut self, id: SeqId) {
-        let Some(node) = self.seqs.get_mut(&id).and_then(|seq| seq.queued_node.take()) else {
-            return;
+    /// Tokens of `prompt` the prompts being prefilled now will have put in
+    /// the cache by the end of the current step.
+    pub fn in_flight_match(&self, prompt: &[u32]) -> u64 {
+        let mut best = 0;
+        let mut consider = |id: &SeqId, extra: u64| {
+            if let Some(seq) = self.seqs.get(id) {
+                let reach = (seq.computed + extra).min(seq.prompt.len() as u64) as usize;
+                let common = seq.prompt[..reach]
+                    .iter()
+                    .zip(prompt)
+                    .take_while(|(a, b)| a == b)
+                    .count() as u64;
+                best = best.max(common);
+            }
         };
-        if let Some(queued) = &mut self.queued {
-            queued.unlock(node);
-            queued.evict(u64::MAX);
+        if let Plan::Prefill { batch, .. } = &self.plan {
+            for (id, take) in batch {
+                consider(id, *take);
+            }
         }
+        if let Some(id) = &self.chunked {
+            consider(id, 0);
+        }
+        best
     }
 
     /// Plans the next step: a prefill batch if one can be formed, else a
@@ -462,7 +466,6 @@ impl Rank {
         if truncated {
             self.chunked = Some(id);
         }
-        self.forget_queued(id);
         (true, self.verdict(params, adder))
     }
 
@@ -734,7 +737,6 @@ impl Rank {
 
     /// Frees what a sequence holds and forgets it.
     fn release(&mut self, id: SeqId) {
-        self.forget_queued(id);
         let Some(seq) = self.seqs.remove(&id) else {
             return;
         };

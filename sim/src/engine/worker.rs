@@ -41,7 +41,6 @@ pub(crate) struct Worker {
 impl Worker {
     pub fn new(params: &Params) -> Self {
         let dp = params.dp_size;
-        let queued_tree = params.dispatch == Dispatch::Oracle;
         let groups = if params.lockstep {
             vec![Group {
                 ranks: (0..dp).collect(),
@@ -56,7 +55,7 @@ impl Worker {
                 .collect()
         };
         Self {
-            ranks: (0..dp).map(|_| Rank::new(params, queued_tree)).collect(),
+            ranks: (0..dp).map(|_| Rank::new(params)).collect(),
             groups,
             lockstep: params.lockstep,
             tokenizer_free: 0,
