@@ -12,7 +12,7 @@ pub mod radix;
 mod rank;
 mod worker;
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 
 use crate::config::{Admission, Dispatch, Role, SimConfig, Toggle, CLIP_MAX_NEW_TOKENS};
 use crate::config::{MIN_NEW_TOKEN_RATIO_FACTOR, NEW_TOKEN_RATIO_DECAY_STEPS};
@@ -192,6 +192,8 @@ pub struct Fleet {
     next_req: ReqId,
     next_seq: SeqId,
     every_token: bool,
+    /// Oracle dispatch: arrival times of the last `RATE_WINDOW`.
+    recent_arrivals: VecDeque<Micros>,
 }
 
 impl Fleet {
@@ -205,6 +207,7 @@ impl Fleet {
             next_req: 1,
             next_seq: 1,
             every_token: true,
+            recent_arrivals: VecDeque::new(),
         }
     }
 
@@ -238,6 +241,16 @@ impl Fleet {
         let req = self.next_req;
         self.next_req += 1;
         let mut target = worker.min(self.workers.len() - 1);
+        if self.params.dispatch == Dispatch::Oracle {
+            while self
+                .recent_arrivals
+                .front()
+                .is_some_and(|at| *at + oracle::RATE_WINDOW < now)
+            {
+                self.recent_arrivals.pop_front();
+            }
+            self.recent_arrivals.push_back(now);
+        }
         if self.params.dispatch == Dispatch::Oracle && arrival.rank.is_none() {
             let (chosen_worker, chosen_rank) = oracle::choose(self, now, &arrival);
             target = chosen_worker;

@@ -23,13 +23,21 @@
 //!   step starts before the current one ends, and the request's own prefill
 //!   not before its tokenizer is done.
 //!
+//! To that projected first token it adds the delay the choice imposes on
+//! requests expected to arrive later (the fleet's recent arrival rate, per
+//! group of ranks): the request's KV lengthens every step of its group by
+//! what it raises the group's largest batch, for as long as it runs. Under
+//! lockstep this is what keeps the oracle from piling requests onto one hot
+//! rank whose batch slows its whole worker; without it a greedy
+//! earliest-first-token rule trailed round robin.
+//!
 //! Ties go to the candidate with fewer uncached tokens, then fewer tokens
 //! on the rank, then the lowest (worker, rank).
 
 use std::cmp::Reverse;
-use std::collections::BinaryHeap;
+use std::collections::{BinaryHeap, VecDeque};
 
-use super::rank::Rank;
+use super::rank::{Plan, Rank};
 use super::worker::Worker;
 use super::{Arrival, Fleet, Micros, Params, ReqId};
 
@@ -63,13 +71,66 @@ struct Item {
     not_before: Micros,
 }
 
-/// How candidates compare: projected first token, uncached tokens, tokens
-/// on the rank, worker, rank.
+/// How candidates compare: projected first token plus the expected delay
+/// imposed on later arrivals, uncached tokens, tokens on the rank, worker,
+/// rank.
 type Score = (Micros, u64, u64, usize, usize);
 
-/// The (worker, rank) with the earliest projected first token.
+/// The span of recent arrivals the arrival rate is estimated from.
+pub(crate) const RATE_WINDOW: Micros = 10_000_000;
+
+/// Arrivals per second in the fleet, from the recent ones.
+pub(crate) fn arrival_rate(recent: &VecDeque<Micros>, now: Micros) -> f64 {
+    let Some(first) = recent.front() else {
+        return 0.0;
+    };
+    let span = now.saturating_sub(*first).max(1_000_000);
+    recent.len() as f64 * 1e6 / span as f64
+}
+
+/// KV a rank will decode with: its running batch, what it is prefilling
+/// and the prompts waiting for it.
+fn rank_kv(rank: &Rank) -> u64 {
+    let running: u64 = rank
+        .running
+        .iter()
+        .filter_map(|id| rank.seqs.get(id))
+        .map(|seq| seq.computed)
+        .sum();
+    let waiting: u64 = rank
+        .waiting
+        .iter()
+        .filter_map(|id| rank.seqs.get(id))
+        .map(|seq| seq.prompt.len() as u64)
+        .sum();
+    running + waiting
+}
+
+/// The delay a request adds to the requests expected to reach its group of
+/// ranks while it runs: its KV (prompt + half its output, on average)
+/// lengthens every step of the group by what it raises the group's largest
+/// batch, and an arrival waits half a step more on average.
+fn later_delay(params: &Params, worker: &Worker, r: usize, new: &Item, rate_per_group: f64) -> Micros {
+    let group = &worker.groups[worker.group_of(r)];
+    let largest = group
+        .ranks
+        .iter()
+        .map(|&other| rank_kv(&worker.ranks[other]))
+        .max()
+        .unwrap_or(0);
+    let grown = rank_kv(&worker.ranks[r]) + new.tokens + new.max_new / 2;
+    let longer_step = grown.saturating_sub(largest) as f64 * params.decode_us_per_token;
+    let lifetime = new.max_new as f64 * params.decode_us(largest) as f64;
+    let arrivals = rate_per_group * lifetime / 1e6;
+    (arrivals * longer_step / 2.0).round() as Micros
+}
+
+/// The (worker, rank) with the earliest projected first token, counting
+/// the delay its choice imposes on later arrivals.
 pub(crate) fn choose(fleet: &Fleet, now: Micros, arrival: &Arrival) -> (usize, usize) {
     let params = &fleet.params;
+    let groups: usize = fleet.workers.iter().map(|worker| worker.groups.len()).sum();
+    let rate_per_group = arrival_rate(&fleet.recent_arrivals, now) / groups.max(1) as f64;
     let mut best: Option<(Score, (usize, usize))> = None;
     for (w, worker) in fleet.workers.iter().enumerate() {
         let ready = worker.tokenized_at(params, now, arrival);
@@ -81,9 +142,10 @@ pub(crate) fn choose(fleet: &Fleet, now: Micros, arrival: &Arrival) -> (usize, u
                 max_new: arrival.max_new_tokens * arrival.prompts.len().max(1) as u64,
                 not_before: ready,
             };
+            let imposed = later_delay(params, worker, r, &new, rate_per_group);
             let first_token = project(params, worker, r, now, new);
             let load = rank.published.total_tokens;
-            let key = (first_token, uncached, load, w, r);
+            let key = (first_token + imposed, uncached, load, w, r);
             if best.as_ref().is_none_or(|(best_key, _)| key < *best_key) {
                 best = Some((key, (w, r)));
             }
@@ -124,15 +186,32 @@ fn project(params: &Params, worker: &Worker, r: usize, now: Micros, new: Item) -
     // Running requests finish after their remaining tokens; each frees its
     // KV and its reservation. Keyed by decode time from `start`.
     let mut finishes: BinaryHeap<Reverse<(Micros, u64)>> = BinaryHeap::new();
+    // Prompts being prefilled now join the running batch when the step
+    // ends (a chunk that is not the last stays the chunked prompt).
+    let joining: Vec<u64> = match &rank.plan {
+        Plan::Prefill { batch, .. } => batch
+            .iter()
+            .filter(|(id, take)| {
+                rank.seqs
+                    .get(id)
+                    .is_some_and(|seq| seq.computed + take >= seq.prompt.len() as u64 + seq.generated)
+            })
+            .map(|(id, _)| *id)
+            .collect(),
+        _ => Vec::new(),
+    };
+    slots += joining.len() as u64;
     for seq in rank
         .running
         .iter()
         .chain(&rank.transferring)
+        .chain(&joining)
         .filter_map(|id| rank.seqs.get(id))
     {
         let remaining = seq.max_new.saturating_sub(seq.generated);
         budget -= remaining.min(clip) as f64 * rank.ratio;
-        finishes.push(Reverse((remaining * step, seq.computed + remaining)));
+        let kv = (seq.prompt.len() as u64 + seq.generated).max(seq.computed);
+        finishes.push(Reverse((remaining * step, kv + remaining)));
     }
 
     let mut queue: Vec<Item> = Vec::new();
