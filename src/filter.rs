@@ -105,7 +105,7 @@ impl HttpContext for DprankHttp {
     }
 
     fn on_http_response_body(&mut self, _body_size: usize, _end_of_stream: bool) -> Action {
-        action(self.0.on_response_body())
+        action(self.0.on_response_body(&EnvoyHost))
     }
 
     fn on_log(&mut self) {

@@ -1,7 +1,8 @@
 //! The surface of the proxy that dprank's logic needs. `envoy_host.rs`
 //! implements it with proxy-wasm host calls (the only file that makes them);
-//! tests implement it in memory (`fake`). Each method is one host call, so
-//! counting calls on the fake counts them in Envoy too.
+//! tests and offline evaluators implement it in memory (`memory`). Each
+//! method is one host call, so counting calls on the in-memory host counts
+//! them in Envoy too.
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum SharedSetError {
@@ -64,3 +65,4 @@ pub trait Host {
 
 #[cfg(test)]
 pub mod fake;
+pub mod memory;

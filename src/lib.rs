@@ -4,7 +4,8 @@
 //! Everything but `envoy_host` and `filter` knows nothing of proxy-wasm and
 //! is tested on the host through the `Host` trait: `request` (one request's
 //! life), `router` (where it goes), `scheduler` (which worker and rank),
-//! `body` (reading and rewriting bodies), `poller`, `load` and `discovery`
+//! `body` (reading and rewriting bodies), `prefix` (the prefix index and
+//! prompt hashing of prefix affinity), `poller`, `load` and `discovery`
 //! (load reports and cluster membership), `store` and `state` (shared data),
 //! `config`, `metrics`. `envoy_host` is the only caller of the host ABI and
 //! `filter` only translates callbacks.
@@ -18,6 +19,7 @@ pub mod host;
 pub mod load;
 pub mod metrics;
 pub mod poller;
+pub mod prefix;
 pub mod request;
 pub mod router;
 pub mod scheduler;

@@ -3,12 +3,21 @@
 //! or unusable is reported as unknown rather than guessed.
 
 use crate::config::MAX_DP_SIZE;
+use crate::state::RankFigures;
 use serde::Deserialize;
 use serde_json::Value;
 use std::fmt;
 
 /// Tokens per rank, indexed by `dp_rank`; `None` = the report said nothing usable.
 pub type RankTokens = Vec<Option<u64>>;
+
+/// A report's tokens per rank and the figures prefix affinity reads (those
+/// of ranks the report lists without tokens are kept too).
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct LoadReport {
+    pub tokens: RankTokens,
+    pub figures: Vec<RankFigures>,
+}
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum LoadError {
@@ -39,6 +48,12 @@ struct RankEntry {
     num_tokens: Option<Value>,
     #[serde(default)]
     num_used_tokens: Option<Value>,
+    #[serde(default)]
+    num_waiting_uncached_tokens: Option<Value>,
+    #[serde(default)]
+    max_total_num_tokens: Option<Value>,
+    #[serde(default)]
+    cache_hit_rate: Option<Value>,
 }
 
 #[derive(Deserialize)]
@@ -80,9 +95,27 @@ impl RankEntry {
             .flatten()
             .find_map(token_count)
     }
+
+    fn figures(&self) -> RankFigures {
+        RankFigures {
+            waiting_uncached: self.num_waiting_uncached_tokens.as_ref().and_then(token_count),
+            capacity: self.max_total_num_tokens.as_ref().and_then(token_count),
+            cache_hit_rate: self
+                .cache_hit_rate
+                .as_ref()
+                .and_then(Value::as_f64)
+                .filter(|h| (0.0..=1.0).contains(h)),
+        }
+    }
 }
 
+/// Tokens per rank of a report.
 pub fn parse_load_report(body: &[u8]) -> Result<RankTokens, LoadError> {
+    parse_load_details(body).map(|report| report.tokens)
+}
+
+/// Tokens per rank and the figures prefix affinity reads.
+pub fn parse_load_details(body: &[u8]) -> Result<LoadReport, LoadError> {
     let report: Report = serde_json::from_slice(body).map_err(|e| LoadError::NotJson(e.to_string()))?;
     let entries = match report {
         Report::V1 { loads } => loads,
@@ -98,6 +131,7 @@ pub fn parse_load_report(body: &[u8]) -> Result<RankTokens, LoadError> {
         return Err(LoadError::NoRanks);
     }
     let mut ranks: RankTokens = Vec::new();
+    let mut figures: Vec<RankFigures> = Vec::new();
     for (index, entry) in entries.iter().enumerate() {
         let rank = match &entry.dp_rank {
             None => index as u64,
@@ -112,15 +146,22 @@ pub fn parse_load_report(body: &[u8]) -> Result<RankTokens, LoadError> {
         let rank = rank as usize;
         if ranks.len() <= rank {
             ranks.resize(rank + 1, None);
+            figures.resize(rank + 1, RankFigures::default());
         }
         if let Some(slot) = ranks.get_mut(rank) {
             *slot = entry.tokens();
+        }
+        if let Some(slot) = figures.get_mut(rank) {
+            *slot = entry.figures();
         }
     }
     if ranks.is_empty() {
         return Err(LoadError::NoRanks);
     }
-    Ok(ranks)
+    Ok(LoadReport {
+        tokens: ranks,
+        figures,
+    })
 }
 
 #[cfg(test)]
@@ -149,6 +190,31 @@ mod tests {
                      {"dp_rank":1,"num_used_tokens":100,"token_usage":0.0}],
             "aggregate":{"total":1}}"#;
         assert_eq!(parse_load_report(body).unwrap(), vec![Some(5000), Some(100)]);
+    }
+
+    #[test]
+    fn v1_loads_figures_for_prefix_affinity() {
+        let body = br#"{"loads":[{"dp_rank":1,"num_total_tokens":5,"num_waiting_uncached_tokens":700,
+                                   "max_total_num_tokens":200000,"cache_hit_rate":0.625},
+                                  {"dp_rank":0,"num_total_tokens":1,"cache_hit_rate":1.5,
+                                   "num_waiting_uncached_tokens":-1}]}"#;
+        let report = parse_load_details(body).unwrap();
+        assert_eq!(report.tokens, vec![Some(1), Some(5)]);
+        assert_eq!(
+            report.figures[1],
+            RankFigures {
+                waiting_uncached: Some(700),
+                capacity: Some(200000),
+                cache_hit_rate: Some(0.625),
+            }
+        );
+        assert_eq!(
+            report.figures[0],
+            RankFigures::default(),
+            "unusable figures are unknown"
+        );
+        let get_load = parse_load_details(br#"[{"dp_rank":0,"num_tokens":3}]"#).unwrap();
+        assert_eq!(get_load.figures, vec![RankFigures::default()]);
     }
 
     #[test]

@@ -5,8 +5,9 @@
 use crate::config::{Config, Discovery, LoadEndpoint, Worker};
 use crate::discovery;
 use crate::host::{Callout, Host};
-use crate::load::{parse_load_report, RankTokens};
+use crate::load::{parse_load_details, LoadReport};
 use crate::metrics::{self, PerWorker};
+use crate::prefix::index::IndexRecord;
 use crate::store::{self, IfMissing, Members};
 use hashbrown::HashMap;
 use std::net::SocketAddr;
@@ -238,7 +239,7 @@ impl Poller {
             return;
         };
         let outcome = match status {
-            Some(200) => parse_load_report(body).map_err(|e| e.to_string()),
+            Some(200) => parse_load_details(body).map_err(|e| e.to_string()),
             Some(404) if call.endpoint == Endpoint::V1Loads && config.load_endpoint == LoadEndpoint::Auto => {
                 log::info!("{} has no /v1/loads; polling /get_load from now on", w.endpoint());
                 // Kept with the worker's state, so whichever thread polls next knows.
@@ -253,8 +254,8 @@ impl Poller {
             None => Err("no response (timeout or connection failure)".to_string()),
         };
         let ok = match outcome {
-            Ok(tokens) => {
-                apply_report(config, host, index, w, call.seq, tokens);
+            Ok(report) => {
+                apply_report(config, host, index, w, call.seq, report);
                 true
             }
             Err(reason) => {
@@ -275,15 +276,14 @@ impl Poller {
 }
 
 /// Stores a good report as worker `index`'s snapshot (poll `seq`), trimmed
-/// to a configured `dp_size`, and publishes its figures.
-fn apply_report(
-    config: &Config,
-    host: &dyn Host,
-    index: usize,
-    w: &Worker,
-    seq: u64,
-    mut tokens: RankTokens,
-) {
+/// to a configured `dp_size`, and publishes its figures. Under prefix
+/// affinity, ranks reporting far fewer cache hits than their index
+/// expected lose part of their index.
+fn apply_report(config: &Config, host: &dyn Host, index: usize, w: &Worker, seq: u64, report: LoadReport) {
+    let LoadReport {
+        mut tokens,
+        mut figures,
+    } = report;
     if let Some(dp) = w.dp_size {
         if tokens.len() != dp as usize {
             host.count(&PerWorker::DpSizeMismatch.of(&w.name), 1);
@@ -294,11 +294,34 @@ fn apply_report(
             );
             tokens.truncate(dp as usize);
         }
+        figures.truncate(dp as usize);
     }
     let now = host.now_ms();
-    store::update_worker(config, host, index, IfMissing::Create, |state| {
-        state.apply_snapshot(seq, now, &tokens).then_some(())
+    let shrink = store::update_worker(config, host, index, IfMissing::Create, |state| {
+        if !state.apply_snapshot(seq, now, &tokens) {
+            return None;
+        }
+        state.apply_figures(seq, &figures);
+        Some(match config.prefix {
+            Some(_) => state.prefill.cache_feedback(config.poll_interval_ms),
+            None => Vec::new(),
+        })
     });
+    if let (Some(prefix), Some(shrink)) = (&config.prefix, shrink.filter(|s| !s.is_empty())) {
+        store::update_index(config, host, index, None, |view| {
+            let mut record = IndexRecord::from_view(view.as_ref(), prefix.block_bytes, now);
+            let mut changed = false;
+            for (rank, keep) in &shrink {
+                changed |= record.shrink(*rank, *keep);
+            }
+            changed.then_some(record)
+        });
+        log::info!(
+            "{}: ranks {:?} report fewer cache hits than the prefix index expected; it forgets part of what it held there",
+            w.endpoint(),
+            shrink.iter().map(|(r, _)| r).collect::<Vec<_>>()
+        );
+    }
     for (rank, t) in tokens.iter().enumerate() {
         if let Some(t) = t {
             host.gauge(&metrics::tokens(&w.name, rank), *t);

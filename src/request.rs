@@ -11,7 +11,7 @@ use crate::discovery::Membership;
 use crate::host::{Callout, Host};
 use crate::poller::POLL_DESTINATION_HEADER;
 use crate::router::{self, Decision, PassReason, PdRouted, Reply};
-use crate::state::Ticket;
+use crate::state::{PrefillTicket, Ticket};
 use std::cell::{Cell, RefCell};
 use std::rc::Rc;
 
@@ -78,6 +78,9 @@ pub struct Request {
     pin: Option<String>,
     ticket: Option<Ticket>,
     prefill_ticket: Option<Ticket>,
+    /// Prefix affinity: the prefill charged to the rank, taken back at the
+    /// first response byte (or when the prefill leg answers, or at the end).
+    prefill_charge: Option<PrefillTicket>,
     prefill: PrefillLeg,
     /// The decode response headers wait for the prefill leg.
     response_held: bool,
@@ -96,6 +99,7 @@ impl Request {
             pin: None,
             ticket: None,
             prefill_ticket: None,
+            prefill_charge: None,
             prefill: PrefillLeg::None,
             response_held: false,
         }
@@ -145,6 +149,7 @@ impl Request {
         if let Some(ticket) = self.prefill_ticket.take() {
             router::release(&self.config, host, &ticket);
         }
+        self.prefill_over(host);
         let status = host.callout_status();
         let body = host.callout_body(body_size);
         match router::prefill_outcome(&self.config, host, worker, status, &body) {
@@ -177,7 +182,10 @@ impl Request {
         }
     }
 
-    pub fn on_response_body(&mut self) -> Action {
+    /// A chunk of the response body. The first one of a streamed response
+    /// carries the first token: the request's prefill is over.
+    pub fn on_response_body(&mut self, host: &dyn Host) -> Action {
+        self.prefill_over(host);
         // Continuing here would release the held headers with the body.
         if self.response_held {
             Action::Pause
@@ -186,8 +194,16 @@ impl Request {
         }
     }
 
+    /// Takes the request's prefill off its rank's queue, once.
+    fn prefill_over(&mut self, host: &dyn Host) {
+        if let Some(charge) = self.prefill_charge.take() {
+            router::prefill_started(&self.config, host, &charge);
+        }
+    }
+
     /// The request is over (completed, reset or refused): estimates go back.
     pub fn on_done(&mut self, host: &dyn Host) {
+        self.prefill_over(host);
         for ticket in [self.ticket.take(), self.prefill_ticket.take()]
             .into_iter()
             .flatten()
@@ -209,6 +225,7 @@ impl Request {
                     self.replace_body(host, new_body);
                 }
                 self.ticket = routed.ticket;
+                self.prefill_charge = routed.prefill;
                 Action::Continue
             }
             Decision::Pd(pd) => self.start_pd(host, pd),
@@ -237,6 +254,7 @@ impl Request {
     fn start_pd(&mut self, host: &dyn Host, pd: PdRouted) -> Action {
         self.ticket = pd.decode_ticket;
         self.prefill_ticket = pd.prefill_ticket;
+        self.prefill_charge = pd.prefill_charge;
         if !self.dispatch_prefill(host, &pd) {
             self.on_done(host);
             router::prefill_not_sent(&self.config, host, pd.prefill.worker).send(host);

@@ -12,6 +12,9 @@
 /// Tokens value stored for a rank the report said nothing usable about.
 const UNKNOWN: u64 = u64::MAX;
 
+mod prefill;
+
+pub use prefill::{Charge, PrefillState, PrefillTicket, RankFigures};
 use serde::{Deserialize, Serialize};
 
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -31,6 +34,8 @@ pub struct WorkerState {
     tokens: Vec<u64>,
     /// Estimates of requests not yet covered by a snapshot, by poll bucket.
     pending: Vec<Pending>,
+    /// Prefix affinity: queued prefill and the report's cache figures per rank.
+    pub prefill: PrefillState,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -105,6 +110,7 @@ impl WorkerState {
         self.tokens.len() <= max
             && self.pending.len() <= max
             && self.pending.iter().all(|p| p.tokens.len() <= max)
+            && self.prefill.within_limits(max)
     }
 
     /// Pending estimate total (all ranks), for stats and tests.
@@ -175,6 +181,34 @@ impl WorkerState {
             seq,
             cost,
         })
+    }
+
+    /// Prefix affinity: charges a routed request's prefill to its rank (in
+    /// the same write as its estimate).
+    pub fn charge_prefill(
+        &mut self,
+        worker: usize,
+        rank: u32,
+        charge: Charge,
+        streamed: bool,
+    ) -> Option<PrefillTicket> {
+        if rank as usize >= self.tokens.len() {
+            return None;
+        }
+        self.prefill.charge(self.sent_seq, worker, rank, charge, streamed)
+    }
+
+    /// Prefix affinity: the request's prefill is over (first byte, or its end).
+    pub fn prefill_started(&mut self, ticket: &PrefillTicket) {
+        self.prefill.started(self.sent_seq, ticket);
+    }
+
+    /// Installs the prefix figures of snapshot `seq`, once `apply_snapshot`
+    /// has accepted it.
+    pub fn apply_figures(&mut self, seq: u64, figures: &[RankFigures]) {
+        if seq == self.snapshot_seq {
+            self.prefill.on_snapshot(seq, figures);
+        }
     }
 
     /// Removes an ended request's estimate if no snapshot has covered it yet.

@@ -11,6 +11,7 @@
 //! | `<p>.vms` | [`VmCount`]: hands every VM its id | each VM once |
 //! | `<p>.members` | [`Members`]: a cluster's current workers | poller (`workers_from_cluster`) |
 //! | `<p>.config` | [`Announced`]: the configuration last logged | each VM at start-up |
+//! | `<p>.px.<ip:port>` | [`IndexRecord`]: that worker's prefix index (prefix affinity) | router (routed prompts), poller (cache feedback) |
 //!
 //! Keys of later kinds follow the same pattern (`<p>.<kind>.<ip:port>[...]`)
 //! with a tag of their own. Values are a 4-byte tag (kind and layout
@@ -22,6 +23,7 @@
 use crate::config::Config;
 use crate::host::{Host, SharedSetError};
 use crate::metrics;
+pub use crate::prefix::index::{IndexRecord, IndexView};
 use crate::state::WorkerState;
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
@@ -57,6 +59,9 @@ impl<'a> Keys<'a> {
     pub fn config(&self) -> String {
         format!("{}.config", self.prefix)
     }
+    pub fn prefix_index(&self, address: &SocketAddr) -> String {
+        format!("{}.px.{address}", self.prefix)
+    }
 }
 
 /// `Vec<u64>` as one byte string of little-endian words, for the records read
@@ -91,6 +96,33 @@ pub mod words {
     }
 }
 
+/// Byte strings kept whole and read in place: `&[u8]` borrowed from the
+/// shared-data value on decoding (postcard's bytes: a varint length, then
+/// the bytes), so a large record is never copied element by element.
+pub mod bytes {
+    use serde::de::{Deserializer, Error, Visitor};
+    use serde::Serializer;
+    use std::fmt;
+
+    pub fn serialize<S: Serializer>(bytes: &[u8], s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_bytes(bytes)
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<u8>, D::Error> {
+        struct Bytes;
+        impl Visitor<'_> for Bytes {
+            type Value = Vec<u8>;
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("bytes")
+            }
+            fn visit_bytes<E: Error>(self, bytes: &[u8]) -> Result<Vec<u8>, E> {
+                Ok(bytes.to_vec())
+            }
+        }
+        d.deserialize_bytes(Bytes)
+    }
+}
+
 /// A value kept in shared data.
 pub trait Record: Serialize + DeserializeOwned {
     /// Kind and layout version; change it whenever the layout changes.
@@ -102,7 +134,7 @@ pub trait Record: Serialize + DeserializeOwned {
 }
 
 impl Record for WorkerState {
-    const TAG: [u8; 4] = *b"DPW5";
+    const TAG: [u8; 4] = *b"DPW6";
     fn within_limits(&self) -> bool {
         WorkerState::within_limits(self)
     }
@@ -156,6 +188,31 @@ pub fn encode<R: Record>(record: &R) -> Vec<u8> {
     postcard::to_extend(record, out).unwrap_or_default()
 }
 
+/// A record read in place: it borrows from the value's bytes.
+pub trait RecordView<'a>: Deserialize<'a> {
+    /// The tag of the record it reads (see `Record::TAG`).
+    const TAG: [u8; 4];
+    fn within_limits(&self) -> bool;
+}
+
+impl Record for IndexRecord {
+    const TAG: [u8; 4] = *b"DPX1";
+}
+
+impl<'a> RecordView<'a> for IndexView<'a> {
+    const TAG: [u8; 4] = IndexRecord::TAG;
+    fn within_limits(&self) -> bool {
+        IndexView::within_limits(self)
+    }
+}
+
+/// What `encode` wrote, read in place; None for anything else.
+pub fn decode_view<'a, R: RecordView<'a>>(bytes: &'a [u8]) -> Option<R> {
+    let body = bytes.strip_prefix(&R::TAG)?;
+    let (record, rest) = postcard::take_from_bytes::<R>(body).ok()?;
+    (rest.is_empty() && record.within_limits()).then_some(record)
+}
+
 /// What `encode` wrote; None for anything else (the caller starts afresh).
 pub fn decode<R: Record>(bytes: &[u8]) -> Option<R> {
     let body = bytes.strip_prefix(&R::TAG)?;
@@ -184,6 +241,37 @@ pub fn update<T: Record, R>(
     }
     host.count(metrics::SHARED_DATA_CONFLICTS, 1);
     None
+}
+
+/// Read-modify-write of worker `index`'s prefix index under
+/// compare-and-swap. `first` is a value already read (None: read it here);
+/// `change` gets the current index, if readable, and returns the new one, or
+/// None to write nothing. False when nothing was written.
+pub fn update_index(
+    config: &Config,
+    host: &dyn Host,
+    index: usize,
+    mut first: Option<Option<(Vec<u8>, u32)>>,
+    mut change: impl FnMut(Option<IndexView>) -> Option<IndexRecord>,
+) -> bool {
+    let Some(worker) = config.worker(index) else {
+        return false;
+    };
+    let key = Keys::of(config).prefix_index(&worker.address);
+    for _ in 0..CAS_ATTEMPTS {
+        let current = first.take().unwrap_or_else(|| host.shared_get(&key));
+        let view = current.as_ref().and_then(|(bytes, _)| decode_view(bytes));
+        let Some(new) = change(view) else {
+            return false;
+        };
+        match host.shared_set(&key, &encode(&new), current.map(|(_, cas)| cas)) {
+            Ok(()) => return true,
+            Err(SharedSetError::CasMismatch) => continue,
+            Err(SharedSetError::Failed) => return false,
+        }
+    }
+    host.count(metrics::SHARED_DATA_CONFLICTS, 1);
+    false
 }
 
 /// What `update_worker` does for a worker that has no state yet: never
@@ -313,9 +401,14 @@ pub fn shared_bytes(config: &Config, host: &dyn Host) -> u64 {
     let keys = Keys::of(config);
     let fixed = [keys.lease(), keys.vms(), keys.members(), keys.config()];
     let workers = config.all_workers().map(|w| keys.worker(&w.address));
+    let indexes = config
+        .all_workers()
+        .filter(|_| config.prefix.is_some())
+        .map(|w| keys.prefix_index(&w.address));
     fixed
         .into_iter()
         .chain(workers)
+        .chain(indexes)
         .filter_map(|k| host.shared_get(&k))
         .map(|(b, _)| b.len() as u64)
         .sum()
@@ -367,7 +460,7 @@ mod tests {
         longer.push(0);
         assert_eq!(decode::<WorkerState>(&longer), None);
         let mut other_version = bytes.clone();
-        other_version[3] = b'4';
+        other_version[3] = b'5';
         assert_eq!(decode::<WorkerState>(&other_version), None);
         assert_eq!(decode::<WorkerState>(b""), None);
         assert_eq!(decode::<Lease>(&bytes), None, "another record's tag");
@@ -403,7 +496,7 @@ mod tests {
         let c = config();
         let h = FakeHost::default();
         assert_eq!(update_worker(&c, &h, 0, IfMissing::Skip, |_| Some(())), None);
-        assert!(h.shared.borrow().is_empty(), "skip writes nothing");
+        assert!(h.shared.is_empty(), "skip writes nothing");
         let seq = update_worker(&c, &h, 0, IfMissing::Create, |s| Some(s.begin_poll()));
         assert_eq!(seq, Some(1));
         let seq = update_worker(&c, &h, 0, IfMissing::Skip, |s| Some(s.begin_poll()));

@@ -1,7 +1,7 @@
 //! The configuration as users write it: serde structs, every field optional
 //! so that validation (`validate.rs`) can name what is missing or wrong.
 
-use super::{CostEstimate, FailMode, LoadEndpoint, Naming};
+use super::{CostEstimate, FailMode, LoadEndpoint, Naming, QueueMeasure};
 use serde::Deserialize;
 
 #[derive(Debug, Default, Deserialize)]
@@ -58,6 +58,21 @@ pub struct ConfigJson {
     pub state_key: Option<String>,
     #[serde(default)]
     pub poll_loads: Option<bool>,
+    /// Prefix affinity and its tuning (`config/prefix.rs`).
+    #[serde(default)]
+    pub prefix_affinity: Option<bool>,
+    #[serde(default)]
+    pub prefix_block_bytes: Option<u32>,
+    #[serde(default)]
+    pub prefix_capacity_tokens: Option<u64>,
+    #[serde(default)]
+    pub prefix_ttl_ms: Option<u64>,
+    #[serde(default)]
+    pub prefix_uncached_weight: Option<f64>,
+    #[serde(default)]
+    pub prefix_load_weight: Option<f64>,
+    #[serde(default)]
+    pub prefix_queue: Option<QueueMeasure>,
 }
 
 #[derive(Debug, Deserialize)]

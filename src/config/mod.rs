@@ -3,9 +3,11 @@
 //! the key at fault.
 
 mod json;
+pub mod prefix;
 mod validate;
 
 pub use json::{ConfigJson, DiscoveryJson, WorkerJson};
+pub use prefix::{Prefix, QueueMeasure};
 pub use validate::default_worker_name;
 
 use serde::{Deserialize, Serialize};
@@ -172,6 +174,8 @@ pub struct Config {
     /// Whether this plugin instance takes part in polling. Off for HTTP filters
     /// when a singleton `WasmService` with the same vm_id and state_key polls.
     pub poll_loads: bool,
+    /// Prefix affinity (None: `prefix_affinity: false`, load only).
+    pub prefix: Option<Prefix>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

@@ -16,6 +16,7 @@ impl TryFrom<ConfigJson> for Config {
 
     fn try_from(mut json: ConfigJson) -> Result<Self, Self::Error> {
         let naming = json.naming.unwrap_or(Naming::Current);
+        let prefix = prefix::settings(&json)?;
         let mode = mode(&mut json, naming)?;
         let (poll_interval_ms, poll_timeout_ms, stale_after_ms) = poll_timing(&json)?;
         let rank_field = field_name(
@@ -44,6 +45,7 @@ impl TryFrom<ConfigJson> for Config {
             pin_header,
             state_key: state_key(json.state_key)?,
             poll_loads: json.poll_loads.unwrap_or(true),
+            prefix,
         })
     }
 }

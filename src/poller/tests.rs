@@ -52,7 +52,7 @@ fn only_one_of_several_vms_polls_and_once_per_interval() {
     assert_eq!(h.counter("dprank.poll_ok.a"), 10);
     assert_eq!(h.counter("dprank.poll_ok.b"), 10);
     // Lease (24) + VM counter (8) + two worker states of one rank.
-    let state_bytes: u64 = h.shared.borrow().values().map(|(b, _)| b.len() as u64).sum();
+    let state_bytes: u64 = h.shared.bytes();
     assert_eq!(h.gauge_value("dprank.shared_data_bytes"), Some(state_bytes));
 }
 

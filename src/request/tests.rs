@@ -56,7 +56,7 @@ fn a_routed_request_gets_its_endpoint_rank_and_length_and_gives_its_estimate_bac
     assert_eq!(h.counter("dprank.pin_ignored"), 1);
     assert!(pending(&c, &h) > 0);
     assert_eq!(
-        (r.on_response_headers(&h), r.on_response_body()),
+        (r.on_response_headers(&h), r.on_response_body(&h)),
         (Action::Continue, Action::Continue)
     );
     r.on_done(&h);
@@ -202,11 +202,11 @@ fn pd_sends_the_prefill_leg_and_holds_the_decode_response_until_it_is_done() {
 
     // The decode response arrives first: held until the prefill is done.
     assert_eq!(r.on_response_headers(&h), Action::Pause);
-    assert_eq!(r.on_response_body(), Action::Pause);
+    assert_eq!(r.on_response_body(&h), Action::Pause);
     *h.callout.borrow_mut() = (Some(200), b"{}".to_vec());
     r.on_prefill_response(&h, 2);
     assert_eq!(h.resumed.get(), 1);
-    assert_eq!(r.on_response_body(), Action::Continue);
+    assert_eq!(r.on_response_body(&h), Action::Continue);
     assert_eq!(h.counter("dprank.prefill_ok.p0"), 1);
     assert!(
         pending(&c, &h) > 0,

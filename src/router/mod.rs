@@ -12,8 +12,9 @@ use crate::body::{may_name_a_rank, BodyError, JsonObject};
 use crate::config::{Config, FailMode};
 use crate::host::Host;
 use crate::metrics;
+use crate::prefix::{Affinity, PromptBlocks};
 use crate::scheduler::{self, Candidate, Constraint, Context, Pool};
-use crate::state::{Ticket, WorkerState};
+use crate::state::{Charge, PrefillTicket, Ticket, WorkerState};
 use crate::store::{self, IfMissing};
 
 /// Why a request went through untouched (also the suffix of its counter).
@@ -75,6 +76,9 @@ pub struct Routed {
     pub body: Option<Vec<u8>>,
     /// To release when the request ends; None if accounting could not be written.
     pub ticket: Option<Ticket>,
+    /// Prefix affinity: the prefill charged to the rank, to take back at
+    /// the first response byte (or the end).
+    pub prefill: Option<PrefillTicket>,
 }
 
 #[derive(Debug, PartialEq, Eq)]
@@ -157,12 +161,14 @@ fn choose(
     pool: &Pool,
     constraint: Constraint,
     tie_breaker: u64,
+    affinity: Option<&Affinity>,
 ) -> Option<Candidate> {
     let ctx = Context {
         now_ms: host.now_ms(),
         stale_after_ms: config.stale_after_ms,
         constraint,
         tie_breaker,
+        affinity,
     };
     let mut pick = scheduler::choose(pool, &ctx);
     if pick.is_none() && constraint.pin.is_some() {
@@ -182,18 +188,88 @@ fn choose(
     pick
 }
 
-/// Adds a routed request's estimate to its rank and counts the route.
-fn account(config: &Config, host: &dyn Host, worker: usize, rank: u32, cost: u64) -> Option<Ticket> {
-    let ticket = store::update_worker(config, host, worker, IfMissing::Skip, |state| {
-        state.add(worker, rank, cost)
+/// Prefix affinity for one request over the pool starting at `offset` in
+/// `Config::all_workers`; None when it is off.
+fn affinity<'a>(
+    config: &'a Config,
+    host: &'a dyn Host,
+    object: &JsonObject,
+    offset: usize,
+) -> Option<Affinity<'a>> {
+    let settings = config.prefix.as_ref()?;
+    let streamed = object
+        .raw_value("stream")
+        .is_some_and(|v| v.trim_ascii() == b"true");
+    let prompt = PromptBlocks::of(object, settings.block_bytes);
+    Some(Affinity::new(config, settings, host, offset, prompt, streamed))
+}
+
+/// What prefix affinity charges the chosen (worker, rank) for a request, and
+/// whether its response is streamed.
+struct Prefill {
+    charge: Charge,
+    streamed: bool,
+}
+
+impl Prefill {
+    fn of(affinity: Option<&Affinity>, pool_worker: usize, rank: u32) -> Option<Prefill> {
+        affinity.map(|a| Prefill {
+            charge: a.charge(pool_worker, rank),
+            streamed: a.streamed,
+        })
+    }
+}
+
+/// Adds a routed request's estimate (and, under prefix affinity, its
+/// prefill) to its rank and counts the route.
+fn account(
+    config: &Config,
+    host: &dyn Host,
+    worker: usize,
+    rank: u32,
+    cost: u64,
+    prefill: Option<Prefill>,
+) -> (Option<Ticket>, Option<PrefillTicket>) {
+    let tickets = store::update_worker(config, host, worker, IfMissing::Skip, |state| {
+        let ticket = state.add(worker, rank, cost)?;
+        let prefill = prefill
+            .as_ref()
+            .and_then(|p| state.charge_prefill(worker, rank, p.charge, p.streamed));
+        Some((ticket, prefill))
     });
-    if ticket.is_none() {
+    if tickets.is_none() {
         host.count(metrics::ACCOUNTING_SKIPPED, 1);
     }
     if let Some(w) = config.worker(worker) {
         host.count(&metrics::routed(&w.name, rank), 1);
     }
-    ticket
+    tickets.map_or((None, None), |(t, p)| (Some(t), p))
+}
+
+/// Records the routed prompt in the chosen worker's prefix index.
+fn record(
+    affinity: Option<&Affinity>,
+    states: &[Option<WorkerState>],
+    pool: &Pool,
+    worker: usize,
+    rank: u32,
+) {
+    if let Some(a) = affinity {
+        let capacity = states
+            .get(worker)
+            .and_then(Option::as_ref)
+            .and_then(|s| s.prefill.capacity(rank as usize));
+        a.record(worker - pool.offset, rank, capacity);
+    }
+}
+
+/// Under prefix affinity, the request's prefill is over: its first response
+/// byte came (streamed), or it ended.
+pub fn prefill_started(config: &Config, host: &dyn Host, ticket: &PrefillTicket) {
+    store::update_worker(config, host, ticket.worker, IfMissing::Skip, |state| {
+        state.prefill_started(ticket);
+        Some(())
+    });
 }
 
 /// Gives back a routed request's estimate when its stream ends.
@@ -237,8 +313,11 @@ pub fn route(config: &Config, host: &dyn Host, body: &[u8], pin: Option<&str>, t
         only_rank: trusted_rank,
         pin,
     };
-    let Some(Candidate { worker, rank, .. }) = choose(config, host, &pool, constraint, tie_breaker) else {
-        if trusted_rank.is_some() && choose(config, host, &pool, Constraint::default(), 0).is_some() {
+    let affinity = affinity(config, host, &object, pool.offset);
+    let Some(Candidate { worker, rank, .. }) =
+        choose(config, host, &pool, constraint, tie_breaker, affinity.as_ref())
+    else {
+        if trusted_rank.is_some() && choose(config, host, &pool, Constraint::default(), 0, None).is_some() {
             return pass_or_reject(config, host, PassReason::ClientRankUnavailable, None);
         }
         let neutralised = (trusted_rank.is_none() && object.has_any(&rank_names))
@@ -246,7 +325,9 @@ pub fn route(config: &Config, host: &dyn Host, body: &[u8], pin: Option<&str>, t
         return pass_or_reject(config, host, PassReason::NoFreshData, neutralised);
     };
     let cost = object.estimated_tokens(config.cost_estimate);
-    let ticket = account(config, host, worker, rank, cost);
+    let prefill = Prefill::of(affinity.as_ref(), worker - pool.offset, rank);
+    let (ticket, prefill) = account(config, host, worker, rank, cost, prefill);
+    record(affinity.as_ref(), &states, &pool, worker, rank);
     let body = trusted_rank.is_none().then(|| {
         let set = [(config.rank_field.as_str(), rank.to_string())];
         object.rewritten(&set, &rank_names)
@@ -255,9 +336,12 @@ pub fn route(config: &Config, host: &dyn Host, body: &[u8], pin: Option<&str>, t
         to: Chosen::new(config, worker, Some(rank)),
         body,
         ticket,
+        prefill,
     })
 }
 
+#[cfg(test)]
+mod affinity_tests;
 #[cfg(test)]
 pub(crate) mod testing;
 #[cfg(test)]

@@ -2,13 +2,15 @@
 //! rank) from their pools, the bootstrap fields that make the two legs meet,
 //! and what the prefill leg's outcome means for the client.
 
-use super::{account, choose, parse_body, pool, reject, Chosen, Decision, PassReason, Reply};
+use super::{
+    account, affinity, choose, parse_body, pool, record, reject, Chosen, Decision, PassReason, Prefill, Reply,
+};
 use crate::body::bootstrap_fields;
 use crate::config::{Config, Pd, RankOf};
 use crate::host::Host;
 use crate::metrics::{self, PerWorker};
 use crate::scheduler::Constraint;
-use crate::state::Ticket;
+use crate::state::{PrefillTicket, Ticket};
 use crate::store::{self, IfMissing};
 
 #[derive(Debug, PartialEq, Eq)]
@@ -20,6 +22,9 @@ pub struct PdRouted {
     pub decode_body: Vec<u8>,
     pub prefill_ticket: Option<Ticket>,
     pub decode_ticket: Option<Ticket>,
+    /// Prefix affinity: the prefill charged to the prefill rank (over when
+    /// the prefill leg answers).
+    pub prefill_charge: Option<PrefillTicket>,
 }
 
 /// The test pin `prefill_worker/rank,decode_worker/rank`: either side may be empty.
@@ -50,6 +55,9 @@ pub(super) fn route_pd(
     };
     let (prefill_pin, decode_pin) = split_pin(pin);
     let states = store::read_worker_states(config, host);
+    // The prefill rank is chosen by prefix and load, the decode rank by load.
+    let prefill_pool = pool(config, &states, true);
+    let affinity = affinity(config, host, &object, prefill_pool.offset);
     let pick = |prefill, pin| {
         let constraint = Constraint { only_rank: None, pin };
         choose(
@@ -58,6 +66,7 @@ pub(super) fn route_pd(
             &pool(config, &states, prefill),
             constraint,
             tie_breaker,
+            if prefill { affinity.as_ref() } else { None },
         )
     };
     let (p, d) = (pick(true, prefill_pin), pick(false, decode_pin));
@@ -76,8 +85,16 @@ pub(super) fn route_pd(
     };
 
     let cost = object.estimated_tokens(config.cost_estimate);
-    let prefill_ticket = p.and_then(|c| account(config, host, c.worker, c.rank, cost));
-    let decode_ticket = d.and_then(|c| account(config, host, c.worker, c.rank, cost));
+    let (prefill_ticket, prefill_charge) = match p {
+        Some(c) => {
+            let charge = Prefill::of(affinity.as_ref(), c.worker - prefill_pool.offset, c.rank);
+            let tickets = account(config, host, c.worker, c.rank, cost, charge);
+            record(affinity.as_ref(), &states, &prefill_pool, c.worker, c.rank);
+            tickets
+        }
+        None => (None, None),
+    };
+    let decode_ticket = d.and_then(|c| account(config, host, c.worker, c.rank, cost, None).0);
 
     let bootstrap = bootstrap_fields(
         &object,
@@ -95,6 +112,7 @@ pub(super) fn route_pd(
         decode_body: body_for(&pd.decode_body_fields),
         prefill_ticket,
         decode_ticket,
+        prefill_charge,
     })
 }
 

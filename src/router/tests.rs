@@ -24,7 +24,7 @@ fn routes_to_the_joint_minimum_and_injects_the_rank() {
 
 #[test]
 fn estimates_spread_a_burst_between_polls() {
-    let (c, h) = fleet("");
+    let (c, h) = fleet(r#","prefix_affinity":false"#);
     let prompt = format!(r#"{{"text":"{}"}}"#, "x".repeat(4 * 40)); // 40 tokens
     let picks: Vec<(usize, Option<u32>)> = (0..3)
         .map(|i| {

@@ -16,14 +16,21 @@ mod least_cost;
 mod load;
 mod only_rank;
 mod pinned;
+mod prefix;
+mod queue;
 
 use crate::config::Worker;
+use crate::prefix::Affinity;
 use crate::state::WorkerState;
 
 /// Filters, in order: the first that drops a worker ends its turn.
 const FILTERS: &[&dyn Filter] = &[&fresh::Fresh, &only_rank::OnlyRank, &pinned::Pinned];
-/// Scorers: each adds its cost to every candidate left.
-const SCORERS: &[&dyn Scorer] = &[&load::Load];
+/// Scorers: each adds its cost to every candidate left. Load only
+/// (`prefix_affinity: false`, and PD's decode pool):
+const LOAD_SCORERS: &[&dyn Scorer] = &[&load::Load];
+/// Prefix affinity: the prefill queued ahead, the request's own uncached
+/// prefill, and the rank's load (weighted, `config/prefix.rs`).
+const PREFIX_SCORERS: &[&dyn Scorer] = &[&queue::Queue, &prefix::Prefix, &load::Load];
 /// The picker: takes one candidate from those left.
 type ThePicker = least_cost::LeastCost;
 
@@ -64,6 +71,8 @@ pub struct Context<'a> {
     pub constraint: Constraint<'a>,
     /// Varies per request so that equal costs spread.
     pub tie_breaker: u64,
+    /// Prefix affinity for this request and pool (None: load only).
+    pub affinity: Option<&'a Affinity<'a>>,
 }
 
 /// One worker as the steps see it.
@@ -108,6 +117,11 @@ fn offered_ranks(worker: &Worker, state: &WorkerState) -> usize {
 pub fn choose(pool: &Pool, ctx: &Context) -> Option<Candidate> {
     let mut picker = ThePicker::new(ctx);
     let mut slots: Vec<Option<u64>> = Vec::new();
+    let scorers = if ctx.affinity.is_some() {
+        PREFIX_SCORERS
+    } else {
+        LOAD_SCORERS
+    };
     for (index, (worker, state)) in pool.workers.iter().zip(pool.states).enumerate() {
         let Some(state) = state else { continue };
         let view = WorkerView { index, worker, state };
@@ -116,7 +130,7 @@ pub fn choose(pool: &Pool, ctx: &Context) -> Option<Candidate> {
         if !FILTERS.iter().all(|f| f.filter(ctx, &view, &mut slots)) {
             continue;
         }
-        for scorer in SCORERS {
+        for scorer in scorers {
             scorer.score(ctx, &view, &mut slots);
         }
         picker.offer(index, &slots);
@@ -156,6 +170,7 @@ pub(crate) mod testing {
             stale_after_ms: 3000,
             constraint,
             tie_breaker: 0,
+            affinity: None,
         }
     }
 

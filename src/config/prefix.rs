@@ -1,0 +1,157 @@
+//! Prefix affinity's settings (README "Prefix affinity"): the keys, their
+//! defaults and their validation.
+
+use super::json::ConfigJson;
+use super::ConfigError;
+use serde::{Deserialize, Serialize};
+
+/// Bytes of routed text per index block.
+pub const DEFAULT_BLOCK_BYTES: u32 = 512;
+pub const MIN_BLOCK_BYTES: u32 = 64;
+pub const MAX_BLOCK_BYTES: u32 = 16384;
+/// Index capacity per rank, in tokens, when neither the configuration nor
+/// the rank's load report (`max_total_num_tokens`) gives one.
+pub const DEFAULT_CAPACITY_TOKENS: u64 = 131_072;
+/// Largest capacity accepted (bounds the shared data a rank's index takes).
+pub const MAX_CAPACITY_TOKENS: u64 = 16 << 20;
+pub const DEFAULT_TTL_MS: u64 = 600_000;
+pub const MIN_TTL_MS: u64 = 1000;
+pub const DEFAULT_UNCACHED_WEIGHT: f64 = 1.0;
+pub const DEFAULT_LOAD_WEIGHT: f64 = 0.1;
+/// Most blocks a rank's index keeps, whatever its capacity (bounds the
+/// shared data one worker's index takes: 8 bytes per block).
+pub const MAX_BLOCKS_PER_RANK: usize = 1 << 16;
+/// Largest weight accepted: beyond it one term drowns every other.
+pub const MAX_WEIGHT: f64 = 1000.0;
+
+/// How the prefill work queued on a rank is measured.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum QueueMeasure {
+    /// This gateway's own requests on the rank whose first response byte has
+    /// not come back (non-streamed ones until a poll has seen them).
+    Local,
+    /// The rank's polled `num_waiting_uncached_tokens`, plus this gateway's
+    /// requests sent since that poll left, minus those of its requests the
+    /// poll counted that have started answering since.
+    Polled,
+    /// The larger of the two.
+    Max,
+}
+
+/// Prefix affinity: requests go to the (worker, rank) with the least
+/// expected cost, counting the prompt the rank is thought to hold in cache.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Prefix {
+    /// Bytes of routed text per block of the index.
+    pub block_bytes: u32,
+    /// Index capacity per rank in tokens; None: the rank's reported
+    /// `max_total_num_tokens`, else `DEFAULT_CAPACITY_TOKENS`.
+    pub capacity_tokens: Option<u64>,
+    /// Index entries not routed to for this long are forgotten.
+    pub ttl_ms: u64,
+    /// Cost per uncached prompt token of the request itself.
+    pub uncached_weight: f64,
+    /// Cost per token of the rank's polled load (`num_total_tokens`) plus
+    /// this gateway's estimates: what the rank's running batch and queue hold.
+    pub load_weight: f64,
+    pub queue: QueueMeasure,
+}
+
+impl Default for Prefix {
+    fn default() -> Prefix {
+        Prefix {
+            block_bytes: DEFAULT_BLOCK_BYTES,
+            capacity_tokens: None,
+            ttl_ms: DEFAULT_TTL_MS,
+            uncached_weight: DEFAULT_UNCACHED_WEIGHT,
+            load_weight: DEFAULT_LOAD_WEIGHT,
+            queue: QueueMeasure::Max,
+        }
+    }
+}
+
+fn invalid(key: &str, reason: String) -> ConfigError {
+    ConfigError::Invalid {
+        key: key.to_string(),
+        reason,
+    }
+}
+
+fn weight(key: &str, value: Option<f64>, default: f64) -> Result<f64, ConfigError> {
+    let w = value.unwrap_or(default);
+    if !(w.is_finite() && (0.0..=MAX_WEIGHT).contains(&w)) {
+        return Err(invalid(
+            key,
+            format!("must be a number in 0..={MAX_WEIGHT}, got {w}"),
+        ));
+    }
+    Ok(w)
+}
+
+/// `prefix_affinity` and its tuning keys: None when affinity is off (the
+/// tuning keys are then refused, as they would do nothing).
+pub fn settings(json: &ConfigJson) -> Result<Option<Prefix>, ConfigError> {
+    let tuning = [
+        ("prefix_block_bytes", json.prefix_block_bytes.is_some()),
+        ("prefix_capacity_tokens", json.prefix_capacity_tokens.is_some()),
+        ("prefix_ttl_ms", json.prefix_ttl_ms.is_some()),
+        ("prefix_uncached_weight", json.prefix_uncached_weight.is_some()),
+        ("prefix_load_weight", json.prefix_load_weight.is_some()),
+        ("prefix_queue", json.prefix_queue.is_some()),
+    ];
+    if !json.prefix_affinity.unwrap_or(true) {
+        return match tuning.iter().find(|(_, set)| *set) {
+            Some((key, _)) => Err(invalid(key, "applies only with prefix_affinity: true".into())),
+            None => Ok(None),
+        };
+    }
+    let block_bytes = json.prefix_block_bytes.unwrap_or(DEFAULT_BLOCK_BYTES);
+    if !(MIN_BLOCK_BYTES..=MAX_BLOCK_BYTES).contains(&block_bytes) {
+        return Err(invalid(
+            "prefix_block_bytes",
+            format!("must be {MIN_BLOCK_BYTES}..={MAX_BLOCK_BYTES}, got {block_bytes}"),
+        ));
+    }
+    if let Some(c) = json.prefix_capacity_tokens {
+        if c == 0 || c > MAX_CAPACITY_TOKENS {
+            return Err(invalid(
+                "prefix_capacity_tokens",
+                format!("must be 1..={MAX_CAPACITY_TOKENS}, got {c}"),
+            ));
+        }
+    }
+    let ttl_ms = json.prefix_ttl_ms.unwrap_or(DEFAULT_TTL_MS);
+    if ttl_ms < MIN_TTL_MS {
+        return Err(invalid(
+            "prefix_ttl_ms",
+            format!("must be at least {MIN_TTL_MS}, got {ttl_ms}"),
+        ));
+    }
+    Ok(Some(Prefix {
+        block_bytes,
+        capacity_tokens: json.prefix_capacity_tokens,
+        ttl_ms,
+        uncached_weight: weight(
+            "prefix_uncached_weight",
+            json.prefix_uncached_weight,
+            DEFAULT_UNCACHED_WEIGHT,
+        )?,
+        load_weight: weight("prefix_load_weight", json.prefix_load_weight, DEFAULT_LOAD_WEIGHT)?,
+        queue: json.prefix_queue.unwrap_or(QueueMeasure::Max),
+    }))
+}
+
+impl Prefix {
+    /// Index capacity of a rank in blocks, from its reported KV capacity.
+    pub fn capacity_blocks(&self, reported_tokens: Option<u64>) -> usize {
+        let tokens = self
+            .capacity_tokens
+            .or(reported_tokens.filter(|t| *t > 0))
+            .unwrap_or(DEFAULT_CAPACITY_TOKENS)
+            .min(MAX_CAPACITY_TOKENS);
+        // A block holds about block_bytes / 4 tokens (the `bytes` estimate).
+        let blocks = tokens.saturating_mul(4) / u64::from(self.block_bytes);
+        (blocks as usize).clamp(1, MAX_BLOCKS_PER_RANK)
+    }
+}

@@ -1,0 +1,72 @@
+//! Scorer `queue` (prefix affinity): adds the prefill work queued on each
+//! rank ahead of the request, measured as `prefix_queue` says
+//! (`state/prefill.rs`): what the request waits for before its own prefill.
+
+use super::{Context, Scorer, WorkerView};
+
+pub struct Queue;
+
+impl Scorer for Queue {
+    fn score(&self, ctx: &Context, worker: &WorkerView, costs: &mut [Option<u64>]) {
+        let Some(affinity) = ctx.affinity else {
+            return;
+        };
+        let measure = affinity.settings.queue;
+        for (rank, cost) in costs.iter_mut().enumerate() {
+            if let Some(c) = cost {
+                *c = c.saturating_add(worker.state.prefill.queued(rank, measure));
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::testing::*;
+    use super::super::Constraint;
+    use super::*;
+    use crate::config::Config;
+    use crate::host::fake::FakeHost;
+    use crate::prefix::{Affinity, PromptBlocks};
+    use crate::state::{Charge, RankFigures};
+
+    #[test]
+    fn adds_the_prefill_queued_on_each_rank() {
+        let config =
+            Config::from_json(br#"{"workers":[{"address":"127.0.0.1:1"}],"prefix_queue":"polled"}"#).unwrap();
+        let settings = config.prefix.clone().unwrap();
+        let h = FakeHost::default();
+        let affinity = Affinity::new(&config, &settings, &h, 0, PromptBlocks::default(), true);
+        let w = worker("a", 1, None);
+        let mut s = state(&[0, 0], 1000);
+        let figures = [
+            RankFigures {
+                waiting_uncached: Some(300),
+                ..Default::default()
+            },
+            RankFigures::default(),
+        ];
+        s.apply_figures(s.snapshot_seq, &figures);
+        s.charge_prefill(
+            0,
+            1,
+            Charge {
+                prompt: 90,
+                cached: 10,
+            },
+            true,
+        );
+        let view = WorkerView {
+            index: 0,
+            worker: &w,
+            state: &s,
+        };
+        let ctx = Context {
+            affinity: Some(&affinity),
+            ..ctx(Constraint::default())
+        };
+        let mut costs = vec![Some(1), Some(1)];
+        Queue.score(&ctx, &view, &mut costs);
+        assert_eq!(costs, vec![Some(301), Some(81)]);
+    }
+}

@@ -1,0 +1,469 @@
+//! What prefix affinity keeps per worker next to its polled tokens: the
+//! prefill work queued on each rank, the figures of the rank's last report
+//! that describe it (`num_waiting_uncached_tokens`, `max_total_num_tokens`,
+//! `cache_hit_rate`), and how much of the routed prompts the index expected
+//! each rank to hold, to check against the hit rate the rank reports.
+//!
+//! The queue of a rank is measured two ways (`prefix_queue` picks one or the
+//! larger):
+//! - locally: the uncached tokens of this gateway's requests on the rank
+//!   whose first response byte has not come back. Streamed responses send
+//!   their first byte with the first token, so that is the prefill still to
+//!   do. A non-streamed response's first byte comes only with the whole
+//!   answer, so holding it until then would count its decode as queued
+//!   prefill; it is counted until a poll that left after it was routed
+//!   reports back, and from then on the server's own figure counts it.
+//! - polled: the rank's `num_waiting_uncached_tokens` (everyone's requests,
+//!   as of the snapshot), plus this gateway's requests routed since that
+//!   poll left, minus those of its requests the poll may have counted that
+//!   have started answering since.
+//!
+//! Buckets follow `WorkerState`'s rule: a request routed while the last
+//! dispatched poll was `s` is invisible to snapshots up to `s`; snapshot
+//! `s + 1` onward may count it.
+
+use super::UNKNOWN;
+use crate::config::QueueMeasure;
+use crate::store::words;
+use serde::{Deserialize, Serialize};
+
+/// Prompt tokens routed to a rank since its last feedback check below which
+/// the reported hit rate is not compared (too few admissions to tell).
+pub const FEEDBACK_MIN_TOKENS: u64 = 8192;
+/// The expected hit rate below which a rank is never judged (nothing to lose).
+pub const FEEDBACK_MIN_EXPECTED: f64 = 0.2;
+/// A rank that reports less than this share of the hit rate the index
+/// expected is taken to have lost part of what the index says it holds.
+pub const FEEDBACK_RATIO: f64 = 0.5;
+/// Horizon of the expected-hit counters: SGLang's hit rate covers the
+/// admissions of its last 15 s (`SGLANG_CACHE_HIT_RATE_WINDOW_SECONDS`).
+pub const FEEDBACK_WINDOW_MS: f64 = 15_000.0;
+
+/// Uncached tokens per rank of requests routed while poll `seq` was the
+/// last dispatched one.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+struct Bucket {
+    seq: u64,
+    /// Streamed requests (they leave at their first byte).
+    #[serde(with = "words")]
+    streamed: Vec<u64>,
+    /// Non-streamed requests (they leave when a poll covers them).
+    #[serde(with = "words")]
+    other: Vec<u64>,
+}
+
+/// The prefill work one routed request adds to its rank, to take back when
+/// its first byte comes (or it ends).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PrefillTicket {
+    pub worker: usize,
+    pub rank: u32,
+    pub seq: u64,
+    /// Estimated uncached prompt tokens.
+    pub tokens: u64,
+    pub streamed: bool,
+}
+
+/// What a routed request is expected to cost its rank.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Charge {
+    /// Estimated prompt tokens.
+    pub prompt: u64,
+    /// Of those, the tokens the index expects the rank to hold.
+    pub cached: u64,
+}
+
+impl Charge {
+    pub fn uncached(&self) -> u64 {
+        self.prompt.saturating_sub(self.cached)
+    }
+}
+
+/// A rank's figures from a load report that prefix affinity uses.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct RankFigures {
+    pub waiting_uncached: Option<u64>,
+    pub capacity: Option<u64>,
+    /// 0..=1.
+    pub cache_hit_rate: Option<f64>,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PrefillState {
+    /// Polled `num_waiting_uncached_tokens` per rank (UNKNOWN: not reported).
+    #[serde(with = "words")]
+    polled_waiting: Vec<u64>,
+    /// Polled `max_total_num_tokens` per rank (0: not reported).
+    #[serde(with = "words")]
+    capacity: Vec<u64>,
+    /// Polled `cache_hit_rate` per rank in 1/10000 (UNKNOWN: not reported).
+    #[serde(with = "words")]
+    hit_rate: Vec<u64>,
+    /// Requests not yet at their first byte that no snapshot covers yet.
+    uncovered: Vec<Bucket>,
+    /// Streamed requests a snapshot covers, not yet at their first byte.
+    #[serde(with = "words")]
+    covered: Vec<u64>,
+    /// Covered requests that reached their first byte, by the poll last
+    /// dispatched then (the snapshots it may still be in).
+    drained: Vec<Bucket>,
+    /// Prompt tokens routed to each rank, decayed over `FEEDBACK_WINDOW_MS`.
+    #[serde(with = "words")]
+    sent: Vec<u64>,
+    /// Of those, the tokens the index expected each rank to hold.
+    #[serde(with = "words")]
+    expected: Vec<u64>,
+}
+
+fn slot(v: &mut Vec<u64>, rank: usize) -> Option<&mut u64> {
+    if v.len() <= rank {
+        v.resize(rank + 1, 0);
+    }
+    v.get_mut(rank)
+}
+
+fn at(v: &[u64], rank: usize) -> u64 {
+    v.get(rank).copied().unwrap_or(0)
+}
+
+fn bucket(list: &mut Vec<Bucket>, seq: u64) -> Option<&mut Bucket> {
+    let i = match list.iter().position(|b| b.seq == seq) {
+        Some(i) => i,
+        None => {
+            list.push(Bucket {
+                seq,
+                streamed: Vec::new(),
+                other: Vec::new(),
+            });
+            list.len() - 1
+        }
+    };
+    list.get_mut(i)
+}
+
+impl PrefillState {
+    /// Whether the sizes are within what dprank ever writes.
+    pub fn within_limits(&self, max: usize) -> bool {
+        let lists = [
+            &self.polled_waiting,
+            &self.capacity,
+            &self.hit_rate,
+            &self.covered,
+            &self.sent,
+            &self.expected,
+        ];
+        lists.iter().all(|v| v.len() <= max)
+            && self.uncovered.len() <= max
+            && self.drained.len() <= max
+            && self
+                .uncovered
+                .iter()
+                .chain(&self.drained)
+                .all(|b| b.streamed.len() <= max && b.other.len() <= max)
+    }
+
+    /// A routed request's charge to `rank`, while poll `sent_seq` is the
+    /// last dispatched.
+    pub fn charge(
+        &mut self,
+        sent_seq: u64,
+        worker: usize,
+        rank: u32,
+        charge: Charge,
+        streamed: bool,
+    ) -> Option<PrefillTicket> {
+        let r = rank as usize;
+        let tokens = charge.uncached();
+        let b = bucket(&mut self.uncovered, sent_seq)?;
+        let list = if streamed { &mut b.streamed } else { &mut b.other };
+        let s = slot(list, r)?;
+        *s = s.saturating_add(tokens);
+        let s = slot(&mut self.sent, r)?;
+        *s = s.saturating_add(charge.prompt);
+        let s = slot(&mut self.expected, r)?;
+        *s = s.saturating_add(charge.cached);
+        Some(PrefillTicket {
+            worker,
+            rank,
+            seq: sent_seq,
+            tokens,
+            streamed,
+        })
+    }
+
+    /// The request's prefill is over: its first byte came, or it ended.
+    /// `sent_seq` is the last dispatched poll now.
+    pub fn started(&mut self, sent_seq: u64, ticket: &PrefillTicket) {
+        let r = ticket.rank as usize;
+        if let Some(b) = self.uncovered.iter_mut().find(|b| b.seq == ticket.seq) {
+            let list = if ticket.streamed {
+                &mut b.streamed
+            } else {
+                &mut b.other
+            };
+            if let Some(s) = list.get_mut(r) {
+                *s = s.saturating_sub(ticket.tokens);
+            }
+            self.uncovered
+                .retain(|b| b.streamed.iter().chain(&b.other).any(|t| *t > 0));
+            return;
+        }
+        // A non-streamed request left the queue when a poll covered it.
+        if !ticket.streamed {
+            return;
+        }
+        if let Some(s) = self.covered.get_mut(r) {
+            *s = s.saturating_sub(ticket.tokens);
+        }
+        // The last snapshot may have counted it as waiting: until a poll that
+        // leaves after now reports, the polled figure is corrected by it.
+        if let Some(s) = bucket(&mut self.drained, sent_seq).and_then(|b| slot(&mut b.streamed, r)) {
+            *s = s.saturating_add(ticket.tokens);
+        }
+    }
+
+    /// Installs the figures of snapshot `seq` (already accepted by
+    /// `WorkerState::apply_snapshot`) and moves what it covers.
+    pub fn on_snapshot(&mut self, seq: u64, figures: &[RankFigures]) {
+        self.polled_waiting = figures
+            .iter()
+            .map(|f| f.waiting_uncached.map_or(UNKNOWN, |t| t.min(UNKNOWN - 1)))
+            .collect();
+        self.capacity = figures.iter().map(|f| f.capacity.unwrap_or(0)).collect();
+        self.hit_rate = figures
+            .iter()
+            .map(|f| {
+                f.cache_hit_rate
+                    .filter(|h| h.is_finite())
+                    .map_or(UNKNOWN, |h| (h.clamp(0.0, 1.0) * 10_000.0).round() as u64)
+            })
+            .collect();
+        for b in self.uncovered.iter().filter(|b| b.seq < seq) {
+            for (r, t) in b.streamed.iter().enumerate() {
+                if let Some(s) = slot(&mut self.covered, r) {
+                    *s = s.saturating_add(*t);
+                }
+            }
+        }
+        self.uncovered.retain(|b| b.seq >= seq);
+        self.drained.retain(|b| b.seq >= seq);
+    }
+
+    /// The rank's reported KV capacity, if its report gave one.
+    pub fn capacity(&self, rank: usize) -> Option<u64> {
+        self.capacity.get(rank).copied().filter(|c| *c > 0)
+    }
+
+    /// Prefill tokens queued on `rank`, measured as `measure` says.
+    pub fn queued(&self, rank: usize, measure: QueueMeasure) -> u64 {
+        let uncovered: u64 = self
+            .uncovered
+            .iter()
+            .map(|b| at(&b.streamed, rank).saturating_add(at(&b.other, rank)))
+            .fold(0, u64::saturating_add);
+        let local = || at(&self.covered, rank).saturating_add(uncovered);
+        let polled = || {
+            let waiting = self
+                .polled_waiting
+                .get(rank)
+                .copied()
+                .filter(|t| *t != UNKNOWN)
+                .unwrap_or(0);
+            let drained: u64 = self
+                .drained
+                .iter()
+                .map(|b| at(&b.streamed, rank))
+                .fold(0, u64::saturating_add);
+            waiting.saturating_add(uncovered).saturating_sub(drained)
+        };
+        match measure {
+            QueueMeasure::Local => local(),
+            QueueMeasure::Polled => polled(),
+            QueueMeasure::Max => local().max(polled()),
+        }
+    }
+
+    /// Checks each rank's reported hit rate against what the index
+    /// expected of the prompts routed there, then ages the counters by
+    /// `elapsed_ms`. Returns, per rank that reported much less than
+    /// expected, the share of its index to keep (reported / expected).
+    pub fn cache_feedback(&mut self, elapsed_ms: u64) -> Vec<(usize, f64)> {
+        let mut shrink = Vec::new();
+        for (rank, reported) in self.hit_rate.iter().enumerate() {
+            let (sent, expected) = (at(&self.sent, rank), at(&self.expected, rank));
+            if *reported == UNKNOWN || sent < FEEDBACK_MIN_TOKENS {
+                continue;
+            }
+            let expected_rate = expected as f64 / sent as f64;
+            let reported = *reported as f64 / 10_000.0;
+            if expected_rate >= FEEDBACK_MIN_EXPECTED && reported < expected_rate * FEEDBACK_RATIO {
+                shrink.push((rank, (reported / expected_rate).clamp(0.0, 1.0)));
+                // Judge the index as it is now from fresh evidence only.
+                if let (Some(s), Some(e)) = (self.sent.get_mut(rank), self.expected.get_mut(rank)) {
+                    (*s, *e) = (0, 0);
+                }
+            }
+        }
+        let keep = (-(elapsed_ms as f64) / FEEDBACK_WINDOW_MS).exp();
+        for v in self.sent.iter_mut().chain(self.expected.iter_mut()) {
+            *v = (*v as f64 * keep) as u64;
+        }
+        shrink
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn figures(waiting: &[u64]) -> Vec<RankFigures> {
+        waiting
+            .iter()
+            .map(|w| RankFigures {
+                waiting_uncached: Some(*w),
+                capacity: Some(1000),
+                cache_hit_rate: Some(0.5),
+            })
+            .collect()
+    }
+
+    fn charge(uncached: u64) -> Charge {
+        Charge {
+            prompt: uncached + 10,
+            cached: 10,
+        }
+    }
+
+    #[test]
+    fn local_queue_holds_streamed_requests_until_their_first_byte() {
+        let mut p = PrefillState::default();
+        let t = p.charge(1, 0, 1, charge(100), true).unwrap();
+        assert_eq!(t.tokens, 100);
+        assert_eq!(p.queued(1, QueueMeasure::Local), 100);
+        p.on_snapshot(2, &figures(&[0, 0]));
+        assert_eq!(p.queued(1, QueueMeasure::Local), 100, "covered, still waiting");
+        p.started(2, &t);
+        assert_eq!(p.queued(1, QueueMeasure::Local), 0);
+        assert_eq!(p.queued(0, QueueMeasure::Local), 0);
+    }
+
+    #[test]
+    fn non_streamed_requests_leave_the_local_queue_when_a_poll_covers_them() {
+        let mut p = PrefillState::default();
+        let t = p.charge(1, 0, 0, charge(50), false).unwrap();
+        p.on_snapshot(1, &figures(&[0]));
+        assert_eq!(p.queued(0, QueueMeasure::Local), 50, "this poll left before it");
+        p.on_snapshot(2, &figures(&[50]));
+        assert_eq!(p.queued(0, QueueMeasure::Local), 0);
+        assert_eq!(p.queued(0, QueueMeasure::Polled), 50, "the server counts it now");
+        p.started(2, &t);
+        assert_eq!(
+            p.queued(0, QueueMeasure::Polled),
+            50,
+            "no first byte to learn from"
+        );
+    }
+
+    #[test]
+    fn polled_queue_adds_uncovered_requests_and_subtracts_drained_ones() {
+        let mut p = PrefillState::default();
+        p.on_snapshot(1, &figures(&[300]));
+        let early = p.charge(1, 0, 0, charge(40), true).unwrap();
+        assert_eq!(p.queued(0, QueueMeasure::Polled), 340);
+        // Poll 2 leaves after it and counts it: 300 from others + 40.
+        p.on_snapshot(2, &figures(&[340]));
+        assert_eq!(p.queued(0, QueueMeasure::Polled), 340, "not counted twice");
+        p.started(2, &early);
+        assert_eq!(
+            p.queued(0, QueueMeasure::Polled),
+            300,
+            "started since the snapshot"
+        );
+        assert_eq!(p.queued(0, QueueMeasure::Local), 0);
+        // Poll 3 left after the first byte: its figure no longer has it.
+        p.on_snapshot(3, &figures(&[300]));
+        assert_eq!(p.queued(0, QueueMeasure::Polled), 300);
+        assert_eq!(p.queued(0, QueueMeasure::Max), 300);
+        let late = p.charge(3, 0, 0, charge(500), true).unwrap();
+        assert_eq!(p.queued(0, QueueMeasure::Max), 800);
+        p.started(3, &late);
+        assert_eq!(p.queued(0, QueueMeasure::Max), 300);
+        assert!(p.uncovered.is_empty() && p.drained.is_empty());
+    }
+
+    #[test]
+    fn unknown_polled_figures_count_as_nothing() {
+        let mut p = PrefillState::default();
+        p.on_snapshot(
+            1,
+            &[RankFigures {
+                waiting_uncached: None,
+                capacity: None,
+                cache_hit_rate: None,
+            }],
+        );
+        p.charge(1, 0, 0, charge(7), true).unwrap();
+        assert_eq!(p.queued(0, QueueMeasure::Polled), 7);
+        assert_eq!(p.capacity(0), None);
+        assert_eq!(p.queued(5, QueueMeasure::Max), 0, "a rank never seen");
+    }
+
+    #[test]
+    fn a_rank_reporting_far_fewer_hits_than_expected_loses_part_of_its_index() {
+        let mut p = PrefillState::default();
+        let hits = |rate: f64| {
+            vec![
+                RankFigures {
+                    cache_hit_rate: Some(rate),
+                    ..Default::default()
+                },
+                RankFigures {
+                    cache_hit_rate: Some(0.0),
+                    ..Default::default()
+                },
+            ]
+        };
+        // Rank 0: 80% expected; rank 1: nothing expected, nothing judged.
+        for _ in 0..10 {
+            p.charge(
+                1,
+                0,
+                0,
+                Charge {
+                    prompt: 1000,
+                    cached: 800,
+                },
+                true,
+            );
+            p.charge(
+                1,
+                0,
+                1,
+                Charge {
+                    prompt: 1000,
+                    cached: 0,
+                },
+                true,
+            );
+        }
+        p.on_snapshot(1, &hits(0.7));
+        assert!(p.cache_feedback(1000).is_empty(), "close enough to expected");
+        p.on_snapshot(2, &hits(0.2));
+        let shrink = p.cache_feedback(1000);
+        assert_eq!(shrink.len(), 1);
+        assert_eq!(shrink[0].0, 0);
+        assert!((shrink[0].1 - 0.25).abs() < 1e-9, "{shrink:?}");
+        assert!(p.cache_feedback(1000).is_empty(), "fresh evidence needed first");
+        p.charge(
+            1,
+            0,
+            0,
+            Charge {
+                prompt: 100,
+                cached: 100,
+            },
+            true,
+        );
+        assert!(p.cache_feedback(1000).is_empty(), "too few tokens to judge");
+    }
+}
