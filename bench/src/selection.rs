@@ -14,6 +14,8 @@ use dprank::scheduler::{choose, Constraint, Context, Pool};
 use dprank::state::WorkerState;
 use dprank::store;
 
+mod prefix;
+
 use crate::stats::{markdown_table, median, report_header};
 use crate::trace::generate_body_of_size;
 
@@ -27,25 +29,25 @@ pub struct SelectionArgs {
 }
 
 /// Ranks per worker in the synthetic fleets (one 8-GPU node each).
-const RANKS_PER_WORKER: usize = 8;
+pub(crate) const RANKS_PER_WORKER: usize = 8;
 const TOTAL_RANKS: [usize; 4] = [8, 64, 512, 4096];
 
 /// ns per call: the median batch, and the fastest (the cost without
 /// interference from other processes on a shared machine).
 #[derive(Debug, Clone, Copy)]
-struct Timing {
-    median: f64,
-    min: f64,
+pub(crate) struct Timing {
+    pub(crate) median: f64,
+    pub(crate) min: f64,
 }
 
 impl Timing {
-    fn cell(&self) -> String {
+    pub(crate) fn cell(&self) -> String {
         format!("{:.0} (min {:.0})", self.median, self.min)
     }
 }
 
 /// ns per call of `f`, over `batches` batches sized to ~2 ms each.
-fn time_ns<F: FnMut() -> u64>(batches: usize, mut f: F) -> Timing {
+pub(crate) fn time_ns<F: FnMut() -> u64>(batches: usize, mut f: F) -> Timing {
     let mut per_batch = 1usize;
     loop {
         let start = Instant::now();
@@ -118,6 +120,7 @@ pub fn selection(args: &SelectionArgs, command_line: &str) -> Result<(), String>
             stale_after_ms: config.stale_after_ms,
             constraint: Constraint::default(),
             tie_breaker,
+            affinity: None,
         };
         fn pool<'a>(workers: &'a [Worker], states: &'a [Option<WorkerState>]) -> Pool<'a> {
             Pool {
@@ -234,11 +237,17 @@ pub fn selection(args: &SelectionArgs, command_line: &str) -> Result<(), String>
         ],
         &body_rows,
     );
-    println!("\n{table}\n{body_table}");
+    let (prefix_table, prefix_cost) = prefix::rows(args.batches)?;
+    println!("\n{table}\n{body_table}\n{prefix_table}");
     let verdict = format!(
         "Selection at 4096 ranks: **{:.1} us** per call, median (target < 10 us); fastest batch {:.1} us.",
         at_4096 / 1000.0,
         at_4096_min / 1000.0
+    );
+    let verdict = format!(
+        "{verdict}\nPrefix affinity, 16 KB prompt, one worker of 8 ranks: **{:.1} us** to hash and score, median (target <= 10 us); fastest batch {:.1} us.",
+        prefix_cost.median / 1000.0,
+        prefix_cost.min / 1000.0
     );
     println!("{verdict}");
 
@@ -247,6 +256,8 @@ pub fn selection(args: &SelectionArgs, command_line: &str) -> Result<(), String>
     md.push_str(&table);
     md.push('\n');
     md.push_str(&body_table);
+    md.push('\n');
+    md.push_str(&prefix_table);
     let _ = writeln!(md, "\n{verdict}");
     std::fs::create_dir_all(&args.out).map_err(|e| format!("cannot create {}: {e}", args.out.display()))?;
     let path = args.out.join("selection.md");

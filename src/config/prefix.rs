@@ -16,6 +16,8 @@ pub const DEFAULT_CAPACITY_TOKENS: u64 = 131_072;
 pub const MAX_CAPACITY_TOKENS: u64 = 16 << 20;
 pub const DEFAULT_TTL_MS: u64 = 600_000;
 pub const MIN_TTL_MS: u64 = 1000;
+/// The index's stamps hold an hour with room to spare.
+pub const MAX_TTL_MS: u64 = crate::prefix::index::MAX_TTL_MS;
 pub const DEFAULT_UNCACHED_WEIGHT: f64 = 1.0;
 pub const DEFAULT_LOAD_WEIGHT: f64 = 0.1;
 /// Most blocks a rank's index keeps, whatever its capacity (bounds the
@@ -122,10 +124,10 @@ pub fn settings(json: &ConfigJson) -> Result<Option<Prefix>, ConfigError> {
         }
     }
     let ttl_ms = json.prefix_ttl_ms.unwrap_or(DEFAULT_TTL_MS);
-    if ttl_ms < MIN_TTL_MS {
+    if !(MIN_TTL_MS..=MAX_TTL_MS).contains(&ttl_ms) {
         return Err(invalid(
             "prefix_ttl_ms",
-            format!("must be at least {MIN_TTL_MS}, got {ttl_ms}"),
+            format!("must be {MIN_TTL_MS}..={MAX_TTL_MS}, got {ttl_ms}"),
         ));
     }
     Ok(Some(Prefix {

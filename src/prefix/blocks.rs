@@ -59,29 +59,30 @@ impl PromptBlocks {
         };
         for key in ["text", "prompt", "input_ids"] {
             if let Some(raw) = body.raw_value(key) {
-                let mut de = serde_json::Deserializer::from_slice(raw);
-                let _ = de.deserialize_any(Prompts {
-                    out: &mut out,
-                    depth: 0,
-                });
+                out.prompts(raw, 0);
             }
         }
         if let Some(raw) = body.raw_value("messages") {
-            if let Ok(messages) = serde_json::from_slice::<Vec<Message>>(raw) {
-                let mut chainer = Chainer::new(block_bytes);
-                for m in &messages {
-                    chainer.feed(m.role.as_deref().unwrap_or("user").as_bytes());
-                    chainer.feed(&[ROLE_END]);
-                    if let Some(content) = m.content {
-                        let mut de = serde_json::Deserializer::from_str(content.get());
-                        let _ = de.deserialize_any(Strings(&mut chainer));
-                    }
-                    chainer.feed(&[MESSAGE_END]);
-                }
+            let mut chainer = Chainer::new(block_bytes);
+            let mut de = serde_json::Deserializer::from_slice(raw);
+            if de.deserialize_seq(Messages(&mut chainer)).is_ok() {
                 out.push(chainer.finish());
             }
         }
         out
+    }
+
+    /// A `text`, `prompt` or `input_ids` value (`depth` 0), or an element of
+    /// a batch (`depth` 1): a string, token ids, or a batch of either.
+    fn prompts(&mut self, raw: &[u8], depth: u8) {
+        if let Some(text) = plain_string(raw) {
+            let mut chainer = Chainer::new(self.block_bytes);
+            chainer.feed(text);
+            self.push(chainer.finish());
+            return;
+        }
+        let mut de = serde_json::Deserializer::from_slice(raw);
+        let _ = de.deserialize_any(Prompts { out: self, depth });
     }
 
     fn push(&mut self, chain: Chain) {
@@ -134,6 +135,15 @@ impl Chainer {
         }
     }
 
+    /// A chainer that only collects its bytes (never hashes: blocks of
+    /// `usize::MAX`), to be fed to another later.
+    fn buffer() -> Chainer {
+        Chainer {
+            block: usize::MAX,
+            ..Chainer::new(0)
+        }
+    }
+
     fn emit(&mut self, block: &[u8]) {
         self.hash = chain(self.hash, xxh3_64(block));
         self.hashes.push((self.hash ^ (self.hash >> 32)) as u32);
@@ -175,12 +185,82 @@ impl Chainer {
     }
 }
 
-#[derive(Deserialize)]
-struct Message<'a> {
-    #[serde(default, borrow)]
-    role: Option<Cow<'a, str>>,
-    #[serde(default, borrow)]
-    content: Option<&'a RawValue>,
+/// The bytes of a JSON string value that holds no escape: the text itself,
+/// read without parsing it again (the body was validated whole).
+fn plain_string(raw: &[u8]) -> Option<&[u8]> {
+    let inner = raw.trim_ascii().strip_prefix(b"\"")?.strip_suffix(b"\"")?;
+    (!inner.contains(&b'\\')).then_some(inner)
+}
+
+/// Chat `messages`, fed to the chainer in one pass: per message its role,
+/// `ROLE_END`, its content's strings, `MESSAGE_END`.
+struct Messages<'c>(&'c mut Chainer);
+
+impl<'de> Visitor<'de> for Messages<'_> {
+    type Value = ();
+
+    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        f.write_str("a list of messages")
+    }
+
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<(), A::Error> {
+        while seq.next_element_seed(Message(&mut *self.0))?.is_some() {}
+        Ok(())
+    }
+}
+
+struct Message<'c>(&'c mut Chainer);
+
+impl<'de> DeserializeSeed<'de> for Message<'_> {
+    type Value = ();
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<(), D::Error> {
+        d.deserialize_map(self)
+    }
+}
+
+impl<'de> Visitor<'de> for Message<'_> {
+    type Value = ();
+
+    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        f.write_str("a message object")
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<(), A::Error> {
+        let chainer = self.0;
+        let mut role_fed = false;
+        // Content before the role (rare): kept until the role is known.
+        let mut early: Option<Chainer> = None;
+        while let Some(key) = map.next_key::<Cow<'de, str>>()? {
+            match key.as_ref() {
+                "role" if !role_fed => {
+                    let role = map.next_value::<Cow<'de, str>>()?;
+                    chainer.feed(role.as_bytes());
+                    chainer.feed(&[ROLE_END]);
+                    role_fed = true;
+                    if let Some(content) = early.take() {
+                        chainer.feed(&content.buf);
+                    }
+                }
+                "content" if role_fed => map.next_value_seed(Strings(&mut *chainer))?,
+                "content" => {
+                    let buffer = early.get_or_insert_with(Chainer::buffer);
+                    map.next_value_seed(Strings(buffer))?;
+                }
+                _ => {
+                    map.next_value::<IgnoredAny>()?;
+                }
+            }
+        }
+        if !role_fed {
+            chainer.feed(b"user");
+            chainer.feed(&[ROLE_END]);
+            if let Some(content) = early {
+                chainer.feed(&content.buf);
+            }
+        }
+        chainer.feed(&[MESSAGE_END]);
+        Ok(())
+    }
 }
 
 /// The value of `text`, `prompt` or `input_ids`: a string, a list of token
@@ -212,13 +292,7 @@ impl<'de> Visitor<'de> for Prompts<'_> {
                 Item::Id(id) => ids
                     .get_or_insert_with(|| Chainer::new(self.out.block_bytes))
                     .feed(&(id as u32).to_le_bytes()),
-                Item::Raw(raw) if self.depth == 0 => {
-                    let mut de = serde_json::Deserializer::from_str(raw.get());
-                    let _ = de.deserialize_any(Prompts {
-                        out: &mut *self.out,
-                        depth: 1,
-                    });
-                }
+                Item::Raw(raw) if self.depth == 0 => self.out.prompts(raw.get().as_bytes(), 1),
                 Item::Raw(_) => {}
             }
         }

@@ -2,15 +2,18 @@
 //! per worker, `store.rs`): per rank, the hashes of the prompt blocks
 //! dprank routed there (`blocks.rs`), each with when it was last routed to.
 //!
-//! The layout is made to be read in place, since every request reads the
-//! index of every candidate worker: per rank, the hashes as a sorted array
-//! of little-endian u32 and their stamps (ms after the record's `base_ms`)
-//! in the same order, both as byte strings a decoded [`IndexView`] borrows.
-//! A lookup is a binary search; how much of a prompt a rank holds is a
-//! binary search over the prompt's chain (the index holds whole prefixes:
-//! a prompt's blocks are recorded together, and deeper blocks get slightly
-//! older stamps so that eviction takes them first). Writes (one per routed
-//! request, to the chosen worker) rebuild the chosen rank's arrays.
+//! The layout is made to be small and read in place, since every request
+//! reads the index of every candidate worker (a shared-data read copies the
+//! whole value): per rank, the top 24 bits of each block hash as a sorted
+//! array of 3-byte little-endian keys (a false match has odds of about
+//! entries / 2^24 per lookup) and their stamps (2 bytes: tenths of a second
+//! after the record's `base_ms`) in the same order, both as byte strings a
+//! decoded [`IndexView`] borrows: 5 bytes per block. A lookup is a binary
+//! search; how much of a prompt a rank holds is a binary search over the
+//! prompt's chain (the index holds whole prefixes: a prompt's blocks are
+//! recorded together, and deeper blocks get slightly older stamps so that
+//! eviction takes them first). Writes (one per routed request, to the
+//! chosen worker) rebuild the chosen rank's arrays.
 //!
 //! Each rank keeps at most its capacity in blocks (least recently routed
 //! first out), forgets entries older than the TTL, and gives up part of its
@@ -22,16 +25,22 @@ use crate::config::MAX_DP_SIZE;
 use crate::store::bytes;
 use serde::{Deserialize, Serialize};
 
+/// Milliseconds per stamp unit.
+pub const STAMP_MS: u64 = 100;
 /// A stamp is refreshed (and the record written) when a routed prompt
 /// finds its blocks older than this; fresher ones are left as they are.
-pub const TOUCH_AFTER_MS: u32 = 1000;
-/// Rebase the stamps when they would no longer fit in u32.
-const REBASE_AFTER_MS: u64 = 1 << 31;
-/// A fresh record's base lies this far back, so deeper blocks' stamps
-/// (`now - depth`) never go below it.
-const BASE_MARGIN_MS: u64 = 1 << 20;
-/// Stamps of deeper blocks are older by 1 ms per block, up to this.
-const MAX_DEPTH_OFFSET: u32 = 4095;
+pub const TOUCH_AFTER_MS: u64 = 1000;
+/// Longest TTL the stamps can express with room to spare (an hour).
+pub const MAX_TTL_MS: u64 = 3_600_000;
+/// Rebase the stamps when they reach this many units (of 65535).
+const REBASE_AFTER_UNITS: u64 = 60_000;
+/// A rebased or fresh record's base lies this far back (in units), so deeper
+/// blocks' stamps (`now - depth`) never go below it.
+const BASE_MARGIN_UNITS: u64 = 16;
+/// Stamps of deeper blocks are one unit older per block, up to this.
+const MAX_DEPTH_OFFSET: u16 = 7;
+/// Bytes of a stored key (the top 24 bits of a block hash).
+const KEY_BYTES: usize = 3;
 
 /// The stored form of a worker's index (tag `DPX1`), built to write.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -45,10 +54,10 @@ pub struct IndexRecord {
 
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct RankRecord {
-    /// Sorted little-endian u32 hashes.
+    /// Sorted 3-byte little-endian keys.
     #[serde(with = "bytes")]
-    hashes: Vec<u8>,
-    /// Little-endian u32 stamps, in the order of `hashes`.
+    keys: Vec<u8>,
+    /// Little-endian u16 stamps, in the order of `keys`.
     #[serde(with = "bytes")]
     stamps: Vec<u8>,
 }
@@ -64,15 +73,27 @@ pub struct IndexView<'a> {
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
 pub struct RankView<'a> {
-    hashes: &'a [u8],
+    keys: &'a [u8],
     stamps: &'a [u8],
 }
 
-fn word(bytes: &[u8], i: usize) -> u32 {
-    bytes
-        .get(4 * i..4 * i + 4)
-        .and_then(|w| w.try_into().ok())
-        .map_or(0, u32::from_le_bytes)
+/// The stored key of a block hash.
+pub fn key_of(hash: u32) -> u32 {
+    hash >> 8
+}
+
+fn key_at(keys: &[u8], i: usize) -> u32 {
+    match keys.get(KEY_BYTES * i..KEY_BYTES * i + KEY_BYTES) {
+        Some(&[a, b, c]) => u32::from_le_bytes([a, b, c, 0]),
+        _ => 0,
+    }
+}
+
+fn stamp_at(stamps: &[u8], i: usize) -> u16 {
+    match stamps.get(2 * i..2 * i + 2) {
+        Some(&[a, b]) => u16::from_le_bytes([a, b]),
+        _ => 0,
+    }
 }
 
 impl<'a> IndexView<'a> {
@@ -80,9 +101,9 @@ impl<'a> IndexView<'a> {
     pub fn within_limits(&self) -> bool {
         self.ranks.len() <= MAX_DP_SIZE as usize
             && self.ranks.iter().all(|r| {
-                r.hashes.len().is_multiple_of(4)
-                    && r.stamps.len() == r.hashes.len()
-                    && r.hashes.len() / 4 <= MAX_BLOCKS_PER_RANK
+                r.keys.len().is_multiple_of(KEY_BYTES)
+                    && r.stamps.len() * KEY_BYTES == r.keys.len() * 2
+                    && r.len() <= MAX_BLOCKS_PER_RANK
             })
     }
 
@@ -99,34 +120,39 @@ impl<'a> IndexView<'a> {
         self.ranks.iter().map(RankView::len).sum()
     }
 
-    /// The earliest stamp still alive at `now_ms` under `ttl_ms`, in this
-    /// record's stamp units.
+    /// The earliest stamp still alive at `now_ms` under `ttl_ms` (above
+    /// every stamp when nothing can be).
     pub fn alive_from(&self, now_ms: u64, ttl_ms: u64) -> u32 {
-        now_ms
-            .saturating_sub(ttl_ms)
-            .saturating_sub(self.base_ms)
-            .min(u64::from(u32::MAX)) as u32
+        alive_from(self.base_ms, now_ms, ttl_ms)
     }
+}
+
+/// The first stamp (in units after `base_ms`) alive at `now_ms` under
+/// `ttl_ms`; u32 so that "none alive" is above every u16 stamp.
+fn alive_from(base_ms: u64, now_ms: u64, ttl_ms: u64) -> u32 {
+    let from = now_ms.saturating_sub(ttl_ms).saturating_sub(base_ms);
+    from.div_ceil(STAMP_MS).min(u64::from(u32::MAX)) as u32
 }
 
 impl RankView<'_> {
     pub fn len(&self) -> usize {
-        self.hashes.len() / 4
+        self.keys.len() / KEY_BYTES
     }
 
     pub fn is_empty(&self) -> bool {
-        self.hashes.is_empty()
+        self.keys.is_empty()
     }
 
-    /// The stamp of `hash`, if the rank holds it.
+    /// The stamp of the block `hash`, if the rank holds it.
     pub fn stamp(&self, hash: u32) -> Option<u32> {
+        let key = key_of(hash);
         let (mut lo, mut hi) = (0, self.len());
         while lo < hi {
             let mid = lo + (hi - lo) / 2;
-            match word(self.hashes, mid).cmp(&hash) {
+            match key_at(self.keys, mid).cmp(&key) {
                 std::cmp::Ordering::Less => lo = mid + 1,
                 std::cmp::Ordering::Greater => hi = mid,
-                std::cmp::Ordering::Equal => return Some(word(self.stamps, mid)),
+                std::cmp::Ordering::Equal => return Some(u32::from(stamp_at(self.stamps, mid))),
             }
         }
         None
@@ -157,27 +183,28 @@ impl RankView<'_> {
 
 impl RankRecord {
     fn len(&self) -> usize {
-        self.hashes.len() / 4
+        self.keys.len() / KEY_BYTES
     }
 
-    fn entries(&self) -> Vec<(u32, u32)> {
+    /// (key, stamp) pairs, sorted by key.
+    fn entries(&self) -> Vec<(u32, u16)> {
         (0..self.len())
-            .map(|i| (word(&self.hashes, i), word(&self.stamps, i)))
+            .map(|i| (key_at(&self.keys, i), stamp_at(&self.stamps, i)))
             .collect()
     }
 
-    fn set(&mut self, entries: &[(u32, u32)]) {
-        self.hashes.clear();
+    fn set(&mut self, entries: &[(u32, u16)]) {
+        self.keys.clear();
         self.stamps.clear();
-        for (h, s) in entries {
-            self.hashes.extend_from_slice(&h.to_le_bytes());
+        for (k, s) in entries {
+            self.keys.extend_from_slice(&k.to_le_bytes()[..KEY_BYTES]);
             self.stamps.extend_from_slice(&s.to_le_bytes());
         }
     }
 }
 
-/// Keeps the `keep` most recently stamped entries (sorted by hash, as given).
-fn keep_newest(entries: &mut Vec<(u32, u32)>, keep: usize) {
+/// Keeps the `keep` most recently stamped entries (sorted by key, as given).
+fn keep_newest(entries: &mut Vec<(u32, u16)>, keep: usize) {
     if entries.len() <= keep {
         return;
     }
@@ -185,7 +212,7 @@ fn keep_newest(entries: &mut Vec<(u32, u32)>, keep: usize) {
         entries.clear();
         return;
     }
-    let mut stamps: Vec<u32> = entries.iter().map(|e| e.1).collect();
+    let mut stamps: Vec<u16> = entries.iter().map(|e| e.1).collect();
     let cut = entries.len() - keep;
     let (_, threshold, _) = stamps.select_nth_unstable(cut);
     let threshold = *threshold;
@@ -208,7 +235,7 @@ impl IndexRecord {
     pub fn empty(block_bytes: u32, now_ms: u64) -> IndexRecord {
         IndexRecord {
             block_bytes,
-            base_ms: now_ms.saturating_sub(BASE_MARGIN_MS),
+            base_ms: now_ms.saturating_sub(BASE_MARGIN_UNITS * STAMP_MS),
             ranks: Vec::new(),
         }
     }
@@ -224,7 +251,7 @@ impl IndexRecord {
                     .ranks
                     .iter()
                     .map(|r| RankRecord {
-                        hashes: r.hashes.to_vec(),
+                        keys: r.keys.to_vec(),
                         stamps: r.stamps.to_vec(),
                     })
                     .collect(),
@@ -233,11 +260,13 @@ impl IndexRecord {
         }
     }
 
-    /// The stamp of `now_ms`, rebasing first if it no longer fits.
-    fn stamp_now(&mut self, now_ms: u64) -> u32 {
-        if now_ms.saturating_sub(self.base_ms) >= REBASE_AFTER_MS {
-            let base = now_ms.saturating_sub(BASE_MARGIN_MS);
-            let shift = base.saturating_sub(self.base_ms).min(u64::from(u32::MAX)) as u32;
+    /// The stamp of `now_ms`, rebasing first if it would not fit. Stamps
+    /// that fall below the new base become 0: older than any TTL allowed.
+    fn stamp_now(&mut self, now_ms: u64) -> u16 {
+        if now_ms.saturating_sub(self.base_ms) / STAMP_MS >= REBASE_AFTER_UNITS {
+            let base = now_ms.saturating_sub((MAX_TTL_MS / STAMP_MS + BASE_MARGIN_UNITS) * STAMP_MS);
+            let shift = (base.saturating_sub(self.base_ms) / STAMP_MS).min(u64::from(u16::MAX)) as u16;
+            let base = self.base_ms + u64::from(shift) * STAMP_MS;
             for rank in &mut self.ranks {
                 let mut entries = rank.entries();
                 for e in &mut entries {
@@ -247,7 +276,7 @@ impl IndexRecord {
             }
             self.base_ms = base;
         }
-        now_ms.saturating_sub(self.base_ms) as u32
+        (now_ms.saturating_sub(self.base_ms) / STAMP_MS).min(u64::from(u16::MAX)) as u16
     }
 
     fn rank_mut(&mut self, rank: usize) -> Option<&mut RankRecord> {
@@ -274,17 +303,17 @@ impl IndexRecord {
         capacity: usize,
     ) -> bool {
         let now = self.stamp_now(now_ms);
-        let alive_from = now_ms.saturating_sub(ttl_ms).saturating_sub(self.base_ms) as u32;
+        let alive_from = alive_from(self.base_ms, now_ms, ttl_ms);
         let Some(record) = self.rank_mut(rank) else {
             return false;
         };
-        let mut new: Vec<(u32, u32)> = chains
+        let mut new: Vec<(u32, u16)> = chains
             .iter()
             .flat_map(|chain| {
-                chain
-                    .iter()
-                    .enumerate()
-                    .map(move |(depth, h)| (*h, now.saturating_sub((depth as u32).min(MAX_DEPTH_OFFSET))))
+                chain.iter().enumerate().map(move |(depth, h)| {
+                    let older = (depth as u16).min(MAX_DEPTH_OFFSET);
+                    (key_of(*h), now.saturating_sub(older))
+                })
             })
             .collect();
         new.sort_unstable();
@@ -304,7 +333,7 @@ impl IndexRecord {
         while i < old.len() || j < new.len() {
             match (old.get(i), new.get(j)) {
                 (Some(o), Some(n)) if o.0 == n.0 => {
-                    if n.1 >= o.1.saturating_add(TOUCH_AFTER_MS) {
+                    if n.1 >= o.1.saturating_add((TOUCH_AFTER_MS / STAMP_MS) as u16) {
                         changed = true;
                     }
                     merged.push((o.0, o.1.max(n.1)));
@@ -328,7 +357,7 @@ impl IndexRecord {
             }
         }
         let before = merged.len();
-        merged.retain(|e| e.1 >= alive_from);
+        merged.retain(|e| u32::from(e.1) >= alive_from);
         keep_newest(&mut merged, capacity.min(MAX_BLOCKS_PER_RANK));
         changed |= merged.len() != before;
         if changed {
@@ -367,6 +396,11 @@ mod tests {
     const NOW: u64 = 1_800_000_000_000;
     const TTL: u64 = 60_000;
 
+    /// Block hashes that differ in their stored keys.
+    fn c(ids: &[u32]) -> Vec<u32> {
+        ids.iter().map(|i| i << 8).collect()
+    }
+
     fn view(record: &IndexRecord) -> Vec<u8> {
         encode(record)
     }
@@ -380,63 +414,66 @@ mod tests {
     #[test]
     fn a_recorded_prompt_matches_its_shared_prefix_only() {
         let mut r = IndexRecord::empty(512, NOW);
-        assert!(r.touch(2, &[&[10, 20, 30, 40]], NOW, TTL, 100));
+        assert!(r.touch(2, &[&c(&[10, 20, 30, 40])], NOW, TTL, 100));
         let bytes = view(&r);
-        assert_eq!(matched(&bytes, 2, &[10, 20, 30, 40, 50], NOW), 4);
-        assert_eq!(matched(&bytes, 2, &[10, 20, 99, 40], NOW), 2);
-        assert_eq!(matched(&bytes, 2, &[11, 20], NOW), 0);
-        assert_eq!(matched(&bytes, 0, &[10, 20], NOW), 0, "another rank");
-        assert_eq!(matched(&bytes, 7, &[10], NOW), 0, "a rank never written");
-        assert_eq!(matched(&bytes, 2, &[], NOW), 0);
+        assert_eq!(matched(&bytes, 2, &c(&[10, 20, 30, 40, 50]), NOW), 4);
+        assert_eq!(matched(&bytes, 2, &c(&[10, 20, 99, 40]), NOW), 2);
+        assert_eq!(matched(&bytes, 2, &c(&[11, 20]), NOW), 0);
+        assert_eq!(matched(&bytes, 0, &c(&[10, 20]), NOW), 0, "another rank");
+        assert_eq!(matched(&bytes, 7, &c(&[10]), NOW), 0, "a rank never written");
+        assert_eq!(matched(&bytes, 2, &c(&[]), NOW), 0);
     }
 
     #[test]
     fn fresh_blocks_are_not_written_again() {
         let mut r = IndexRecord::empty(512, NOW);
-        r.touch(0, &[&[1, 2, 3]], NOW, TTL, 100);
-        assert!(!r.touch(0, &[&[1, 2]], NOW + 500, TTL, 100), "fresh: no write");
-        assert!(r.touch(0, &[&[1, 2]], NOW + 5000, TTL, 100), "refreshed");
-        assert!(r.touch(0, &[&[1, 2, 4]], NOW + 5001, TTL, 100), "a new block");
+        r.touch(0, &[&c(&[1, 2, 3])], NOW, TTL, 100);
+        assert!(
+            !r.touch(0, &[&c(&[1, 2])], NOW + 500, TTL, 100),
+            "fresh: no write"
+        );
+        assert!(r.touch(0, &[&c(&[1, 2])], NOW + 5000, TTL, 100), "refreshed");
+        assert!(r.touch(0, &[&c(&[1, 2, 4])], NOW + 5001, TTL, 100), "a new block");
     }
 
     #[test]
     fn the_least_recently_routed_blocks_leave_first_deepest_first() {
         let mut r = IndexRecord::empty(512, NOW);
-        r.touch(0, &[&[1, 2, 3, 4]], NOW, TTL, 6);
-        r.touch(0, &[&[5, 6]], NOW + 10, TTL, 6);
-        r.touch(0, &[&[1]], NOW + 5000, TTL, 6);
+        r.touch(0, &[&c(&[1, 2, 3, 4])], NOW, TTL, 6);
+        r.touch(0, &[&c(&[5, 6])], NOW + 10, TTL, 6);
+        r.touch(0, &[&c(&[1])], NOW + 5000, TTL, 6);
         // Two more blocks: over capacity by two; 3 and 4 (old, deep) go.
-        r.touch(0, &[&[7, 8]], NOW + 6000, TTL, 6);
+        r.touch(0, &[&c(&[7, 8])], NOW + 6000, TTL, 6);
         assert_eq!(r.len(0), 6);
         let bytes = view(&r);
-        assert_eq!(matched(&bytes, 0, &[1, 2, 3, 4], NOW + 6000), 2);
-        assert_eq!(matched(&bytes, 0, &[5, 6], NOW + 6000), 2);
-        assert_eq!(matched(&bytes, 0, &[7, 8], NOW + 6000), 2);
+        assert_eq!(matched(&bytes, 0, &c(&[1, 2, 3, 4]), NOW + 6000), 2);
+        assert_eq!(matched(&bytes, 0, &c(&[5, 6]), NOW + 6000), 2);
+        assert_eq!(matched(&bytes, 0, &c(&[7, 8]), NOW + 6000), 2);
     }
 
     #[test]
     fn entries_expire_after_the_ttl() {
         let mut r = IndexRecord::empty(512, NOW);
-        r.touch(1, &[&[1, 2]], NOW, TTL, 100);
-        r.touch(1, &[&[3]], NOW + TTL / 2, TTL, 100);
+        r.touch(1, &[&c(&[1, 2])], NOW, TTL, 100);
+        r.touch(1, &[&c(&[3])], NOW + TTL / 2, TTL, 100);
         let bytes = view(&r);
-        assert_eq!(matched(&bytes, 1, &[1, 2], NOW + TTL - 100), 2);
-        assert_eq!(matched(&bytes, 1, &[1, 2], NOW + TTL + 1), 0, "read as gone");
-        assert_eq!(matched(&bytes, 1, &[3], NOW + TTL + 1), 1);
+        assert_eq!(matched(&bytes, 1, &c(&[1, 2]), NOW + TTL - 100), 2);
+        assert_eq!(matched(&bytes, 1, &c(&[1, 2]), NOW + TTL + 1), 0, "read as gone");
+        assert_eq!(matched(&bytes, 1, &c(&[3]), NOW + TTL + 1), 1);
         // The next write drops them.
-        assert!(r.touch(1, &[&[3]], NOW + TTL + 1, TTL, 100));
+        assert!(r.touch(1, &[&c(&[3])], NOW + TTL + 1, TTL, 100));
         assert_eq!(r.len(1), 1);
     }
 
     #[test]
     fn shrinking_keeps_the_most_recent_share() {
         let mut r = IndexRecord::empty(512, NOW);
-        r.touch(0, &[&[1, 2]], NOW, TTL, 100);
-        r.touch(0, &[&[3, 4]], NOW + 2000, TTL, 100);
+        r.touch(0, &[&c(&[1, 2])], NOW, TTL, 100);
+        r.touch(0, &[&c(&[3, 4])], NOW + 2000, TTL, 100);
         assert!(r.shrink(0, 0.5));
         let bytes = view(&r);
-        assert_eq!(matched(&bytes, 0, &[1, 2], NOW + 2000), 0);
-        assert_eq!(matched(&bytes, 0, &[3, 4], NOW + 2000), 2);
+        assert_eq!(matched(&bytes, 0, &c(&[1, 2]), NOW + 2000), 0);
+        assert_eq!(matched(&bytes, 0, &c(&[3, 4]), NOW + 2000), 2);
         assert!(r.shrink(0, 0.0));
         assert_eq!(r.len(0), 0);
         assert!(!r.shrink(0, 0.0), "nothing left to give up");
@@ -446,39 +483,49 @@ mod tests {
     #[test]
     fn another_block_size_or_a_damaged_value_reads_as_empty() {
         let mut r = IndexRecord::empty(512, NOW);
-        r.touch(0, &[&[1]], NOW, TTL, 100);
+        r.touch(0, &[&c(&[1])], NOW, TTL, 100);
         let bytes = view(&r);
         let v: IndexView = decode_view(&bytes).unwrap();
         assert_eq!(IndexRecord::from_view(Some(&v), 512, NOW), r);
         assert_eq!(IndexRecord::from_view(Some(&v), 256, NOW).ranks.len(), 0);
         assert!(decode_view::<IndexView>(&bytes[..bytes.len() - 1]).is_none());
         let mut odd = r.clone();
-        odd.ranks[0].stamps.pop();
+        odd.ranks[0].stamps.push(0);
         assert!(decode_view::<IndexView>(&encode(&odd)).is_none(), "sizes differ");
     }
 
     #[test]
     fn stamps_are_rebased_before_they_overflow() {
         let mut r = IndexRecord::empty(512, NOW);
-        r.touch(0, &[&[1]], NOW, u64::MAX, 100);
-        let later = NOW + REBASE_AFTER_MS + 5;
-        r.touch(0, &[&[2]], later, u64::MAX, 100);
+        let h = |i: u32| i << 8;
+        r.touch(0, &[&[h(1)]], NOW, MAX_TTL_MS, 100);
+        let mut at = NOW;
+        // Hourly writes for a day: the stamps never wrap.
+        for i in 2..26 {
+            at += MAX_TTL_MS - 1000;
+            r.touch(0, &[&[h(i), h(i - 1)]], at, MAX_TTL_MS, 100);
+            let bytes = view(&r);
+            assert_eq!(matched(&bytes, 0, &[h(i - 1)], at), 1, "write {i}");
+            assert_eq!(matched(&bytes, 0, &[h(i)], at), 1, "write {i}");
+        }
         assert!(r.base_ms > NOW);
         let bytes = view(&r);
-        assert_eq!(matched(&bytes, 0, &[2], later), 1);
         let v: IndexView = decode_view(&bytes).unwrap();
         let one = v.rank(0).unwrap();
-        assert!(one.stamp(1).unwrap() < one.stamp(2).unwrap(), "order kept");
+        assert_eq!(one.len(), 3, "older ones expired");
+        assert!(one.stamp(h(24)).unwrap() <= one.stamp(h(25)).unwrap());
+        // A record not written for longer than any TTL reads as empty.
+        assert_eq!(matched(&view(&r), 0, &[h(25)], at + 10 * MAX_TTL_MS), 0);
     }
 
     #[test]
     fn a_hole_in_a_chain_never_panics_and_gives_a_held_prefix() {
         let mut r = IndexRecord::empty(512, NOW);
-        r.touch(0, &[&[1, 2, 3, 4, 5, 6, 7, 8]], NOW, TTL, 100);
+        r.touch(0, &[&c(&[1, 2, 3, 4, 5, 6, 7, 8])], NOW, TTL, 100);
         let mut entries = r.ranks[0].entries();
         entries.retain(|e| e.0 != 3);
         r.ranks[0].set(&entries);
-        let n = matched(&view(&r), 0, &[1, 2, 3, 4, 5, 6, 7, 8], NOW);
+        let n = matched(&view(&r), 0, &c(&[1, 2, 3, 4, 5, 6, 7, 8]), NOW);
         assert!(n == 2 || n == 8, "{n}");
     }
 }

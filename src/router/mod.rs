@@ -9,7 +9,7 @@ pub use pd::{mark_unreachable, prefill_not_sent, prefill_outcome, PdRouted};
 pub use replies::Reply;
 
 use crate::body::{may_name_a_rank, BodyError, JsonObject};
-use crate::config::{Config, FailMode};
+use crate::config::{Config, CostEstimate, FailMode};
 use crate::host::Host;
 use crate::metrics;
 use crate::prefix::{Affinity, PromptBlocks};
@@ -204,6 +204,15 @@ fn affinity<'a>(
     Some(Affinity::new(config, settings, host, offset, prompt, streamed))
 }
 
+/// The request's estimated tokens (`cost_estimate`); under prefix affinity
+/// the `bytes` estimate is the hashed prompt's, saving a pass over the body.
+fn estimated_tokens(config: &Config, object: &JsonObject, affinity: Option<&Affinity>) -> u64 {
+    match (config.cost_estimate, affinity) {
+        (CostEstimate::Bytes, Some(a)) => a.prompt.tokens().max(1),
+        (how, _) => object.estimated_tokens(how),
+    }
+}
+
 /// What prefix affinity charges the chosen (worker, rank) for a request, and
 /// whether its response is streamed.
 struct Prefill {
@@ -324,7 +333,7 @@ pub fn route(config: &Config, host: &dyn Host, body: &[u8], pin: Option<&str>, t
             .then(|| object.rewritten(&[], &rank_names));
         return pass_or_reject(config, host, PassReason::NoFreshData, neutralised);
     };
-    let cost = object.estimated_tokens(config.cost_estimate);
+    let cost = estimated_tokens(config, &object, affinity.as_ref());
     let prefill = Prefill::of(affinity.as_ref(), worker - pool.offset, rank);
     let (ticket, prefill) = account(config, host, worker, rank, cost, prefill);
     record(affinity.as_ref(), &states, &pool, worker, rank);

@@ -84,7 +84,7 @@ pub(super) fn route_pd(
         return reject(host, PassReason::NoFreshData, Reply::no_fresh_data());
     };
 
-    let cost = object.estimated_tokens(config.cost_estimate);
+    let cost = super::estimated_tokens(config, &object, affinity.as_ref());
     let (prefill_ticket, prefill_charge) = match p {
         Some(c) => {
             let charge = Prefill::of(affinity.as_ref(), c.worker - prefill_pool.offset, c.rank);
