@@ -51,6 +51,8 @@ struct RankEntry {
     #[serde(default)]
     num_waiting_uncached_tokens: Option<Value>,
     #[serde(default)]
+    num_waiting_reqs: Option<Value>,
+    #[serde(default)]
     max_total_num_tokens: Option<Value>,
     #[serde(default)]
     cache_hit_rate: Option<Value>,
@@ -99,6 +101,8 @@ impl RankEntry {
     fn figures(&self) -> RankFigures {
         RankFigures {
             waiting_uncached: self.num_waiting_uncached_tokens.as_ref().and_then(token_count),
+            waiting_requests: self.num_waiting_reqs.as_ref().and_then(token_count),
+            used: self.num_used_tokens.as_ref().and_then(token_count),
             capacity: self.max_total_num_tokens.as_ref().and_then(token_count),
             cache_hit_rate: self
                 .cache_hit_rate
@@ -194,7 +198,7 @@ mod tests {
 
     #[test]
     fn v1_loads_figures_for_prefix_affinity() {
-        let body = br#"{"loads":[{"dp_rank":1,"num_total_tokens":5,"num_waiting_uncached_tokens":700,
+        let body = br#"{"loads":[{"dp_rank":1,"num_total_tokens":5,"num_waiting_uncached_tokens":700,"num_waiting_reqs":3,
                                    "max_total_num_tokens":200000,"cache_hit_rate":0.625},
                                   {"dp_rank":0,"num_total_tokens":1,"cache_hit_rate":1.5,
                                    "num_waiting_uncached_tokens":-1}]}"#;
@@ -204,6 +208,8 @@ mod tests {
             report.figures[1],
             RankFigures {
                 waiting_uncached: Some(700),
+                waiting_requests: Some(3),
+                used: None,
                 capacity: Some(200000),
                 cache_hit_rate: Some(0.625),
             }

@@ -50,6 +50,9 @@ pub enum PerWorker {
     PrefillFailed,
     /// Gauge: age of the worker's snapshot.
     SnapshotAgeMs,
+    /// Prefix affinity: ranks whose index lost entries because they
+    /// reported far fewer cache hits than it expected.
+    PrefixForgotten,
 }
 
 impl PerWorker {
@@ -62,6 +65,7 @@ impl PerWorker {
             PerWorker::PrefillOk => "prefill_ok",
             PerWorker::PrefillFailed => "prefill_failed",
             PerWorker::SnapshotAgeMs => "snapshot_age_ms",
+            PerWorker::PrefixForgotten => "prefix_forgotten",
         };
         format!("dprank.{kind}.{worker}")
     }

@@ -316,6 +316,7 @@ fn apply_report(config: &Config, host: &dyn Host, index: usize, w: &Worker, seq:
             }
             changed.then_some(record)
         });
+        host.count(&PerWorker::PrefixForgotten.of(&w.name), shrink.len() as u64);
         log::info!(
             "{}: ranks {:?} report fewer cache hits than the prefix index expected; it forgets part of what it held there",
             w.endpoint(),

@@ -113,6 +113,14 @@ impl WorkerState {
             && self.prefill.within_limits(max)
     }
 
+    /// Estimates of requests a poll has not counted yet, on `rank`.
+    pub fn pending_tokens(&self, rank: usize) -> u64 {
+        self.pending
+            .iter()
+            .filter_map(|p| p.tokens.get(rank))
+            .fold(0u64, |a, b| a.saturating_add(*b))
+    }
+
     /// Pending estimate total (all ranks), for stats and tests.
     pub fn pending_total(&self) -> u64 {
         self.pending

@@ -72,6 +72,10 @@ pub struct ConfigJson {
     #[serde(default)]
     pub prefix_load_weight: Option<f64>,
     #[serde(default)]
+    pub prefix_wait_weight: Option<f64>,
+    #[serde(default)]
+    pub prefix_kv_weight: Option<f64>,
+    #[serde(default)]
     pub prefix_queue: Option<QueueMeasure>,
 }
 

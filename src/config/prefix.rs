@@ -20,11 +20,13 @@ pub const MIN_TTL_MS: u64 = 1000;
 pub const MAX_TTL_MS: u64 = crate::prefix::index::MAX_TTL_MS;
 pub const DEFAULT_UNCACHED_WEIGHT: f64 = 1.0;
 pub const DEFAULT_LOAD_WEIGHT: f64 = 0.1;
+pub const DEFAULT_WAIT_WEIGHT: f64 = 0.0;
+pub const DEFAULT_KV_WEIGHT: f64 = 1.0;
 /// Most blocks a rank's index keeps, whatever its capacity (bounds the
 /// shared data one worker's index takes: 8 bytes per block).
 pub const MAX_BLOCKS_PER_RANK: usize = 1 << 16;
 /// Largest weight accepted: beyond it one term drowns every other.
-pub const MAX_WEIGHT: f64 = 1000.0;
+pub const MAX_WEIGHT: f64 = 100_000.0;
 
 /// How the prefill work queued on a rank is measured.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
@@ -57,6 +59,12 @@ pub struct Prefix {
     /// Cost per token of the rank's polled load (`num_total_tokens`) plus
     /// this gateway's estimates: what the rank's running batch and queue hold.
     pub load_weight: f64,
+    /// Cost per request queued on the rank (waiting for its first token),
+    /// in tokens: what a request's admission costs beyond its prefill
+    /// when the rank is full (KV or running slots).
+    pub wait_weight: f64,
+    /// Cost per token of KV the request would lack on the rank.
+    pub kv_weight: f64,
     pub queue: QueueMeasure,
 }
 
@@ -68,6 +76,8 @@ impl Default for Prefix {
             ttl_ms: DEFAULT_TTL_MS,
             uncached_weight: DEFAULT_UNCACHED_WEIGHT,
             load_weight: DEFAULT_LOAD_WEIGHT,
+            wait_weight: DEFAULT_WAIT_WEIGHT,
+            kv_weight: DEFAULT_KV_WEIGHT,
             queue: QueueMeasure::Max,
         }
     }
@@ -100,6 +110,8 @@ pub fn settings(json: &ConfigJson) -> Result<Option<Prefix>, ConfigError> {
         ("prefix_ttl_ms", json.prefix_ttl_ms.is_some()),
         ("prefix_uncached_weight", json.prefix_uncached_weight.is_some()),
         ("prefix_load_weight", json.prefix_load_weight.is_some()),
+        ("prefix_wait_weight", json.prefix_wait_weight.is_some()),
+        ("prefix_kv_weight", json.prefix_kv_weight.is_some()),
         ("prefix_queue", json.prefix_queue.is_some()),
     ];
     if !json.prefix_affinity.unwrap_or(true) {
@@ -140,6 +152,8 @@ pub fn settings(json: &ConfigJson) -> Result<Option<Prefix>, ConfigError> {
             DEFAULT_UNCACHED_WEIGHT,
         )?,
         load_weight: weight("prefix_load_weight", json.prefix_load_weight, DEFAULT_LOAD_WEIGHT)?,
+        wait_weight: weight("prefix_wait_weight", json.prefix_wait_weight, DEFAULT_WAIT_WEIGHT)?,
+        kv_weight: weight("prefix_kv_weight", json.prefix_kv_weight, DEFAULT_KV_WEIGHT)?,
         queue: json.prefix_queue.unwrap_or(QueueMeasure::Max),
     }))
 }

@@ -30,6 +30,9 @@ pub struct Affinity<'a> {
     pub prompt: PromptBlocks,
     /// The client asked for a streamed response (its first byte is its first token).
     pub streamed: bool,
+    /// Output tokens the request may generate (its `max_new_tokens`), as the
+    /// server reserves KV for them.
+    pub output: u64,
     now_ms: u64,
     /// Per pool worker, once read.
     reads: RefCell<Vec<Option<Read>>>,
@@ -54,6 +57,7 @@ impl<'a> Affinity<'a> {
         offset: usize,
         prompt: PromptBlocks,
         streamed: bool,
+        output: u64,
     ) -> Affinity<'a> {
         Affinity {
             settings,
@@ -62,6 +66,7 @@ impl<'a> Affinity<'a> {
             offset,
             prompt,
             streamed,
+            output,
             now_ms: host.now_ms(),
             reads: RefCell::new(Vec::new()),
         }
@@ -134,6 +139,11 @@ impl<'a> Affinity<'a> {
                 }
             }
         });
+    }
+
+    /// Prompt tokens (pool worker, rank) is thought to hold.
+    pub fn cached(&self, worker: usize, rank: usize) -> u64 {
+        self.with_cached(worker, |c| c.get(rank).copied().unwrap_or(0))
     }
 
     /// What the request is expected to cost (pool worker, rank).

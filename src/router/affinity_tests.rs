@@ -80,6 +80,22 @@ fn with_equal_loads_a_shared_prefix_sticks_to_one_rank() {
 }
 
 #[test]
+fn the_output_budget_comes_from_the_request() {
+    let budget = |body: &str| output_budget(&JsonObject::parse(body.as_bytes()).unwrap());
+    assert_eq!(
+        budget(r#"{"text":"a","sampling_params":{"max_new_tokens":77}}"#),
+        77
+    );
+    assert_eq!(budget(r#"{"messages":[],"max_tokens":12}"#), 12);
+    assert_eq!(budget(r#"{"messages":[],"max_completion_tokens":9}"#), 9);
+    assert_eq!(
+        budget(r#"{"text":"a","sampling_params":{"max_new_tokens":100000}}"#),
+        4096
+    );
+    assert_eq!(budget(r#"{"text":"a","max_tokens":"x"}"#), 256);
+}
+
+#[test]
 fn off_gives_the_load_only_rule() {
     let (c, h) = equal_fleet(r#","prefix_affinity":false"#);
     let places: std::collections::HashSet<(usize, u32)> = (0..16)
@@ -185,10 +201,10 @@ fn the_prefill_charge_leaves_at_the_first_byte_and_the_estimate_at_the_end() {
             .prefill
             .queued(p.rank as usize, crate::config::QueueMeasure::Local)
     };
-    assert_eq!(queued(&h), p.tokens);
+    assert_eq!((queued(&h).tokens, queued(&h).requests), (p.tokens, 1));
     assert!(p.tokens > 900 && p.streamed);
     prefill_started(&c, &h, &p);
-    assert_eq!(queued(&h), 0);
+    assert_eq!((queued(&h).tokens, queued(&h).requests), (0, 0));
     let states = read_worker_states(&c, &h);
     assert!(states[r.to.worker].as_ref().unwrap().pending_total() > 0);
     // The second time the same prompt costs only its uncached tail.
@@ -285,7 +301,8 @@ fn vms_on_two_threads_share_one_index_without_losing_a_write() {
     for state in read_worker_states(&c, &h).iter().flatten() {
         assert_eq!(state.pending_total(), 0);
         for rank in 0..4 {
-            assert_eq!(state.prefill.queued(rank, crate::config::QueueMeasure::Local), 0);
+            let queued = state.prefill.queued(rank, crate::config::QueueMeasure::Local);
+            assert_eq!((queued.tokens, queued.requests), (0, 0));
         }
     }
     assert_eq!(h.counter(metrics::SHARED_DATA_CONFLICTS), 0);

@@ -201,7 +201,15 @@ fn affinity<'a>(
         .raw_value("stream")
         .is_some_and(|v| v.trim_ascii() == b"true");
     let prompt = PromptBlocks::of(object, settings.block_bytes);
-    Some(Affinity::new(config, settings, host, offset, prompt, streamed))
+    Some(Affinity::new(
+        config,
+        settings,
+        host,
+        offset,
+        prompt,
+        streamed,
+        output_budget(object),
+    ))
 }
 
 /// The request's estimated tokens (`cost_estimate`); under prefix affinity
@@ -211,6 +219,24 @@ fn estimated_tokens(config: &Config, object: &JsonObject, affinity: Option<&Affi
         (CostEstimate::Bytes, Some(a)) => a.prompt.tokens().max(1),
         (how, _) => object.estimated_tokens(how),
     }
+}
+
+/// Output tokens a request asks for at most (`max_new_tokens` of
+/// `/generate`, `max_tokens` or `max_completion_tokens` of the OpenAI
+/// routes), clipped as SGLang clips its reservation; a default when absent.
+fn output_budget(object: &JsonObject) -> u64 {
+    const DEFAULT_OUTPUT: u64 = 256;
+    const CLIP: u64 = 4096;
+    let number = |raw: &[u8]| std::str::from_utf8(raw).ok()?.trim().parse::<u64>().ok();
+    let from_params = object.raw_value("sampling_params").and_then(|raw| {
+        let params: serde_json::Map<String, serde_json::Value> = serde_json::from_slice(raw).ok()?;
+        params.get("max_new_tokens")?.as_u64()
+    });
+    from_params
+        .or_else(|| object.raw_value("max_tokens").and_then(number))
+        .or_else(|| object.raw_value("max_completion_tokens").and_then(number))
+        .unwrap_or(DEFAULT_OUTPUT)
+        .min(CLIP)
 }
 
 /// What prefix affinity charges the chosen (worker, rank) for a request, and

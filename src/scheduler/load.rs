@@ -72,7 +72,7 @@ mod tests {
                 .unwrap();
         let settings = config.prefix.clone().unwrap();
         let h = FakeHost::default();
-        let affinity = Affinity::new(&config, &settings, &h, 0, PromptBlocks::default(), true);
+        let affinity = Affinity::new(&config, &settings, &h, 0, PromptBlocks::default(), true, 0);
         let w = worker("a", 1, None);
         let s = state(&[100, 7, 0], 1000);
         let view = WorkerView {

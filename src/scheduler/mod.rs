@@ -12,6 +12,7 @@
 //! candidate list.
 
 mod fresh;
+mod kv;
 mod least_cost;
 mod load;
 mod only_rank;
@@ -30,7 +31,7 @@ const FILTERS: &[&dyn Filter] = &[&fresh::Fresh, &only_rank::OnlyRank, &pinned::
 const LOAD_SCORERS: &[&dyn Scorer] = &[&load::Load];
 /// Prefix affinity: the prefill queued ahead, the request's own uncached
 /// prefill, and the rank's load (weighted, `config/prefix.rs`).
-const PREFIX_SCORERS: &[&dyn Scorer] = &[&queue::Queue, &prefix::Prefix, &load::Load];
+const PREFIX_SCORERS: &[&dyn Scorer] = &[&queue::Queue, &prefix::Prefix, &load::Load, &kv::Kv];
 /// The picker: takes one candidate from those left.
 type ThePicker = least_cost::LeastCost;
 

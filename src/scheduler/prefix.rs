@@ -37,8 +37,8 @@ mod tests {
         let object = JsonObject::parse(body.as_bytes()).unwrap();
         let blocks = || PromptBlocks::of(&object, 64);
         // Rank 1 was sent the same prompt before.
-        Affinity::new(&config, &settings, &h, 0, blocks(), true).record(0, 1, None);
-        let affinity = Affinity::new(&config, &settings, &h, 0, blocks(), true);
+        Affinity::new(&config, &settings, &h, 0, blocks(), true, 0).record(0, 1, None);
+        let affinity = Affinity::new(&config, &settings, &h, 0, blocks(), true, 0);
         let w = worker("a", 1, None);
         let s = state(&[0, 0, 0], 1000);
         let view = WorkerView {

@@ -1,8 +1,9 @@
-//! Scorer `queue` (prefix affinity): adds the prefill work queued on each
-//! rank ahead of the request, measured as `prefix_queue` says
-//! (`state/prefill.rs`): what the request waits for before its own prefill.
+//! Scorer `queue` (prefix affinity): adds the work queued on each rank ahead
+//! of the request, measured as `prefix_queue` says (`state/prefill.rs`):
+//! its uncached prompt tokens, plus `prefix_wait_weight` per queued request.
 
 use super::{Context, Scorer, WorkerView};
+use crate::prefix::affinity::weighted;
 
 pub struct Queue;
 
@@ -11,10 +12,13 @@ impl Scorer for Queue {
         let Some(affinity) = ctx.affinity else {
             return;
         };
-        let measure = affinity.settings.queue;
+        let (measure, per_request) = (affinity.settings.queue, affinity.settings.wait_weight);
         for (rank, cost) in costs.iter_mut().enumerate() {
             if let Some(c) = cost {
-                *c = c.saturating_add(worker.state.prefill.queued(rank, measure));
+                let queued = worker.state.prefill.queued(rank, measure);
+                *c = c
+                    .saturating_add(queued.tokens)
+                    .saturating_add(weighted(queued.requests, per_request));
             }
         }
     }
@@ -36,7 +40,7 @@ mod tests {
             Config::from_json(br#"{"workers":[{"address":"127.0.0.1:1"}],"prefix_queue":"polled"}"#).unwrap();
         let settings = config.prefix.clone().unwrap();
         let h = FakeHost::default();
-        let affinity = Affinity::new(&config, &settings, &h, 0, PromptBlocks::default(), true);
+        let affinity = Affinity::new(&config, &settings, &h, 0, PromptBlocks::default(), true, 0);
         let w = worker("a", 1, None);
         let mut s = state(&[0, 0], 1000);
         let figures = [

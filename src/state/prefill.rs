@@ -34,22 +34,85 @@ pub const FEEDBACK_MIN_TOKENS: u64 = 8192;
 pub const FEEDBACK_MIN_EXPECTED: f64 = 0.2;
 /// A rank that reports less than this share of the hit rate the index
 /// expected is taken to have lost part of what the index says it holds.
-pub const FEEDBACK_RATIO: f64 = 0.5;
+/// Only a large shortfall counts: the index misses the answers a rank also
+/// caches and counts prompts when they are routed, not when admitted, so
+/// small mismatches are noise (at 0.5 the offline evaluator saw the index
+/// shed entries the ranks still held, and fewer cache hits).
+pub const FEEDBACK_RATIO: f64 = 0.25;
 /// Horizon of the expected-hit counters: SGLang's hit rate covers the
 /// admissions of its last 15 s (`SGLANG_CACHE_HIT_RATE_WINDOW_SECONDS`).
 pub const FEEDBACK_WINDOW_MS: f64 = 15_000.0;
 
-/// Uncached tokens per rank of requests routed while poll `seq` was the
-/// last dispatched one.
+/// Queued work: uncached prompt tokens, and the requests they belong to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Queued {
+    pub tokens: u64,
+    pub requests: u64,
+}
+
+impl Queued {
+    fn plus(self, o: Queued) -> Queued {
+        Queued {
+            tokens: self.tokens.saturating_add(o.tokens),
+            requests: self.requests.saturating_add(o.requests),
+        }
+    }
+    fn minus(self, o: Queued) -> Queued {
+        Queued {
+            tokens: self.tokens.saturating_sub(o.tokens),
+            requests: self.requests.saturating_sub(o.requests),
+        }
+    }
+    fn max(self, o: Queued) -> Queued {
+        Queued {
+            tokens: self.tokens.max(o.tokens),
+            requests: self.requests.max(o.requests),
+        }
+    }
+}
+
+/// Per rank, a [`Queued`] as two words (tokens, requests).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+struct PerRank(#[serde(with = "words")] Vec<u64>);
+
+impl PerRank {
+    fn get(&self, rank: usize) -> Queued {
+        Queued {
+            tokens: self.0.get(2 * rank).copied().unwrap_or(0),
+            requests: self.0.get(2 * rank + 1).copied().unwrap_or(0),
+        }
+    }
+    fn set(&mut self, rank: usize, q: Queued) {
+        if self.0.len() < 2 * rank + 2 {
+            self.0.resize(2 * rank + 2, 0);
+        }
+        if let Some(w) = self.0.get_mut(2 * rank..2 * rank + 2) {
+            w.copy_from_slice(&[q.tokens, q.requests]);
+        }
+    }
+    fn add(&mut self, rank: usize, q: Queued) {
+        self.set(rank, self.get(rank).plus(q));
+    }
+    fn sub(&mut self, rank: usize, q: Queued) {
+        self.set(rank, self.get(rank).minus(q));
+    }
+    fn ranks(&self) -> usize {
+        self.0.len() / 2
+    }
+    fn is_empty(&self) -> bool {
+        self.0.iter().all(|w| *w == 0)
+    }
+}
+
+/// Queued work per rank of requests routed while poll `seq` was the last
+/// dispatched one.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 struct Bucket {
     seq: u64,
     /// Streamed requests (they leave at their first byte).
-    #[serde(with = "words")]
-    streamed: Vec<u64>,
+    streamed: PerRank,
     /// Non-streamed requests (they leave when a poll covers them).
-    #[serde(with = "words")]
-    other: Vec<u64>,
+    other: PerRank,
 }
 
 /// The prefill work one routed request adds to its rank, to take back when
@@ -83,6 +146,9 @@ impl Charge {
 #[derive(Debug, Clone, Copy, PartialEq, Default)]
 pub struct RankFigures {
     pub waiting_uncached: Option<u64>,
+    pub waiting_requests: Option<u64>,
+    /// KV tokens in use (`num_used_tokens`).
+    pub used: Option<u64>,
     pub capacity: Option<u64>,
     /// 0..=1.
     pub cache_hit_rate: Option<f64>,
@@ -90,20 +156,22 @@ pub struct RankFigures {
 
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct PrefillState {
-    /// Polled `num_waiting_uncached_tokens` per rank (UNKNOWN: not reported).
-    #[serde(with = "words")]
-    polled_waiting: Vec<u64>,
+    /// Polled `num_waiting_uncached_tokens` and `num_waiting_reqs` per rank
+    /// (0 when not reported).
+    polled_waiting: PerRank,
     /// Polled `max_total_num_tokens` per rank (0: not reported).
     #[serde(with = "words")]
     capacity: Vec<u64>,
+    /// Polled `num_used_tokens` per rank (UNKNOWN: not reported).
+    #[serde(with = "words")]
+    used: Vec<u64>,
     /// Polled `cache_hit_rate` per rank in 1/10000 (UNKNOWN: not reported).
     #[serde(with = "words")]
     hit_rate: Vec<u64>,
     /// Requests not yet at their first byte that no snapshot covers yet.
     uncovered: Vec<Bucket>,
     /// Streamed requests a snapshot covers, not yet at their first byte.
-    #[serde(with = "words")]
-    covered: Vec<u64>,
+    covered: PerRank,
     /// Covered requests that reached their first byte, by the poll last
     /// dispatched then (the snapshots it may still be in).
     drained: Vec<Bucket>,
@@ -126,14 +194,19 @@ fn at(v: &[u64], rank: usize) -> u64 {
     v.get(rank).copied().unwrap_or(0)
 }
 
+/// One request's queued work.
+fn one(tokens: u64) -> Queued {
+    Queued { tokens, requests: 1 }
+}
+
 fn bucket(list: &mut Vec<Bucket>, seq: u64) -> Option<&mut Bucket> {
     let i = match list.iter().position(|b| b.seq == seq) {
         Some(i) => i,
         None => {
             list.push(Bucket {
                 seq,
-                streamed: Vec::new(),
-                other: Vec::new(),
+                streamed: PerRank::default(),
+                other: PerRank::default(),
             });
             list.len() - 1
         }
@@ -145,21 +218,22 @@ impl PrefillState {
     /// Whether the sizes are within what dprank ever writes.
     pub fn within_limits(&self, max: usize) -> bool {
         let lists = [
-            &self.polled_waiting,
             &self.capacity,
+            &self.used,
             &self.hit_rate,
-            &self.covered,
             &self.sent,
             &self.expected,
         ];
         lists.iter().all(|v| v.len() <= max)
+            && self.polled_waiting.ranks() <= max
+            && self.covered.ranks() <= max
             && self.uncovered.len() <= max
             && self.drained.len() <= max
             && self
                 .uncovered
                 .iter()
                 .chain(&self.drained)
-                .all(|b| b.streamed.len() <= max && b.other.len() <= max)
+                .all(|b| b.streamed.ranks() <= max && b.other.ranks() <= max)
     }
 
     /// A routed request's charge to `rank`, while poll `sent_seq` is the
@@ -176,8 +250,7 @@ impl PrefillState {
         let tokens = charge.uncached();
         let b = bucket(&mut self.uncovered, sent_seq)?;
         let list = if streamed { &mut b.streamed } else { &mut b.other };
-        let s = slot(list, r)?;
-        *s = s.saturating_add(tokens);
+        list.add(r, one(tokens));
         let s = slot(&mut self.sent, r)?;
         *s = s.saturating_add(charge.prompt);
         let s = slot(&mut self.expected, r)?;
@@ -195,41 +268,48 @@ impl PrefillState {
     /// `sent_seq` is the last dispatched poll now.
     pub fn started(&mut self, sent_seq: u64, ticket: &PrefillTicket) {
         let r = ticket.rank as usize;
+        let q = one(ticket.tokens);
         if let Some(b) = self.uncovered.iter_mut().find(|b| b.seq == ticket.seq) {
             let list = if ticket.streamed {
                 &mut b.streamed
             } else {
                 &mut b.other
             };
-            if let Some(s) = list.get_mut(r) {
-                *s = s.saturating_sub(ticket.tokens);
-            }
+            list.sub(r, q);
             self.uncovered
-                .retain(|b| b.streamed.iter().chain(&b.other).any(|t| *t > 0));
+                .retain(|b| !(b.streamed.is_empty() && b.other.is_empty()));
             return;
         }
         // A non-streamed request left the queue when a poll covered it.
         if !ticket.streamed {
             return;
         }
-        if let Some(s) = self.covered.get_mut(r) {
-            *s = s.saturating_sub(ticket.tokens);
-        }
+        self.covered.sub(r, q);
         // The last snapshot may have counted it as waiting: until a poll that
         // leaves after now reports, the polled figure is corrected by it.
-        if let Some(s) = bucket(&mut self.drained, sent_seq).and_then(|b| slot(&mut b.streamed, r)) {
-            *s = s.saturating_add(ticket.tokens);
+        if let Some(b) = bucket(&mut self.drained, sent_seq) {
+            b.streamed.add(r, q);
         }
     }
 
     /// Installs the figures of snapshot `seq` (already accepted by
     /// `WorkerState::apply_snapshot`) and moves what it covers.
     pub fn on_snapshot(&mut self, seq: u64, figures: &[RankFigures]) {
-        self.polled_waiting = figures
-            .iter()
-            .map(|f| f.waiting_uncached.map_or(UNKNOWN, |t| t.min(UNKNOWN - 1)))
-            .collect();
+        self.polled_waiting = PerRank::default();
+        for (r, f) in figures.iter().enumerate() {
+            self.polled_waiting.set(
+                r,
+                Queued {
+                    tokens: f.waiting_uncached.unwrap_or(0),
+                    requests: f.waiting_requests.unwrap_or(0),
+                },
+            );
+        }
         self.capacity = figures.iter().map(|f| f.capacity.unwrap_or(0)).collect();
+        self.used = figures
+            .iter()
+            .map(|f| f.used.map_or(UNKNOWN, |u| u.min(UNKNOWN - 1)))
+            .collect();
         self.hit_rate = figures
             .iter()
             .map(|f| {
@@ -239,10 +319,8 @@ impl PrefillState {
             })
             .collect();
         for b in self.uncovered.iter().filter(|b| b.seq < seq) {
-            for (r, t) in b.streamed.iter().enumerate() {
-                if let Some(s) = slot(&mut self.covered, r) {
-                    *s = s.saturating_add(*t);
-                }
+            for r in 0..b.streamed.ranks() {
+                self.covered.add(r, b.streamed.get(r));
             }
         }
         self.uncovered.retain(|b| b.seq >= seq);
@@ -254,27 +332,26 @@ impl PrefillState {
         self.capacity.get(rank).copied().filter(|c| *c > 0)
     }
 
-    /// Prefill tokens queued on `rank`, measured as `measure` says.
-    pub fn queued(&self, rank: usize, measure: QueueMeasure) -> u64 {
-        let uncovered: u64 = self
+    /// The rank's reported KV tokens in use, if its report gave them.
+    pub fn used(&self, rank: usize) -> Option<u64> {
+        self.used.get(rank).copied().filter(|u| *u != UNKNOWN)
+    }
+
+    /// Work queued on `rank` ahead of a new request, measured as `measure` says.
+    pub fn queued(&self, rank: usize, measure: QueueMeasure) -> Queued {
+        let uncovered = self
             .uncovered
             .iter()
-            .map(|b| at(&b.streamed, rank).saturating_add(at(&b.other, rank)))
-            .fold(0, u64::saturating_add);
-        let local = || at(&self.covered, rank).saturating_add(uncovered);
+            .map(|b| b.streamed.get(rank).plus(b.other.get(rank)))
+            .fold(Queued::default(), Queued::plus);
+        let local = || self.covered.get(rank).plus(uncovered);
         let polled = || {
-            let waiting = self
-                .polled_waiting
-                .get(rank)
-                .copied()
-                .filter(|t| *t != UNKNOWN)
-                .unwrap_or(0);
-            let drained: u64 = self
+            let drained = self
                 .drained
                 .iter()
-                .map(|b| at(&b.streamed, rank))
-                .fold(0, u64::saturating_add);
-            waiting.saturating_add(uncovered).saturating_sub(drained)
+                .map(|b| b.streamed.get(rank))
+                .fold(Queued::default(), Queued::plus);
+            self.polled_waiting.get(rank).plus(uncovered).minus(drained)
         };
         match measure {
             QueueMeasure::Local => local(),
@@ -321,6 +398,8 @@ mod tests {
             .iter()
             .map(|w| RankFigures {
                 waiting_uncached: Some(*w),
+                waiting_requests: Some(1),
+                used: Some(100),
                 capacity: Some(1000),
                 cache_hit_rate: Some(0.5),
             })
@@ -339,12 +418,16 @@ mod tests {
         let mut p = PrefillState::default();
         let t = p.charge(1, 0, 1, charge(100), true).unwrap();
         assert_eq!(t.tokens, 100);
-        assert_eq!(p.queued(1, QueueMeasure::Local), 100);
+        assert_eq!(p.queued(1, QueueMeasure::Local).tokens, 100);
         p.on_snapshot(2, &figures(&[0, 0]));
-        assert_eq!(p.queued(1, QueueMeasure::Local), 100, "covered, still waiting");
+        assert_eq!(
+            p.queued(1, QueueMeasure::Local).tokens,
+            100,
+            "covered, still waiting"
+        );
         p.started(2, &t);
-        assert_eq!(p.queued(1, QueueMeasure::Local), 0);
-        assert_eq!(p.queued(0, QueueMeasure::Local), 0);
+        assert_eq!(p.queued(1, QueueMeasure::Local).tokens, 0);
+        assert_eq!(p.queued(0, QueueMeasure::Local).tokens, 0);
     }
 
     #[test]
@@ -352,13 +435,21 @@ mod tests {
         let mut p = PrefillState::default();
         let t = p.charge(1, 0, 0, charge(50), false).unwrap();
         p.on_snapshot(1, &figures(&[0]));
-        assert_eq!(p.queued(0, QueueMeasure::Local), 50, "this poll left before it");
+        assert_eq!(
+            p.queued(0, QueueMeasure::Local).tokens,
+            50,
+            "this poll left before it"
+        );
         p.on_snapshot(2, &figures(&[50]));
-        assert_eq!(p.queued(0, QueueMeasure::Local), 0);
-        assert_eq!(p.queued(0, QueueMeasure::Polled), 50, "the server counts it now");
+        assert_eq!(p.queued(0, QueueMeasure::Local).tokens, 0);
+        assert_eq!(
+            p.queued(0, QueueMeasure::Polled).tokens,
+            50,
+            "the server counts it now"
+        );
         p.started(2, &t);
         assert_eq!(
-            p.queued(0, QueueMeasure::Polled),
+            p.queued(0, QueueMeasure::Polled).tokens,
             50,
             "no first byte to learn from"
         );
@@ -369,43 +460,39 @@ mod tests {
         let mut p = PrefillState::default();
         p.on_snapshot(1, &figures(&[300]));
         let early = p.charge(1, 0, 0, charge(40), true).unwrap();
-        assert_eq!(p.queued(0, QueueMeasure::Polled), 340);
+        assert_eq!(p.queued(0, QueueMeasure::Polled).tokens, 340);
         // Poll 2 leaves after it and counts it: 300 from others + 40.
         p.on_snapshot(2, &figures(&[340]));
-        assert_eq!(p.queued(0, QueueMeasure::Polled), 340, "not counted twice");
+        assert_eq!(p.queued(0, QueueMeasure::Polled).tokens, 340, "not counted twice");
         p.started(2, &early);
         assert_eq!(
-            p.queued(0, QueueMeasure::Polled),
+            p.queued(0, QueueMeasure::Polled).tokens,
             300,
             "started since the snapshot"
         );
-        assert_eq!(p.queued(0, QueueMeasure::Local), 0);
+        assert_eq!(p.queued(0, QueueMeasure::Local).tokens, 0);
         // Poll 3 left after the first byte: its figure no longer has it.
         p.on_snapshot(3, &figures(&[300]));
-        assert_eq!(p.queued(0, QueueMeasure::Polled), 300);
-        assert_eq!(p.queued(0, QueueMeasure::Max), 300);
+        assert_eq!(p.queued(0, QueueMeasure::Polled).tokens, 300);
+        assert_eq!(p.queued(0, QueueMeasure::Max).tokens, 300);
         let late = p.charge(3, 0, 0, charge(500), true).unwrap();
-        assert_eq!(p.queued(0, QueueMeasure::Max), 800);
+        assert_eq!(p.queued(0, QueueMeasure::Max).tokens, 800);
+        let both = p.queued(0, QueueMeasure::Polled);
+        assert_eq!(both.requests, 1 + 1, "the polled waiting request and the new one");
+        assert_eq!(p.queued(0, QueueMeasure::Local).requests, 1);
         p.started(3, &late);
-        assert_eq!(p.queued(0, QueueMeasure::Max), 300);
+        assert_eq!(p.queued(0, QueueMeasure::Max).tokens, 300);
         assert!(p.uncovered.is_empty() && p.drained.is_empty());
     }
 
     #[test]
     fn unknown_polled_figures_count_as_nothing() {
         let mut p = PrefillState::default();
-        p.on_snapshot(
-            1,
-            &[RankFigures {
-                waiting_uncached: None,
-                capacity: None,
-                cache_hit_rate: None,
-            }],
-        );
+        p.on_snapshot(1, &[RankFigures::default()]);
         p.charge(1, 0, 0, charge(7), true).unwrap();
-        assert_eq!(p.queued(0, QueueMeasure::Polled), 7);
+        assert_eq!(p.queued(0, QueueMeasure::Polled).tokens, 7);
         assert_eq!(p.capacity(0), None);
-        assert_eq!(p.queued(5, QueueMeasure::Max), 0, "a rank never seen");
+        assert_eq!(p.queued(5, QueueMeasure::Max).tokens, 0, "a rank never seen");
     }
 
     #[test]
@@ -448,11 +535,13 @@ mod tests {
         }
         p.on_snapshot(1, &hits(0.7));
         assert!(p.cache_feedback(1000).is_empty(), "close enough to expected");
-        p.on_snapshot(2, &hits(0.2));
+        p.on_snapshot(2, &hits(0.3));
+        assert!(p.cache_feedback(1000).is_empty(), "a shortfall, not a loss");
+        p.on_snapshot(3, &hits(0.1));
         let shrink = p.cache_feedback(1000);
         assert_eq!(shrink.len(), 1);
         assert_eq!(shrink[0].0, 0);
-        assert!((shrink[0].1 - 0.25).abs() < 1e-9, "{shrink:?}");
+        assert!((shrink[0].1 - 0.125).abs() < 1e-3, "{shrink:?}");
         assert!(p.cache_feedback(1000).is_empty(), "fresh evidence needed first");
         p.charge(
             1,

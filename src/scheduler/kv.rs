@@ -1,0 +1,89 @@
+//! Scorer `kv` (prefix affinity): adds `prefix_kv_weight` x the KV the
+//! request would lack on the rank: its uncached prompt and output budget
+//! beyond the rank's free KV (polled capacity - tokens in use - estimates of
+//! requests sent since the poll). A full rank admits a request only as
+//! running ones finish, which its queued prefill does not show.
+
+use super::{Context, Scorer, WorkerView};
+use crate::prefix::affinity::weighted;
+
+pub struct Kv;
+
+impl Scorer for Kv {
+    fn score(&self, ctx: &Context, worker: &WorkerView, costs: &mut [Option<u64>]) {
+        let Some(affinity) = ctx.affinity else {
+            return;
+        };
+        let weight = affinity.settings.kv_weight;
+        if weight == 0.0 {
+            return;
+        }
+        let state = worker.state;
+        let prompt = affinity.prompt.tokens();
+        for (rank, cost) in costs.iter_mut().enumerate() {
+            let (Some(c), Some(capacity), Some(used)) = (
+                cost.as_mut(),
+                state.prefill.capacity(rank),
+                state.prefill.used(rank),
+            ) else {
+                continue;
+            };
+            let free = capacity
+                .saturating_sub(used)
+                .saturating_sub(state.pending_tokens(rank));
+            let need = prompt
+                .saturating_sub(affinity.cached(worker.index, rank))
+                .saturating_add(affinity.output);
+            *c = c.saturating_add(weighted(need.saturating_sub(free), weight));
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::testing::*;
+    use super::super::Constraint;
+    use super::*;
+    use crate::body::JsonObject;
+    use crate::config::Config;
+    use crate::host::fake::FakeHost;
+    use crate::prefix::{Affinity, PromptBlocks};
+    use crate::state::RankFigures;
+
+    #[test]
+    fn adds_the_kv_a_full_rank_lacks() {
+        let config =
+            Config::from_json(br#"{"workers":[{"address":"127.0.0.1:1"}],"prefix_kv_weight":2}"#).unwrap();
+        let settings = config.prefix.clone().unwrap();
+        let h = FakeHost::default();
+        let body = format!(r#"{{"text":"{}"}}"#, "k".repeat(800)); // 200 tokens
+        let prompt = PromptBlocks::of(&JsonObject::parse(body.as_bytes()).unwrap(), 512);
+        let affinity = Affinity::new(&config, &settings, &h, 0, prompt, true, 100);
+        let w = worker("a", 1, None);
+        let mut s = state(&[0, 0, 0], 1000);
+        let figures = |used| RankFigures {
+            used: Some(used),
+            capacity: Some(1000),
+            ..Default::default()
+        };
+        s.apply_figures(
+            s.snapshot_seq,
+            &[figures(900), figures(100), RankFigures::default()],
+        );
+        s.add(0, 1, 650);
+        let view = WorkerView {
+            index: 0,
+            worker: &w,
+            state: &s,
+        };
+        let ctx = Context {
+            affinity: Some(&affinity),
+            ..ctx(Constraint::default())
+        };
+        let mut costs = vec![Some(1), Some(1), Some(1)];
+        Kv.score(&ctx, &view, &mut costs);
+        // Rank 0: needs 300, 100 free. Rank 1: 900 - 650 sent since = 250 free.
+        // Rank 2 reports no capacity: not judged.
+        assert_eq!(costs, vec![Some(1 + 2 * 200), Some(1 + 2 * 50), Some(1)]);
+    }
+}
