@@ -6,12 +6,14 @@ export ENVOY_BIN ?= $(CURDIR)/.venv/bin/envoy
 VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' Cargo.toml | head -n 1)
 IMAGE ?= dprank-wasm:$(VERSION)
 
-.PHONY: help setup build wasm tools test demo bench image lint clean
+.PHONY: help setup build wasm tools test demo bench bench-quick bench-full image lint clean
 
 help:
-	@echo "make demo   - build, start Envoy + dprank + simulated workers, send traffic, show the result"
+	@echo "make demo   - one seeded trace through Envoy round robin, then Envoy + dprank, side by side"
 	@echo "make test   - every test: unit, simulator, end-to-end in a real Envoy, deployment files, fuzz smoke"
-	@echo "make bench  - compare dprank with round robin, smg and the ideal (writes bench-results/)"
+	@echo "make bench  - headline tables (~55 min): dprank vs round robin, SGLang's balancer, smg, the oracle; PD; overhead"
+	@echo "make bench-quick - a quick look (~6 min)"
+	@echo "make bench-full  - everything for the committed results (~5 h; dprank-bench full --resume continues one)"
 	@echo "make build  - build the filter ($(WASM)), the simulator and the bench tool"
 	@echo "make image  - package the filter as an OCI image $(IMAGE) (needs a Docker engine; IMAGE=registry/name:tag)"
 	@echo "make wasm   - build $(WASM)"
@@ -43,7 +45,15 @@ demo: setup wasm tools
 
 bench: setup wasm tools
 	DPRANK_WITH_SMG=1 ./scripts/setup.sh
-	./target/release/dprank-bench all
+	./target/release/dprank-bench bench
+
+bench-quick: setup wasm tools
+	DPRANK_WITH_SMG=1 ./scripts/setup.sh
+	./target/release/dprank-bench quick
+
+bench-full: setup wasm tools
+	DPRANK_WITH_SMG=1 ./scripts/setup.sh
+	./target/release/dprank-bench full
 
 image: wasm
 	docker build -f docker/wasm-image.Dockerfile -t $(IMAGE) .

@@ -25,8 +25,9 @@ use crate::workload::{Workload, WorkloadKind};
 pub struct DemoArgs {
     #[arg(long, default_value_t = 42)]
     pub seed: u64,
-    /// Requests per simulated second: near what the small-KV fleet serves,
-    /// where the spread of tokens over ranks decides the queueing.
+    /// Requests per simulated second: about 90% of what the small-KV fleet
+    /// serves (`dprank-bench capacity`), where the spread of tokens over
+    /// ranks decides the queueing.
     #[arg(long, default_value_t = 12.0)]
     pub rate: f64,
     /// Simulated seconds of arrivals.

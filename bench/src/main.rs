@@ -112,7 +112,7 @@ struct BenchArgs {
 impl BenchArgs {
     fn suite_args(&self) -> SuiteArgs {
         SuiteArgs {
-            out: self.out.clone(),
+            out: Some(self.out.clone()),
             resume: self.resume,
             dry_run: self.dry_run,
             seeds: self.seeds,

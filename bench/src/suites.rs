@@ -33,7 +33,7 @@ pub const DEFAULT_SLO: Slo = Slo {
 pub fn default_time_scale(kv: Kv) -> f64 {
     match kv {
         Kv::Small => 5.0,
-        Kv::Large => 2.5,
+        Kv::Large => 2.0,
     }
 }
 
@@ -55,6 +55,8 @@ pub struct Suite {
     pub reference: String,
     pub fleet: FleetShape,
     pub slo: Slo,
+    /// Where records and reports go.
+    pub out: PathBuf,
 }
 
 /// Variants of the regular-mode tables: every baseline.
@@ -126,10 +128,12 @@ impl Suite {
             reference: "dprank".into(),
             fleet: FleetShape::default(),
             slo: DEFAULT_SLO,
+            out: PathBuf::from("bench-results"),
         };
         Ok(match name {
             "quick" => Suite {
                 about: "a quick look: two workloads, the headline variants, 3 seeds, short traces".into(),
+                out: PathBuf::from("target/bench-quick"),
                 workloads: vec![Workload::new(WorkloadKind::NoPrefix), Workload::new(WorkloadKind::Tenants)],
                 seeds: seeds(3),
                 duration_s: 20.0,
@@ -137,6 +141,7 @@ impl Suite {
             },
             "bench" => Suite {
                 about: "the headline tables: every workload at 85% of capacity with small KV, the headline variants, 10 seeds".into(),
+                duration_s: 25.0,
                 ..base
             },
             "tables" => Suite {
@@ -152,6 +157,7 @@ impl Suite {
                 ..base
             },
             "pd" => Suite {
+                duration_s: 25.0,
                 about: "prefill/decode disaggregation (2 prefill x 4 ranks, 2 decode x 4 ranks): dprank, the old rule and smg's minimum-tokens scheduler, at equal freshness and each at its default".into(),
                 workloads: vec![Workload::new(WorkloadKind::NoPrefix)],
                 variants: PD.map(str::to_string).to_vec(),
@@ -228,9 +234,10 @@ impl Suite {
 /// Command-line overrides of a suite.
 #[derive(Debug, Clone, Args, Default)]
 pub struct SuiteArgs {
-    /// Where runs.jsonl, capacity.json, the report and plots go.
-    #[arg(long, default_value = "bench-results")]
-    pub out: PathBuf,
+    /// Where runs.jsonl, capacity.json, the report and plots go (default:
+    /// bench-results, or target/bench-quick for `quick`).
+    #[arg(long)]
+    pub out: Option<PathBuf>,
     /// Keep earlier records of this suite in runs.jsonl and run only the
     /// missing cells (otherwise they are replaced).
     #[arg(long)]
@@ -295,6 +302,9 @@ impl SuiteArgs {
         if let Some(name) = &self.name {
             suite.name = name.clone();
         }
+        if let Some(out) = &self.out {
+            suite.out = out.clone();
+        }
         if !self.workloads.is_empty() {
             suite.workloads = self
                 .workloads
@@ -357,15 +367,17 @@ impl SuiteArgs {
     }
 }
 
-/// Estimated wall seconds of one run: start-up, arrivals, the drain of the
-/// last requests (simulated), each divided by the time scale where simulated.
+/// Estimated wall seconds of one run: start-up (smg takes longer than
+/// Envoy), then the arrivals and the wait for the last first token, in
+/// simulated seconds divided by the time scale. Chat sessions run on to the
+/// turn horizon. Calibrated on smoke runs (bench/README.md, "Budgets").
 pub fn estimate_run_s(cell: &Cell) -> f64 {
-    let startup = if cell.variant.uses_smg() { 2.5 } else { 1.0 } * cell.variant.gateways as f64;
-    let drain_sim = match cell.workload.kind {
-        WorkloadKind::Chat => 60.0,
-        _ => 25.0,
+    let startup = if cell.variant.uses_smg() { 2.5 } else { 1.5 } * cell.variant.gateways as f64;
+    let tail_sim = match cell.workload.kind {
+        WorkloadKind::Chat => crate::workload::chat::TAIL_S + 5.0,
+        _ => 5.0,
     };
-    startup + 0.5 + (cell.duration_s + drain_sim) / cell.time_scale
+    startup + (cell.duration_s + tail_sim) / cell.time_scale
 }
 
 /// Runs `suite`, appending records to `<out>/runs.jsonl`, then writes its report.
@@ -377,8 +389,8 @@ pub async fn run_suite(
 ) -> Result<(), String> {
     let started = Instant::now();
     let features = SimFeatures::detect(&tools.sim)?;
-    let results = ResultsFile::new(&args.out.join("runs.jsonl"));
-    let capacities = CapacityFile::new(&args.out);
+    let results = ResultsFile::new(&suite.out.join("runs.jsonl"));
+    let capacities = CapacityFile::new(&suite.out);
 
     // Capacities first (they decide the offered rates).
     let mut rates: Vec<(String, Kv, f64)> = Vec::new();
@@ -494,7 +506,7 @@ pub async fn run_suite(
         .into_iter()
         .filter(|r| r.suite == suite.name)
         .collect();
-    let path = write_report(&args.out, suite, &records, &skipped, command_line, &capacities)?;
+    let path = write_report(&suite.out, suite, &records, &skipped, command_line, &capacities)?;
     println!(
         "suite {} done in {:.1} min; wrote {}",
         suite.name,

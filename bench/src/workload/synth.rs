@@ -93,20 +93,19 @@ pub fn generate(seed: u64, requests: usize) -> Vec<TraceLine> {
     lines
 }
 
-/// The trace as JSONL (integer timestamps), one line per request.
+/// The trace as JSONL, one line per request, fields in the format's usual
+/// order (integer timestamps).
 pub fn to_jsonl(lines: &[TraceLine]) -> String {
     let mut out = String::new();
     for line in lines {
-        out.push_str(
-            &serde_json::json!({
-                "timestamp": line.timestamp as u64,
-                "input_length": line.input_length,
-                "output_length": line.output_length,
-                "hash_ids": line.hash_ids,
-            })
-            .to_string(),
-        );
-        out.push('\n');
+        let ids: Vec<String> = line.hash_ids.iter().map(u64::to_string).collect();
+        out.push_str(&format!(
+            "{{\"timestamp\": {}, \"input_length\": {}, \"output_length\": {}, \"hash_ids\": [{}]}}\n",
+            line.timestamp as u64,
+            line.input_length,
+            line.output_length,
+            ids.join(", ")
+        ));
     }
     out
 }
@@ -142,5 +141,16 @@ mod tests {
         }));
         let parsed = replay::parse(&to_jsonl(&lines), "synth").unwrap();
         assert_eq!(parsed, lines);
+    }
+
+    #[test]
+    fn the_committed_sample_is_what_make_trace_writes() {
+        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/traces/sample.jsonl");
+        let committed = std::fs::read_to_string(path).unwrap();
+        assert_eq!(
+            committed,
+            to_jsonl(&generate(1, 600)),
+            "regenerate with `dprank-bench make-trace --seed 1 --requests 600`"
+        );
     }
 }
