@@ -152,6 +152,7 @@ pub async fn measure(
             kv,
             rate: offered,
             load: None,
+            warmup_s: 0.0,
             duration_s: WINDOW_S,
             time_scale,
             fleet,

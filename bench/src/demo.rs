@@ -103,6 +103,7 @@ pub async fn demo(tools: &Tools, args: &DemoArgs) -> Result<(), String> {
             kv: Kv::Small,
             rate: args.rate,
             load: None,
+            warmup_s: 0.0,
             duration_s: args.duration,
             time_scale: args.time_scale,
             fleet,

@@ -12,7 +12,6 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use hdrhistogram::Histogram;
 use indicatif::{ProgressBar, ProgressStyle};
 use tokio::sync::watch;
 use tokio::task::JoinSet;
@@ -93,6 +92,8 @@ pub struct RequestRecord {
     pub truncated: bool,
     /// Chat sessions: (session id, turn index).
     pub session: Option<(u32, u32)>,
+    /// Gaps between token events after the first, simulated us.
+    pub gaps_us: Vec<u32>,
 }
 
 impl RequestRecord {
@@ -109,8 +110,6 @@ pub struct RunOutput {
     pub abandoned: usize,
     /// Session turns not sent because they fell after the turn horizon.
     pub beyond_horizon: usize,
-    /// Every inter-token gap of every successful request, simulated us.
-    pub itl_us: Histogram<u64>,
     pub samples: Vec<LoadSample>,
     /// Simulated seconds from the start to the last arrival (open loop) or
     /// session start.
@@ -154,12 +153,17 @@ pub fn sample_imbalance(tokens: &[u64]) -> Option<f64> {
     (mean >= 1.0).then(|| max / mean)
 }
 
-/// Time average, while arrivals last, of max/mean tokens over the ranks in
-/// `ranks` of each sample.
-pub fn imbalance(samples: &[LoadSample], window_s: f64, ranks: std::ops::Range<usize>) -> Option<f64> {
+/// Time average over samples taken in [from_s, to_s] of max/mean tokens
+/// over the ranks in `ranks`.
+pub fn imbalance(
+    samples: &[LoadSample],
+    from_s: f64,
+    to_s: f64,
+    ranks: std::ops::Range<usize>,
+) -> Option<f64> {
     let ratios: Vec<f64> = samples
         .iter()
-        .filter(|s| s.t_s <= window_s)
+        .filter(|s| s.t_s >= from_s && s.t_s <= to_s)
         .filter_map(|s| s.tokens.get(ranks.clone()).and_then(sample_imbalance))
         .collect();
     (!ratios.is_empty()).then(|| ratios.iter().sum::<f64>() / ratios.len() as f64)
@@ -291,13 +295,21 @@ impl Context {
             error: outcome.error.clone(),
             truncated: outcome.truncated,
             session: None,
+            gaps_us: if outcome.error.is_some() {
+                Vec::new()
+            } else {
+                outcome
+                    .itls
+                    .iter()
+                    .map(|g| (g.as_secs_f64() * 1e6 * self.time_scale).min(f64::from(u32::MAX)) as u32)
+                    .collect()
+            },
         }
     }
 }
 
-/// What a finished task hands back: records, their inter-token gaps
-/// (simulated us), and turns it did not send.
-type TaskResult = (Vec<RequestRecord>, Vec<u64>, Skip);
+/// What a finished task hands back: records and turns it did not send.
+type TaskResult = (Vec<RequestRecord>, Skip);
 
 /// Session turns a task did not send, and why.
 #[derive(Debug, Clone, Copy)]
@@ -309,20 +321,8 @@ enum Skip {
     Horizon(usize),
 }
 
-fn gaps_us(outcome: &StreamOutcome, time_scale: f64) -> Vec<u64> {
-    if outcome.error.is_some() {
-        return Vec::new();
-    }
-    outcome
-        .itls
-        .iter()
-        .map(|g| (g.as_secs_f64() * 1e6 * time_scale) as u64)
-        .collect()
-}
-
 async fn run_session(ctx: Arc<Context>, session: Session, gateway: usize) -> TaskResult {
     let mut records = Vec::new();
-    let mut gaps = Vec::new();
     let mut history: Vec<(String, String)> = Vec::new();
     let mut ready_at = ctx.wall(session.start_s);
     for (i, turn) in session.turns.iter().enumerate() {
@@ -330,7 +330,7 @@ async fn run_session(ctx: Arc<Context>, session: Session, gateway: usize) -> Tas
         if ctx.turn_horizon_s.is_some_and(|h| ctx.sim_s(ready_at) > h) {
             let left = session.turns.len() - i;
             ctx.settled.fetch_add(left, Ordering::Relaxed);
-            return (records, gaps, Skip::Horizon(left));
+            return (records, Skip::Horizon(left));
         }
         tokio::time::sleep_until(ready_at.into()).await;
         let mut messages: Vec<(&str, &str)> = vec![("system", &session.system)];
@@ -346,16 +346,15 @@ async fn run_session(ctx: Arc<Context>, session: Session, gateway: usize) -> Tas
         let mut record = ctx.record(&outcome, sent, gateway, (input_tokens, turn.output_tokens));
         record.session = Some((session.id, i as u32));
         records.push(record);
-        gaps.extend(gaps_us(&outcome, ctx.time_scale));
         if outcome.error.is_some() {
             let skipped = session.turns.len() - i - 1;
             ctx.settled.fetch_add(skipped, Ordering::Relaxed);
-            return (records, gaps, Skip::Failed(skipped));
+            return (records, Skip::Failed(skipped));
         }
         history.push((turn.user.clone(), outcome.text));
         ready_at = Instant::now();
     }
-    (records, gaps, Skip::None)
+    (records, Skip::None)
 }
 
 /// Runs `plan` and measures it.
@@ -421,9 +420,8 @@ pub async fn run_plan(plan: &Plan, options: &LoadOptions) -> Result<RunOutput, S
         tasks.spawn(async move {
             let sent = Instant::now();
             let outcome = ctx.send(gateway, request.api, request.body, false).await;
-            let gaps = gaps_us(&outcome, ctx.time_scale);
             let meta = (request.input_tokens, request.output_tokens);
-            (vec![ctx.record(&outcome, sent, gateway, meta)], gaps, Skip::None)
+            (vec![ctx.record(&outcome, sent, gateway, meta)], Skip::None)
         });
         while let Some(done) = tasks.try_join_next() {
             collect(done, &progress, &mut results);
@@ -477,13 +475,9 @@ pub async fn run_plan(plan: &Plan, options: &LoadOptions) -> Result<RunOutput, S
     let samples = sampler.await.unwrap_or_default();
     progress.finish_and_clear();
 
-    let mut itl_us = Histogram::<u64>::new(3).map_err(|e| format!("histogram: {e}"))?;
     let mut records = Vec::new();
     let (mut abandoned, mut beyond_horizon) = (0, 0);
-    for (task_records, gaps, skipped) in results {
-        for g in gaps {
-            let _ = itl_us.record(g);
-        }
+    for (task_records, skipped) in results {
         records.extend(task_records);
         match skipped {
             Skip::None => {}
@@ -497,7 +491,6 @@ pub async fn run_plan(plan: &Plan, options: &LoadOptions) -> Result<RunOutput, S
         records,
         abandoned,
         beyond_horizon,
-        itl_us,
         samples,
         arrival_window_s: cut.map_or(last_arrival, |c| c.min(last_arrival)),
         span_s,
@@ -548,8 +541,9 @@ mod tests {
             sample(2.0, vec![10, 10, 20, 0]),
             sample(9.0, vec![90, 0, 0, 0]),
         ];
-        assert_eq!(imbalance(&samples, 5.0, 0..4), Some(2.5));
-        assert_eq!(imbalance(&samples, 5.0, 2..4), Some(2.0));
+        assert_eq!(imbalance(&samples, 0.0, 5.0, 0..4), Some(2.5));
+        assert_eq!(imbalance(&samples, 0.0, 5.0, 2..4), Some(2.0));
+        assert_eq!(imbalance(&samples, 1.5, 5.0, 0..4), Some(2.0));
     }
 
     async fn sim(time_scale: f64) -> dprank_sim::SimServer {

@@ -48,7 +48,7 @@ struct Cli {
 enum Command {
     /// A quick look (<= 10 min): two workloads, the headline variants, 3 seeds.
     Quick(SuiteArgs),
-    /// The headline tables (`make bench`, <= 60 min): every workload, the headline variants, 10 seeds; then pd, overhead, selection.
+    /// The headline tables (`make bench`, <= 60 min): every workload, the headline variants, 10 seeds; then overhead and selection.
     Bench(BenchArgs),
     /// Every baseline on every workload, 10 seeds (part of `full`).
     Tables(SuiteArgs),
@@ -101,9 +101,12 @@ struct BenchArgs {
     /// Seeds 1..=N (default 10).
     #[arg(long)]
     seeds: Option<u64>,
-    /// Simulated seconds of arrivals per run.
+    /// Simulated seconds of measured arrivals per run.
     #[arg(long)]
     duration: Option<f64>,
+    /// Simulated seconds of warm-up arrivals per run.
+    #[arg(long)]
+    warmup: Option<f64>,
     /// Runs per overhead cell.
     #[arg(long, default_value_t = 3)]
     overhead_runs: usize,
@@ -117,6 +120,7 @@ impl BenchArgs {
             dry_run: self.dry_run,
             seeds: self.seeds,
             duration: self.duration,
+            warmup: self.warmup,
             ..SuiteArgs::default()
         }
     }
@@ -191,13 +195,11 @@ async fn load(args: LoadArgs) -> Result<(), String> {
     let ok: Vec<_> = output.records.iter().filter(|r| r.ok()).collect();
     let ttft: Vec<f64> = ok.iter().filter_map(|r| r.ttft_ms).collect();
     let e2e: Vec<f64> = ok.iter().map(|r| r.e2e_ms).collect();
-    let itl = |p: f64| {
-        if output.itl_us.is_empty() {
-            f64::NAN
-        } else {
-            output.itl_us.value_at_quantile(p / 100.0) as f64 / 1000.0
-        }
-    };
+    let gaps: Vec<f64> = ok
+        .iter()
+        .flat_map(|r| r.gaps_us.iter().map(|g| f64::from(*g) / 1000.0))
+        .collect();
+    let itl = |p: f64| stats::percentile(&gaps, p);
     let ranks = output.samples.first().map_or(0, |s| s.tokens.len());
     println!(
         "load: {} sent, {} ok, {} errors | TTFT p50 {:.0} p99 {:.0} ms | ITL p50 {:.1} p99 {:.1} ms | E2E p50 {:.0} p99 {:.0} ms | {:.2} req/s | imbalance {} (times simulated)",
@@ -211,7 +213,7 @@ async fn load(args: LoadArgs) -> Result<(), String> {
         stats::percentile(&e2e, 50.0),
         stats::percentile(&e2e, 99.0),
         ok.len() as f64 / output.span_s.max(1e-9),
-        loadgen::imbalance(&output.samples, output.arrival_window_s, 0..ranks)
+        loadgen::imbalance(&output.samples, 0.0, output.arrival_window_s, 0..ranks)
             .map_or("n/a".into(), |v| format!("{v:.3}")),
     );
     for e in output.records.iter().filter_map(|r| r.error.as_ref()).take(5) {
@@ -293,7 +295,7 @@ async fn run(cli: Cli) -> Result<(), String> {
         Command::Pd(args) => suite(&tools()?, "pd", args, &command_line).await,
         Command::PdPolicies(args) => suite(&tools()?, "pd-policies", args, &command_line).await,
         Command::Run(args) => suite(&tools()?, "run", args, &command_line).await,
-        Command::Bench(args) => bench(&tools()?, args, &["bench", "pd"], &command_line).await,
+        Command::Bench(args) => bench(&tools()?, args, &["bench"], &command_line).await,
         Command::Full(args) => {
             bench(
                 &tools()?,

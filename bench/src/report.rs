@@ -204,12 +204,15 @@ pub fn group_notes(g: &Group) -> String {
     let sent: Vec<f64> = all.iter().map(|r| r.sent as f64).collect();
     let per_seed = median(&sent);
     let seeds = g.variants.iter().map(|(_, r)| r.len()).max().unwrap_or(0);
-    let first = all.first();
+    let first = all.first().copied();
     let slo = first.map(|r| r.slo);
+    let warmup = first.map_or(0.0, |r| r.warmup_s);
     let _ = writeln!(
         md,
-        "\n- {} requests per seed (median); a seed's TTFT p99 rests on its {} largest TTFTs, and pooled over {} seeds on {}.",
+        "\n- {} measured requests per seed (median), sent over {} simulated s after {} s of warm-up arrivals that are not counted; a seed's TTFT p99 rests on its {} largest TTFTs, and pooled over {} seeds on {}.",
         per_seed as usize,
+        first.map_or(0.0, |r| r.duration_s),
+        warmup,
         tail_samples(per_seed as usize, 99.0),
         seeds,
         tail_samples(per_seed as usize * seeds, 99.0)
@@ -296,12 +299,14 @@ mod tests {
             kv: "small".into(),
             load: Some(rate / 10.0),
             rate,
+            warmup_s: 10.0,
             duration_s: 30.0,
             time_scale: 5.0,
             variant: variant.into(),
             seed,
             fleet: "2 workers x 4 ranks".into(),
             freshness: "f".into(),
+            warmup_requests: 100,
             sent: 300,
             ok: 300,
             errors: 0,
@@ -357,7 +362,7 @@ mod tests {
         assert!(group_title(&groups[0]).contains("85% of capacity"));
         let notes = group_notes(&groups[0]);
         assert!(
-            notes.contains("300 requests per seed")
+            notes.contains("300 measured requests per seed")
                 && notes.contains("4 largest")
                 && notes.contains("4 seeds on 13"),
             "{notes}"

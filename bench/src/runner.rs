@@ -118,6 +118,10 @@ pub struct Cell {
     pub rate: f64,
     /// The offered load as a fraction of the measured capacity, when known.
     pub load: Option<f64>,
+    /// Simulated seconds of arrivals before the measured window: the fleet
+    /// fills up first, so the figures describe a loaded fleet, not an empty one.
+    pub warmup_s: f64,
+    /// Simulated seconds of arrivals that are measured.
     pub duration_s: f64,
     pub time_scale: f64,
     pub fleet: FleetShape,
@@ -128,13 +132,14 @@ impl Cell {
     /// What identifies a finished run in the results file.
     pub fn key(&self) -> String {
         format!(
-            "{}|{}|{}|{}|{:.4}|{}|{}|{}",
+            "{}|{}|{}|{}|{:.4}|{}|{}+{}|{}",
             self.suite,
             self.workload.kind.name(),
             self.kv.name(),
             self.variant.name,
             self.rate,
             self.seed,
+            self.warmup_s,
             self.duration_s,
             self.time_scale
         )
@@ -151,6 +156,8 @@ pub struct RunRecord {
     pub load: Option<f64>,
     #[serde(deserialize_with = "crate::stats::nan_from_null")]
     pub rate: f64,
+    #[serde(default)]
+    pub warmup_s: f64,
     #[serde(deserialize_with = "crate::stats::nan_from_null")]
     pub duration_s: f64,
     #[serde(deserialize_with = "crate::stats::nan_from_null")]
@@ -159,6 +166,10 @@ pub struct RunRecord {
     pub seed: u64,
     pub fleet: String,
     pub freshness: String,
+    /// Requests sent during the warm-up (not in any figure).
+    #[serde(default)]
+    pub warmup_requests: usize,
+    /// Requests sent in the measured window.
     pub sent: usize,
     pub ok: usize,
     pub errors: usize,
@@ -446,7 +457,7 @@ pub async fn run_cell(
     }
     let plan = cell.workload.plan(&Shape {
         rate: cell.rate,
-        duration_s: cell.duration_s,
+        duration_s: cell.warmup_s + cell.duration_s,
         seed: cell.seed,
         max_prompt: cell.kv.max_prompt(),
         max_output: MAX_OUTPUT,
@@ -493,7 +504,7 @@ pub async fn run_cell(
         ),
         cut_at_s: None,
         drain: Drain::FirstTokens,
-        turn_horizon_s: Some(cell.duration_s + crate::workload::chat::TAIL_S),
+        turn_horizon_s: Some(cell.warmup_s + cell.duration_s + crate::workload::chat::TAIL_S),
     };
     let cpu = CpuTimes::now();
     let run_start = Instant::now();
@@ -547,7 +558,7 @@ pub async fn run_cell(
                 .map(|(a, b)| a.saturating_sub(*b))
                 .collect(),
             load_polls_per_worker_s: polls as f64 / worker_count.max(1) as f64 / run_sim_s.max(1e-9),
-            imbalance: imbalance(&output.samples, output.arrival_window_s, ranks),
+            imbalance: imbalance(&output.samples, cell.warmup_s, output.arrival_window_s, ranks),
             prefill_spread,
             counters,
         },
@@ -570,10 +581,16 @@ pub struct Summary {
     pub counters: Option<DprankCounters>,
 }
 
-/// Folds a run's request records into its summary record.
+/// Folds a run's request records into its summary record: only requests
+/// sent after the warm-up count.
 pub fn summarize(cell: &Cell, output: &RunOutput, fleet: Summary) -> RunRecord {
-    let ok: Vec<_> = output.records.iter().filter(|r| r.ok()).collect();
-    let errors: Vec<_> = output.records.iter().filter(|r| !r.ok()).collect();
+    let measured: Vec<_> = output
+        .records
+        .iter()
+        .filter(|r| r.sent_s >= cell.warmup_s)
+        .collect();
+    let ok: Vec<_> = measured.iter().copied().filter(|r| r.ok()).collect();
+    let errors: Vec<_> = measured.iter().copied().filter(|r| !r.ok()).collect();
     let ttft: Vec<f64> = ok.iter().filter_map(|r| r.ttft_ms).collect();
     let tpot: Vec<f64> = ok.iter().map(|r| r.tpot_ms).collect();
     // End-to-end latency only of answers that were read to the end.
@@ -584,14 +601,12 @@ pub fn summarize(cell: &Cell, output: &RunOutput, fleet: Summary) -> RunRecord {
         .filter_map(|r| Some((r.cached_tokens?, r.prompt_tokens?)))
         .fold((0u64, 0u64), |(c, p), (rc, rp)| (c + rc, p + rp));
     let tokens: u64 = ok.iter().map(|r| u64::from(r.tokens)).sum();
-    let span = output.span_s.max(1e-9);
-    let itl = |p: f64| {
-        if output.itl_us.is_empty() {
-            f64::NAN
-        } else {
-            output.itl_us.value_at_quantile(p / 100.0) as f64 / 1000.0
-        }
-    };
+    let span = (output.span_s - cell.warmup_s).max(1e-9);
+    let gaps: Vec<f64> = ok
+        .iter()
+        .flat_map(|r| r.gaps_us.iter().map(|g| f64::from(*g) / 1000.0))
+        .collect();
+    let itl = |p: f64| percentile(&gaps, p);
     RunRecord {
         key: cell.key(),
         suite: cell.suite.clone(),
@@ -599,6 +614,7 @@ pub fn summarize(cell: &Cell, output: &RunOutput, fleet: Summary) -> RunRecord {
         kv: cell.kv.name().into(),
         load: cell.load,
         rate: cell.rate,
+        warmup_s: cell.warmup_s,
         duration_s: cell.duration_s,
         time_scale: cell.time_scale,
         variant: cell.variant.name.clone(),
@@ -612,16 +628,17 @@ pub fn summarize(cell: &Cell, output: &RunOutput, fleet: Summary) -> RunRecord {
             format!("{} workers x {} ranks", cell.fleet.workers, cell.fleet.dp_size)
         },
         freshness: cell.variant.freshness(cell.time_scale),
-        sent: output.records.len(),
+        warmup_requests: output.records.len() - measured.len(),
+        sent: measured.len(),
         ok: ok.len(),
         errors: errors.len(),
         abandoned: output.abandoned,
         beyond_horizon: output.beyond_horizon,
         error_examples: errors.iter().filter_map(|r| r.error.clone()).take(3).collect(),
-        mean_input_tokens: mean(output.records.iter().map(|r| f64::from(r.input_tokens))),
-        mean_output_tokens: mean(output.records.iter().map(|r| f64::from(r.output_tokens))),
+        mean_input_tokens: mean(measured.iter().map(|r| f64::from(r.input_tokens))),
+        mean_output_tokens: mean(measured.iter().map(|r| f64::from(r.output_tokens))),
         per_gateway: (0..cell.variant.gateways)
-            .map(|g| output.records.iter().filter(|r| r.gateway == g).count())
+            .map(|g| measured.iter().filter(|r| r.gateway == g).count())
             .collect(),
         ttft_ms: ttft
             .iter()
@@ -760,6 +777,7 @@ mod tests {
             kv: Kv::Small,
             rate: 10.0,
             load: Some(0.85),
+            warmup_s: 0.0,
             duration_s: 30.0,
             time_scale: 5.0,
             fleet: FleetShape::default(),
@@ -786,6 +804,7 @@ mod tests {
             error: error.map(str::to_string),
             truncated: false,
             session: None,
+            gaps_us: vec![30_000],
         }
     }
 
@@ -800,7 +819,6 @@ mod tests {
             ],
             abandoned: 0,
             beyond_horizon: 0,
-            itl_us: hdrhistogram::Histogram::new(3).unwrap(),
             samples: Vec::new(),
             arrival_window_s: 5.0,
             span_s: 10.0,
@@ -826,6 +844,40 @@ mod tests {
     }
 
     #[test]
+    fn warm_up_requests_are_sent_but_not_counted() {
+        let mut early = request(Some(5000.0), 30.0, None);
+        early.sent_s = 1.0;
+        let mut late = request(Some(100.0), 30.0, None);
+        late.sent_s = 12.0;
+        let output = RunOutput {
+            records: vec![early, late],
+            abandoned: 0,
+            beyond_horizon: 0,
+            samples: Vec::new(),
+            arrival_window_s: 20.0,
+            span_s: 20.0,
+        };
+        let fleet = Summary {
+            started: "now".into(),
+            wall_s: 1.0,
+            cpu_busy: None,
+            served_per_rank: vec![],
+            load_polls_per_worker_s: 1.0,
+            imbalance: None,
+            prefill_spread: None,
+            counters: None,
+        };
+        let cell = Cell {
+            warmup_s: 10.0,
+            ..cell()
+        };
+        let r = summarize(&cell, &output, fleet);
+        assert_eq!((r.sent, r.warmup_requests, r.ttft_p99), (1, 1, 100.0));
+        assert_eq!(r.throughput_rps, 0.1);
+        assert_eq!(r.itl_p50, 30.0);
+    }
+
+    #[test]
     fn records_round_trip_through_the_results_file() {
         let dir = std::env::temp_dir().join(format!("dprank-results-{}", std::process::id()));
         let file = ResultsFile::new(&dir.join("runs.jsonl"));
@@ -834,7 +886,6 @@ mod tests {
             records: vec![request(Some(10.0), 5.0, None)],
             abandoned: 0,
             beyond_horizon: 0,
-            itl_us: hdrhistogram::Histogram::new(3).unwrap(),
             samples: Vec::new(),
             arrival_window_s: 1.0,
             span_s: 1.0,

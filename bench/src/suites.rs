@@ -49,6 +49,9 @@ pub struct Suite {
     pub rate: Option<f64>,
     pub variants: Vec<String>,
     pub seeds: Vec<u64>,
+    /// Simulated seconds of arrivals before the measured window.
+    pub warmup_s: f64,
+    /// Simulated seconds of measured arrivals.
     pub duration_s: f64,
     /// None: [`default_time_scale`] per KV size.
     pub time_scale: Option<f64>,
@@ -123,7 +126,8 @@ impl Suite {
             rate: None,
             variants: HEADLINE.map(str::to_string).to_vec(),
             seeds: seeds(10),
-            duration_s: 30.0,
+            warmup_s: 10.0,
+            duration_s: 25.0,
             time_scale: None,
             reference: "dprank".into(),
             fleet: FleetShape::default(),
@@ -136,12 +140,12 @@ impl Suite {
                 out: PathBuf::from("target/bench-quick"),
                 workloads: vec![Workload::new(WorkloadKind::NoPrefix), Workload::new(WorkloadKind::Tenants)],
                 seeds: seeds(3),
+                warmup_s: 10.0,
                 duration_s: 20.0,
                 ..base
             },
             "bench" => Suite {
                 about: "the headline tables: every workload at 85% of capacity with small KV, the headline variants, 10 seeds".into(),
-                duration_s: 25.0,
                 ..base
             },
             "tables" => Suite {
@@ -157,7 +161,6 @@ impl Suite {
                 ..base
             },
             "pd" => Suite {
-                duration_s: 25.0,
                 about: "prefill/decode disaggregation (2 prefill x 4 ranks, 2 decode x 4 ranks): dprank, the old rule and smg's minimum-tokens scheduler, at equal freshness and each at its default".into(),
                 workloads: vec![Workload::new(WorkloadKind::NoPrefix)],
                 variants: PD.map(str::to_string).to_vec(),
@@ -217,6 +220,7 @@ impl Suite {
                                 kv: *kv,
                                 rate,
                                 load: self.rate.is_none().then_some(*load),
+                                warmup_s: self.warmup_s,
                                 duration_s: self.duration_s,
                                 time_scale: self.time_scale_for(*kv),
                                 fleet: self.fleet,
@@ -263,9 +267,12 @@ pub struct SuiteArgs {
     /// KV sizes per rank (comma-separated): small, large.
     #[arg(long, value_delimiter = ',')]
     pub kv: Vec<Kv>,
-    /// Simulated seconds of arrivals per run.
+    /// Simulated seconds of measured arrivals per run.
     #[arg(long)]
     pub duration: Option<f64>,
+    /// Simulated seconds of arrivals before the measured ones (not counted).
+    #[arg(long)]
+    pub warmup: Option<f64>,
     /// Simulated time runs this many times faster than wall time (default per KV size).
     #[arg(long)]
     pub time_scale: Option<f64>,
@@ -341,6 +348,9 @@ impl SuiteArgs {
         if let Some(d) = self.duration {
             suite.duration_s = d;
         }
+        if let Some(w) = self.warmup {
+            suite.warmup_s = w;
+        }
         if self.time_scale.is_some() {
             suite.time_scale = self.time_scale;
         }
@@ -377,7 +387,7 @@ pub fn estimate_run_s(cell: &Cell) -> f64 {
         WorkloadKind::Chat => crate::workload::chat::TAIL_S + 5.0,
         _ => 5.0,
     };
-    startup + (cell.duration_s + tail_sim) / cell.time_scale
+    startup + (cell.warmup_s + cell.duration_s + tail_sim) / cell.time_scale
 }
 
 /// Runs `suite`, appending records to `<out>/runs.jsonl`, then writes its report.
