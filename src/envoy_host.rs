@@ -2,7 +2,7 @@
 //! Result or an Option here: the SDK's trait defaults panic on unexpected
 //! statuses, and a panic kills the VM for its thread.
 
-use crate::host::{Host, SharedSetError};
+use crate::host::{Callout, Host, SharedSetError};
 use proxy_wasm::hostcalls;
 use proxy_wasm::types::{BufferType, MapType, MetricType, Status};
 use std::cell::RefCell;
@@ -27,6 +27,20 @@ fn metric_id(kind: MetricType, name: &str) -> Option<u32> {
 
 pub struct EnvoyHost;
 
+impl EnvoyHost {
+    /// The plugin's configuration (root context, `on_configure`).
+    pub fn plugin_configuration() -> Option<Vec<u8>> {
+        hostcalls::get_buffer(BufferType::PluginConfiguration, 0, usize::MAX)
+            .ok()
+            .flatten()
+    }
+
+    /// Sets the root context's tick period; false if refused.
+    pub fn set_tick_period(ms: u64) -> bool {
+        hostcalls::set_tick_period(Duration::from_millis(ms)).is_ok()
+    }
+}
+
 impl Host for EnvoyHost {
     fn now_ms(&self) -> u64 {
         hostcalls::get_current_time()
@@ -34,6 +48,11 @@ impl Host for EnvoyHost {
             .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
             .map(|d| d.as_millis() as u64)
             .unwrap_or(0)
+    }
+
+    fn random_u64(&self) -> u64 {
+        // wasi random_get; Envoy fills it from its own entropy source.
+        getrandom::u64().unwrap_or_else(|_| self.now_ms().wrapping_mul(0x9E37_79B9_7F4A_7C15))
     }
 
     fn shared_get(&self, key: &str) -> Option<(Vec<u8>, u32)> {
@@ -63,77 +82,55 @@ impl Host for EnvoyHost {
         }
     }
 
-    fn random_u64(&self) -> u64 {
-        // wasi random_get; Envoy fills it from its own entropy source.
-        getrandom::u64().unwrap_or_else(|_| self.now_ms().wrapping_mul(0x9E37_79B9_7F4A_7C15))
+    fn http_call(&self, call: &Callout) -> Result<u32, String> {
+        let timeout = Duration::from_millis(call.timeout_ms);
+        hostcalls::dispatch_http_call(call.cluster, call.headers.to_vec(), call.body, vec![], timeout)
+            .map_err(|s| format!("dispatch refused ({s:?}): is the cluster defined?"))
     }
 
-    fn http_call(
-        &self,
-        cluster: &str,
-        headers: &[(&str, &str)],
-        body: Option<&[u8]>,
-        timeout_ms: u64,
-    ) -> Result<u32, String> {
-        hostcalls::dispatch_http_call(
-            cluster,
-            headers.to_vec(),
-            body,
-            vec![],
-            Duration::from_millis(timeout_ms),
-        )
-        .map_err(|s| format!("dispatch refused ({s:?}): is the cluster defined?"))
+    fn callout_status(&self) -> Option<u32> {
+        hostcalls::get_map_value(MapType::HttpCallResponseHeaders, ":status")
+            .ok()
+            .flatten()
+            .and_then(|s| s.parse().ok())
     }
-}
 
-pub fn request_header(name: &str) -> Option<String> {
-    hostcalls::get_map_value(MapType::HttpRequestHeaders, name)
-        .ok()
-        .flatten()
-}
+    fn callout_body(&self, size: usize) -> Vec<u8> {
+        hostcalls::get_buffer(BufferType::HttpCallResponseBody, 0, size)
+            .ok()
+            .flatten()
+            .unwrap_or_default()
+    }
 
-pub fn set_request_header(name: &str, value: Option<&str>) {
-    let _ = hostcalls::set_map_value(MapType::HttpRequestHeaders, name, value);
-}
+    fn request_header(&self, name: &str) -> Option<String> {
+        hostcalls::get_map_value(MapType::HttpRequestHeaders, name)
+            .ok()
+            .flatten()
+    }
 
-pub fn request_body(size: usize) -> Option<Vec<u8>> {
-    hostcalls::get_buffer(BufferType::HttpRequestBody, 0, size)
-        .ok()
-        .flatten()
-}
+    fn set_request_header(&self, name: &str, value: &str) {
+        let _ = hostcalls::set_map_value(MapType::HttpRequestHeaders, name, Some(value));
+    }
 
-pub fn replace_request_body(old_size: usize, body: &[u8]) -> bool {
-    hostcalls::set_buffer(BufferType::HttpRequestBody, 0, old_size, body).is_ok()
-}
+    fn remove_request_header(&self, name: &str) {
+        let _ = hostcalls::set_map_value(MapType::HttpRequestHeaders, name, None);
+    }
 
-pub fn send_response(status: u32, content_type: &str, body: &[u8]) {
-    let _ = hostcalls::send_http_response(status, vec![("content-type", content_type)], Some(body));
-}
+    fn request_body(&self, size: usize) -> Option<Vec<u8>> {
+        hostcalls::get_buffer(BufferType::HttpRequestBody, 0, size)
+            .ok()
+            .flatten()
+    }
 
-pub fn plugin_configuration() -> Option<Vec<u8>> {
-    hostcalls::get_buffer(BufferType::PluginConfiguration, 0, usize::MAX)
-        .ok()
-        .flatten()
-}
+    fn replace_request_body(&self, old_size: usize, body: &[u8]) -> bool {
+        hostcalls::set_buffer(BufferType::HttpRequestBody, 0, old_size, body).is_ok()
+    }
 
-pub fn call_response_status() -> Option<u32> {
-    hostcalls::get_map_value(MapType::HttpCallResponseHeaders, ":status")
-        .ok()
-        .flatten()
-        .and_then(|s| s.parse().ok())
-}
+    fn send_response(&self, status: u32, headers: &[(&str, &str)], body: &[u8]) {
+        let _ = hostcalls::send_http_response(status, headers.to_vec(), Some(body));
+    }
 
-pub fn call_response_body(size: usize) -> Vec<u8> {
-    hostcalls::get_buffer(BufferType::HttpCallResponseBody, 0, size)
-        .ok()
-        .flatten()
-        .unwrap_or_default()
-}
-
-pub fn resume_response() {
-    let _ = hostcalls::resume_http_response();
-}
-
-pub fn set_tick_period(ms: u64) -> bool {
-    hostcalls::set_tick_period(Duration::from_millis(ms)).is_ok()
+    fn resume_response(&self) {
+        let _ = hostcalls::resume_http_response();
+    }
 }

@@ -1,10 +1,13 @@
 //! dprank: an Envoy proxy-wasm filter that sends each SGLang request to the
 //! data-parallel rank holding the fewest tokens, across a fleet of workers.
 //!
-//! Pure logic (`config`, `load`, `body`, `state`, `scheduler`, `router`,
-//! `poller`) knows nothing of proxy-wasm and is tested on the host;
-//! `envoy_host` is the only caller of the host ABI and `filter` only
-//! translates callbacks.
+//! Everything but `envoy_host` and `filter` knows nothing of proxy-wasm and
+//! is tested on the host through the `Host` trait: `request` (one request's
+//! life), `router` (where it goes), `scheduler` (which worker and rank),
+//! `body` (reading and rewriting bodies), `poller`, `load` and `discovery`
+//! (load reports and cluster membership), `store` and `state` (shared data),
+//! `config`, `metrics`. `envoy_host` is the only caller of the host ABI and
+//! `filter` only translates callbacks.
 
 pub mod body;
 pub mod config;
@@ -13,10 +16,13 @@ pub mod envoy_host;
 pub mod filter;
 pub mod host;
 pub mod load;
+pub mod metrics;
 pub mod poller;
+pub mod request;
 pub mod router;
 pub mod scheduler;
 pub mod state;
+pub mod store;
 
 proxy_wasm::main! {{
     proxy_wasm::set_log_level(proxy_wasm::types::LogLevel::Info);

@@ -72,7 +72,7 @@ impl RankEntry {
             || self.num_used_tokens.is_some()
     }
 
-    /// Preference order from PROTOCOL.md: total (used + pending), then the
+    /// Preference order (docs/protocol.md): total (used + pending), then the
     /// legacy `num_tokens`, then used KV only.
     fn tokens(&self) -> Option<u64> {
         [&self.num_total_tokens, &self.num_tokens, &self.num_used_tokens]

@@ -11,9 +11,10 @@
 
 /// Tokens value stored for a rank the report said nothing usable about.
 const UNKNOWN: u64 = u64::MAX;
-const MAGIC: &[u8; 4] = b"DPW4";
 
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+use serde::{Deserialize, Serialize};
+
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct WorkerState {
     /// Sequence number of the last poll dispatched to this worker.
     pub sent_seq: u64,
@@ -26,14 +27,16 @@ pub struct WorkerState {
     /// `load_endpoint: auto` found no `/v1/loads` here: poll `/get_load`.
     pub get_load_only: bool,
     /// Polled tokens per rank, `UNKNOWN` where the report had no usable figure.
+    #[serde(with = "crate::store::words")]
     tokens: Vec<u64>,
     /// Estimates of requests not yet covered by a snapshot, by poll bucket.
     pending: Vec<Pending>,
 }
 
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 struct Pending {
     seq: u64,
+    #[serde(with = "crate::store::words")]
     tokens: Vec<u64>,
 }
 
@@ -72,20 +75,36 @@ impl WorkerState {
         Some(polled.saturating_add(pending))
     }
 
-    /// `effective_tokens` of every rank at once: one pass per pending bucket
-    /// instead of one per rank and bucket (the hot path at thousands of ranks).
-    pub fn effective_loads(&self) -> Vec<Option<u64>> {
-        let mut loads: Vec<u64> = self.tokens.clone();
+    /// Adds every rank's effective tokens to `costs` (one slot per rank) and
+    /// clears the slots of ranks without a polled figure: one pass per pending
+    /// bucket instead of one per rank and bucket (selection walks every rank
+    /// of the fleet per request).
+    pub fn add_effective_tokens(&self, costs: &mut [Option<u64>]) {
+        for (cost, polled) in costs.iter_mut().zip(&self.tokens) {
+            *cost = match (*cost, *polled) {
+                (Some(c), p) if p != UNKNOWN => Some(c.saturating_add(p)),
+                _ => None,
+            };
+        }
+        for cost in costs.iter_mut().skip(self.tokens.len()) {
+            *cost = None;
+        }
         for bucket in &self.pending {
-            for (load, pending) in loads.iter_mut().zip(&bucket.tokens) {
-                *load = load.saturating_add(*pending);
+            for (cost, pending) in costs.iter_mut().zip(&bucket.tokens) {
+                if let Some(c) = cost {
+                    *c = c.saturating_add(*pending);
+                }
             }
         }
-        loads
-            .into_iter()
-            .zip(&self.tokens)
-            .map(|(load, polled)| (*polled != UNKNOWN).then_some(load))
-            .collect()
+    }
+
+    /// Whether the sizes are within what dprank ever writes (a decoded value
+    /// from elsewhere is refused).
+    pub fn within_limits(&self) -> bool {
+        let max = crate::config::MAX_DP_SIZE as usize;
+        self.tokens.len() <= max
+            && self.pending.len() <= max
+            && self.pending.iter().all(|p| p.tokens.len() <= max)
     }
 
     /// Pending estimate total (all ranks), for stats and tests.
@@ -175,99 +194,6 @@ impl WorkerState {
             }
         }
     }
-
-    pub fn encode(&self) -> Vec<u8> {
-        let ranks = self.tokens.len();
-        let mut out = Vec::with_capacity(
-            4 + 8 * 3 + 8 + 8 * ranks * (1 + self.pending.len()) + 12 * self.pending.len(),
-        );
-        out.extend_from_slice(MAGIC);
-        for v in [
-            self.sent_seq,
-            self.snapshot_seq,
-            self.snapshot_at_ms,
-            u64::from(self.unreachable),
-            u64::from(self.get_load_only),
-        ] {
-            out.extend_from_slice(&v.to_le_bytes());
-        }
-        out.extend_from_slice(&(ranks as u32).to_le_bytes());
-        for t in &self.tokens {
-            out.extend_from_slice(&t.to_le_bytes());
-        }
-        out.extend_from_slice(&(self.pending.len() as u32).to_le_bytes());
-        for p in &self.pending {
-            out.extend_from_slice(&p.seq.to_le_bytes());
-            out.extend_from_slice(&(p.tokens.len() as u32).to_le_bytes());
-            for t in &p.tokens {
-                out.extend_from_slice(&t.to_le_bytes());
-            }
-        }
-        out
-    }
-
-    /// Decodes what `encode` wrote; None for anything else (the caller starts afresh).
-    pub fn decode(bytes: &[u8]) -> Option<WorkerState> {
-        let mut r = Reader { bytes, at: 0 };
-        if r.take(4)? != MAGIC {
-            return None;
-        }
-        let sent_seq = r.u64()?;
-        let snapshot_seq = r.u64()?;
-        let snapshot_at_ms = r.u64()?;
-        let unreachable = r.u64()? != 0;
-        let get_load_only = r.u64()? != 0;
-        let ranks = r.u32()? as usize;
-        if ranks > crate::config::MAX_DP_SIZE as usize {
-            return None;
-        }
-        let tokens = (0..ranks).map(|_| r.u64()).collect::<Option<Vec<_>>>()?;
-        let buckets = r.u32()? as usize;
-        if buckets.saturating_mul(12) > bytes.len() {
-            return None;
-        }
-        let mut pending = Vec::with_capacity(buckets);
-        for _ in 0..buckets {
-            let seq = r.u64()?;
-            let len = r.u32()? as usize;
-            if len > crate::config::MAX_DP_SIZE as usize {
-                return None;
-            }
-            let tokens = (0..len).map(|_| r.u64()).collect::<Option<Vec<_>>>()?;
-            pending.push(Pending { seq, tokens });
-        }
-        if r.at != bytes.len() {
-            return None;
-        }
-        Some(WorkerState {
-            sent_seq,
-            snapshot_seq,
-            snapshot_at_ms,
-            unreachable,
-            get_load_only,
-            tokens,
-            pending,
-        })
-    }
-}
-
-struct Reader<'a> {
-    bytes: &'a [u8],
-    at: usize,
-}
-
-impl<'a> Reader<'a> {
-    fn take(&mut self, n: usize) -> Option<&'a [u8]> {
-        let s = self.bytes.get(self.at..self.at.checked_add(n)?)?;
-        self.at += n;
-        Some(s)
-    }
-    fn u64(&mut self) -> Option<u64> {
-        Some(u64::from_le_bytes(self.take(8)?.try_into().ok()?))
-    }
-    fn u32(&mut self) -> Option<u32> {
-        Some(u32::from_le_bytes(self.take(4)?.try_into().ok()?))
-    }
 }
 
 #[cfg(test)]
@@ -305,7 +231,7 @@ mod tests {
     }
 
     #[test]
-    fn effective_loads_equal_effective_tokens_per_rank() {
+    fn bulk_effective_tokens_equal_effective_tokens_per_rank() {
         let mut w = WorkerState::default();
         let seq = w.begin_poll();
         w.apply_snapshot(seq, 1, &[Some(3), None, Some(u64::MAX - 1)]);
@@ -314,7 +240,10 @@ mod tests {
         w.begin_poll();
         w.add(0, 0, 1).unwrap();
         let each: Vec<Option<u64>> = (0..3).map(|r| w.effective_tokens(r)).collect();
-        assert_eq!(w.effective_loads(), each);
+        let mut bulk = vec![Some(0); 4];
+        w.add_effective_tokens(&mut bulk);
+        assert_eq!(&bulk[..3], each.as_slice());
+        assert_eq!(bulk[3], None, "a rank the report does not list");
         assert_eq!(each, vec![Some(8), None, Some(u64::MAX)]);
     }
 
@@ -372,7 +301,6 @@ mod tests {
         let mut w = polled(&[1]);
         w.mark_unreachable();
         assert!(!w.is_fresh(1000, 3000));
-        assert_eq!(WorkerState::decode(&w.encode()), Some(w.clone()));
         let seq = w.begin_poll();
         w.apply_snapshot(seq, 2000, &[Some(1)]);
         assert!(w.is_fresh(2000, 3000));
@@ -423,29 +351,5 @@ mod tests {
         );
         w.release(&newer);
         assert_eq!(w.pending_total(), 0);
-    }
-
-    #[test]
-    fn encode_decode_round_trip() {
-        let mut w = polled(&[5, u64::MAX - 1, 7]);
-        w.begin_poll();
-        w.add(1, 2, 99).unwrap();
-        w.get_load_only = true;
-        let bytes = w.encode();
-        assert_eq!(WorkerState::decode(&bytes), Some(w.clone()));
-        assert_eq!(WorkerState::decode(&bytes[..bytes.len() - 1]), None);
-        let mut longer = bytes.clone();
-        longer.push(0);
-        assert_eq!(WorkerState::decode(&longer), None);
-        assert_eq!(WorkerState::decode(b"DPW3"), None);
-        assert_eq!(WorkerState::decode(b""), None);
-    }
-
-    #[test]
-    fn decode_rejects_absurd_sizes_without_allocating() {
-        let mut bytes = MAGIC.to_vec();
-        bytes.extend_from_slice(&[0u8; 40]);
-        bytes.extend_from_slice(&u32::MAX.to_le_bytes());
-        assert_eq!(WorkerState::decode(&bytes), None);
     }
 }

@@ -9,9 +9,10 @@ use std::time::Instant;
 
 use clap::Args;
 use dprank::body::JsonObject;
-use dprank::config::Config;
-use dprank::scheduler::{fresh_candidates, least_loaded};
+use dprank::config::{Config, Worker};
+use dprank::scheduler::{choose, Constraint, Context, Pool};
 use dprank::state::WorkerState;
+use dprank::store;
 
 use crate::report::{markdown_table, report_header};
 use crate::stats::median;
@@ -121,18 +122,31 @@ pub fn selection(args: &SelectionArgs, command_line: &str) -> Result<(), String>
     let mut at_4096_min = f64::NAN;
     for ranks in TOTAL_RANKS {
         let (config, states) = fleet(ranks)?;
+        let workers = config.routed();
+        let ctx = |tie_breaker| Context {
+            now_ms: 1_500,
+            stale_after_ms: config.stale_after_ms,
+            constraint: Constraint::default(),
+            tie_breaker,
+        };
+        fn pool<'a>(workers: &'a [Worker], states: &'a [Option<WorkerState>]) -> Pool<'a> {
+            Pool {
+                workers,
+                states,
+                offset: 0,
+            }
+        }
         let mut tie = 0u64;
         let select = time_ns(args.batches, || {
             tie = tie.wrapping_add(1);
-            let candidates = fresh_candidates(&config.workers, &states, 1_500, config.stale_after_ms);
-            least_loaded(candidates, tie).map_or(0, |c| c.load)
+            choose(&pool(workers, &states), &ctx(tie)).map_or(0, |c| c.cost)
         });
         // Reference: the same choice in one pass over the states through
         // their public API, without materialising the candidates (ties to
         // the first); how far the selection step itself could come down.
         let one_pass = time_ns(args.batches, || {
             let mut best: Option<u64> = None;
-            for (worker, state) in config.workers.iter().zip(&states) {
+            for (worker, state) in workers.iter().zip(&states) {
                 let Some(state) = state
                     .as_ref()
                     .filter(|s| s.is_fresh(1_500, config.stale_after_ms))
@@ -154,12 +168,11 @@ pub fn selection(args: &SelectionArgs, command_line: &str) -> Result<(), String>
         });
         // What the filter does per request around the choice: decode every
         // worker's state from shared data, then re-encode the chosen one.
-        let encoded: Vec<Vec<u8>> = states.iter().flatten().map(WorkerState::encode).collect();
+        let encoded: Vec<Vec<u8>> = states.iter().flatten().map(store::encode).collect();
         let full = time_ns(args.batches, || {
             tie = tie.wrapping_add(1);
-            let decoded: Vec<Option<WorkerState>> = encoded.iter().map(|b| WorkerState::decode(b)).collect();
-            let candidates = fresh_candidates(&config.workers, &decoded, 1_500, config.stale_after_ms);
-            let Some(choice) = least_loaded(candidates, tie) else {
+            let decoded: Vec<Option<WorkerState>> = encoded.iter().map(|b| store::decode(b)).collect();
+            let Some(choice) = choose(&pool(workers, &decoded), &ctx(tie)) else {
                 return 0;
             };
             let mut state = decoded
@@ -168,7 +181,7 @@ pub fn selection(args: &SelectionArgs, command_line: &str) -> Result<(), String>
                 .flatten()
                 .unwrap_or_default();
             state.add(choice.worker, choice.rank, 100);
-            state.encode().len() as u64
+            store::encode(&state).len() as u64
         });
         if ranks == 4096 {
             at_4096 = select.median;
@@ -187,7 +200,7 @@ pub fn selection(args: &SelectionArgs, command_line: &str) -> Result<(), String>
         &[
             "ranks",
             "workers (8 ranks each)",
-            "fresh_candidates + least_loaded, ns",
+            "scheduler::choose, ns",
             "ns per rank",
             "reference: one pass, no candidate list, ns",
             "per request in the filter: decode every state + choose + add + encode, ns",
@@ -240,7 +253,7 @@ pub fn selection(args: &SelectionArgs, command_line: &str) -> Result<(), String>
     println!("{verdict}");
 
     let mut md = report_header("dprank selection cost (host micro-benchmark)", command_line);
-    let _ = writeln!(md, "ns per call over {} timed batches of ~2 ms each: the median batch, and in brackets the fastest batch (the machine is shared with other work; the fastest batch is the cost without interference), native release build of the `dprank` crate (inside Envoy the same code runs as wasm in V8). Fleets of workers with 8 ranks each; every worker's state holds a polled snapshot and three pending estimates, as between two polls. Columns: the selection step the target is about (`fresh_candidates` + `least_loaded`); a hand-written one-pass reference through the same public `WorkerState` API, ties to the first (a floor for the step as the state is laid out now); and what the filter does per request around it (`router::read_worker_states` decodes every worker's shared-data bytes, then the choice, then `add` + `encode` of the chosen worker's state), without the host calls themselves. Bodies are `/generate` requests of the given size; `with_fields` splices `routed_dp_rank` in.\n", args.batches);
+    let _ = writeln!(md, "ns per call over {} timed batches of ~2 ms each: the median batch, and in brackets the fastest batch (the machine is shared with other work; the fastest batch is the cost without interference), native release build of the `dprank` crate (inside Envoy the same code runs as wasm in V8). Fleets of workers with 8 ranks each; every worker's state holds a polled snapshot and three pending estimates, as between two polls. Columns: the selection step the target is about (`scheduler::choose`: filters, the load scorer and the least-cost picker); a hand-written one-pass reference through the same public `WorkerState` API, ties to the first (a floor for the step as the state is laid out now); and what the filter does per request around it (`store::read_worker_states` decodes every worker's shared-data bytes, then the choice, then `add` + `store::encode` of the chosen worker's state), without the host calls themselves. Bodies are `/generate` requests of the given size; `with_fields` splices `routed_dp_rank` in.\n", args.batches);
     md.push_str(&table);
     md.push('\n');
     md.push_str(&body_table);

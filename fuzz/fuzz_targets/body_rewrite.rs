@@ -1,20 +1,21 @@
 //! `JsonObject::parse` and `with_fields` on arbitrary bytes.
 //!
-//! Properties:
-//! - `parse` never panics; it succeeds on every JSON object serde_json accepts,
-//!   and only on input that is syntactically valid JSON with an object on top.
-//! - Its fields are the top-level keys in order (escapes decoded) and each
-//!   value range holds exactly that value's text (checked against an
-//!   independent serde_json pass collecting `(key, &RawValue)` pairs), and the
-//!   prompt sizes are those of the prompt keys' values measured on their own.
-//! - `with_fields(set)` copies every input byte outside the replaced value
-//!   ranges, in order, and writes the absent keys right after the opening
-//!   brace: the output equals the splice rebuilt here from the pairs.
-//! - The output is a JSON object whose members, as serde_json Values, are the
-//!   input's with the keys of `set` set (last duplicate wins, as in
-//!   serde_json; every occurrence of a set key is overwritten, so this holds
-//!   on both sides), and parsing the output again gives the inserted keys
-//!   first, then the input's keys.
+//! The oracles are serde_json's own readings of the same bytes, never a
+//! re-implementation of body.rs:
+//! - `parse` never panics; it succeeds exactly on the inputs serde_json reads
+//!   as a JSON object;
+//! - its fields are serde_json's top-level members in order (escapes
+//!   decoded), each value range holding the text serde_json's `RawValue`
+//!   points at; `raw_value` is the last duplicate's;
+//! - prompt sizes equal those read from `serde_json::Value`s of the prompt
+//!   keys: every string's UTF-8 bytes and whitespace-separated words, every
+//!   integer one token id;
+//! - `with_fields(set)` gives a JSON object whose members, as Values, are the
+//!   input's with `set` applied (last duplicate wins on both sides);
+//! - every other byte is kept: cutting the values of the keys in `set` out of
+//!   the input and out of the output (where serde_json says they are) leaves
+//!   the same bytes, except the absent keys written right after the opening
+//!   brace.
 //!
 //! Two sets are spliced into every input that parses: the single rank field
 //! the regular router writes, and a PD-like set (string, array and null
@@ -52,9 +53,7 @@ impl<'de> Deserialize<'de> for Pairs<'de> {
     }
 }
 
-/// Sizes of a prompt value as PROTOCOL/body.rs define them: every string
-/// value at any depth (not object keys) adds its UTF-8 bytes and whitespace
-/// words, every integer one token id. Duplicate keys all count.
+/// Sizes of the prompt values read from serde_json Values.
 #[derive(Default, Debug, PartialEq)]
 struct Sizes {
     bytes: u64,
@@ -62,51 +61,16 @@ struct Sizes {
     ids: u64,
 }
 
-struct SizeOf<'s>(&'s mut Sizes);
-
-impl<'de> serde::de::DeserializeSeed<'de> for SizeOf<'_> {
-    type Value = ();
-    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<(), D::Error> {
-        d.deserialize_any(self)
-    }
-}
-
-impl<'de> Visitor<'de> for SizeOf<'_> {
-    type Value = ();
-    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
-        f.write_str("JSON")
-    }
-    fn visit_str<E>(self, v: &str) -> Result<(), E> {
-        self.0.bytes += v.len() as u64;
-        self.0.words += v.split_whitespace().count() as u64;
-        Ok(())
-    }
-    fn visit_u64<E>(self, _: u64) -> Result<(), E> {
-        self.0.ids += 1;
-        Ok(())
-    }
-    fn visit_i64<E>(self, _: i64) -> Result<(), E> {
-        self.0.ids += 1;
-        Ok(())
-    }
-    fn visit_f64<E>(self, _: f64) -> Result<(), E> {
-        Ok(())
-    }
-    fn visit_bool<E>(self, _: bool) -> Result<(), E> {
-        Ok(())
-    }
-    fn visit_unit<E>(self) -> Result<(), E> {
-        Ok(())
-    }
-    fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<(), A::Error> {
-        while seq.next_element_seed(SizeOf(&mut *self.0))?.is_some() {}
-        Ok(())
-    }
-    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<(), A::Error> {
-        while map.next_key::<IgnoredAny>()?.is_some() {
-            map.next_value_seed(SizeOf(&mut *self.0))?;
+fn add_sizes(v: &Value, sizes: &mut Sizes) {
+    match v {
+        Value::String(s) => {
+            sizes.bytes += s.len() as u64;
+            sizes.words += s.split_whitespace().count() as u64;
         }
-        Ok(())
+        Value::Number(n) if n.is_i64() || n.is_u64() => sizes.ids += 1,
+        Value::Array(a) => a.iter().for_each(|v| add_sizes(v, sizes)),
+        Value::Object(o) => o.values().for_each(|v| add_sizes(v, sizes)),
+        _ => {}
     }
 }
 
@@ -114,28 +78,19 @@ fn is_ws(b: u8) -> bool {
     matches!(b, b' ' | b'\t' | b'\n' | b'\r')
 }
 
-/// The splice `with_fields` must produce, built from the independent pairs.
-fn expected_splice(data: &[u8], open: usize, pairs: &Pairs, set: &[(&str, &str)]) -> Vec<u8> {
-    let inserted: Vec<String> = set
-        .iter()
-        .filter(|(k, _)| !pairs.0.iter().any(|(pk, _)| pk == k))
-        .map(|(k, v)| format!("\"{k}\":{v}"))
-        .collect();
-    let mut out = data[..=open].to_vec();
-    out.extend_from_slice(inserted.join(",").as_bytes());
-    if !inserted.is_empty() && !pairs.0.is_empty() {
-        out.push(b',');
-    }
-    let mut at = open + 1;
+/// `bytes` with the values of the top-level keys in `cut` removed, at the
+/// places serde_json's `RawValue`s point at.
+fn skeleton(bytes: &[u8], pairs: &Pairs, cut: &[&str]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut at = 0;
     for (k, raw) in &pairs.0 {
-        if let Some((_, v)) = set.iter().find(|(sk, _)| sk == k) {
-            let start = raw.get().as_ptr() as usize - data.as_ptr() as usize;
-            out.extend_from_slice(&data[at..start]);
-            out.extend_from_slice(v.as_bytes());
+        if cut.contains(&k.as_str()) {
+            let start = raw.get().as_ptr() as usize - bytes.as_ptr() as usize;
+            out.extend_from_slice(&bytes[at..start]);
             at = start + raw.get().len();
         }
     }
-    out.extend_from_slice(&data[at..]);
+    out.extend_from_slice(&bytes[at..]);
     out
 }
 
@@ -155,13 +110,27 @@ fn value_map(pairs: &Pairs) -> Option<Map<String, Value>> {
 
 fn check_splice(data: &[u8], open: usize, pairs: &Pairs, input: Option<&Map<String, Value>>, obj: &JsonObject, set: &[(&str, &str)]) {
     let out = obj.with_fields(set);
-    let expected = expected_splice(data, open, pairs, set);
+    let out_pairs: Pairs = serde_json::from_slice(&out).expect("output is a JSON object");
+    let keys: Vec<&str> = set.iter().map(|(k, _)| *k).collect();
+    // Every other byte kept: the absent keys go right after the brace.
+    let inserted: Vec<String> = set
+        .iter()
+        .filter(|(k, _)| !pairs.0.iter().any(|(pk, _)| pk == k))
+        .map(|(k, _)| format!("\"{k}\":"))
+        .collect();
+    let before = skeleton(data, pairs, &keys);
+    let mut want = before[..=open].to_vec();
+    want.extend_from_slice(inserted.join(",").as_bytes());
+    if !inserted.is_empty() && !pairs.0.is_empty() {
+        want.push(b',');
+    }
+    want.extend_from_slice(&before[open + 1..]);
+    let after = skeleton(&out, &out_pairs, &keys);
     assert!(
-        out == expected,
-        "splice differs\n input: {:?}\n   set: {set:?}\n   got: {:?}\n  want: {:?}",
+        after == want,
+        "bytes outside the set values differ\n input: {:?}\n   set: {set:?}\n   got: {:?}",
         String::from_utf8_lossy(data),
         String::from_utf8_lossy(&out),
-        String::from_utf8_lossy(&expected)
     );
 
     // The output is JSON, and as a Value it is the input with `set` applied.
@@ -171,7 +140,6 @@ fn check_splice(data: &[u8], open: usize, pairs: &Pairs, input: Option<&Map<Stri
         for (k, v) in set {
             want.insert(k.to_string(), serde_json::from_str(v).expect("test value"));
         }
-        let out_pairs: Pairs = serde_json::from_slice(&out).expect("output is an object");
         let got = value_map(&out_pairs).expect("output values");
         assert_eq!(got, want, "output Value != input Value + fields");
     }
@@ -241,19 +209,34 @@ fuzz_target!(|data: &[u8]| {
         assert!(obj.has_any(&[key.as_str()]));
         let _ = raw;
     }
-    // Prompt sizes: the values under text / prompt / messages / input_ids.
-    let mut sizes = Sizes::default();
-    for (key, raw) in &pairs.0 {
-        if ["text", "prompt", "messages", "input_ids"].contains(&key.as_str()) {
-            use serde::de::DeserializeSeed;
-            let mut de = serde_json::Deserializer::from_str(raw.get());
-            // Values nested deeper than serde_json's recursion limit stop both
-            // this count and dprank's at the same place.
-            let _ = SizeOf(&mut sizes).deserialize(&mut de);
+    // Prompt sizes: the Values under text / prompt / messages / input_ids
+    // (when serde_json can hold them all: a value nested beyond its depth
+    // limit stops body.rs's count early and is not compared).
+    // A Value keeps one of duplicate keys in nested objects where body.rs
+    // counts them all: the Values give a lower bound for the body as sent,
+    // and the exact sizes of the same prompts written again from the Values.
+    let prompts: Option<Vec<(&str, Value)>> = pairs
+        .0
+        .iter()
+        .filter(|(k, _)| ["text", "prompt", "messages", "input_ids"].contains(&k.as_str()))
+        // serde_json's RawValue marker key reads as a number in a Value.
+        .map(|(k, raw)| {
+            let v = serde_json::from_str(raw.get()).ok().filter(|_| !raw.get().contains("$serde_json"));
+            v.map(|v| (k.as_str(), v))
+        })
+        .collect();
+    let p = obj.prompt_size(true);
+    if let Some(prompts) = prompts {
+        let mut want = Sizes::default();
+        prompts.iter().for_each(|(_, v)| add_sizes(v, &mut want));
+        assert!(p.bytes >= want.bytes && p.words >= want.words && p.token_ids >= want.ids, "prompt size below the Values'");
+        let members: Vec<String> = prompts.iter().map(|(k, v)| format!("{}:{v}", Value::from(*k))).collect();
+        let rebuilt = format!("{{{}}}", members.join(","));
+        if let Ok(again) = JsonObject::parse(rebuilt.as_bytes()) {
+            let q = again.prompt_size(true);
+            assert_eq!(Sizes { bytes: q.bytes, words: q.words, ids: q.token_ids }, want, "prompt size of {rebuilt}");
         }
     }
-    let p = obj.prompt_size(true);
-    assert_eq!(Sizes { bytes: p.bytes, words: p.words, ids: p.token_ids }, sizes, "prompt size");
     assert_eq!(obj.prompt_size(false).words, 0, "words are counted only when asked");
     for how in [CostEstimate::Bytes, CostEstimate::Words, CostEstimate::One] {
         assert!(obj.estimated_tokens(how) >= 1);

@@ -43,7 +43,7 @@ fn splices(name: &str) -> bool {
 }
 
 fn check_accepted(c: &Config) {
-    assert!(c.discovery.is_some() || !c.workers.is_empty(), "no workers");
+    assert!(c.discovery().is_some() || !c.routed().is_empty(), "no workers");
     let all: Vec<_> = c.all_workers().collect();
     for (i, w) in all.iter().enumerate() {
         assert!(is_metric_name(&w.name), "worker name {:?}", w.name);
@@ -55,7 +55,7 @@ fn check_accepted(c: &Config) {
             assert_ne!(o.name, w.name, "name twice");
         }
     }
-    assert!(c.workers.iter().all(|w| w.bootstrap_port.is_none()), "bootstrap port on a routed worker");
+    assert!(c.routed().iter().all(|w| w.bootstrap_port.is_none()), "bootstrap port on a routed worker");
     assert!(c.poll_interval_ms >= MIN_POLL_INTERVAL_MS);
     assert!(c.poll_timeout_ms >= 1 && c.poll_timeout_ms <= c.poll_interval_ms);
     assert!(c.stale_after_ms >= c.poll_interval_ms);
@@ -69,12 +69,12 @@ fn check_accepted(c: &Config) {
     }
     assert!(!c.poll_cluster.is_empty());
     assert!(is_metric_name(&c.state_key), "state_key {:?}", c.state_key);
-    if let Some(d) = &c.discovery {
+    if let Some(d) = c.discovery() {
         assert!(!d.cluster.is_empty() && !d.admin_cluster.is_empty());
-        assert!(c.prefill.is_none());
+        assert!(c.pd().is_none());
     }
     let mut names: Vec<&str> = c.rank_field_names();
-    if let Some(p) = &c.prefill {
+    if let Some(p) = c.pd() {
         assert!(!p.cluster.is_empty() && p.timeout_ms > 0);
         names.extend(p.prefill_body_fields.iter().chain(&p.decode_body_fields).map(|(n, _)| n.as_str()));
         let d: Vec<&str> = p.decode_body_fields.iter().map(|(n, _)| n.as_str()).collect();
@@ -360,7 +360,7 @@ fn check_taken_as_written(given: &Map<String, Value>, c: &Config) {
         assert_eq!(c.pin_header.as_deref(), Some(v));
     }
     let pd_only = ["prefill_cluster", "prefill_timeout_ms", "prefill_rank_field", "decode_rank_field", "decode_prefill_rank_field"];
-    if c.prefill.is_none() {
+    if c.pd().is_none() {
         for k in pd_only {
             assert!(given.get(k).is_none_or(Value::is_null), "`{k}` accepted outside PD mode");
         }

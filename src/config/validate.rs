@@ -1,0 +1,400 @@
+//! `ConfigJson` -> `Config`, one named step per concern. Each step takes what
+//! it validates out of the JSON and returns it checked, or an error naming
+//! the key at fault.
+
+use super::*;
+
+fn invalid(key: impl Into<String>, reason: impl Into<String>) -> ConfigError {
+    ConfigError::Invalid {
+        key: key.into(),
+        reason: reason.into(),
+    }
+}
+
+impl TryFrom<ConfigJson> for Config {
+    type Error = ConfigError;
+
+    fn try_from(mut json: ConfigJson) -> Result<Self, Self::Error> {
+        let naming = json.naming.unwrap_or(Naming::Current);
+        let mode = mode(&mut json, naming)?;
+        let (poll_interval_ms, poll_timeout_ms, stale_after_ms) = poll_timing(&json)?;
+        let rank_field = field_name(
+            "rank_field",
+            json.rank_field,
+            match naming {
+                Naming::Current => "routed_dp_rank",
+                Naming::Legacy => "data_parallel_rank",
+            },
+        )?;
+        let paths = paths(json.paths)?;
+        let (route_header, pin_header) = headers(json.route_header, json.pin_header)?;
+        Ok(Config {
+            mode,
+            poll_cluster: non_empty("poll_cluster", json.poll_cluster, DEFAULT_POLL_CLUSTER)?,
+            route_header,
+            poll_interval_ms,
+            poll_timeout_ms,
+            stale_after_ms,
+            load_endpoint: json.load_endpoint.unwrap_or(LoadEndpoint::Auto),
+            rank_field,
+            cost_estimate: json.cost_estimate.unwrap_or(CostEstimate::Bytes),
+            fail_mode: json.fail_mode.unwrap_or(FailMode::Open),
+            paths,
+            keep_client_rank: json.keep_client_rank.unwrap_or(false),
+            pin_header,
+            state_key: state_key(json.state_key)?,
+            poll_loads: json.poll_loads.unwrap_or(true),
+        })
+    }
+}
+
+/// Which of the three modes the worker keys describe; exactly one must fit.
+fn mode(json: &mut ConfigJson, naming: Naming) -> Result<Mode, ConfigError> {
+    let discovery = match json.workers_from_cluster.take() {
+        Some(d) => Some(discovery(d, json)?),
+        None => None,
+    };
+    let pools = (
+        json.workers.take(),
+        json.prefill_workers.take(),
+        json.decode_workers.take(),
+    );
+    match (pools, discovery) {
+        ((None, None, None), Some(discovery)) => {
+            no_pd_keys(json)?;
+            Ok(Mode::FromCluster {
+                discovery,
+                workers: Vec::new(),
+            })
+        }
+        ((Some(workers), None, None), None) => {
+            no_pd_keys(json)?;
+            let workers = validate_workers("workers", workers, &[], false)?;
+            Ok(Mode::StaticWorkers { workers })
+        }
+        ((None, Some(prefill), Some(decode)), None) => pd(json, naming, prefill, decode).map(Mode::Pd),
+        ((None, None, None), None) => Err(invalid(
+            "workers",
+            "list `workers`, or `prefill_workers` and `decode_workers` for PD mode",
+        )),
+        ((Some(_), _, _), _) => Err(invalid(
+            "workers",
+            "use either `workers` or `prefill_workers` + `decode_workers`, not both",
+        )),
+        ((None, Some(_), None), _) => Err(invalid("decode_workers", "PD mode needs decode workers too")),
+        ((None, _, _), _) => Err(invalid("prefill_workers", "PD mode needs prefill workers too")),
+    }
+}
+
+/// `workers_from_cluster`: replaces every worker list.
+fn discovery(d: DiscoveryJson, json: &ConfigJson) -> Result<Discovery, ConfigError> {
+    if json.workers.is_some() || json.prefill_workers.is_some() || json.decode_workers.is_some() {
+        return Err(invalid(
+            "workers_from_cluster",
+            "replaces `workers` (regular mode only): list workers or name a cluster, not both",
+        ));
+    }
+    let admin_cluster = d
+        .admin_cluster
+        .unwrap_or_else(|| DEFAULT_ADMIN_CLUSTER.to_string());
+    if d.cluster.is_empty() || admin_cluster.is_empty() {
+        return Err(invalid(
+            "workers_from_cluster",
+            "`cluster` and `admin_cluster` must not be empty",
+        ));
+    }
+    Ok(Discovery {
+        cluster: d.cluster,
+        admin_cluster,
+    })
+}
+
+/// Regular mode: keys that only mean something in PD mode are refused.
+fn no_pd_keys(json: &ConfigJson) -> Result<(), ConfigError> {
+    let pd_only = [
+        ("prefill_cluster", json.prefill_cluster.is_some()),
+        ("prefill_timeout_ms", json.prefill_timeout_ms.is_some()),
+        ("prefill_rank_field", json.prefill_rank_field.is_some()),
+        ("decode_rank_field", json.decode_rank_field.is_some()),
+        (
+            "decode_prefill_rank_field",
+            json.decode_prefill_rank_field.is_some(),
+        ),
+    ];
+    match pd_only.iter().find(|(_, set)| *set) {
+        Some((key, _)) => Err(invalid(
+            *key,
+            "applies to PD mode only (prefill_workers and decode_workers)",
+        )),
+        None => Ok(()),
+    }
+}
+
+/// PD mode: both pools (addresses and names unique across them), the prefill
+/// leg's cluster and timeout, and the rank fields of each body.
+fn pd(
+    json: &mut ConfigJson,
+    naming: Naming,
+    prefill: Vec<WorkerJson>,
+    decode: Vec<WorkerJson>,
+) -> Result<Pd, ConfigError> {
+    let decode = validate_workers("decode_workers", decode, &[], false)?;
+    let prefill = validate_workers("prefill_workers", prefill, &decode, true)?;
+    let cluster = non_empty(
+        "prefill_cluster",
+        json.prefill_cluster.take(),
+        DEFAULT_PREFILL_CLUSTER,
+    )?;
+    let timeout_ms = json.prefill_timeout_ms.unwrap_or(DEFAULT_PREFILL_TIMEOUT_MS);
+    if timeout_ms == 0 {
+        return Err(invalid("prefill_timeout_ms", "must be positive"));
+    }
+    if json.rank_field.is_some() {
+        return Err(invalid(
+            "rank_field",
+            "PD mode names its fields with prefill_rank_field, decode_rank_field and decode_prefill_rank_field",
+        ));
+    }
+    let (prefill_body_fields, decode_body_fields) = pd_fields(
+        naming,
+        json.prefill_rank_field.take(),
+        json.decode_rank_field.take(),
+        json.decode_prefill_rank_field.take(),
+    )?;
+    Ok(Pd {
+        decode,
+        prefill,
+        cluster,
+        timeout_ms,
+        prefill_body_fields,
+        decode_body_fields,
+    })
+}
+
+type PdFields = (Vec<(String, RankOf)>, Vec<(String, RankOf)>);
+
+/// The rank fields of each PD body. `current`: prefill body `routed_dp_rank`=p;
+/// decode body `routed_dp_rank`=d and `disagg_prefill_dp_rank`=p. `legacy` (the
+/// seed change, one body sent to both): `data_parallel_rank`=p, `decode_dp_rank`=d.
+fn pd_fields(
+    naming: Naming,
+    prefill_rank: Option<String>,
+    decode_rank: Option<String>,
+    decode_prefill_rank: Option<String>,
+) -> Result<PdFields, ConfigError> {
+    let (p_default, d_default, dp_default) = match naming {
+        Naming::Current => ("routed_dp_rank", "routed_dp_rank", "disagg_prefill_dp_rank"),
+        Naming::Legacy => ("data_parallel_rank", "decode_dp_rank", "data_parallel_rank"),
+    };
+    let p = field_name("prefill_rank_field", prefill_rank, p_default)?;
+    let d = field_name("decode_rank_field", decode_rank, d_default)?;
+    let dp = field_name("decode_prefill_rank_field", decode_prefill_rank, dp_default)?;
+    if d == dp {
+        return Err(invalid(
+            "decode_prefill_rank_field",
+            "must differ from decode_rank_field",
+        ));
+    }
+    let decode_fields = vec![(d.clone(), RankOf::Decode), (dp, RankOf::Prefill)];
+    let prefill_fields = match naming {
+        Naming::Legacy if p != d => vec![(p, RankOf::Prefill), (d, RankOf::Decode)],
+        _ => vec![(p, RankOf::Prefill)],
+    };
+    Ok((prefill_fields, decode_fields))
+}
+
+/// A worker's stat name when the config gives none: its address, '_' for punctuation.
+pub fn default_worker_name(address: &SocketAddr) -> String {
+    address
+        .to_string()
+        .chars()
+        .map(|c| if c.is_ascii_alphanumeric() { c } else { '_' })
+        .collect()
+}
+
+/// Validates one pool. `others` are the workers of pools already validated:
+/// addresses and names must be unique across pools (they key shared state and stats).
+fn validate_workers(
+    list_key: &str,
+    json: Vec<WorkerJson>,
+    others: &[Worker],
+    bootstrap_allowed: bool,
+) -> Result<Vec<Worker>, ConfigError> {
+    if json.is_empty() {
+        return Err(invalid(list_key, "at least one worker is required"));
+    }
+    let mut workers: Vec<Worker> = Vec::with_capacity(json.len());
+    for (i, w) in json.into_iter().enumerate() {
+        let key = format!("{list_key}[{i}]");
+        let worker = validate_worker(&key, w, bootstrap_allowed)?;
+        if workers.iter().chain(others).any(|o| o.address == worker.address) {
+            return Err(invalid(
+                format!("{key}.address"),
+                format!("{} is listed twice", worker.address),
+            ));
+        }
+        if workers.iter().chain(others).any(|o| o.name == worker.name) {
+            return Err(invalid(
+                format!("{key}.name"),
+                format!("`{}` is used twice", worker.name),
+            ));
+        }
+        workers.push(worker);
+    }
+    Ok(workers)
+}
+
+/// One worker entry on its own; `key` is its path (`workers[2]`).
+fn validate_worker(key: &str, w: WorkerJson, bootstrap_allowed: bool) -> Result<Worker, ConfigError> {
+    if w.bootstrap_port.is_some() && !bootstrap_allowed {
+        return Err(invalid(
+            format!("{key}.bootstrap_port"),
+            "only prefill workers have a bootstrap port",
+        ));
+    }
+    let address: SocketAddr = w.address.parse().map_err(|_| {
+        invalid(
+            format!("{key}.address"),
+            format!(
+                "`{}` is not ip:port (Envoy's override_host matches host addresses, so give the address Envoy sees)",
+                w.address
+            ),
+        )
+    })?;
+    if let Some(dp) = w.dp_size {
+        if dp == 0 || dp > MAX_DP_SIZE {
+            return Err(invalid(
+                format!("{key}.dp_size"),
+                format!("must be 1..={MAX_DP_SIZE}, got {dp}"),
+            ));
+        }
+    }
+    let name = match w.name {
+        Some(n) if is_metric_name(&n) => n,
+        Some(n) => {
+            return Err(invalid(
+                format!("{key}.name"),
+                format!("`{n}` may only hold letters, digits, '-' and '_' (it names stats)"),
+            ))
+        }
+        None => default_worker_name(&address),
+    };
+    Ok(Worker {
+        name,
+        address,
+        dp_size: w.dp_size,
+        bootstrap_port: w.bootstrap_port,
+    })
+}
+
+/// The poll interval, the per-poll timeout (at most the interval) and the
+/// age beyond which a snapshot counts as no data (at least the interval).
+fn poll_timing(json: &ConfigJson) -> Result<(u64, u64, u64), ConfigError> {
+    let interval = json.poll_interval_ms.unwrap_or(DEFAULT_POLL_INTERVAL_MS);
+    if !(MIN_POLL_INTERVAL_MS..=MAX_POLL_INTERVAL_MS).contains(&interval) {
+        return Err(invalid(
+            "poll_interval_ms",
+            format!("must be {MIN_POLL_INTERVAL_MS}..={MAX_POLL_INTERVAL_MS}, got {interval}"),
+        ));
+    }
+    let timeout = json.poll_timeout_ms.unwrap_or(interval.min(1000));
+    if timeout == 0 || timeout > interval {
+        return Err(invalid(
+            "poll_timeout_ms",
+            format!("must be 1..=poll_interval_ms ({interval}), got {timeout}"),
+        ));
+    }
+    let stale = json.stale_after_ms.unwrap_or(3 * interval);
+    if stale < interval {
+        return Err(invalid(
+            "stale_after_ms",
+            format!("must be at least poll_interval_ms ({interval}), got {stale}"),
+        ));
+    }
+    Ok((interval, timeout, stale))
+}
+
+/// A field name dprank writes into bodies verbatim: it must need no JSON escaping.
+fn field_name(key: &str, name: Option<String>, default: &str) -> Result<String, ConfigError> {
+    match name {
+        Some(n) if n.is_empty() || n.chars().any(|c| c == '"' || c == '\\' || c.is_control()) => Err(invalid(
+            key,
+            format!("{n:?} is not usable as a JSON key written verbatim (no quotes, backslashes or control characters)"),
+        )),
+        Some(n) => Ok(n),
+        None => Ok(default.to_string()),
+    }
+}
+
+/// The routed POST paths: absolute, without a query.
+fn paths(paths: Option<Vec<String>>) -> Result<Vec<String>, ConfigError> {
+    let Some(paths) = paths else {
+        return Ok(DEFAULT_PATHS.iter().map(|p| p.to_string()).collect());
+    };
+    if paths.is_empty() {
+        return Err(invalid("paths", "at least one path is required"));
+    }
+    if let Some(p) = paths.iter().find(|p| !p.starts_with('/') || p.contains('?')) {
+        return Err(invalid(
+            "paths",
+            format!("`{p}` must start with '/' and hold no query"),
+        ));
+    }
+    Ok(paths)
+}
+
+/// The route header and the optional test pin header: lowercase, distinct.
+fn headers(route: Option<String>, pin: Option<String>) -> Result<(String, Option<String>), ConfigError> {
+    let route = route.unwrap_or_else(|| DEFAULT_ROUTE_HEADER.to_string());
+    if !is_header_name(&route) {
+        return Err(invalid(
+            "route_header",
+            format!("`{route}` is not a lowercase header name"),
+        ));
+    }
+    let pin = match pin {
+        Some(h) if !is_header_name(&h) => {
+            return Err(invalid(
+                "pin_header",
+                format!("`{h}` is not a lowercase header name"),
+            ))
+        }
+        Some(h) if h == route => return Err(invalid("pin_header", "must differ from route_header")),
+        other => other,
+    };
+    Ok((route, pin))
+}
+
+fn non_empty(key: &str, value: Option<String>, default: &str) -> Result<String, ConfigError> {
+    let value = value.unwrap_or_else(|| default.to_string());
+    if value.is_empty() {
+        return Err(invalid(key, "must not be empty"));
+    }
+    Ok(value)
+}
+
+/// The prefix of every shared-data key: it must stay a plain name.
+fn state_key(key: Option<String>) -> Result<String, ConfigError> {
+    let key = key.unwrap_or_else(|| DEFAULT_STATE_KEY.to_string());
+    if !is_metric_name(&key) {
+        return Err(invalid(
+            "state_key",
+            format!("`{key}` may only hold letters, digits, '-' and '_'"),
+        ));
+    }
+    Ok(key)
+}
+
+fn is_header_name(name: &str) -> bool {
+    !name.is_empty()
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'_')
+}
+
+fn is_metric_name(name: &str) -> bool {
+    !name.is_empty()
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
+}

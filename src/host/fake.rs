@@ -1,0 +1,181 @@
+//! An in-memory host for tests: Envoy's shared-data semantics (cas bumps on
+//! every write), a request with headers and a body, recorded stats, callouts
+//! and local replies, and a count of every host call by kind.
+
+use super::*;
+use std::cell::{Cell, RefCell};
+use std::collections::HashMap;
+
+/// A dispatched call: cluster, headers, token.
+pub type Call = (String, Vec<(String, String)>, u32);
+
+/// A local reply: status, headers, body.
+pub type Reply = (u32, Vec<(String, String)>, Vec<u8>);
+
+#[derive(Default)]
+pub struct FakeHost {
+    pub now: Cell<u64>,
+    pub shared: RefCell<HashMap<String, (Vec<u8>, u32)>>,
+    pub counters: RefCell<HashMap<String, u64>>,
+    pub gauges: RefCell<HashMap<String, u64>>,
+    pub calls: RefCell<Vec<Call>>,
+    pub next_token: Cell<u32>,
+    /// Writes that fail with CasMismatch before succeeding (simulates another thread).
+    pub conflicts: Cell<usize>,
+    pub random: Cell<u64>,
+    /// Bodies of dispatched calls, in order.
+    pub bodies: RefCell<Vec<Option<Vec<u8>>>>,
+    /// Every callout is refused (as Envoy does for an undefined cluster).
+    pub refuse_calls: Cell<bool>,
+    /// The current request's headers, lowercase names, in order.
+    pub request_headers: RefCell<Vec<(String, String)>>,
+    pub request_body: RefCell<Vec<u8>>,
+    /// The callout response being delivered: status (None: no response) and body.
+    pub callout: RefCell<(Option<u32>, Vec<u8>)>,
+    pub replies: RefCell<Vec<Reply>>,
+    /// How often a paused response was resumed.
+    pub resumed: Cell<u32>,
+    /// Host calls made, by `Host` method name.
+    host_calls: RefCell<HashMap<&'static str, u64>>,
+}
+
+impl FakeHost {
+    pub fn counter(&self, name: &str) -> u64 {
+        self.counters.borrow().get(name).copied().unwrap_or(0)
+    }
+    pub fn gauge_value(&self, name: &str) -> Option<u64> {
+        self.gauges.borrow().get(name).copied()
+    }
+    /// Host calls of one kind (a `Host` method name) made so far.
+    pub fn host_calls(&self, kind: &str) -> u64 {
+        self.host_calls.borrow().get(kind).copied().unwrap_or(0)
+    }
+    /// Every host call made so far.
+    pub fn total_host_calls(&self) -> u64 {
+        self.host_calls.borrow().values().sum()
+    }
+    /// A request header as the upstream would see it now.
+    pub fn header(&self, name: &str) -> Option<String> {
+        self.request_headers
+            .borrow()
+            .iter()
+            .find(|(k, _)| k == name)
+            .map(|(_, v)| v.clone())
+    }
+    /// Starts a new request with these headers and body.
+    pub fn start_request(&self, headers: &[(&str, &str)], body: &[u8]) {
+        *self.request_headers.borrow_mut() = headers
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        *self.request_body.borrow_mut() = body.to_vec();
+    }
+    fn record(&self, kind: &'static str) {
+        *self.host_calls.borrow_mut().entry(kind).or_default() += 1;
+    }
+}
+
+impl Host for FakeHost {
+    fn now_ms(&self) -> u64 {
+        self.record("now_ms");
+        self.now.get()
+    }
+    fn random_u64(&self) -> u64 {
+        self.record("random_u64");
+        let n = self.random.get().wrapping_add(0x9E37_79B9_7F4A_7C15);
+        self.random.set(n);
+        n
+    }
+    fn shared_get(&self, key: &str) -> Option<(Vec<u8>, u32)> {
+        self.record("shared_get");
+        self.shared.borrow().get(key).cloned()
+    }
+    fn shared_set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), SharedSetError> {
+        self.record("shared_set");
+        if self.conflicts.get() > 0 {
+            self.conflicts.set(self.conflicts.get() - 1);
+            return Err(SharedSetError::CasMismatch);
+        }
+        let mut shared = self.shared.borrow_mut();
+        let current = shared.get(key).map(|(_, c)| *c).unwrap_or(0);
+        if cas.is_some_and(|cas| cas != current) {
+            return Err(SharedSetError::CasMismatch);
+        }
+        shared.insert(key.to_string(), (value.to_vec(), current + 1));
+        Ok(())
+    }
+    fn count(&self, metric: &str, delta: u64) {
+        self.record("count");
+        *self.counters.borrow_mut().entry(metric.to_string()).or_default() += delta;
+    }
+    fn gauge(&self, metric: &str, value: u64) {
+        self.record("gauge");
+        self.gauges.borrow_mut().insert(metric.to_string(), value);
+    }
+    fn http_call(&self, call: &Callout) -> Result<u32, String> {
+        self.record("http_call");
+        if self.refuse_calls.get() {
+            return Err(format!("no cluster `{}`", call.cluster));
+        }
+        self.bodies.borrow_mut().push(call.body.map(|b| b.to_vec()));
+        let token = self.next_token.get() + 1;
+        self.next_token.set(token);
+        let headers = call
+            .headers
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        self.calls
+            .borrow_mut()
+            .push((call.cluster.to_string(), headers, token));
+        Ok(token)
+    }
+    fn callout_status(&self) -> Option<u32> {
+        self.record("callout_status");
+        self.callout.borrow().0
+    }
+    fn callout_body(&self, size: usize) -> Vec<u8> {
+        self.record("callout_body");
+        let body = &self.callout.borrow().1;
+        body.get(..size.min(body.len())).unwrap_or_default().to_vec()
+    }
+    fn request_header(&self, name: &str) -> Option<String> {
+        self.record("request_header");
+        self.header(name)
+    }
+    fn set_request_header(&self, name: &str, value: &str) {
+        self.record("set_request_header");
+        let mut headers = self.request_headers.borrow_mut();
+        headers.retain(|(k, _)| k != name);
+        headers.push((name.to_string(), value.to_string()));
+    }
+    fn remove_request_header(&self, name: &str) {
+        self.record("remove_request_header");
+        self.request_headers.borrow_mut().retain(|(k, _)| k != name);
+    }
+    fn request_body(&self, size: usize) -> Option<Vec<u8>> {
+        self.record("request_body");
+        let body = self.request_body.borrow();
+        Some(body.get(..size.min(body.len()))?.to_vec())
+    }
+    fn replace_request_body(&self, old_size: usize, body: &[u8]) -> bool {
+        self.record("replace_request_body");
+        let mut current = self.request_body.borrow_mut();
+        let at = old_size.min(current.len());
+        let rest = current.split_off(at);
+        *current = [body, &rest].concat();
+        true
+    }
+    fn send_response(&self, status: u32, headers: &[(&str, &str)], body: &[u8]) {
+        self.record("send_response");
+        let headers = headers
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        self.replies.borrow_mut().push((status, headers, body.to_vec()));
+    }
+    fn resume_response(&self) {
+        self.record("resume_response");
+        self.resumed.set(self.resumed.get() + 1);
+    }
+}

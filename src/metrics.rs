@@ -1,0 +1,83 @@
+//! Every counter and gauge dprank defines, named in one place. Envoy shows
+//! them as `wasmcustom.<name>`; the README's tables list what each counts.
+
+// Counters without a worker.
+/// Shared-data compare-and-swap retries ran out (another thread kept writing).
+pub const SHARED_DATA_CONFLICTS: &str = "dprank.shared_data_conflicts";
+/// A request was routed but its estimate could not be written.
+pub const ACCOUNTING_SKIPPED: &str = "dprank.accounting_skipped";
+/// The test pin header named no fresh candidate.
+pub const PIN_IGNORED: &str = "dprank.pin_ignored";
+/// PD mode: no prefill worker had fresh data (the prefill workers rotate).
+pub const NO_FRESH_PREFILL_DATA: &str = "dprank.passthrough.no_fresh_data_prefill";
+pub const MEMBERSHIP_CHANGES: &str = "dprank.membership_changes";
+pub const MEMBERSHIP_FAILED: &str = "dprank.membership_failed";
+
+// Gauges without a worker.
+/// Bytes dprank keeps in shared data.
+pub const SHARED_DATA_BYTES: &str = "dprank.shared_data_bytes";
+
+/// A request not routed, by reason (`PassReason::as_str`).
+pub fn passthrough(reason: &str) -> String {
+    format!("dprank.passthrough.{reason}")
+}
+
+/// A request answered by dprank itself, by reason.
+pub fn rejected(reason: &str) -> String {
+    format!("dprank.rejected.{reason}")
+}
+
+/// A request routed to this (worker, rank).
+pub fn routed(worker: &str, rank: u32) -> String {
+    format!("dprank.routed.{worker}.rank_{rank}")
+}
+
+/// Gauge: the last polled tokens of this (worker, rank).
+pub fn tokens(worker: &str, rank: usize) -> String {
+    format!("dprank.tokens.{worker}.rank_{rank}")
+}
+
+/// Per-worker counters and gauges: `dprank.<kind>.<worker>`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PerWorker {
+    PollOk,
+    PollFailed,
+    /// The previous poll was still outstanding.
+    PollSkipped,
+    /// The report's rank count differs from the configured `dp_size`.
+    DpSizeMismatch,
+    PrefillOk,
+    PrefillFailed,
+    /// Gauge: age of the worker's snapshot.
+    SnapshotAgeMs,
+}
+
+impl PerWorker {
+    pub fn of(self, worker: &str) -> String {
+        let kind = match self {
+            PerWorker::PollOk => "poll_ok",
+            PerWorker::PollFailed => "poll_failed",
+            PerWorker::PollSkipped => "poll_skipped",
+            PerWorker::DpSizeMismatch => "dp_size_mismatch",
+            PerWorker::PrefillOk => "prefill_ok",
+            PerWorker::PrefillFailed => "prefill_failed",
+            PerWorker::SnapshotAgeMs => "snapshot_age_ms",
+        };
+        format!("dprank.{kind}.{worker}")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_follow_the_documented_pattern() {
+        assert_eq!(routed("a", 3), "dprank.routed.a.rank_3");
+        assert_eq!(tokens("a", 0), "dprank.tokens.a.rank_0");
+        assert_eq!(passthrough("not_json"), "dprank.passthrough.not_json");
+        assert_eq!(rejected("not_json"), "dprank.rejected.not_json");
+        assert_eq!(PerWorker::PrefillFailed.of("p0"), "dprank.prefill_failed.p0");
+        assert_eq!(PerWorker::SnapshotAgeMs.of("w"), "dprank.snapshot_age_ms.w");
+    }
+}

@@ -1,0 +1,324 @@
+use super::*;
+use crate::host::fake::FakeHost;
+use crate::store::{read_worker_states, Keys};
+
+fn config(extra: &str) -> Config {
+    Config::from_json(
+        format!(r#"{{"workers":[{{"address":"127.0.0.1:1","name":"a"}},{{"address":"127.0.0.1:2","name":"b","dp_size":2}}]{extra}}}"#)
+            .as_bytes(),
+    )
+    .unwrap()
+}
+
+/// A poller that has dispatched its first round of polls at t = 9,000 s.
+fn first_round(extra: &str) -> (Config, FakeHost, Poller) {
+    let c = config(extra);
+    let h = FakeHost::default();
+    h.now.set(9_000_000);
+    let mut p = Poller::new(0);
+    p.on_tick(&c, &h);
+    (c, h, p)
+}
+
+fn header<'a>(calls: &'a [crate::host::fake::Call], i: usize, name: &str) -> &'a str {
+    calls[i]
+        .1
+        .iter()
+        .find(|(k, _)| k == name)
+        .map(|(_, v)| v.as_str())
+        .unwrap()
+}
+
+#[test]
+fn only_one_of_several_vms_polls_and_once_per_interval() {
+    let c = config("");
+    let h = FakeHost::default();
+    h.now.set(1_000_000);
+    let mut vms: Vec<Poller> = (0..3).map(|_| Poller::new(0)).collect();
+    for step in 0..40 {
+        h.now.set(1_000_000 + step * tick_period_ms(&c));
+        for vm in &mut vms {
+            vm.on_tick(&c, &h);
+        }
+        // Answer every call immediately so none stays outstanding.
+        let calls: Vec<_> = h.calls.borrow_mut().drain(..).collect();
+        for (_, _, token) in calls {
+            for vm in &mut vms {
+                vm.on_response(&c, &h, token, Some(200), br#"[{"dp_rank":0,"num_tokens":1}]"#);
+            }
+        }
+    }
+    // 40 ticks of 250 ms = 10 s: 10 rounds of 2 workers.
+    assert_eq!(h.counter("dprank.poll_ok.a"), 10);
+    assert_eq!(h.counter("dprank.poll_ok.b"), 10);
+    // Lease (24) + VM counter (8) + two worker states of one rank.
+    let state_bytes: u64 = h.shared.borrow().values().map(|(b, _)| b.len() as u64).sum();
+    assert_eq!(h.gauge_value("dprank.shared_data_bytes"), Some(state_bytes));
+}
+
+#[test]
+fn a_dead_leader_is_replaced_after_its_lease_expires() {
+    let c = config("");
+    let h = FakeHost::default();
+    h.now.set(5_000_000);
+    let mut first = Poller::new(0);
+    let mut second = Poller::new(0);
+    first.on_tick(&c, &h);
+    second.on_tick(&c, &h);
+    assert_eq!(h.calls.borrow().len(), 2, "first polls both workers");
+    // `first` dies: no more ticks from it.
+    h.now.set(5_000_000 + lease_ttl_ms(&c) + 1);
+    second.on_tick(&c, &h);
+    assert_eq!(h.calls.borrow().len(), 4, "second took over");
+}
+
+#[test]
+fn poll_requests_target_the_worker_through_the_poll_cluster() {
+    let c = config(r#","poll_cluster":"polls""#);
+    let h = FakeHost::default();
+    h.now.set(9_000_000);
+    Poller::new(0).on_tick(&c, &h);
+    let calls = h.calls.borrow();
+    assert_eq!(calls[0].0, "polls");
+    assert_eq!(header(&calls, 0, ":path"), "/v1/loads?include=core");
+    assert_eq!(header(&calls, 1, POLL_DESTINATION_HEADER), "127.0.0.1:2");
+    assert_eq!(header(&calls, 1, ":authority"), "127.0.0.1:2");
+}
+
+#[test]
+fn auto_falls_back_to_get_load_on_404() {
+    let (c, h, mut p) = first_round("");
+    p.on_response(&c, &h, 1, Some(404), b"not found");
+    let calls = h.calls.borrow();
+    assert_eq!(calls.len(), 3);
+    assert_eq!(header(&calls, 2, ":path"), "/get_load");
+    assert_eq!(header(&calls, 2, POLL_DESTINATION_HEADER), "127.0.0.1:1");
+}
+
+#[test]
+fn the_fallback_is_shared_with_every_poller() {
+    let c = config("");
+    let h = FakeHost::default();
+    h.now.set(9_000_000);
+    let mut first = Poller::new(0);
+    first.on_tick(&c, &h);
+    first.on_response(&c, &h, 1, Some(404), b"");
+    // A newer configuration (or thread) takes over polling.
+    let mut second = Poller::new(1);
+    h.now.set(9_001_000);
+    second.on_tick(&c, &h);
+    let to_a: Vec<String> = h
+        .calls
+        .borrow()
+        .iter()
+        .filter(|call| {
+            call.1
+                .iter()
+                .any(|(k, v)| k == POLL_DESTINATION_HEADER && v == "127.0.0.1:1")
+        })
+        .map(|call| call.1.iter().find(|(k, _)| k == ":path").unwrap().1.clone())
+        .collect();
+    assert_eq!(to_a, vec!["/v1/loads?include=core", "/get_load", "/get_load"]);
+}
+
+#[test]
+fn fixed_v1_endpoint_does_not_fall_back() {
+    let (c, h, mut p) = first_round(r#","load_endpoint":"v1_loads""#);
+    p.on_response(&c, &h, 1, Some(404), b"");
+    assert_eq!(h.calls.borrow().len(), 2);
+    assert_eq!(h.counter("dprank.poll_failed.a"), 1);
+}
+
+#[test]
+fn failures_keep_the_last_good_snapshot() {
+    let (c, h, mut p) = first_round("");
+    p.on_response(
+        &c,
+        &h,
+        1,
+        Some(200),
+        br#"[{"dp_rank":0,"num_tokens":7},{"dp_rank":1,"num_tokens":3}]"#,
+    );
+    p.on_response(&c, &h, 2, Some(200), br#"[{"dp_rank":0,"num_tokens":1}]"#);
+    h.now.set(9_000_000 + 1000);
+    p.on_tick(&c, &h);
+    let tokens: Vec<u32> = h.calls.borrow().iter().map(|c| c.2).collect();
+    p.on_response(&c, &h, tokens[2], Some(500), b"oops");
+    p.on_response(&c, &h, tokens[3], None, b"");
+    let states = read_worker_states(&c, &h);
+    let a = states[0].as_ref().unwrap();
+    assert_eq!((a.polled_tokens(0), a.polled_tokens(1)), (Some(7), Some(3)));
+    assert_eq!(a.snapshot_at_ms, 9_000_000);
+    assert_eq!(h.counter("dprank.poll_failed.a"), 1);
+    assert_eq!(h.counter("dprank.poll_failed.b"), 1);
+    assert_eq!(h.gauge_value("dprank.tokens.a.rank_0"), Some(7));
+}
+
+#[test]
+fn malformed_reports_count_as_failures() {
+    let (c, h, mut p) = first_round("");
+    p.on_response(&c, &h, 1, Some(200), b"{\"loads\":[{\"dp_rank\":0,");
+    assert_eq!(h.counter("dprank.poll_failed.a"), 1);
+    assert!(read_worker_states(&c, &h)[0].as_ref().unwrap().snapshot_seq == 0);
+}
+
+#[test]
+fn configured_dp_size_trims_a_larger_report() {
+    let (c, h, mut p) = first_round("");
+    p.on_response(
+        &c,
+        &h,
+        2,
+        Some(200),
+        br#"[{"num_tokens":1},{"num_tokens":2},{"num_tokens":3}]"#,
+    );
+    assert_eq!(read_worker_states(&c, &h)[1].as_ref().unwrap().ranks(), 2);
+    assert_eq!(h.counter("dprank.dp_size_mismatch.b"), 1);
+}
+
+#[test]
+fn a_hanging_worker_is_not_polled_twice_at_once() {
+    let (c, h, mut p) = first_round("");
+    h.now.set(9_001_000);
+    p.on_tick(&c, &h);
+    assert_eq!(h.calls.borrow().len(), 2);
+    assert_eq!(h.counter("dprank.poll_skipped.a"), 1);
+}
+
+#[test]
+fn unknown_tokens_are_ignored() {
+    let c = config("");
+    let h = FakeHost::default();
+    let mut p = Poller::new(0);
+    p.on_response(&c, &h, 77, Some(200), b"[]");
+    assert_eq!(h.counters.borrow().len(), 0);
+}
+
+#[test]
+fn pd_mode_polls_both_pools() {
+    let c = Config::from_json(
+        br#"{"prefill_workers":[{"address":"127.0.0.1:1"}],"decode_workers":[{"address":"127.0.0.1:2"},{"address":"127.0.0.1:3"}]}"#,
+    )
+    .unwrap();
+    let h = FakeHost::default();
+    h.now.set(9_000_000);
+    let mut p = Poller::new(0);
+    p.on_tick(&c, &h);
+    let targets: Vec<String> = (0..3)
+        .map(|i| header(&h.calls.borrow(), i, POLL_DESTINATION_HEADER).to_string())
+        .collect();
+    assert_eq!(targets, vec!["127.0.0.1:2", "127.0.0.1:3", "127.0.0.1:1"]);
+    p.on_response(&c, &h, 3, Some(200), br#"[{"num_tokens":4}]"#);
+    assert_eq!(
+        read_worker_states(&c, &h)[2].as_ref().unwrap().polled_tokens(0),
+        Some(4)
+    );
+}
+
+#[test]
+fn membership_is_read_from_the_admin_api_and_published() {
+    use crate::discovery::Membership;
+    use std::rc::Rc;
+    let base = Rc::new(Config::from_json(br#"{"workers_from_cluster":{"cluster":"sglang"}}"#).unwrap());
+    let h = FakeHost::default();
+    h.now.set(9_000_000);
+    let mut membership = Membership::new(base.clone());
+    let mut p = Poller::new(0);
+    p.on_tick(&membership.current(&h), &h);
+    assert_eq!(h.calls.borrow()[0].0, "dprank_admin");
+    assert_eq!(
+        header(&h.calls.borrow(), 0, ":path"),
+        "/clusters?format=json&filter=%5Esglang%24"
+    );
+    let admin = |hosts: &[&str]| {
+        let hosts: Vec<String> = hosts
+            .iter()
+            .map(|a| {
+                let (ip, port) = a.split_once(':').unwrap();
+                format!(r#"{{"address":{{"socket_address":{{"address":"{ip}","port_value":{port}}}}}}}"#)
+            })
+            .collect();
+        format!(
+            r#"{{"cluster_statuses":[{{"name":"sglang","host_statuses":[{}]}}]}}"#,
+            hosts.join(",")
+        )
+    };
+    p.on_response(
+        &membership.current(&h),
+        &h,
+        1,
+        Some(200),
+        admin(&["10.0.0.1:1", "10.0.0.2:1"]).as_bytes(),
+    );
+    let config = membership.current(&h);
+    assert_eq!(config.routed().len(), 2);
+    // The next round polls the members.
+    h.now.set(9_001_000);
+    p.on_tick(&config, &h);
+    let polled: Vec<String> = h.calls.borrow()[1..]
+        .iter()
+        .filter(|c| c.0 == "dprank_poll")
+        .map(|c| {
+            c.1.iter()
+                .find(|(k, _)| k == POLL_DESTINATION_HEADER)
+                .unwrap()
+                .1
+                .clone()
+        })
+        .collect();
+    assert_eq!(polled, vec!["10.0.0.1:1", "10.0.0.2:1"]);
+    let gone: SocketAddr = "10.0.0.1:1".parse().unwrap();
+    assert!(h
+        .shared_get(&Keys::of(&base).worker(&gone))
+        .is_some_and(|(b, _)| !b.is_empty()));
+    // A worker leaves: its state is dropped.
+    let admin_token = h
+        .calls
+        .borrow()
+        .iter()
+        .rev()
+        .find(|c| c.0 == "dprank_admin")
+        .unwrap()
+        .2;
+    p.on_response(
+        &config,
+        &h,
+        admin_token,
+        Some(200),
+        admin(&["10.0.0.2:1"]).as_bytes(),
+    );
+    assert_eq!(membership.current(&h).routed().len(), 1);
+    assert!(h
+        .shared_get(&Keys::of(&base).worker(&gone))
+        .is_some_and(|(b, _)| b.is_empty()));
+    let published = h.shared_get(&Keys::of(&base).members()).unwrap().0;
+    assert_eq!(
+        store::decode(&published),
+        Some(Members(vec!["10.0.0.2:1".parse().unwrap()]))
+    );
+    assert_eq!(h.counter("dprank.membership_changes"), 2);
+}
+
+#[test]
+fn a_reloaded_configuration_takes_the_lease_at_once() {
+    let old = config("");
+    let new = config(r#","poll_interval_ms":500"#);
+    let h = FakeHost::default();
+    h.now.set(5_000_000);
+    let mut old_poller = Poller::new(1_000);
+    let mut new_poller = Poller::new(2_000);
+    old_poller.on_tick(&old, &h);
+    assert_eq!(h.calls.borrow().len(), 2, "the old config polls first");
+    h.now.set(5_000_100);
+    new_poller.on_tick(&new, &h);
+    assert_eq!(
+        h.calls.borrow().len(),
+        2,
+        "its round is not due yet, but it holds the lease now"
+    );
+    h.now.set(5_000_600);
+    old_poller.on_tick(&old, &h);
+    assert_eq!(h.calls.borrow().len(), 2, "the old config backs off");
+    new_poller.on_tick(&new, &h);
+    assert_eq!(h.calls.borrow().len(), 4, "the new one polls at its interval");
+}

@@ -1,0 +1,314 @@
+//! One request's life in the filter, as plain Rust behind the `Host` trait:
+//! one method per Envoy callback, each returning what Envoy should do next.
+//! It strips the headers only dprank may set, decides which requests to
+//! route, buffers the body, applies the router's decision (route header,
+//! body and `content-length`, local replies), runs PD mode's prefill leg and
+//! holds the decode response until it is done, and gives every estimate back
+//! when the request ends. `filter.rs` only translates callbacks to it.
+
+use crate::config::Config;
+use crate::discovery::Membership;
+use crate::host::{Callout, Host};
+use crate::poller::POLL_DESTINATION_HEADER;
+use crate::router::{self, Decision, PassReason, PdRouted, Reply};
+use crate::state::Ticket;
+use std::cell::{Cell, RefCell};
+use std::rc::Rc;
+
+/// What Envoy should do after a callback.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Action {
+    Continue,
+    /// Stop iteration: wait for more body, for the prefill leg, or a local reply was sent.
+    Pause,
+}
+
+/// Client headers the prefill leg carries too (auth and tracing).
+const PREFILL_FORWARDED_HEADERS: [&str; 4] = ["authorization", "x-request-id", "traceparent", "tracestate"];
+
+/// What every request of one VM shares: the configuration in force and the
+/// tie-break sequence.
+pub struct Routing {
+    membership: RefCell<Membership>,
+    tie_breaks: Cell<u64>,
+}
+
+impl Routing {
+    /// `seed` starts this VM's tie-break sequence apart from other threads'.
+    pub fn new(config: Rc<Config>, seed: u64) -> Routing {
+        Routing {
+            membership: RefCell::new(Membership::new(config)),
+            tie_breaks: Cell::new(seed),
+        }
+    }
+
+    /// The configuration with the current cluster membership, if any.
+    pub fn current(&self, host: &dyn Host) -> Rc<Config> {
+        self.membership.borrow_mut().current(host)
+    }
+
+    fn next_tie_breaker(&self) -> u64 {
+        let t = self.tie_breaks.get().wrapping_add(1);
+        self.tie_breaks.set(t);
+        t
+    }
+}
+
+/// The prefill leg of a PD request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum PrefillLeg {
+    /// Regular mode, or not dispatched.
+    None,
+    Pending {
+        worker: usize,
+    },
+    Done,
+    Failed(Reply),
+}
+
+pub struct Request {
+    routing: Rc<Routing>,
+    /// The configuration this request is routed (and its estimates released) with.
+    config: Rc<Config>,
+    /// The body will be read and routed.
+    will_route: bool,
+    /// Bytes buffered so far.
+    body_size: usize,
+    had_content_length: bool,
+    pin: Option<String>,
+    ticket: Option<Ticket>,
+    prefill_ticket: Option<Ticket>,
+    prefill: PrefillLeg,
+    /// The decode response headers wait for the prefill leg.
+    response_held: bool,
+}
+
+impl Request {
+    pub fn new(routing: Rc<Routing>) -> Request {
+        // Headers-time decisions need only the configuration as written.
+        let config = routing.membership.borrow().base();
+        Request {
+            routing,
+            config,
+            will_route: false,
+            body_size: 0,
+            had_content_length: false,
+            pin: None,
+            ticket: None,
+            prefill_ticket: None,
+            prefill: PrefillLeg::None,
+            response_held: false,
+        }
+    }
+
+    pub fn on_request_headers(&mut self, host: &dyn Host, end_of_stream: bool) -> Action {
+        let config = &self.config;
+        // Routing headers are the filter's alone: a client value would steer traffic.
+        host.remove_request_header(&config.route_header);
+        if let Some(pin_header) = &config.pin_header {
+            self.pin = host.request_header(pin_header);
+            host.remove_request_header(pin_header);
+        }
+        if let Some(reason) = pass_reason(config, host, end_of_stream) {
+            router::pass_early(host, reason);
+            return Action::Continue;
+        }
+        self.will_route = true;
+        self.had_content_length = host.request_header("content-length").is_some();
+        Action::Pause
+    }
+
+    pub fn on_request_body(&mut self, host: &dyn Host, body_size: usize, end_of_stream: bool) -> Action {
+        if !self.will_route {
+            return Action::Continue;
+        }
+        self.body_size = body_size;
+        if !end_of_stream {
+            return Action::Pause;
+        }
+        self.route_body(host)
+    }
+
+    pub fn on_request_trailers(&mut self, host: &dyn Host) -> Action {
+        // A body followed by trailers never sees end_of_stream in the body callback.
+        if self.will_route {
+            return self.route_body(host);
+        }
+        Action::Continue
+    }
+
+    /// The prefill leg answered (or failed: no status).
+    pub fn on_prefill_response(&mut self, host: &dyn Host, body_size: usize) {
+        let PrefillLeg::Pending { worker } = self.prefill else {
+            return;
+        };
+        if let Some(ticket) = self.prefill_ticket.take() {
+            router::release(&self.config, host, &ticket);
+        }
+        let status = host.callout_status();
+        let body = host.callout_body(body_size);
+        match router::prefill_outcome(&self.config, host, worker, status, &body) {
+            None => {
+                self.prefill = PrefillLeg::Done;
+                if self.response_held {
+                    self.response_held = false;
+                    host.resume_response();
+                }
+            }
+            Some(reply) => {
+                // The decode side waits for a KV cache that will never come: answer now.
+                reply.send(host);
+                self.prefill = PrefillLeg::Failed(reply);
+            }
+        }
+    }
+
+    pub fn on_response_headers(&mut self, host: &dyn Host) -> Action {
+        match &self.prefill {
+            PrefillLeg::Pending { .. } => {
+                self.response_held = true;
+                Action::Pause
+            }
+            PrefillLeg::Failed(reply) => {
+                reply.send(host);
+                Action::Pause
+            }
+            PrefillLeg::None | PrefillLeg::Done => Action::Continue,
+        }
+    }
+
+    pub fn on_response_body(&mut self) -> Action {
+        // Continuing here would release the held headers with the body.
+        if self.response_held {
+            Action::Pause
+        } else {
+            Action::Continue
+        }
+    }
+
+    /// The request is over (completed, reset or refused): estimates go back.
+    pub fn on_done(&mut self, host: &dyn Host) {
+        for ticket in [self.ticket.take(), self.prefill_ticket.take()]
+            .into_iter()
+            .flatten()
+        {
+            router::release(&self.config, host, &ticket);
+        }
+    }
+
+    /// Routes the whole buffered body and applies the decision.
+    fn route_body(&mut self, host: &dyn Host) -> Action {
+        self.will_route = false;
+        self.config = self.routing.current(host);
+        let body = host.request_body(self.body_size).unwrap_or_default();
+        let tie_breaker = self.routing.next_tie_breaker();
+        match router::route(&self.config, host, &body, self.pin.as_deref(), tie_breaker) {
+            Decision::Route(routed) => {
+                host.set_request_header(&self.config.route_header, &routed.to.endpoint);
+                if let Some(new_body) = &routed.body {
+                    self.replace_body(host, new_body);
+                }
+                self.ticket = routed.ticket;
+                Action::Continue
+            }
+            Decision::Pd(pd) => self.start_pd(host, pd),
+            Decision::PassThrough { body: new_body, .. } => {
+                if let Some(new_body) = &new_body {
+                    self.replace_body(host, new_body);
+                }
+                Action::Continue
+            }
+            Decision::Reject(reply) => {
+                reply.send(host);
+                Action::Pause
+            }
+        }
+    }
+
+    /// Envoy does not correct `content-length` after a body change: dprank does.
+    fn replace_body(&self, host: &dyn Host, body: &[u8]) {
+        if host.replace_request_body(self.body_size, body) && self.had_content_length {
+            host.set_request_header("content-length", &body.len().to_string());
+        }
+    }
+
+    /// Sends the prefill leg and forwards the decode leg; a prefill leg Envoy
+    /// refuses to dispatch is answered at once.
+    fn start_pd(&mut self, host: &dyn Host, pd: PdRouted) -> Action {
+        self.ticket = pd.decode_ticket;
+        self.prefill_ticket = pd.prefill_ticket;
+        if !self.dispatch_prefill(host, &pd) {
+            self.on_done(host);
+            router::prefill_not_sent(&self.config, host, pd.prefill.worker).send(host);
+            return Action::Pause;
+        }
+        if let Some(decode) = &pd.decode {
+            host.set_request_header(&self.config.route_header, &decode.endpoint);
+        }
+        self.replace_body(host, &pd.decode_body);
+        Action::Continue
+    }
+
+    /// Sends the prefill leg; false if Envoy refused to dispatch it.
+    fn dispatch_prefill(&mut self, host: &dyn Host, pd: &PdRouted) -> bool {
+        let Some(settings) = self.config.pd() else {
+            return false;
+        };
+        let path = host.request_header(":path").unwrap_or_default();
+        let forwarded: Vec<(&str, String)> = PREFILL_FORWARDED_HEADERS
+            .iter()
+            .filter_map(|h| host.request_header(h).map(|v| (*h, v)))
+            .collect();
+        let endpoint = pd.prefill.endpoint.as_str();
+        let mut headers = vec![
+            (":method", "POST"),
+            (":path", path.as_str()),
+            (":authority", endpoint),
+            (POLL_DESTINATION_HEADER, endpoint),
+            ("content-type", "application/json"),
+        ];
+        headers.extend(forwarded.iter().map(|(k, v)| (*k, v.as_str())));
+        let call = Callout {
+            cluster: &settings.cluster,
+            headers: &headers,
+            body: Some(&pd.prefill_body),
+            timeout_ms: settings.timeout_ms,
+        };
+        match host.http_call(&call) {
+            Ok(_) => {
+                self.prefill = PrefillLeg::Pending {
+                    worker: pd.prefill.worker,
+                };
+                true
+            }
+            Err(e) => {
+                log::warn!("prefill call to {endpoint} not dispatched: {e}");
+                false
+            }
+        }
+    }
+}
+
+/// Why a request is not routed, as far as its headers tell.
+fn pass_reason(config: &Config, host: &dyn Host, end_of_stream: bool) -> Option<PassReason> {
+    if host.request_header(":method").as_deref() != Some("POST") {
+        Some(PassReason::Method)
+    } else if !host
+        .request_header(":path")
+        .is_some_and(|p| config.routes_path(&p))
+    {
+        Some(PassReason::Path)
+    } else if host
+        .request_header("content-encoding")
+        .is_some_and(|e| !e.eq_ignore_ascii_case("identity"))
+    {
+        Some(PassReason::Encoded)
+    } else if end_of_stream {
+        Some(PassReason::EmptyBody)
+    } else {
+        None
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,279 @@
+//! Whole request lifecycles on the fake host, callback by callback as Envoy
+//! calls them.
+
+use super::*;
+use crate::host::fake::FakeHost;
+use crate::router::testing::{fleet, json, pd_fleet};
+use crate::store::read_worker_states;
+
+fn request(config: &Config) -> Request {
+    Request::new(Rc::new(Routing::new(Rc::new(config.clone()), 0)))
+}
+
+fn post(h: &FakeHost, path: &str, body: &[u8], extra: &[(&str, &str)]) {
+    let length = body.len().to_string();
+    let mut headers = vec![
+        (":method", "POST"),
+        (":path", path),
+        ("content-length", length.as_str()),
+    ];
+    headers.extend_from_slice(extra);
+    h.start_request(&headers, body);
+}
+
+/// Headers, then the whole body in one callback.
+fn send(r: &mut Request, h: &FakeHost) -> (Action, Action) {
+    let headers = r.on_request_headers(h, false);
+    let size = h.request_body.borrow().len();
+    (headers, r.on_request_body(h, size, true))
+}
+
+fn pending(config: &Config, h: &FakeHost) -> u64 {
+    read_worker_states(config, h)
+        .iter()
+        .flatten()
+        .map(|s| s.pending_total())
+        .sum()
+}
+
+fn reply_status(h: &FakeHost) -> Vec<u32> {
+    h.replies.borrow().iter().map(|r| r.0).collect()
+}
+
+#[test]
+fn a_routed_request_gets_its_endpoint_rank_and_length_and_gives_its_estimate_back() {
+    let (c, h) = fleet(r#","pin_header":"x-pin""#);
+    let mut r = request(&c);
+    let client = [("x-dprank-endpoint", "10.9.9.9:1"), ("x-pin", "zzz/0")];
+    post(&h, "/generate?x=1", br#"{"text":"hello there"}"#, &client);
+    assert_eq!(send(&mut r, &h), (Action::Pause, Action::Continue));
+    assert_eq!(h.header("x-dprank-endpoint").as_deref(), Some("127.0.0.1:2"));
+    assert_eq!(h.header("x-pin"), None, "the pin header never reaches the worker");
+    let body = h.request_body.borrow().clone();
+    assert_eq!(body, br#"{"routed_dp_rank":2,"text":"hello there"}"#);
+    assert_eq!(h.header("content-length"), Some(body.len().to_string()));
+    assert_eq!(h.counter("dprank.routed.b.rank_2"), 1);
+    assert_eq!(h.counter("dprank.pin_ignored"), 1);
+    assert!(pending(&c, &h) > 0);
+    assert_eq!(
+        (r.on_response_headers(&h), r.on_response_body()),
+        (Action::Continue, Action::Continue)
+    );
+    r.on_done(&h);
+    assert_eq!(pending(&c, &h), 0);
+    assert!(h.replies.borrow().is_empty());
+    assert_eq!(h.host_calls("request_body"), 1, "the body is read once");
+}
+
+#[test]
+fn requests_dprank_does_not_route_pass_untouched_but_lose_the_route_header() {
+    let (c, h) = fleet("");
+    type Headers<'a> = &'a [(&'a str, &'a str)];
+    let cases: [(Headers, bool, &str); 4] = [
+        (&[(":method", "GET"), (":path", "/generate")], false, "method"),
+        (&[(":method", "POST"), (":path", "/health")], false, "path"),
+        (
+            &[
+                (":method", "POST"),
+                (":path", "/generate"),
+                ("content-encoding", "gzip"),
+            ],
+            false,
+            "content_encoding",
+        ),
+        (&[(":method", "POST"), (":path", "/generate")], true, "empty_body"),
+    ];
+    for (headers, end_of_stream, reason) in cases {
+        let mut r = request(&c);
+        let mut headers = headers.to_vec();
+        headers.push(("x-dprank-endpoint", "127.0.0.1:1"));
+        h.start_request(&headers, br#"{"routed_dp_rank":1}"#);
+        assert_eq!(
+            r.on_request_headers(&h, end_of_stream),
+            Action::Continue,
+            "{reason}"
+        );
+        assert_eq!(r.on_request_body(&h, 20, true), Action::Continue);
+        assert_eq!(h.header("x-dprank-endpoint"), None);
+        assert_eq!(h.request_body.borrow().as_slice(), br#"{"routed_dp_rank":1}"#);
+        assert_eq!(h.counter(&format!("dprank.passthrough.{reason}")), 1);
+        r.on_done(&h);
+    }
+    assert_eq!(h.host_calls("request_body"), 0);
+}
+
+#[test]
+fn a_body_in_chunks_is_routed_once_whole() {
+    let (c, h) = fleet("");
+    let mut r = request(&c);
+    // Chunked: no content-length, so none is added.
+    h.start_request(
+        &[(":method", "POST"), (":path", "/generate")],
+        br#"{"text":"a b c"}"#,
+    );
+    assert_eq!(r.on_request_headers(&h, false), Action::Pause);
+    assert_eq!(r.on_request_body(&h, 5, false), Action::Pause);
+    assert_eq!(h.host_calls("request_body"), 0);
+    assert_eq!(r.on_request_body(&h, 16, true), Action::Continue);
+    assert_eq!(json(&h.request_body.borrow())["routed_dp_rank"], 2);
+    assert_eq!(h.header("content-length"), None);
+}
+
+#[test]
+fn trailers_end_a_body_that_never_saw_end_of_stream() {
+    let (c, h) = fleet("");
+    let mut r = request(&c);
+    post(&h, "/v1/completions", br#"{"prompt":"x"}"#, &[]);
+    assert_eq!(r.on_request_headers(&h, false), Action::Pause);
+    assert_eq!(r.on_request_body(&h, 14, false), Action::Pause);
+    assert_eq!(r.on_request_trailers(&h), Action::Continue);
+    assert_eq!(h.header("x-dprank-endpoint").as_deref(), Some("127.0.0.1:2"));
+    assert_eq!(r.on_request_trailers(&h), Action::Continue, "routed once");
+    assert_eq!(h.counter("dprank.routed.b.rank_2"), 1);
+}
+
+#[test]
+fn a_refused_body_is_answered_locally() {
+    let (c, h) = fleet(r#","fail_mode":"closed""#);
+    let mut r = request(&c);
+    post(&h, "/generate", b"[1,2]", &[]);
+    assert_eq!(send(&mut r, &h), (Action::Pause, Action::Pause));
+    assert_eq!(reply_status(&h), vec![400]);
+    let (_, headers, body) = h.replies.borrow()[0].clone();
+    assert_eq!(
+        headers,
+        vec![("content-type".to_string(), "application/json".to_string())]
+    );
+    assert_eq!(json(&body)["error"]["code"], "dprank");
+    assert_eq!(h.header("x-dprank-endpoint"), None);
+}
+
+#[test]
+fn a_reset_stream_gives_its_estimate_back() {
+    let (c, h) = fleet("");
+    let mut r = request(&c);
+    post(&h, "/generate", br#"{"text":"a long prompt"}"#, &[]);
+    send(&mut r, &h);
+    assert!(pending(&c, &h) > 0);
+    r.on_done(&h); // no response ever came
+    assert_eq!(pending(&c, &h), 0);
+    r.on_done(&h);
+    assert_eq!(pending(&c, &h), 0, "released once");
+}
+
+/// A PD request through its headers and body: the prefill leg is in flight.
+fn pd_request(extra: &str) -> (Config, FakeHost, Request) {
+    let (c, h) = pd_fleet(extra);
+    let mut r = request(&c);
+    let client = [
+        ("authorization", "Bearer t"),
+        ("traceparent", "00-1"),
+        ("cookie", "no"),
+    ];
+    post(&h, "/generate", br#"{"text":"hello","stream":true}"#, &client);
+    assert_eq!(send(&mut r, &h), (Action::Pause, Action::Continue));
+    (c, h, r)
+}
+
+#[test]
+fn pd_sends_the_prefill_leg_and_holds_the_decode_response_until_it_is_done() {
+    let (c, h, mut r) = pd_request("");
+    let calls = h.calls.borrow().clone();
+    assert_eq!(calls.len(), 1);
+    let (cluster, headers, _) = &calls[0];
+    assert_eq!(cluster, "dprank_prefill");
+    let header = |name: &str| headers.iter().find(|(k, _)| k == name).map(|(_, v)| v.as_str());
+    assert_eq!(header(":path"), Some("/generate"));
+    assert_eq!(header("x-envoy-original-dst-host"), Some("10.0.0.1:30000"));
+    assert_eq!(
+        (header("authorization"), header("traceparent")),
+        (Some("Bearer t"), Some("00-1"))
+    );
+    assert_eq!(header("cookie"), None, "only auth and tracing headers go along");
+    let prefill_body = json(h.bodies.borrow()[0].as_ref().unwrap());
+    let decode_body = json(&h.request_body.borrow());
+    assert_eq!(prefill_body["bootstrap_room"], decode_body["bootstrap_room"]);
+    assert_eq!(decode_body["disagg_prefill_dp_rank"], 1);
+    assert_eq!(h.header("x-dprank-endpoint").as_deref(), Some("10.0.1.2:30000"));
+    assert_eq!(
+        h.header("content-length"),
+        Some(h.request_body.borrow().len().to_string())
+    );
+
+    // The decode response arrives first: held until the prefill is done.
+    assert_eq!(r.on_response_headers(&h), Action::Pause);
+    assert_eq!(r.on_response_body(), Action::Pause);
+    *h.callout.borrow_mut() = (Some(200), b"{}".to_vec());
+    r.on_prefill_response(&h, 2);
+    assert_eq!(h.resumed.get(), 1);
+    assert_eq!(r.on_response_body(), Action::Continue);
+    assert_eq!(h.counter("dprank.prefill_ok.p0"), 1);
+    assert!(
+        pending(&c, &h) > 0,
+        "the decode estimate stays while the decode streams"
+    );
+    r.on_done(&h);
+    assert_eq!(pending(&c, &h), 0);
+    assert!(h.replies.borrow().is_empty());
+}
+
+#[test]
+fn a_failed_prefill_answers_the_client_whenever_the_decode_response_comes() {
+    // The prefill fails while the decode response is held.
+    let (c, h, mut r) = pd_request("");
+    assert_eq!(r.on_response_headers(&h), Action::Pause);
+    *h.callout.borrow_mut() = (Some(500), b"out of memory".to_vec());
+    r.on_prefill_response(&h, 13);
+    assert_eq!(reply_status(&h), vec![502]);
+    assert!(String::from_utf8_lossy(&h.replies.borrow()[0].2).contains("out of memory"));
+    assert_eq!(h.resumed.get(), 0);
+    r.on_done(&h);
+    assert_eq!(pending(&c, &h), 0);
+
+    // The prefill fails first: the later decode response is replaced too.
+    let (_, h, mut r) = pd_request("");
+    *h.callout.borrow_mut() = (None, vec![]);
+    r.on_prefill_response(&h, 0);
+    assert_eq!(r.on_response_headers(&h), Action::Pause);
+    assert_eq!(reply_status(&h), vec![502, 502]);
+    assert_eq!(h.counter("dprank.prefill_failed.p0"), 1);
+}
+
+#[test]
+fn a_prefill_leg_envoy_refuses_is_answered_at_once() {
+    let (c, h) = pd_fleet("");
+    h.refuse_calls.set(true);
+    let mut r = request(&c);
+    post(&h, "/generate", br#"{"text":"x"}"#, &[]);
+    assert_eq!(send(&mut r, &h), (Action::Pause, Action::Pause));
+    assert_eq!(reply_status(&h), vec![502]);
+    assert_eq!(pending(&c, &h), 0, "both estimates given back");
+    assert_eq!(h.counter("dprank.prefill_failed.p0"), 1);
+    assert_eq!(r.on_response_headers(&h), Action::Continue);
+}
+
+#[test]
+fn pd_bodies_that_cannot_carry_bootstrap_fields_are_refused() {
+    let (c, h) = pd_fleet("");
+    let mut r = request(&c);
+    post(&h, "/generate", b"not json", &[]);
+    assert_eq!(send(&mut r, &h), (Action::Pause, Action::Pause));
+    assert_eq!(reply_status(&h), vec![400]);
+    assert!(h.calls.borrow().is_empty());
+}
+
+#[test]
+fn membership_changes_reach_the_next_request() {
+    let c = Config::from_json(br#"{"workers_from_cluster":{"cluster":"sglang"}}"#).unwrap();
+    let h = FakeHost::default();
+    h.now.set(10_000);
+    let routing = Rc::new(Routing::new(Rc::new(c.clone()), 0));
+    let members = crate::store::Members(vec!["10.0.0.1:1".parse().unwrap()]);
+    crate::store::publish_members(&c, &h, &members).unwrap();
+    let current = routing.current(&h);
+    crate::router::testing::poll(&current, &h, 0, &[3]);
+    let mut r = Request::new(routing);
+    post(&h, "/generate", br#"{"text":"x"}"#, &[]);
+    send(&mut r, &h);
+    assert_eq!(h.header("x-dprank-endpoint").as_deref(), Some("10.0.0.1:1"));
+}

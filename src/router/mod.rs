@@ -1,0 +1,264 @@
+//! Per-request routing: body in, decision out. Knows nothing of proxy-wasm;
+//! `request.rs` applies the decision. Regular mode is here; PD mode in
+//! `pd.rs`; every local answer in `replies.rs`.
+
+mod pd;
+mod replies;
+
+pub use pd::{mark_unreachable, prefill_not_sent, prefill_outcome, PdRouted};
+pub use replies::Reply;
+
+use crate::body::{may_name_a_rank, BodyError, JsonObject};
+use crate::config::{Config, FailMode};
+use crate::host::Host;
+use crate::metrics;
+use crate::scheduler::{self, Candidate, Constraint, Context, Pool};
+use crate::state::{Ticket, WorkerState};
+use crate::store::{self, IfMissing};
+
+/// Why a request went through untouched (also the suffix of its counter).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PassReason {
+    Method,
+    Path,
+    EmptyBody,
+    Encoded,
+    NotJson,
+    NotObject,
+    NoFreshData,
+    /// A trusted client asked for a rank no fresh worker has.
+    ClientRankUnavailable,
+    /// Not JSON to dprank, yet it names a rank a lenient server parser could honour.
+    UnreadableRank,
+}
+
+impl PassReason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            PassReason::Method => "method",
+            PassReason::Path => "path",
+            PassReason::EmptyBody => "empty_body",
+            PassReason::Encoded => "content_encoding",
+            PassReason::NotJson => "not_json",
+            PassReason::NotObject => "not_object",
+            PassReason::NoFreshData => "no_fresh_data",
+            PassReason::ClientRankUnavailable => "client_rank_unavailable",
+            PassReason::UnreadableRank => "unreadable_rank",
+        }
+    }
+}
+
+/// A worker chosen for a request and, when load data allowed a choice, its rank.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Chosen {
+    /// Index in `Config::all_workers`.
+    pub worker: usize,
+    pub rank: Option<u32>,
+    /// Value for the route header (`ip:port`).
+    pub endpoint: String,
+}
+
+impl Chosen {
+    fn new(config: &Config, worker: usize, rank: Option<u32>) -> Chosen {
+        Chosen {
+            worker,
+            rank,
+            endpoint: config.worker(worker).map(|w| w.endpoint()).unwrap_or_default(),
+        }
+    }
+}
+
+#[derive(Debug, PartialEq, Eq)]
+pub struct Routed {
+    pub to: Chosen,
+    /// The rewritten body, or None to keep the client's (a trusted client rank).
+    pub body: Option<Vec<u8>>,
+    /// To release when the request ends; None if accounting could not be written.
+    pub ticket: Option<Ticket>,
+}
+
+#[derive(Debug, PartialEq, Eq)]
+pub enum Decision {
+    Route(Routed),
+    PassThrough {
+        reason: PassReason,
+        /// The body with untrusted client rank fields neutralised, if it had any.
+        body: Option<Vec<u8>>,
+    },
+    /// PD mode: send `prefill_body` to the prefill worker, forward the decode body.
+    Pd(PdRouted),
+    Reject(Reply),
+}
+
+/// Counts a request that is not routed for a reason seen before its body.
+pub fn pass_early(host: &dyn Host, reason: PassReason) {
+    host.count(&metrics::passthrough(reason.as_str()), 1);
+}
+
+/// Counts a pass-through and, in closed mode, turns routing failures into errors.
+fn pass_or_reject(config: &Config, host: &dyn Host, reason: PassReason, body: Option<Vec<u8>>) -> Decision {
+    let refusal = match (config.fail_mode, reason) {
+        // Passing it on would let the client pick its rank: refused in every mode.
+        (_, PassReason::UnreadableRank) => Some(Reply::unreadable_rank()),
+        (FailMode::Closed, PassReason::NotJson | PassReason::NotObject) => Some(Reply::not_an_object()),
+        (FailMode::Closed, PassReason::ClientRankUnavailable) => Some(Reply::client_rank_unavailable()),
+        (FailMode::Closed, PassReason::NoFreshData) => Some(Reply::no_fresh_data()),
+        _ => None,
+    };
+    match refusal {
+        Some(reply) => reject(host, reason, reply),
+        None => {
+            pass_early(host, reason);
+            Decision::PassThrough { reason, body }
+        }
+    }
+}
+
+/// Counts a refusal and answers it.
+fn reject(host: &dyn Host, reason: PassReason, reply: Reply) -> Decision {
+    host.count(&metrics::rejected(reason.as_str()), 1);
+    Decision::Reject(reply)
+}
+
+fn parse_body(body: &[u8]) -> Result<JsonObject<'_>, PassReason> {
+    JsonObject::parse(body).map_err(|e| match e {
+        BodyError::NotJson => PassReason::NotJson,
+        BodyError::NotObject => PassReason::NotObject,
+    })
+}
+
+/// The rank a trusted client asked for, if it asked with a valid integer.
+fn client_rank(config: &Config, body: &JsonObject) -> Option<u32> {
+    config.rank_field_names().into_iter().find_map(|name| {
+        let raw = body.raw_value(name)?;
+        std::str::from_utf8(raw).ok()?.parse::<u32>().ok()
+    })
+}
+
+/// The routed pool (`prefill: false`) or PD's prefill pool, with their states.
+fn pool<'a>(config: &'a Config, states: &'a [Option<WorkerState>], prefill: bool) -> Pool<'a> {
+    let (workers, offset) = match (prefill, config.pd()) {
+        (true, Some(pd)) => (pd.prefill.as_slice(), config.prefill_offset()),
+        _ => (config.routed(), 0),
+    };
+    Pool {
+        workers,
+        states: states.get(offset..offset + workers.len()).unwrap_or_default(),
+        offset,
+    }
+}
+
+/// The best (worker, rank) of a pool under a constraint; `worker` indexes
+/// `Config::all_workers`. A pin that names no candidate is ignored (and
+/// counted): it is a preference, not a constraint.
+fn choose(
+    config: &Config,
+    host: &dyn Host,
+    pool: &Pool,
+    constraint: Constraint,
+    tie_breaker: u64,
+) -> Option<Candidate> {
+    let ctx = Context {
+        now_ms: host.now_ms(),
+        stale_after_ms: config.stale_after_ms,
+        constraint,
+        tie_breaker,
+    };
+    let mut pick = scheduler::choose(pool, &ctx);
+    if pick.is_none() && constraint.pin.is_some() {
+        host.count(metrics::PIN_IGNORED, 1);
+        let unpinned = Constraint {
+            pin: None,
+            ..constraint
+        };
+        pick = scheduler::choose(
+            pool,
+            &Context {
+                constraint: unpinned,
+                ..ctx
+            },
+        );
+    }
+    pick
+}
+
+/// Adds a routed request's estimate to its rank and counts the route.
+fn account(config: &Config, host: &dyn Host, worker: usize, rank: u32, cost: u64) -> Option<Ticket> {
+    let ticket = store::update_worker(config, host, worker, IfMissing::Skip, |state| {
+        state.add(worker, rank, cost)
+    });
+    if ticket.is_none() {
+        host.count(metrics::ACCOUNTING_SKIPPED, 1);
+    }
+    if let Some(w) = config.worker(worker) {
+        host.count(&metrics::routed(&w.name, rank), 1);
+    }
+    ticket
+}
+
+/// Gives back a routed request's estimate when its stream ends.
+pub fn release(config: &Config, host: &dyn Host, ticket: &Ticket) {
+    store::update_worker(config, host, ticket.worker, IfMissing::Skip, |state| {
+        state.release(ticket);
+        Some(())
+    });
+}
+
+/// Decides where a request with this body goes. `pin` is the test-only pin
+/// header (already None unless the config enables it). `tie_breaker` varies
+/// per request so equal loads spread.
+pub fn route(config: &Config, host: &dyn Host, body: &[u8], pin: Option<&str>, tie_breaker: u64) -> Decision {
+    if let Some(pd) = config.pd() {
+        return pd::route_pd(config, pd, host, body, pin, tie_breaker);
+    }
+    if body.is_empty() {
+        // A chunked or HTTP/2 request whose body turned out empty.
+        pass_early(host, PassReason::EmptyBody);
+        return Decision::PassThrough {
+            reason: PassReason::EmptyBody,
+            body: None,
+        };
+    }
+    let rank_names = config.rank_field_names();
+    let object = match parse_body(body) {
+        Ok(o) => o,
+        Err(PassReason::NotJson) if !config.keep_client_rank && may_name_a_rank(body, &rank_names) => {
+            return pass_or_reject(config, host, PassReason::UnreadableRank, None)
+        }
+        Err(reason) => return pass_or_reject(config, host, reason, None),
+    };
+    let trusted_rank = config
+        .keep_client_rank
+        .then(|| client_rank(config, &object))
+        .flatten();
+    let states = store::read_worker_states(config, host);
+    let pool = pool(config, &states, false);
+    let constraint = Constraint {
+        only_rank: trusted_rank,
+        pin,
+    };
+    let Some(Candidate { worker, rank, .. }) = choose(config, host, &pool, constraint, tie_breaker) else {
+        if trusted_rank.is_some() && choose(config, host, &pool, Constraint::default(), 0).is_some() {
+            return pass_or_reject(config, host, PassReason::ClientRankUnavailable, None);
+        }
+        let neutralised = (trusted_rank.is_none() && object.has_any(&rank_names))
+            .then(|| object.rewritten(&[], &rank_names));
+        return pass_or_reject(config, host, PassReason::NoFreshData, neutralised);
+    };
+    let cost = object.estimated_tokens(config.cost_estimate);
+    let ticket = account(config, host, worker, rank, cost);
+    let body = trusted_rank.is_none().then(|| {
+        let set = [(config.rank_field.as_str(), rank.to_string())];
+        object.rewritten(&set, &rank_names)
+    });
+    Decision::Route(Routed {
+        to: Chosen::new(config, worker, Some(rank)),
+        body,
+        ticket,
+    })
+}
+
+#[cfg(test)]
+pub(crate) mod testing;
+#[cfg(test)]
+mod tests;

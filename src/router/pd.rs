@@ -1,0 +1,165 @@
+//! PD mode (prefill/decode disaggregation): a prefill and a decode (worker,
+//! rank) from their pools, the bootstrap fields that make the two legs meet,
+//! and what the prefill leg's outcome means for the client.
+
+use super::{account, choose, parse_body, pool, reject, Chosen, Decision, PassReason, Reply};
+use crate::body::bootstrap_fields;
+use crate::config::{Config, Pd, RankOf};
+use crate::host::Host;
+use crate::metrics::{self, PerWorker};
+use crate::scheduler::Constraint;
+use crate::state::Ticket;
+use crate::store::{self, IfMissing};
+
+#[derive(Debug, PartialEq, Eq)]
+pub struct PdRouted {
+    pub prefill: Chosen,
+    /// None when no decode worker has fresh data: the cluster's fallback picks.
+    pub decode: Option<Chosen>,
+    pub prefill_body: Vec<u8>,
+    pub decode_body: Vec<u8>,
+    pub prefill_ticket: Option<Ticket>,
+    pub decode_ticket: Option<Ticket>,
+}
+
+/// The test pin `prefill_worker/rank,decode_worker/rank`: either side may be empty.
+fn split_pin(pin: Option<&str>) -> (Option<&str>, Option<&str>) {
+    fn side(s: &str) -> Option<&str> {
+        Some(s.trim()).filter(|s| !s.is_empty())
+    }
+    match pin.map(|p| p.split_once(',').unwrap_or((p, ""))) {
+        Some((p, d)) => (side(p), side(d)),
+        None => (None, None),
+    }
+}
+
+/// Picks a prefill and a decode (worker, rank) and writes the bootstrap
+/// fields both sides need to meet.
+pub(super) fn route_pd(
+    config: &Config,
+    pd: &Pd,
+    host: &dyn Host,
+    body: &[u8],
+    pin: Option<&str>,
+    tie_breaker: u64,
+) -> Decision {
+    let object = match parse_body(body) {
+        // Without the bootstrap fields neither side could serve it.
+        Err(reason) => return reject(host, reason, Reply::not_an_object()),
+        Ok(o) => o,
+    };
+    let (prefill_pin, decode_pin) = split_pin(pin);
+    let states = store::read_worker_states(config, host);
+    let pick = |prefill, pin| {
+        let constraint = Constraint { only_rank: None, pin };
+        choose(
+            config,
+            host,
+            &pool(config, &states, prefill),
+            constraint,
+            tie_breaker,
+        )
+    };
+    let (p, d) = (pick(true, prefill_pin), pick(false, decode_pin));
+    if p.is_none() {
+        host.count(metrics::NO_FRESH_PREFILL_DATA, 1);
+    }
+    if d.is_none() {
+        host.count(&metrics::passthrough(PassReason::NoFreshData.as_str()), 1);
+    }
+    // Without prefill data the prefill workers take turns and pick their own rank.
+    let turn = (tie_breaker % pd.prefill.len().max(1) as u64) as usize;
+    let prefill_index = p.map_or(config.prefill_offset() + turn, |c| c.worker);
+    let Some(prefill_worker) = config.worker(prefill_index) else {
+        // Only an empty prefill pool, which validation refuses, names no worker.
+        return reject(host, PassReason::NoFreshData, Reply::no_fresh_data());
+    };
+
+    let cost = object.estimated_tokens(config.cost_estimate);
+    let prefill_ticket = p.and_then(|c| account(config, host, c.worker, c.rank, cost));
+    let decode_ticket = d.and_then(|c| account(config, host, c.worker, c.rank, cost));
+
+    let bootstrap = bootstrap_fields(
+        &object,
+        prefill_worker.address.ip(),
+        prefill_worker.bootstrap_port,
+        || host.random_u64(),
+    );
+    let ranks = (p.map(|c| c.rank), d.map(|c| c.rank));
+    let neutralise = pd.field_names();
+    let body_for = |fields| object.rewritten(&pd_body_fields(&bootstrap, fields, ranks), &neutralise);
+    Decision::Pd(PdRouted {
+        prefill: Chosen::new(config, prefill_index, ranks.0),
+        decode: d.map(|c| Chosen::new(config, c.worker, Some(c.rank))),
+        prefill_body: body_for(&pd.prefill_body_fields),
+        decode_body: body_for(&pd.decode_body_fields),
+        prefill_ticket,
+        decode_ticket,
+    })
+}
+
+/// The bootstrap fields plus each rank field whose rank is known; `ranks` is
+/// (prefill rank, decode rank).
+fn pd_body_fields<'a>(
+    bootstrap: &[(&'a str, String)],
+    rank_fields: &'a [(String, RankOf)],
+    ranks: (Option<u32>, Option<u32>),
+) -> Vec<(&'a str, String)> {
+    let mut set = bootstrap.to_vec();
+    for (name, of) in rank_fields {
+        let rank = match of {
+            RankOf::Prefill => ranks.0,
+            RankOf::Decode => ranks.1,
+        };
+        if let Some(rank) = rank {
+            set.push((name.as_str(), rank.to_string()));
+        }
+    }
+    set
+}
+
+/// What the client gets when the prefill leg ended: None if it succeeded,
+/// else the error reply. A prefill that did not answer at all also takes its
+/// worker out of rotation until its next good poll.
+pub fn prefill_outcome(
+    config: &Config,
+    host: &dyn Host,
+    worker: usize,
+    status: Option<u32>,
+    body: &[u8],
+) -> Option<Reply> {
+    let (endpoint, name) = config
+        .worker(worker)
+        .map(|w| (w.endpoint(), w.name.clone()))
+        .unwrap_or_default();
+    if let Some(200..=299) = status {
+        host.count(&PerWorker::PrefillOk.of(&name), 1);
+        return None;
+    }
+    host.count(&PerWorker::PrefillFailed.of(&name), 1);
+    // Envoy answers 503 itself when it cannot connect; 502/504 mean the same
+    // from a proxy in between. Either way, stop sending there until a poll succeeds.
+    if matches!(status, None | Some(502..=504)) {
+        mark_unreachable(config, host, worker);
+    }
+    Some(Reply::prefill_failed(&endpoint, status, body))
+}
+
+/// The prefill leg could not even be dispatched (Envoy refused the call).
+pub fn prefill_not_sent(config: &Config, host: &dyn Host, worker: usize) -> Reply {
+    let name = config.worker(worker).map(|w| w.name.clone()).unwrap_or_default();
+    host.count(&PerWorker::PrefillFailed.of(&name), 1);
+    Reply::prefill_not_sent()
+}
+
+/// A prefill worker that could not be reached gets no more requests until a
+/// poll succeeds again.
+pub fn mark_unreachable(config: &Config, host: &dyn Host, worker: usize) {
+    store::update_worker(config, host, worker, IfMissing::Skip, |state| {
+        state.mark_unreachable();
+        Some(())
+    });
+}
+
+#[cfg(test)]
+mod tests;

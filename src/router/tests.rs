@@ -1,0 +1,233 @@
+use super::testing::*;
+use super::*;
+use crate::host::fake::FakeHost;
+use crate::store::read_worker_states;
+
+fn routed(d: Decision) -> Routed {
+    match d {
+        Decision::Route(r) => r,
+        other => panic!("expected a route, got {other:?}"),
+    }
+}
+
+#[test]
+fn routes_to_the_joint_minimum_and_injects_the_rank() {
+    let (c, h) = fleet("");
+    let r = routed(route(&c, &h, br#"{"text":"hi"}"#, None, 0));
+    assert_eq!(
+        (r.to.worker, r.to.rank, r.to.endpoint.as_str()),
+        (1, Some(2), "127.0.0.1:2")
+    );
+    assert_eq!(r.body.unwrap(), br#"{"routed_dp_rank":2,"text":"hi"}"#);
+    assert_eq!(h.counter("dprank.routed.b.rank_2"), 1);
+}
+
+#[test]
+fn estimates_spread_a_burst_between_polls() {
+    let (c, h) = fleet("");
+    let prompt = format!(r#"{{"text":"{}"}}"#, "x".repeat(4 * 40)); // 40 tokens
+    let picks: Vec<(usize, Option<u32>)> = (0..3)
+        .map(|i| {
+            let r = routed(route(&c, &h, prompt.as_bytes(), None, i));
+            (r.to.worker, r.to.rank)
+        })
+        .collect();
+    // 20 -> 60 after the first, so the second goes to the 50-token rank.
+    assert_eq!(picks, vec![(1, Some(2)), (0, Some(1)), (1, Some(2))]);
+}
+
+#[test]
+fn ended_requests_give_their_estimate_back() {
+    let (c, h) = fleet("");
+    let r = routed(route(
+        &c,
+        &h,
+        br#"{"text":"a long prompt indeed, long"}"#,
+        None,
+        0,
+    ));
+    let states = read_worker_states(&c, &h);
+    assert!(states[1].as_ref().unwrap().pending_total() > 0);
+    release(&c, &h, &r.ticket.unwrap());
+    let states = read_worker_states(&c, &h);
+    assert_eq!(states[1].as_ref().unwrap().pending_total(), 0);
+}
+
+#[test]
+fn accounting_survives_concurrent_writers() {
+    let (c, h) = fleet("");
+    h.conflicts.set(3);
+    let r = routed(route(&c, &h, br#"{"text":"hi"}"#, None, 0));
+    assert!(r.ticket.is_some());
+    h.conflicts.set(1000);
+    let r = routed(route(&c, &h, br#"{"text":"hi"}"#, None, 0));
+    assert!(r.ticket.is_none(), "routing goes on without accounting");
+    assert_eq!(h.counter("dprank.accounting_skipped"), 1);
+}
+
+#[test]
+fn client_rank_fields_are_overwritten_by_default() {
+    let (c, h) = fleet("");
+    let r = routed(route(
+        &c,
+        &h,
+        br#"{"data_parallel_rank":0,"routed_dp_rank":3,"text":"x"}"#,
+        None,
+        0,
+    ));
+    assert_eq!(
+        r.body.unwrap(),
+        br#"{"data_parallel_rank":null,"routed_dp_rank":2,"text":"x"}"#
+    );
+}
+
+#[test]
+fn trusted_client_rank_keeps_the_body_and_picks_the_worker() {
+    let (c, h) = fleet(r#","keep_client_rank":true"#);
+    let r = routed(route(&c, &h, br#"{"routed_dp_rank":1,"text":"x"}"#, None, 0));
+    assert_eq!((r.to.worker, r.to.rank, r.body), (0, Some(1), None));
+    // Not an integer: ignored, routed normally.
+    let r = routed(route(&c, &h, br#"{"routed_dp_rank":"1","text":"x"}"#, None, 0));
+    assert_eq!((r.to.worker, r.to.rank), (1, Some(2)));
+}
+
+#[test]
+fn no_fresh_data_passes_through_and_neutralises_client_ranks() {
+    let c = config("");
+    let h = FakeHost::default();
+    assert_eq!(
+        route(&c, &h, br#"{"text":"x"}"#, None, 0),
+        Decision::PassThrough {
+            reason: PassReason::NoFreshData,
+            body: None
+        }
+    );
+    let d = route(&c, &h, br#"{"routed_dp_rank":1,"text":"x"}"#, None, 0);
+    assert_eq!(
+        d,
+        Decision::PassThrough {
+            reason: PassReason::NoFreshData,
+            body: Some(br#"{"routed_dp_rank":null,"text":"x"}"#.to_vec())
+        }
+    );
+    assert_eq!(h.counter("dprank.passthrough.no_fresh_data"), 2);
+}
+
+#[test]
+fn stale_data_counts_as_none() {
+    let (c, h) = fleet("");
+    h.now.set(10_000 + c.stale_after_ms + 1);
+    assert!(matches!(
+        route(&c, &h, b"{}", None, 0),
+        Decision::PassThrough { .. }
+    ));
+}
+
+#[test]
+fn fail_closed_rejects_with_json_errors() {
+    let c = config(r#","fail_mode":"closed""#);
+    let h = FakeHost::default();
+    match route(&c, &h, b"{}", None, 0) {
+        Decision::Reject(Reply { status, body }) => {
+            assert_eq!(status, 503);
+            let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+            assert!(v["error"]["message"].as_str().unwrap().contains("fresh"));
+        }
+        other => panic!("{other:?}"),
+    }
+    assert!(matches!(
+        route(&c, &h, b"[1]", None, 0),
+        Decision::Reject(Reply { status: 400, .. })
+    ));
+    assert_eq!(h.counter("dprank.rejected.not_object"), 1);
+}
+
+#[test]
+fn bad_bodies_pass_through_in_open_mode() {
+    let (c, h) = fleet("");
+    for (body, reason) in [
+        (&b"nope"[..], PassReason::NotJson),
+        (b"[]", PassReason::NotObject),
+    ] {
+        assert_eq!(
+            route(&c, &h, body, None, 0),
+            Decision::PassThrough { reason, body: None }
+        );
+    }
+    assert_eq!(h.counter("dprank.passthrough.not_json"), 1);
+}
+
+#[test]
+fn pin_header_overrides_when_it_names_a_candidate() {
+    let (c, h) = fleet(r#","pin_header":"x-dprank-pin""#);
+    let r = routed(route(&c, &h, b"{}", Some("a/3"), 0));
+    assert_eq!((r.to.worker, r.to.rank), (0, Some(3)));
+    let r = routed(route(&c, &h, b"{}", Some("a/9"), 0));
+    assert_eq!((r.to.worker, r.to.rank), (1, Some(2)));
+    assert_eq!(h.counter("dprank.pin_ignored"), 1);
+}
+
+#[test]
+fn legacy_naming_injects_data_parallel_rank() {
+    let (c, h) = fleet(r#","naming":"legacy""#);
+    let r = routed(route(&c, &h, br#"{"prompt":"x"}"#, None, 0));
+    assert_eq!(r.body.unwrap(), br#"{"data_parallel_rank":2,"prompt":"x"}"#);
+}
+
+#[test]
+fn a_trusted_rank_nobody_has_is_told_apart_from_no_data() {
+    let (c, h) = fleet(r#","keep_client_rank":true"#);
+    let d = route(&c, &h, br#"{"routed_dp_rank":7}"#, None, 0);
+    assert_eq!(
+        d,
+        Decision::PassThrough {
+            reason: PassReason::ClientRankUnavailable,
+            body: None
+        }
+    );
+    assert_eq!(h.counter("dprank.passthrough.client_rank_unavailable"), 1);
+    let (c, h) = fleet(r#","keep_client_rank":true,"fail_mode":"closed""#);
+    assert!(matches!(
+        route(&c, &h, br#"{"routed_dp_rank":7}"#, None, 0),
+        Decision::Reject(Reply { status: 400, .. })
+    ));
+}
+
+#[test]
+fn an_empty_body_passes_through_as_empty() {
+    let (c, h) = fleet(r#","fail_mode":"closed""#);
+    assert_eq!(
+        route(&c, &h, b"", None, 0),
+        Decision::PassThrough {
+            reason: PassReason::EmptyBody,
+            body: None
+        }
+    );
+    assert_eq!(h.counter("dprank.passthrough.empty_body"), 1);
+}
+
+#[test]
+fn unreadable_bodies_naming_a_rank_are_refused_unless_clients_are_trusted() {
+    let (c, h) = fleet("");
+    let nan = br#"{"text":"x","routed_dp_rank":3,"temperature":NaN}"#;
+    assert!(matches!(
+        route(&c, &h, nan, None, 0),
+        Decision::Reject(Reply { status: 400, .. })
+    ));
+    assert_eq!(h.counter("dprank.rejected.unreadable_rank"), 1);
+    assert!(matches!(
+        route(&c, &h, b"text=hi", None, 0),
+        Decision::PassThrough {
+            reason: PassReason::NotJson,
+            ..
+        }
+    ));
+    let (c, h) = fleet(r#","keep_client_rank":true"#);
+    assert!(matches!(
+        route(&c, &h, nan, None, 0),
+        Decision::PassThrough {
+            reason: PassReason::NotJson,
+            ..
+        }
+    ));
+}

@@ -1,0 +1,246 @@
+//! Choosing the (worker, rank) for a request, as a pipeline of small named
+//! steps in the manner of the Gateway API Inference Extension's scheduler:
+//! filters remove candidates, scorers add to the cost of those left, and the
+//! picker takes one. Each step has its own file; the lists below are the
+//! policy, in order. Adding a step is adding a file and a line here.
+//!
+//! Candidates are every rank a worker's last report listed (below its
+//! configured `dp_size`, if any). Steps work one worker at a time on a slice
+//! with one cost slot per rank (`None` = removed), and the picker is offered
+//! each worker's slots as soon as they are scored: a fleet of thousands of
+//! ranks costs one call per worker and step, a tight loop per rank, and no
+//! candidate list.
+
+mod fresh;
+mod least_cost;
+mod load;
+mod only_rank;
+mod pinned;
+
+use crate::config::Worker;
+use crate::state::WorkerState;
+
+/// Filters, in order: the first that drops a worker ends its turn.
+const FILTERS: &[&dyn Filter] = &[&fresh::Fresh, &only_rank::OnlyRank, &pinned::Pinned];
+/// Scorers: each adds its cost to every candidate left.
+const SCORERS: &[&dyn Scorer] = &[&load::Load];
+/// The picker: takes one candidate from those left.
+type ThePicker = least_cost::LeastCost;
+
+/// A (worker, rank) a request could be sent to, with its cost (for now, the
+/// rank's effective tokens).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Candidate {
+    /// Index in the pool (`choose` turns it into a `Config::all_workers` index).
+    pub worker: usize,
+    pub rank: u32,
+    pub cost: u64,
+}
+
+/// The workers one choice is made among, with their shared states.
+#[derive(Debug, Clone, Copy)]
+pub struct Pool<'a> {
+    pub workers: &'a [Worker],
+    /// One per worker (None: no state yet).
+    pub states: &'a [Option<WorkerState>],
+    /// Index of `workers[0]` in `Config::all_workers`.
+    pub offset: usize,
+}
+
+/// What a request asks of the choice beyond the least cost.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Constraint<'a> {
+    /// Only this rank (a trusted client's own rank field).
+    pub only_rank: Option<u32>,
+    /// Test-only pin `<worker name or ip:port>/<rank>`.
+    pub pin: Option<&'a str>,
+}
+
+/// Everything a step may look at besides the worker itself.
+#[derive(Debug, Clone, Copy)]
+pub struct Context<'a> {
+    pub now_ms: u64,
+    pub stale_after_ms: u64,
+    pub constraint: Constraint<'a>,
+    /// Varies per request so that equal costs spread.
+    pub tie_breaker: u64,
+}
+
+/// One worker as the steps see it.
+#[derive(Debug, Clone, Copy)]
+pub struct WorkerView<'a> {
+    /// Index in the pool.
+    pub index: usize,
+    pub worker: &'a Worker,
+    pub state: &'a WorkerState,
+}
+
+pub trait Filter {
+    /// Clears the slots of ranks that may not be chosen; false drops the
+    /// whole worker (the cheap way to remove every rank).
+    fn filter(&self, ctx: &Context, worker: &WorkerView, ranks: &mut [Option<u64>]) -> bool;
+}
+
+pub trait Scorer {
+    /// Adds this step's cost to every slot left; a rank it cannot score is cleared.
+    fn score(&self, ctx: &Context, worker: &WorkerView, costs: &mut [Option<u64>]);
+}
+
+pub trait Picker {
+    fn new(ctx: &Context) -> Self;
+    /// Offers one worker's candidates: its pool index and one slot per rank.
+    fn offer(&mut self, worker: usize, costs: &[Option<u64>]);
+    /// The candidate taken among all those offered.
+    fn pick(self) -> Option<Candidate>;
+}
+
+/// The ranks a worker offers: those its last report listed, below its
+/// configured `dp_size` (a report listing more is not trusted beyond it).
+fn offered_ranks(worker: &Worker, state: &WorkerState) -> usize {
+    worker
+        .dp_size
+        .map_or(state.ranks(), |dp| state.ranks().min(dp as usize))
+}
+
+/// Runs the pipeline over `pool`; the candidate's `worker` is a
+/// `Config::all_workers` index. The constraint is strict: a pin that names
+/// no candidate leaves none (the router then retries without it).
+pub fn choose(pool: &Pool, ctx: &Context) -> Option<Candidate> {
+    let mut picker = ThePicker::new(ctx);
+    let mut slots: Vec<Option<u64>> = Vec::new();
+    for (index, (worker, state)) in pool.workers.iter().zip(pool.states).enumerate() {
+        let Some(state) = state else { continue };
+        let view = WorkerView { index, worker, state };
+        slots.clear();
+        slots.resize(offered_ranks(worker, state), Some(0));
+        if !FILTERS.iter().all(|f| f.filter(ctx, &view, &mut slots)) {
+            continue;
+        }
+        for scorer in SCORERS {
+            scorer.score(ctx, &view, &mut slots);
+        }
+        picker.offer(index, &slots);
+    }
+    let chosen = picker.pick()?;
+    Some(Candidate {
+        worker: chosen.worker + pool.offset,
+        ..chosen
+    })
+}
+
+#[cfg(test)]
+pub(crate) mod testing {
+    //! Workers and states for the steps' tests.
+    use super::*;
+
+    pub fn worker(name: &str, port: u16, dp_size: Option<u32>) -> Worker {
+        Worker {
+            name: name.into(),
+            address: format!("127.0.0.1:{port}").parse().unwrap(),
+            dp_size,
+            bootstrap_port: None,
+        }
+    }
+
+    /// A state polled at `at` with these tokens.
+    pub fn state(tokens: &[u64], at: u64) -> WorkerState {
+        let mut s = WorkerState::default();
+        let seq = s.begin_poll();
+        s.apply_snapshot(seq, at, &tokens.iter().map(|t| Some(*t)).collect::<Vec<_>>());
+        s
+    }
+
+    pub fn ctx(constraint: Constraint) -> Context {
+        Context {
+            now_ms: 1000,
+            stale_after_ms: 3000,
+            constraint,
+            tie_breaker: 0,
+        }
+    }
+
+    /// Runs one filter on a worker with `ranks` slots; None if it dropped the worker.
+    pub fn run_filter(
+        f: &dyn Filter,
+        ctx: &Context,
+        index: usize,
+        worker: &Worker,
+        state: &WorkerState,
+    ) -> Option<Vec<Option<u64>>> {
+        let mut ranks = vec![Some(0); state.ranks()];
+        let view = WorkerView { index, worker, state };
+        f.filter(ctx, &view, &mut ranks).then_some(ranks)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::testing::*;
+    use super::*;
+
+    fn c(worker: usize, rank: u32, cost: u64) -> Candidate {
+        Candidate { worker, rank, cost }
+    }
+
+    #[test]
+    fn the_pipeline_picks_the_joint_minimum_of_fresh_ranks_across_workers() {
+        let workers = [worker("a", 1, None), worker("b", 2, None), worker("c", 3, None)];
+        let states = [Some(state(&[50, 40], 1000)), Some(state(&[1], 0)), None];
+        let pool = |states| Pool {
+            workers: &workers,
+            states,
+            offset: 3,
+        };
+        let at = |now_ms| Context {
+            now_ms,
+            ..ctx(Constraint::default())
+        };
+        assert_eq!(
+            choose(&pool(&states), &at(1000)),
+            Some(c(4, 0, 1)),
+            "the joint minimum"
+        );
+        assert_eq!(choose(&pool(&states), &at(3500)), Some(c(3, 1, 40)), "b is stale");
+        let none: [Option<WorkerState>; 3] = [None, None, None];
+        assert_eq!(choose(&pool(&none), &at(1000)), None);
+    }
+
+    #[test]
+    fn configured_dp_size_caps_the_offered_ranks() {
+        let workers = [worker("a", 1, Some(2))];
+        let states = [Some(state(&[5, 6, 0, 0], 1000))];
+        let pool = Pool {
+            workers: &workers,
+            states: &states,
+            offset: 0,
+        };
+        assert_eq!(choose(&pool, &ctx(Constraint::default())), Some(c(0, 0, 5)));
+    }
+
+    #[test]
+    fn constraints_are_strict() {
+        let workers = [worker("a", 1, None), worker("b", 2, None)];
+        let states = [Some(state(&[9, 1], 1000)), Some(state(&[5, 7], 1000))];
+        let pool = Pool {
+            workers: &workers,
+            states: &states,
+            offset: 0,
+        };
+        let only = |rank| {
+            ctx(Constraint {
+                only_rank: Some(rank),
+                pin: None,
+            })
+        };
+        assert_eq!(choose(&pool, &only(0)), Some(c(1, 0, 5)));
+        assert_eq!(choose(&pool, &only(7)), None);
+        let pin = |p| {
+            ctx(Constraint {
+                only_rank: None,
+                pin: Some(p),
+            })
+        };
+        assert_eq!(choose(&pool, &pin("a/0")), Some(c(0, 0, 9)));
+        assert_eq!(choose(&pool, &pin("a/5")), None);
+    }
+}

@@ -1,0 +1,466 @@
+//! Everything dprank keeps in proxy-wasm shared data: the keys, their one
+//! codec, the poll lease, and the read-modify-write helpers. No other module
+//! names a key or encodes a value.
+//!
+//! Keys (`<p>` = the configured `state_key`):
+//!
+//! | key | value | written by |
+//! |---|---|---|
+//! | `<p>.w.<ip:port>` | [`WorkerState`] of that worker | poller (snapshots), router (estimates) |
+//! | `<p>.lease` | [`Lease`]: who polls, and when the last round started | poller |
+//! | `<p>.vms` | [`VmCount`]: hands every VM its id | each VM once |
+//! | `<p>.members` | [`Members`]: a cluster's current workers | poller (`workers_from_cluster`) |
+//! | `<p>.config` | [`Announced`]: the configuration last logged | each VM at start-up |
+//!
+//! Keys of later kinds follow the same pattern (`<p>.<kind>.<ip:port>[...]`)
+//! with a tag of their own. Values are a 4-byte tag (kind and layout
+//! version) followed by postcard; a value whose tag does not match, or that
+//! does not decode whole, reads as absent, so a filter that changes a layout
+//! starts that record afresh instead of misreading it. An empty value is the
+//! way to delete a key (proxy-wasm has no delete): it reads as absent too.
+
+use crate::config::Config;
+use crate::host::{Host, SharedSetError};
+use crate::metrics;
+use crate::state::WorkerState;
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
+use std::net::SocketAddr;
+
+/// How many times a read-modify-write on shared data is retried when another
+/// thread wrote in between.
+pub const CAS_ATTEMPTS: usize = 16;
+
+/// The names of the keys of one configuration's shared data.
+pub struct Keys<'a> {
+    prefix: &'a str,
+}
+
+impl<'a> Keys<'a> {
+    pub fn of(config: &'a Config) -> Keys<'a> {
+        Keys {
+            prefix: &config.state_key,
+        }
+    }
+    pub fn worker(&self, address: &SocketAddr) -> String {
+        format!("{}.w.{address}", self.prefix)
+    }
+    pub fn lease(&self) -> String {
+        format!("{}.lease", self.prefix)
+    }
+    pub fn vms(&self) -> String {
+        format!("{}.vms", self.prefix)
+    }
+    pub fn members(&self) -> String {
+        format!("{}.members", self.prefix)
+    }
+    pub fn config(&self) -> String {
+        format!("{}.config", self.prefix)
+    }
+}
+
+/// `Vec<u64>` as one byte string of little-endian words, for the records read
+/// on every request (each worker's state): decoding words in bulk is much
+/// faster than one varint at a time (`bench/src/selection.rs` measures it).
+pub mod words {
+    use serde::de::{Deserializer, Error, Visitor};
+    use serde::Serializer;
+    use std::fmt;
+
+    pub fn serialize<S: Serializer>(words: &[u64], s: S) -> Result<S::Ok, S::Error> {
+        let bytes: Vec<u8> = words.iter().flat_map(|w| w.to_le_bytes()).collect();
+        s.serialize_bytes(&bytes)
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<u64>, D::Error> {
+        struct Words;
+        impl Visitor<'_> for Words {
+            type Value = Vec<u64>;
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("little-endian u64 words")
+            }
+            fn visit_bytes<E: Error>(self, bytes: &[u8]) -> Result<Vec<u64>, E> {
+                if !bytes.len().is_multiple_of(8) {
+                    return Err(E::custom("not a whole number of words"));
+                }
+                let word = |c: &[u8]| u64::from_le_bytes(c.try_into().unwrap_or_default());
+                Ok(bytes.chunks_exact(8).map(word).collect())
+            }
+        }
+        d.deserialize_bytes(Words)
+    }
+}
+
+/// A value kept in shared data.
+pub trait Record: Serialize + DeserializeOwned {
+    /// Kind and layout version; change it whenever the layout changes.
+    const TAG: [u8; 4];
+    /// Whether a decoded value is within what dprank writes.
+    fn within_limits(&self) -> bool {
+        true
+    }
+}
+
+impl Record for WorkerState {
+    const TAG: [u8; 4] = *b"DPW5";
+    fn within_limits(&self) -> bool {
+        WorkerState::within_limits(self)
+    }
+}
+
+/// The poll lease: who polls, until when, and when the last round started,
+/// so a new holder keeps the cadence.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Lease {
+    pub owner: u64,
+    pub expires_ms: u64,
+    pub last_poll_ms: u64,
+    /// When the holder's configuration was applied: a newer configuration
+    /// (a reload) takes the lease at once instead of waiting for the old
+    /// filter chain to drain.
+    pub generation: u64,
+}
+
+impl Record for Lease {
+    const TAG: [u8; 4] = *b"DPL1";
+}
+
+/// How many VMs have asked for an id.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct VmCount(pub u64);
+
+impl Record for VmCount {
+    const TAG: [u8; 4] = *b"DPV1";
+}
+
+/// The usable hosts of the followed cluster, sorted.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Members(pub Vec<SocketAddr>);
+
+impl Record for Members {
+    const TAG: [u8; 4] = *b"DPM1";
+}
+
+/// A hash of the configuration last logged at start-up, so that the VMs of
+/// every thread log a configuration once between them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Announced(pub u64);
+
+impl Record for Announced {
+    const TAG: [u8; 4] = *b"DPC1";
+}
+
+pub fn encode<R: Record>(record: &R) -> Vec<u8> {
+    let out = R::TAG.to_vec();
+    // Writing into a Vec cannot fail; an empty value would read as absent.
+    postcard::to_extend(record, out).unwrap_or_default()
+}
+
+/// What `encode` wrote; None for anything else (the caller starts afresh).
+pub fn decode<R: Record>(bytes: &[u8]) -> Option<R> {
+    let body = bytes.strip_prefix(&R::TAG)?;
+    let (record, rest) = postcard::take_from_bytes::<R>(body).ok()?;
+    (rest.is_empty() && record.within_limits()).then_some(record)
+}
+
+/// Read-modify-write of one key under compare-and-swap. `update` gets the
+/// current value (None when absent or unreadable) and returns the new value
+/// and a result, or None to write nothing. Returns None when nothing was
+/// written.
+pub fn update<T: Record, R>(
+    host: &dyn Host,
+    key: &str,
+    mut update: impl FnMut(Option<T>) -> Option<(T, R)>,
+) -> Option<R> {
+    for _ in 0..CAS_ATTEMPTS {
+        let current = host.shared_get(key);
+        let value = current.as_ref().and_then(|(bytes, _)| decode(bytes));
+        let (new, result) = update(value)?;
+        match host.shared_set(key, &encode(&new), current.map(|(_, cas)| cas)) {
+            Ok(()) => return Some(result),
+            Err(SharedSetError::CasMismatch) => continue,
+            Err(SharedSetError::Failed) => return None,
+        }
+    }
+    host.count(metrics::SHARED_DATA_CONFLICTS, 1);
+    None
+}
+
+/// What `update_worker` does for a worker that has no state yet: never
+/// polled, or dropped from a cluster's membership.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum IfMissing {
+    /// Write nothing. The routing side (estimates, releases, taking a worker
+    /// out of rotation) only adjusts states a poll created: a request cannot
+    /// have been routed by load to a worker without one, and writing would
+    /// bring back the state of a worker that has left.
+    Skip,
+    /// Start from an empty state. The poller creates states: it polls every
+    /// configured worker, known or not.
+    Create,
+}
+
+/// Read-modify-write of worker `index`'s state (`Config::all_workers`
+/// order). `change` returns None to write nothing.
+pub fn update_worker<R>(
+    config: &Config,
+    host: &dyn Host,
+    index: usize,
+    if_missing: IfMissing,
+    mut change: impl FnMut(&mut WorkerState) -> Option<R>,
+) -> Option<R> {
+    let worker = config.worker(index)?;
+    update(host, &Keys::of(config).worker(&worker.address), |current| {
+        let mut state = match (current, if_missing) {
+            (Some(state), _) => state,
+            (None, IfMissing::Create) => WorkerState::default(),
+            (None, IfMissing::Skip) => return None,
+        };
+        let result = change(&mut state)?;
+        Some((state, result))
+    })
+}
+
+/// The shared state of every worker, indexed like `Config::all_workers`.
+pub fn read_worker_states(config: &Config, host: &dyn Host) -> Vec<Option<WorkerState>> {
+    let keys = Keys::of(config);
+    config
+        .all_workers()
+        .map(|w| {
+            host.shared_get(&keys.worker(&w.address))
+                .and_then(|(bytes, _)| decode(&bytes))
+        })
+        .collect()
+}
+
+/// A number unique to this VM among those sharing the data (0 if none could be had).
+pub fn next_vm_id(config: &Config, host: &dyn Host) -> u64 {
+    update(host, &Keys::of(config).vms(), |count: Option<VmCount>| {
+        let n = count.map_or(0, |c| c.0) + 1;
+        Some((VmCount(n), n))
+    })
+    .unwrap_or(0)
+}
+
+/// Takes or renews the poll lease for VM `me`, whose configuration was
+/// applied at `generation`; true when it holds the lease and a poll round is
+/// due. Another holder keeps the lease while it is unexpired and its
+/// configuration is not older than ours.
+pub fn claim_poll_round(config: &Config, host: &dyn Host, me: u64, generation: u64, ttl_ms: u64) -> bool {
+    let now = host.now_ms();
+    update(host, &Keys::of(config).lease(), |lease: Option<Lease>| {
+        let last_poll_ms = match lease {
+            Some(l) if l.owner != me && l.expires_ms > now && l.generation >= generation => return None,
+            Some(l) => l.last_poll_ms,
+            None => 0,
+        };
+        let due = now.saturating_sub(last_poll_ms) >= config.poll_interval_ms;
+        let renewed = Lease {
+            owner: me,
+            expires_ms: now + ttl_ms,
+            last_poll_ms: if due { now } else { last_poll_ms },
+            generation,
+        };
+        Some((renewed, due))
+    })
+    .unwrap_or(false)
+}
+
+/// The published members, when their cas differs from `known_cas`.
+pub fn members_if_changed(
+    config: &Config,
+    host: &dyn Host,
+    known_cas: Option<u32>,
+) -> Option<(Members, u32)> {
+    let (bytes, cas) = host.shared_get(&Keys::of(config).members())?;
+    (Some(cas) != known_cas).then(|| (decode(&bytes).unwrap_or_default(), cas))
+}
+
+/// Publishes a new membership; workers that left lose their state (so one
+/// that comes back starts afresh). Returns the previous members, or None
+/// when nothing changed or the write failed.
+pub fn publish_members(config: &Config, host: &dyn Host, members: &Members) -> Option<Members> {
+    let keys = Keys::of(config);
+    let key = keys.members();
+    let previous: Members = host
+        .shared_get(&key)
+        .and_then(|(bytes, _)| decode(&bytes))
+        .unwrap_or_default();
+    if previous == *members || host.shared_set(&key, &encode(members), None).is_err() {
+        return None;
+    }
+    for gone in previous.0.iter().filter(|a| !members.0.contains(a)) {
+        let _ = host.shared_set(&keys.worker(gone), b"", None);
+    }
+    Some(previous)
+}
+
+/// Whether this VM is the first to apply the configuration `json`: the
+/// others sharing the data (one VM per Envoy thread) stay silent about it.
+pub fn first_to_announce(config: &Config, host: &dyn Host, json: &str) -> bool {
+    // FNV-1a: stable across VMs and builds, unlike std's hasher.
+    let hash = json.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+    });
+    update(host, &Keys::of(config).config(), |last: Option<Announced>| {
+        (last != Some(Announced(hash))).then_some((Announced(hash), ()))
+    })
+    .is_some()
+}
+
+/// Bytes dprank keeps in shared data for this configuration.
+pub fn shared_bytes(config: &Config, host: &dyn Host) -> u64 {
+    let keys = Keys::of(config);
+    let fixed = [keys.lease(), keys.vms(), keys.members(), keys.config()];
+    let workers = config.all_workers().map(|w| keys.worker(&w.address));
+    fixed
+        .into_iter()
+        .chain(workers)
+        .filter_map(|k| host.shared_get(&k))
+        .map(|(b, _)| b.len() as u64)
+        .sum()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::host::fake::FakeHost;
+
+    fn config() -> Config {
+        Config::from_json(br#"{"workers":[{"address":"127.0.0.1:1"}],"state_key":"fleet"}"#).unwrap()
+    }
+
+    fn polled(tokens: &[u64]) -> WorkerState {
+        let mut w = WorkerState::default();
+        let seq = w.begin_poll();
+        w.apply_snapshot(seq, 1000, &tokens.iter().map(|t| Some(*t)).collect::<Vec<_>>());
+        w
+    }
+
+    #[test]
+    fn key_layout() {
+        let c = config();
+        let keys = Keys::of(&c);
+        assert_eq!(
+            keys.worker(&"10.0.0.1:8000".parse().unwrap()),
+            "fleet.w.10.0.0.1:8000"
+        );
+        assert_eq!(keys.worker(&"[::1]:8000".parse().unwrap()), "fleet.w.[::1]:8000");
+        assert_eq!(
+            (keys.lease(), keys.vms(), keys.members()),
+            ("fleet.lease".into(), "fleet.vms".into(), "fleet.members".into())
+        );
+        assert_eq!(keys.config(), "fleet.config");
+    }
+
+    #[test]
+    fn worker_state_round_trip_and_strictness() {
+        let mut w = polled(&[5, u64::MAX - 1, 7]);
+        w.begin_poll();
+        w.add(1, 2, 99).unwrap();
+        w.get_load_only = true;
+        w.mark_unreachable();
+        let bytes = encode(&w);
+        assert_eq!(decode::<WorkerState>(&bytes), Some(w.clone()));
+        assert_eq!(decode::<WorkerState>(&bytes[..bytes.len() - 1]), None);
+        let mut longer = bytes.clone();
+        longer.push(0);
+        assert_eq!(decode::<WorkerState>(&longer), None);
+        let mut other_version = bytes.clone();
+        other_version[3] = b'4';
+        assert_eq!(decode::<WorkerState>(&other_version), None);
+        assert_eq!(decode::<WorkerState>(b""), None);
+        assert_eq!(decode::<Lease>(&bytes), None, "another record's tag");
+    }
+
+    #[test]
+    fn decode_rejects_absurd_sizes_without_allocating() {
+        let mut bytes = WorkerState::TAG.to_vec();
+        bytes.extend_from_slice(&[0; 5]);
+        bytes.extend_from_slice(&[0xff, 0xff, 0xff, 0xff, 0x0f]); // u32::MAX ranks
+        assert_eq!(decode::<WorkerState>(&bytes), None);
+        let too_many = polled(&vec![1; crate::config::MAX_DP_SIZE as usize + 1]);
+        assert_eq!(decode::<WorkerState>(&encode(&too_many)), None);
+    }
+
+    #[test]
+    fn every_record_round_trips() {
+        let lease = Lease {
+            owner: 3,
+            expires_ms: u64::MAX,
+            last_poll_ms: 7,
+            generation: 9,
+        };
+        assert_eq!(decode(&encode(&lease)), Some(lease));
+        assert_eq!(decode(&encode(&VmCount(12))), Some(VmCount(12)));
+        let members = Members(vec!["10.0.0.1:1".parse().unwrap(), "[::1]:2".parse().unwrap()]);
+        assert_eq!(decode(&encode(&members)), Some(members));
+        assert_eq!(decode::<Members>(b"10.0.0.1:1"), None);
+    }
+
+    #[test]
+    fn update_worker_missing_state_policy() {
+        let c = config();
+        let h = FakeHost::default();
+        assert_eq!(update_worker(&c, &h, 0, IfMissing::Skip, |_| Some(())), None);
+        assert!(h.shared.borrow().is_empty(), "skip writes nothing");
+        let seq = update_worker(&c, &h, 0, IfMissing::Create, |s| Some(s.begin_poll()));
+        assert_eq!(seq, Some(1));
+        let seq = update_worker(&c, &h, 0, IfMissing::Skip, |s| Some(s.begin_poll()));
+        assert_eq!(seq, Some(2), "an existing state is updated either way");
+        assert_eq!(update_worker(&c, &h, 0, IfMissing::Skip, |_| None::<()>), None);
+        assert_eq!(read_worker_states(&c, &h)[0].as_ref().unwrap().sent_seq, 2);
+        assert_eq!(
+            update_worker(&c, &h, 5, IfMissing::Create, |_| Some(())),
+            None,
+            "no such worker"
+        );
+    }
+
+    #[test]
+    fn updates_retry_on_conflicts_then_give_up() {
+        let c = config();
+        let h = FakeHost::default();
+        h.conflicts.set(3);
+        assert_eq!(next_vm_id(&c, &h), 1);
+        assert_eq!(next_vm_id(&c, &h), 2);
+        h.conflicts.set(CAS_ATTEMPTS);
+        assert_eq!(next_vm_id(&c, &h), 0);
+        assert_eq!(h.counter(metrics::SHARED_DATA_CONFLICTS), 1);
+    }
+
+    #[test]
+    fn a_configuration_is_announced_once() {
+        let c = config();
+        let h = FakeHost::default();
+        assert!(first_to_announce(&c, &h, r#"{"a":1}"#));
+        assert!(
+            !first_to_announce(&c, &h, r#"{"a":1}"#),
+            "another thread, same configuration"
+        );
+        assert!(first_to_announce(&c, &h, r#"{"a":2}"#), "a reload with a new one");
+    }
+
+    #[test]
+    fn publishing_members_drops_the_state_of_those_that_left() {
+        let c = config();
+        let h = FakeHost::default();
+        let a: SocketAddr = "10.0.0.1:1".parse().unwrap();
+        let b: SocketAddr = "10.0.0.2:1".parse().unwrap();
+        assert_eq!(
+            publish_members(&c, &h, &Members(vec![a, b])),
+            Some(Members::default())
+        );
+        assert_eq!(publish_members(&c, &h, &Members(vec![a, b])), None, "unchanged");
+        h.shared_set(&Keys::of(&c).worker(&a), &encode(&polled(&[1])), None)
+            .unwrap();
+        assert_eq!(
+            publish_members(&c, &h, &Members(vec![b])),
+            Some(Members(vec![a, b]))
+        );
+        assert!(h.shared_get(&Keys::of(&c).worker(&a)).unwrap().0.is_empty());
+        let (members, cas) = members_if_changed(&c, &h, None).unwrap();
+        assert_eq!(members, Members(vec![b]));
+        assert!(members_if_changed(&c, &h, Some(cas)).is_none());
+    }
+}
