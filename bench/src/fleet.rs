@@ -25,7 +25,9 @@ impl Tools {
         let root = root
             .canonicalize()
             .map_err(|e| format!("repository root {}: {e}", root.display()))?;
-        let sim = root.join("target/release/dprank-sim");
+        let sim = std::env::var_os("DPRANK_SIM_BIN")
+            .map(PathBuf::from)
+            .unwrap_or_else(|| root.join("target/release/dprank-sim"));
         let envoy = std::env::var_os("ENVOY_BIN")
             .map(PathBuf::from)
             .unwrap_or_else(|| root.join(".venv/bin/envoy"));

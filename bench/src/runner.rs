@@ -291,6 +291,11 @@ pub fn start_fleets(
             "0".into(),
         ];
         args.extend(cell.kv.sim_args());
+        if features.cache_report {
+            // The cache-hit column reads usage.prompt_tokens_details, which
+            // SGLang reports only with this flag.
+            args.push("--enable-cache-report".into());
+        }
         args.extend(cell.variant.sim_args.iter().cloned());
         args
     };

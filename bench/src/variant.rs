@@ -347,6 +347,8 @@ fn fmt_num(v: f64) -> String {
 pub struct SimFeatures {
     pub dispatch: Vec<String>,
     pub prefix_cache: bool,
+    /// `--enable-cache-report`: cached tokens in OpenAI usage (SGLang's flag).
+    pub cache_report: bool,
 }
 
 impl SimFeatures {
@@ -378,6 +380,7 @@ impl SimFeatures {
                 .map(|d| d.to_string())
                 .collect(),
             prefix_cache: help.contains("--prefix-cache"),
+            cache_report: help.contains("--enable-cache-report"),
         }
     }
 
@@ -498,6 +501,6 @@ mod tests {
         );
         assert_eq!(new.dispatch_arg(Dispatch::InServer), Ok("total_tokens"));
         assert_eq!(new.dispatch_arg(Dispatch::Oracle), Ok("oracle"));
-        assert!(new.prefix_cache);
+        assert!(new.prefix_cache && !new.cache_report && !old.prefix_cache);
     }
 }
