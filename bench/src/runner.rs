@@ -386,16 +386,16 @@ pub fn smg_variant_args(front: &VariantFront, fleets: &Fleets) -> Vec<String> {
             VariantFront::Smg {
                 policy,
                 interval_s,
+                dp_aware,
                 args: extra,
             },
             Fleets::Regular(fleet),
         ) => {
-            args.extend([
-                "--policy".into(),
-                policy.clone(),
-                "--dp-aware".into(),
-                "--worker-urls".into(),
-            ]);
+            args.extend(["--policy".into(), policy.clone()]);
+            if *dp_aware {
+                args.push("--dp-aware".into());
+            }
+            args.push("--worker-urls".into());
             args.extend(fleet.workers.iter().map(|w| format!("http://{w}")));
             interval(&mut args, interval_s);
             args.extend(extra.iter().cloned());

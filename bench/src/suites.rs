@@ -63,7 +63,7 @@ pub struct Suite {
 }
 
 /// Variants of the regular-mode tables: every baseline.
-pub const EVERY_BASELINE: [&str; 9] = [
+pub const EVERY_BASELINE: [&str; 10] = [
     "rr",
     "in-server",
     "smg-cache-aware",
@@ -71,6 +71,7 @@ pub const EVERY_BASELINE: [&str; 9] = [
     "smg-power-of-two",
     "smg-prefix-hash",
     "smg-round-robin",
+    "smg-workers-least-load",
     "dprank",
     "oracle",
 ];

@@ -65,10 +65,13 @@ pub enum Front {
     Envoy(Balancer),
     /// Envoy + dprank (envoy/dprank.yaml), filter keys overridden by `set`.
     Dprank { poll: Poll, set: Map<String, Value> },
-    /// `smg launch --dp-aware --policy P`.
+    /// `smg launch [--dp-aware] --policy P`.
     Smg {
         policy: String,
         interval_s: Option<u32>,
+        /// With `--dp-aware` smg picks the rank; without, it picks the
+        /// worker and the worker's own controller picks the rank.
+        dp_aware: bool,
         args: Vec<String>,
     },
     /// Envoy + dprank in PD mode (envoy/pd.yaml).
@@ -96,7 +99,7 @@ pub struct Variant {
 }
 
 /// Built-in variants: name, expansion, what it is.
-pub const ALIASES: [(&str, &str, &str); 14] = [
+pub const ALIASES: [(&str, &str, &str); 15] = [
     ("rr", "rr", "Envoy round robin over workers, each worker round robin over its ranks (SGLang's default controller)"),
     ("in-server", "in-server", "SGLang's own balancer: each worker sends a request to its rank with the fewest tokens (`--load-balance-method total_tokens`), Envoy least_request over workers"),
     ("oracle", "oracle", "the bound: the simulator's fleet-wide exact chooser (every rank of every worker, reservations and caches known at once), behind Envoy round robin"),
@@ -106,6 +109,7 @@ pub const ALIASES: [(&str, &str, &str); 14] = [
     ("smg-power-of-two", "smg:policy=power_of_two", "smg --dp-aware --policy power_of_two"),
     ("smg-prefix-hash", "smg:policy=prefix_hash", "smg --dp-aware --policy prefix_hash"),
     ("smg-round-robin", "smg:policy=round_robin", "smg --dp-aware --policy round_robin (the earlier benchmarks' smg)"),
+    ("smg-workers-least-load", "smg:policy=least_load:dp-aware=off:dispatch=in-server:interval=1", "smg --policy least_load without --dp-aware: smg picks the worker from polled loads (--load-monitor-interval 1, its freshest) and each worker's own minimum-tokens controller picks the rank"),
     ("dprank-pd", "dprank-pd", "Envoy + dprank in PD mode, polling every simulated second"),
     ("old-rule", "old-rule", "smg --pd-disaggregation without --dp-minimum-tokens-scheduler: no rank injected, prefill rank = bootstrap_room % dp_size"),
     ("smg-pd-cache-aware", "smg-pd:policy=cache_aware", "smg --pd-disaggregation --dp-minimum-tokens-scheduler, cache_aware worker policy (default)"),
@@ -142,6 +146,7 @@ impl Variant {
                 "smg" => Front::Smg {
                     policy: "cache_aware".into(),
                     interval_s: None,
+                    dp_aware: true,
                     args: Vec::new(),
                 },
                 "old-rule" | "smg-pd" => Front::SmgPd {
@@ -207,15 +212,34 @@ impl Variant {
             Front::Smg {
                 policy,
                 interval_s,
+                dp_aware,
                 args,
             } => match key {
                 "policy" => *policy = need("an smg policy")?.to_string(),
                 "interval" => *interval_s = Some(parse_seconds(need("whole wall seconds")?)?),
+                "dp-aware" => {
+                    *dp_aware = match need("on or off")? {
+                        "on" => true,
+                        "off" => false,
+                        other => return Err(format!("`dp-aware` is on or off, not `{other}`")),
+                    }
+                }
+                "dispatch" => {
+                    self.dispatch = match need("the workers' own rank choice")? {
+                        "in-server" => Dispatch::InServer,
+                        "round-robin" => Dispatch::RoundRobin,
+                        other => return Err(format!("`dispatch` is in-server or round-robin, not `{other}`")),
+                    }
+                }
                 _ if key.starts_with("arg.") => {
                     args.push(format!("--{}", &key["arg.".len()..]));
                     args.extend(value.map(str::to_string));
                 }
-                _ => return Err(format!("unknown key `{key}` (smg keys: gw, policy, interval, arg.<flag>, sim.<flag>)")),
+                _ => {
+                    return Err(format!(
+                        "unknown key `{key}` (smg keys: gw, policy, interval, dp-aware, dispatch, arg.<flag>, sim.<flag>)"
+                    ))
+                }
             },
             Front::SmgPd {
                 prefill,
@@ -276,6 +300,23 @@ impl Variant {
                 fmt_num(poll.sim_ms(time_scale)),
                 poll.wall_ms(time_scale)
             ),
+            Front::Smg {
+                policy,
+                interval_s,
+                dp_aware: false,
+                ..
+            } => {
+                let rank = match self.dispatch {
+                    Dispatch::InServer => "each worker's own minimum-tokens choice of rank",
+                    _ => "each worker's own round robin over ranks",
+                };
+                match policy.as_str() {
+                    "least_load" | "power_of_two" => {
+                        format!("smg: worker loads polled every {}; {rank}", smg_interval(*interval_s))
+                    }
+                    _ => format!("smg: own in-flight counts per worker; {rank}"),
+                }
+            }
             Front::Smg { policy, interval_s, .. } => match policy.as_str() {
                 "round_robin" | "random" => "none".into(),
                 "cache_aware" | "prefix_hash" | "consistent_hashing" => {
@@ -417,8 +458,17 @@ mod tests {
             Front::Smg {
                 policy: "least_load".into(),
                 interval_s: Some(1),
+                dp_aware: true,
                 args: vec![]
             }
+        );
+        let w = Variant::parse("smg-workers-least-load").unwrap();
+        assert!(matches!(w.front, Front::Smg { dp_aware: false, .. }));
+        assert_eq!(w.dispatch, Dispatch::InServer);
+        assert!(
+            w.freshness(5.0).contains("1 s wall = 5 s simulated"),
+            "{}",
+            w.freshness(5.0)
         );
         let d = Variant::parse(
             r#"dprank:poll=400:set.cost_estimate="words":set.prefix_affinity=false:sim.lockstep"#,
@@ -465,6 +515,8 @@ mod tests {
             ("smg:interval=0", "seconds"),
             ("rr:poll=5", "unknown key"),
             ("dprank:gw", "needs a value"),
+            ("smg:dp-aware=maybe", "on or off"),
+            ("smg:dispatch=oracle", "in-server or round-robin"),
         ] {
             let err = Variant::parse(spec).unwrap_err();
             assert!(err.contains(needle), "{spec}: {err}");
