@@ -227,11 +227,20 @@ pub fn lines(
     macro_rules! draw {
         ($chart:expr) => {{
             let mut chart = $chart;
+            let x_label = |v: &f64| format!("{:.0}%", v * 100.0);
+            let y_label = |v: &f64| {
+                if log_y {
+                    format!("{v:.0}")
+                } else {
+                    format!("{v:.2}")
+                }
+            };
             let mut mesh = chart.configure_mesh();
             if text {
                 mesh.x_desc(x_desc)
                     .y_desc(y_desc)
-                    .x_label_formatter(&|v| format!("{:.0}%", v * 100.0));
+                    .x_label_formatter(&x_label)
+                    .y_label_formatter(&y_label);
             } else {
                 mesh.x_labels(0).y_labels(0);
             }
