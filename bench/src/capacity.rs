@@ -42,15 +42,20 @@ pub struct CapacityEntry {
     pub measured: String,
 }
 
-/// The key a workload is stored under.
+/// The key a workload's capacity is stored under. `bursty` sends the
+/// `no-prefix` requests and only times them differently, so its load is a
+/// fraction of the `no-prefix` capacity: the arrival pattern is then the
+/// only difference between the two.
 pub fn workload_key(workload: &Workload) -> String {
-    match &workload.replay.file {
-        Some(file) if workload.kind == crate::workload::WorkloadKind::Replay => format!(
+    use crate::workload::WorkloadKind;
+    match (&workload.replay.file, workload.kind) {
+        (Some(file), WorkloadKind::Replay) => format!(
             "replay:{}",
             file.file_name()
                 .map_or(String::new(), |f| f.to_string_lossy().into_owned())
         ),
-        _ => workload.kind.name().to_string(),
+        (_, WorkloadKind::Bursty) => WorkloadKind::NoPrefix.name().to_string(),
+        (_, kind) => kind.name().to_string(),
     }
 }
 
@@ -136,6 +141,11 @@ pub async fn measure(
     fleet: FleetShape,
     time_scale: f64,
 ) -> Result<CapacityEntry, String> {
+    // Workloads that share a capacity (see `workload_key`) measure it alike.
+    let workload = &match workload.kind {
+        crate::workload::WorkloadKind::Bursty => Workload::new(crate::workload::WorkloadKind::NoPrefix),
+        _ => workload.clone(),
+    };
     let router = if features.dispatch_arg(Dispatch::Oracle).is_ok() {
         "oracle"
     } else {
@@ -238,6 +248,7 @@ mod tests {
     fn entries_are_stored_by_workload_kv_and_fleet() {
         let dir = std::env::temp_dir().join(format!("dprank-capacity-{}", std::process::id()));
         let file = CapacityFile::new(&dir);
+        assert_eq!(workload_key(&Workload::new(WorkloadKind::Bursty)), "no-prefix");
         let w = Workload::new(WorkloadKind::Tenants);
         let fleet = FleetShape::default();
         assert_eq!(file.lookup(&w, Kv::Small, &fleet).unwrap(), None);

@@ -28,7 +28,7 @@ pub struct DemoArgs {
     /// Requests per simulated second: about 90% of what the small-KV fleet
     /// serves (`dprank-bench capacity`), where the spread of tokens over
     /// ranks decides the queueing.
-    #[arg(long, default_value_t = 12.0)]
+    #[arg(long, default_value_t = 10.0)]
     pub rate: f64,
     /// Simulated seconds of arrivals.
     #[arg(long, default_value_t = 60.0)]

@@ -339,7 +339,7 @@ async fn run_session(ctx: Arc<Context>, session: Session, gateway: usize) -> Tas
             messages.push(("assistant", answer));
         }
         messages.push(("user", &turn.user));
-        let input_tokens = messages.iter().map(|(_, c)| text::count_tokens(c)).sum::<usize>() as u32;
+        let input_tokens = text::chat_tokens(&messages) as u32;
         let body = bodies::chat(&messages, turn.output_tokens);
         let sent = Instant::now();
         let outcome = ctx.send(gateway, Api::Chat, body, true).await;
@@ -663,8 +663,8 @@ mod tests {
                     prompt(after) >= prompt(before) + u64::from(before.tokens),
                     "{before:?} then {after:?}"
                 );
-                // The worker counted what the bench meant to send (per-message rounding aside).
-                assert!(prompt(after).abs_diff(u64::from(after.input_tokens)) <= 2 * 8 + 1);
+                // The worker counted what the bench meant to send.
+                assert_eq!(prompt(after), u64::from(after.input_tokens));
             }
             checked += 1;
         }

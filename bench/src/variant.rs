@@ -291,7 +291,10 @@ impl Variant {
         };
         match &self.front {
             Front::Envoy(_) => match self.dispatch {
-                Dispatch::InServer => "workers: own exact token counts at each dispatch".into(),
+                Dispatch::InServer => {
+                    "each worker's DP controller: its ranks' published loads (re-read every 20 ms) + the requests it sent since"
+                        .into()
+                }
                 Dispatch::Oracle => "exact, instantaneous, fleet-wide".into(),
                 _ => "none (round robin)".into(),
             },
@@ -431,8 +434,7 @@ impl SimFeatures {
         match d {
             Dispatch::RoundRobin => Ok("round_robin"),
             Dispatch::RoomModulo => Ok("room_modulo"),
-            // SIM-LANDED: `total_tokens` (snapshots at SGLang's cadence)
-            // replaces `minimum_tokens` (exact at arrival) once the simulator has it.
+            // Older simulator builds call it `minimum_tokens`.
             Dispatch::InServer if has("total_tokens") => Ok("total_tokens"),
             Dispatch::InServer if has("minimum_tokens") => Ok("minimum_tokens"),
             Dispatch::InServer => Err("the simulator has no minimum-tokens dispatch".into()),

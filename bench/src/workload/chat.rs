@@ -43,10 +43,11 @@ pub const THINK_MEAN_S: f64 = 3.0;
 /// then trail on at a falling load that says little about routing.
 pub const TAIL_S: f64 = 20.0;
 pub const THINK_RANGE_S: (f64, f64) = (0.5, 10.0);
-/// Prompt tokens an answer of one output token adds to the history: the
-/// simulator's answer words average 5 bytes, 1.25 tokens at 4 bytes each.
-/// SIM-TOKENIZER: revisit with the simulator's tokenizer.
-pub const HISTORY_TOKENS_PER_OUTPUT: f64 = 1.25;
+/// Prompt tokens an answer of n output tokens adds to the history: the
+/// simulator answers one word per token, a token again when resent.
+pub const HISTORY_TOKENS_PER_OUTPUT: f64 = 1.0;
+/// Tokens the chat template adds around each message.
+pub const TEMPLATE_TOKENS_PER_MESSAGE: f64 = 6.0;
 const TAG: u64 = 4;
 
 pub fn sessions(shape: &Shape) -> Result<Vec<Session>, String> {
@@ -73,14 +74,18 @@ pub fn sessions(shape: &Shape) -> Result<Vec<Session>, String> {
             };
             // Keep drawing so a session's later turns do not depend on the limit.
             let _ = rng.random::<u32>();
-            if history + f64::from(user_tokens) > f64::from(shape.max_prompt) {
+            if history + f64::from(user_tokens) + 3.0 * TEMPLATE_TOKENS_PER_MESSAGE
+                > f64::from(shape.max_prompt)
+            {
                 break;
             }
             let user = text::words(
                 text::seed_of(&[TAG, shape.seed, u64::from(id), 1 + u64::from(turn)]),
                 user_tokens,
             );
-            history += f64::from(user_tokens) + HISTORY_TOKENS_PER_OUTPUT * f64::from(output_tokens);
+            history += f64::from(user_tokens)
+                + HISTORY_TOKENS_PER_OUTPUT * f64::from(output_tokens)
+                + 2.0 * TEMPLATE_TOKENS_PER_MESSAGE;
             turns.push(Turn {
                 think_s,
                 user,

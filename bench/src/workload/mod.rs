@@ -278,9 +278,11 @@ pub mod bodies {
 
     /// A non-streamed `/generate` body of about `bytes` bytes (overhead runs).
     pub fn generate_of_size(bytes: usize) -> Bytes {
-        let frame = generate("", 1, false).len();
-        let tokens = bytes.saturating_sub(frame).div_ceil(4).max(1);
-        generate(&text::words(7, tokens as u32), 1, false)
+        let want = bytes.saturating_sub(generate("", 1, false).len()).max(1);
+        // At least 2 bytes per token: enough text, then cut to size.
+        let mut prompt = text::words(7, want.div_ceil(2) as u32);
+        prompt.truncate(want);
+        generate(&prompt, 1, false)
     }
 }
 

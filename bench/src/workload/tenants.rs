@@ -59,7 +59,7 @@ pub fn requests(shape: &Shape) -> Result<Vec<OpenRequest>, String> {
                 at_s: *at_s,
                 api: Api::Chat,
                 body: bodies::chat(&[("system", system), ("user", &question)], output_tokens),
-                input_tokens: system_tokens + question_tokens,
+                input_tokens: text::chat_tokens(&[("system", system), ("user", &question)]) as u32,
                 output_tokens,
             }
         })
@@ -96,6 +96,6 @@ mod tests {
         );
         assert!((10..=16).contains(&counts.len()), "{} tenants seen", counts.len());
         assert!(counts.keys().all(|s| text::count_tokens(s) >= 300));
-        assert!(requests.iter().all(|r| r.input_tokens <= 8000));
+        assert!(requests.iter().all(|r| r.input_tokens <= 8000 + 16));
     }
 }
