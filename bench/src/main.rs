@@ -300,7 +300,7 @@ async fn run(cli: Cli) -> Result<(), String> {
             bench(
                 &tools()?,
                 args,
-                &["tables", "pd", "pd-policies", "sweep"],
+                &["tables", "pd-policies", "pd", "sweep"],
                 &command_line,
             )
             .await

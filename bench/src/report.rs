@@ -287,11 +287,11 @@ pub fn sweep_series(groups: &[Group], f: impl Fn(&RunRecord) -> f64) -> SweepSer
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::stats::Slo;
 
-    fn record(variant: &str, seed: u64, p99: f64, rate: f64) -> RunRecord {
+    pub(crate) fn record(variant: &str, seed: u64, p99: f64, rate: f64) -> RunRecord {
         RunRecord {
             key: format!("{variant}{seed}"),
             suite: "s".into(),

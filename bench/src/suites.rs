@@ -92,13 +92,64 @@ pub const HEADLINE: [&str; 6] = [
 /// `interval=2` is its default 10 s in simulated time and `interval=1`
 /// (5 s simulated) its freshest; dprank polls every simulated second by
 /// default and every wall second (5 s simulated) at equal freshness.
+/// Defaults against defaults: `dprank-pd` and smg with its default policy at
+/// its default interval. Equal freshness: both every 5 simulated seconds,
+/// smg with its best policy ([`BEST_PD_POLICY`], resolved from the
+/// `pd-policies` records when there are any).
 pub const PD: [&str; 5] = [
     "dprank-pd",
+    "smg-pd-cache-aware:interval=2",
     "old-rule",
-    "smg-pd-least-load:interval=2",
     "dprank-pd:poll-wall=1000",
-    "smg-pd-least-load:interval=1",
+    "smg-pd:policy=@best:interval=1",
 ];
+
+/// Stands for smg's best PD policy in a variant spec.
+pub const BEST_PD_POLICY: &str = "@best";
+
+/// smg's best PD policy: the `pd-policies` variant with the lowest median
+/// TTFT p99 over seeds, with how it was chosen; smg's default policy when
+/// `records` hold no `pd-policies` run.
+pub fn best_pd_policy(records: &[RunRecord]) -> (String, String) {
+    let mut medians: Vec<(String, f64)> = Vec::new();
+    for r in records.iter().filter(|r| r.suite == "pd-policies") {
+        let Ok(variant) = Variant::parse(&r.variant) else {
+            continue;
+        };
+        let crate::variant::Front::SmgPd { prefill, .. } = variant.front else {
+            continue;
+        };
+        if medians.iter().all(|(p, _)| *p != prefill) {
+            let p99: Vec<f64> = records
+                .iter()
+                .filter(|x| x.suite == "pd-policies" && x.variant == r.variant)
+                .map(|x| x.ttft_p99)
+                .collect();
+            medians.push((prefill, crate::stats::median(&p99)));
+        }
+    }
+    match medians
+        .iter()
+        .filter(|(_, m)| m.is_finite())
+        .min_by(|a, b| a.1.total_cmp(&b.1))
+    {
+        Some((policy, _)) => (
+            policy.clone(),
+            format!(
+                "lowest median TTFT p99 in pd-policies ({})",
+                medians
+                    .iter()
+                    .map(|(p, m)| format!("{p} {m:.0} ms"))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ),
+        ),
+        None => (
+            "cache_aware".into(),
+            "no pd-policies records yet: smg's default policy".into(),
+        ),
+    }
+}
 
 /// The PD policy scan of the full run: each smg policy at equal freshness.
 pub const PD_POLICIES: [&str; 4] = [
@@ -449,6 +500,18 @@ pub async fn run_suite(
             None => Err(format!("no capacity for {key} with KV {}", kv.name())),
         }
     };
+    let mut suite = suite.clone();
+    if suite.variants.iter().any(|v| v.contains(BEST_PD_POLICY)) {
+        let (policy, why) = best_pd_policy(&results.load()?);
+        println!("smg's best PD policy: {policy} ({why})");
+        for v in &mut suite.variants {
+            *v = v.replace(BEST_PD_POLICY, &policy);
+        }
+        suite
+            .about
+            .push_str(&format!("; smg's best PD policy taken as `{policy}`: {why}"));
+    }
+    let suite = &suite;
     let cells = suite.cells(&rate_of)?;
     let done = if args.resume {
         results.done_keys()?
@@ -701,6 +764,30 @@ mod tests {
         assert_ne!(cells[0].variant.name, cells[1].variant.name);
         assert_eq!(cells[0].rate, 8.5);
         assert_eq!(cells.last().unwrap().seed, 3);
+    }
+
+    #[test]
+    fn the_best_pd_policy_comes_from_the_policy_scan() {
+        let record = |suite: &str, variant: &str, p99: f64| RunRecord {
+            suite: suite.into(),
+            variant: variant.into(),
+            ttft_p99: p99,
+            ..crate::report::tests::record("x", 1, p99, 1.0)
+        };
+        assert_eq!(best_pd_policy(&[]).0, "cache_aware");
+        let records = vec![
+            record("pd-policies", "smg-pd-cache-aware:interval=1", 900.0),
+            record("pd-policies", "smg-pd-least-load:interval=1", 500.0),
+            record("pd-policies", "smg-pd-least-load:interval=1", 700.0),
+            record("pd-policies", "dprank-pd:poll-wall=1000", 100.0),
+            record("pd", "smg-pd-power-of-two:interval=1", 1.0),
+        ];
+        let (policy, why) = best_pd_policy(&records);
+        assert_eq!(policy, "least_load");
+        assert!(
+            why.contains("least_load 600 ms") && why.contains("cache_aware 900 ms"),
+            "{why}"
+        );
     }
 
     #[test]
