@@ -547,11 +547,34 @@ pub async fn run_suite(
         drop_suite_records(&results, &suite.name)?;
     }
     let mut skipped: Vec<(String, String)> = Vec::new();
+    let mut failed: Vec<String> = Vec::new();
     for (i, cell) in todo.iter().enumerate() {
         if skipped.iter().any(|(v, _)| *v == cell.variant.name) {
             continue;
         }
-        match run_cell(tools, &features, cell, true).await? {
+        // A run that fails (a process that would not start, say) is
+        // reported and the suite goes on; `--resume` retries it later.
+        let outcome = match run_cell(tools, &features, cell, true).await {
+            Ok(outcome) => outcome,
+            Err(e) => {
+                println!(
+                    "[{}/{}] {} {} s{}: run failed: {e}",
+                    i + 1,
+                    todo.len(),
+                    cell.workload.kind.name(),
+                    cell.variant.name,
+                    cell.seed
+                );
+                failed.push(format!(
+                    "{} {} seed {}: {e}",
+                    cell.workload.kind.name(),
+                    cell.variant.name,
+                    cell.seed
+                ));
+                continue;
+            }
+        };
+        match outcome {
             Ok(run) => {
                 let record = run.record;
                 println!(
@@ -587,6 +610,13 @@ pub async fn run_suite(
         started.elapsed().as_secs_f64() / 60.0,
         path.display()
     );
+    if !failed.is_empty() {
+        return Err(format!(
+            "{} run(s) failed (the report holds the others; --resume retries them):\n  {}",
+            failed.len(),
+            failed.join("\n  ")
+        ));
+    }
     Ok(())
 }
 
