@@ -3,10 +3,11 @@
 //! what differs side by side: tokens per rank over time and TTFT, in the
 //! terminal and as a PNG.
 //!
-//! The seed fixes the requests (lengths, text, arrival times). Round robin's
-//! routing then depends only on arrival order; dprank's depends on the loads
-//! it polled, which depend on timing, so its per-rank counts vary a little
-//! from run to run and the demo does not claim otherwise.
+//! The seed fixes the requests (lengths, text, arrival times), not where
+//! they go: Envoy spreads connections over its worker threads, each with its
+//! own round robin, and dprank routes on the loads it polled, which depend on
+//! timing. Counts per rank vary a little from run to run (measured: by one
+//! request per rank for round robin) and the demo says so.
 
 use std::fmt::Write as _;
 use std::path::PathBuf;
@@ -186,7 +187,7 @@ pub async fn demo(tools: &Tools, args: &DemoArgs) -> Result<(), String> {
     );
     let _ = writeln!(
         out,
-        "Seeded: the same seed sends the same requests at the same times. Round robin's counts per rank follow from the arrival order; dprank routes on polled loads, which depend on timing, so its counts vary slightly from run to run."
+        "Seeded: the same seed sends the same requests at the same times. Which rank serves each is not: Envoy spreads connections over its worker threads, each with its own round robin, and dprank routes on polled loads, which depend on timing; so counts per rank vary a little from run to run."
     );
     print!("{out}");
     std::fs::create_dir_all(&args.out).map_err(|e| format!("cannot create {}: {e}", args.out.display()))?;
