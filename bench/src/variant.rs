@@ -320,15 +320,14 @@ impl Variant {
                     _ => format!("smg: own in-flight counts per worker; {rank}"),
                 }
             }
-            Front::Smg { policy, interval_s, .. } => match policy.as_str() {
+            // With --dp-aware smg 1.13 polls no loads whatever the policy
+            // and interval (measured; the load-polls column shows it).
+            Front::Smg { policy, .. } => match policy.as_str() {
                 "round_robin" | "random" => "none".into(),
                 "cache_aware" | "prefix_hash" | "consistent_hashing" => {
                     "own in-flight request counts + request text (no load polling with --dp-aware)".into()
                 }
-                _ => format!(
-                    "own in-flight counts; loads polled every {} if smg polls them (it does not with --dp-aware)",
-                    smg_interval(*interval_s)
-                ),
+                _ => "own in-flight request counts (no load polling with --dp-aware)".into(),
             },
             Front::SmgPd {
                 minimum_tokens,
