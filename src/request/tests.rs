@@ -339,7 +339,13 @@ fn successes_on_a_healthy_fleet_write_nothing_and_client_errors_never_count() {
     let (c, h) = fleet("");
     routed_and_ended(&c, &h, 200, "via_upstream", "127.0.0.1:2", 1);
     let (gets, sets) = (h.host_calls("shared_get"), h.host_calls("shared_set"));
+    let properties = h.host_calls("property");
     routed_and_ended(&c, &h, 200, "via_upstream", "127.0.0.1:2", 1);
+    assert_eq!(
+        h.host_calls("property") - properties,
+        3,
+        "attempts, code details, status: not the upstream"
+    );
     // Routing reads the states and the health record, and writes the estimate
     // and its release; the end reads nothing more.
     assert_eq!(h.host_calls("shared_get") - gets, 2 + 1 + 1 + 1);
