@@ -13,8 +13,11 @@
 //! ```
 //!
 //! - A failure is a 5xx answer, a reset or a failed connection; a success is
-//!   any other answer except 429 (over capacity: neither). Client errors
-//!   (4xx) say the worker is up, so a 400 "rank out of range" never ejects.
+//!   any other answer except 429. Client errors (4xx) say the worker is up,
+//!   so a 400 "rank out of range" never ejects. A 429 says it is up but
+//!   full: neither, since steering around a full worker is the load
+//!   figures' job, and ejecting busy workers would push their load onto the
+//!   rest of the fleet (smg's circuit breaker treats 429 the same way).
 //! - An ejected target is never chosen. A probing one is a candidate only for
 //!   a `probe_share` of requests, so a worker still failing costs about one
 //!   request per cooldown, and one that recovered returns at its first probe.

@@ -436,3 +436,29 @@ fn with_every_worker_out_of_rotation_requests_pass_through_until_a_poll_reaches_
         assert_eq!(h.gauge_value("dprank.health.b"), Some(0));
     }
 }
+
+#[test]
+fn about_the_probe_share_of_requests_go_to_a_worker_past_its_cooldown() {
+    let (c, h) = fleet("");
+    for _ in 0..5 {
+        routed_and_ended(&c, &h, 500, "via_upstream", "127.0.0.1:2", 1);
+    }
+    h.now.set(h.now.get() + 10_000);
+    crate::router::testing::poll(&c, &h, 0, &[100, 50, 100, 100]);
+    crate::router::testing::poll(&c, &h, 1, &[100, 100, 20, 100]);
+    // b is probing and the least loaded; 429 answers leave it probing. One
+    // VM's requests share its tie-break sequence, which draws the probes.
+    let routing = Rc::new(Routing::new(Rc::new(c.clone()), 7));
+    let to_b = (0..2000)
+        .filter(|_| {
+            let mut r = Request::new(routing.clone());
+            post(&h, "/generate", br#"{"text":"x"}"#, &[]);
+            send(&mut r, &h);
+            let route = h.header("x-dprank-endpoint").unwrap_or_default();
+            h.finish_request(429, "via_upstream", Some("127.0.0.1:2"), 1);
+            r.on_done(&h);
+            route.starts_with("127.0.0.1:2")
+        })
+        .count();
+    assert!((60..=140).contains(&to_b), "{to_b} of 2000 at a 5% probe share");
+}
