@@ -977,7 +977,7 @@ def report(work, out):
         )
     verdict.append(
         f"{len(fail_rows)} failed requests seen by Envoy: {len(in_flight)} in flight on a stopped worker, {len(used_up)} with every retry spent on a stopped worker, "
-        f"{len(retry_rank)} retried onto a worker with fewer ranks (defect), {len(unexplained)} unexplained; "
+        f"{len(retry_rank)} retried onto a worker with fewer ranks (the retry-rank limitation), {len(unexplained)} unexplained; "
         f"{load_errors + len(curl_fail)} client-side errors; Envoy log: {len(bad_lines)} panic/critical/error lines."
     )
     w(" ".join(verdict))

@@ -31,9 +31,10 @@
 //!   count for the worker and for the rank that gave them, so one broken
 //!   rank leaves rotation on its own while the worker's other ranks keep it
 //!   healthy.
-//! - A worker ejected because it was unreachable is probed as soon as a load
-//!   poll reaches it again (a restarted worker returns at once); one ejected
-//!   for its answers waits out its cooldown, since its polls may well succeed
+//! - A worker ejected because it was unreachable (its last failure, or a
+//!   load poll since, found nobody there) is probed as soon as a load poll
+//!   reaches it again: a restarted worker returns at once. One ejected for
+//!   its answers waits out its cooldown, since its polls may well succeed
 //!   (it answers them, just not the requests).
 //! - When no candidate is in rotation at all, requests may probe (as Envoy
 //!   routes to unhealthy hosts below its panic threshold) rather than pass
@@ -323,6 +324,20 @@ impl Health {
             Some(Phase::Ejected { .. }) => Standing::Ejected,
             Some(Phase::Probing) => Standing::Probing,
             _ => Standing::InRotation,
+        }
+    }
+
+    /// A load poll of `worker` found nobody there (no answer, or a proxy's
+    /// 502-504) while it is out of rotation: it is unreachable now, whatever
+    /// ejected it. True if that changed.
+    pub fn poll_unanswered(&mut self, worker: SocketAddr, now_ms: u64) -> bool {
+        let whole = Target { worker, rank: None };
+        match self.entries.iter_mut().find(|e| e.target == whole) {
+            Some(e) if !e.unreachable && e.phase(now_ms) != Phase::Healthy => {
+                e.unreachable = true;
+                true
+            }
+            _ => false,
         }
     }
 

@@ -290,6 +290,11 @@ impl Poller {
             }
             Err(reason) => {
                 host.count(&PerWorker::PollFailed.of(&w.name), 1);
+                // Envoy answers 503 itself when it cannot connect; 502/504
+                // say the same from a proxy in between.
+                if matches!(status, None | Some(502..=504)) {
+                    observe::poll_unanswered(config, host, w.address);
+                }
                 if self.healthy.get(&call.worker) != Some(&false) {
                     log::warn!(
                         "load poll of {} failed: {reason}; keeping its last snapshot",

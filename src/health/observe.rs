@@ -184,6 +184,19 @@ pub fn poll_answered(config: &Config, host: &dyn Host, worker: SocketAddr) {
     }
 }
 
+/// A load poll of `worker` found nobody there: an ejected worker counts as
+/// unreachable from now on, so its next good poll ends its cooldown (a
+/// worker killed mid-stream was ejected for the streams it broke).
+pub fn poll_unanswered(config: &Config, host: &dyn Host, worker: SocketAddr) {
+    if config.passive_health.is_none() {
+        return;
+    }
+    let now = host.now_ms();
+    store::update_health(config, host, |health| {
+        health.poll_unanswered(worker, now).then_some(())
+    });
+}
+
 /// Stores the hosts Envoy reports unhealthy among the configured workers;
 /// logs the changes. Entries of workers no longer configured are dropped.
 pub fn set_envoy_unhealthy(config: &Config, host: &dyn Host, mut unhealthy: Vec<SocketAddr>) {

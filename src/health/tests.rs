@@ -265,9 +265,16 @@ fn a_worker_ejected_for_being_unreachable_is_probed_once_a_poll_reaches_it() {
     );
     assert!(!admitted(&h, 2, 200, true));
     assert!(!h.poll_answered(addr(3), 200), "no entry");
-    // A probe that fails for its answer makes the next ejection wait.
+    // A probe that fails for its answer makes the next ejection wait...
     h.observe(&p, worker(1), Outcome::Failure, 300, 300);
     assert!(!h.poll_answered(addr(1), 400));
+    // ...unless a poll then finds nobody there (a worker killed mid-stream:
+    // ejected for the streams it broke, then gone).
+    assert!(h.poll_unanswered(addr(1), 500));
+    assert!(!h.poll_unanswered(addr(1), 600), "once");
+    assert!(h.poll_answered(addr(1), 700), "restarted: probed at once");
+    assert!(admitted(&h, 1, 700, true));
+    assert!(!h.poll_unanswered(addr(3), 700), "no entry: nothing to do");
 }
 
 #[test]

@@ -402,3 +402,26 @@ fn a_reloaded_configuration_takes_the_lease_at_once() {
     new_poller.on_tick(&new, &h);
     assert_eq!(h.calls.borrow().len(), 4, "the new one polls at its interval");
 }
+
+#[test]
+fn a_worker_ejected_for_broken_streams_then_gone_returns_at_its_first_good_poll() {
+    use crate::health::{observe, Outcome, Phase, Target};
+    let (c, h, mut p) = first_round("");
+    let a = Target {
+        worker: c.routed()[0].address,
+        rank: None,
+    };
+    for _ in 0..5 {
+        observe::record(&c, &h, &[(a, Outcome::Failure)], 9_000_000, false);
+    }
+    let phase = |h: &FakeHost| store::read_health(&c, h).entry(&a).map(|e| e.phase(h.now_ms()));
+    assert!(matches!(phase(&h), Some(Phase::Ejected { .. })));
+    p.on_response(&c, &h, 1, Some(503), b"no healthy upstream");
+    h.now.set(9_001_000);
+    h.calls.borrow_mut().clear();
+    p.on_tick(&c, &h);
+    assert!(matches!(phase(&h), Some(Phase::Ejected { .. })), "still ejected");
+    let token = h.calls.borrow()[0].2;
+    p.on_response(&c, &h, token, Some(200), br#"[{"dp_rank":0,"num_tokens":1}]"#);
+    assert_eq!(phase(&h), Some(Phase::Probing), "its cooldown (10 s) ended early");
+}
