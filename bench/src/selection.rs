@@ -10,6 +10,7 @@ use std::time::Instant;
 use clap::Args;
 use dprank::body::JsonObject;
 use dprank::config::{Config, Worker};
+use dprank::health::Health;
 use dprank::scheduler::{choose, Constraint, Context, Pool};
 use dprank::state::WorkerState;
 use dprank::store;
@@ -123,11 +124,15 @@ pub fn selection(args: &SelectionArgs, command_line: &str) -> Result<(), String>
     for ranks in TOTAL_RANKS {
         let (config, states) = fleet(ranks)?;
         let workers = config.routed();
+        // A healthy fleet: no worker or rank out of rotation.
+        let health = Health::default();
         let ctx = |tie_breaker| Context {
             now_ms: 1_500,
             stale_after_ms: config.stale_after_ms,
             constraint: Constraint::default(),
             tie_breaker,
+            health: &health,
+            admit_probing: false,
         };
         fn pool<'a>(workers: &'a [Worker], states: &'a [Option<WorkerState>]) -> Pool<'a> {
             Pool {

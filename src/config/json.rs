@@ -58,6 +58,29 @@ pub struct ConfigJson {
     pub state_key: Option<String>,
     #[serde(default)]
     pub poll_loads: Option<bool>,
+    #[serde(default)]
+    pub passive_health: Option<PassiveHealthJson>,
+    /// Listed workers: respect the host health Envoy has for this cluster.
+    #[serde(default)]
+    pub envoy_health: Option<DiscoveryJson>,
+    #[serde(default)]
+    pub retry_alternates: Option<u32>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PassiveHealthJson {
+    /// false turns passive health off.
+    #[serde(default)]
+    pub enabled: Option<bool>,
+    #[serde(default)]
+    pub consecutive_failures: Option<u32>,
+    #[serde(default)]
+    pub cooldown_ms: Option<u64>,
+    #[serde(default)]
+    pub max_cooldown_ms: Option<u64>,
+    #[serde(default)]
+    pub probe_share: Option<f64>,
 }
 
 #[derive(Debug, Deserialize)]
