@@ -240,9 +240,27 @@ def sample(work, admin, envoy_pid, t0, worker_ports):
     s["shared_data_bytes"] = stats.get(P + "shared_data_bytes")
     s["routed"] = {k[len(P) + 7 :]: v for k, v in stats.items() if k.startswith(P + "routed.")}
     s["routed_total"] = sum(s["routed"].values())
-    for group in ("passthrough", "poll_failed", "poll_ok", "poll_skipped", "rejected", "dp_size_mismatch"):
+    for group in (
+        "passthrough",
+        "poll_failed",
+        "poll_ok",
+        "poll_skipped",
+        "rejected",
+        "dp_size_mismatch",
+        "failures",
+        "ejections",
+        "rank_ejections",
+        "report_refused",
+    ):
         s[group] = {k[len(P) + len(group) + 1 :]: v for k, v in stats.items() if k.startswith(f"{P}{group}.")}
-    for single in ("accounting_skipped", "shared_data_conflicts", "pin_ignored"):
+    for single in (
+        "accounting_skipped",
+        "shared_data_conflicts",
+        "pin_ignored",
+        "retry.to_alternate",
+        "retry.to_fallback",
+        "retry.no_alternate",
+    ):
         s[single] = stats.get(P + single, 0 if s["stats_ok"] else None)
     s["tokens"] = {k[len(P) + 7 :]: v for k, v in stats.items() if k.startswith(P + "tokens.")}
     for name in (
@@ -307,10 +325,16 @@ def esc(v):
     return str(v).replace("|", "\\|")
 
 
+def first_host(route):
+    """dprank's choice: the first host of the route header (the rest are the
+    alternates Envoy retries on)."""
+    return route.split(",")[0] if route and route != "-" else route
+
+
 LABEL = {
     "injected": "injected (in flight on a stopped worker)",
     "injected-retry": "injected (worker down; the shipped connect-failure retry used up on it)",
-    "retry-rank": "injected worker stop + shipped retry onto fewer ranks (DEFECT)",
+    "retry-rank": "injected worker stop + retry onto fewer ranks (the retry-rank limitation)",
     "unexplained": "UNEXPLAINED",
 }
 
@@ -423,12 +447,12 @@ def report(work, out):
         return next((o for o in outages if o["worker"] == name and o["stop"] <= epoch <= o["ready"]), None)
 
     def attribute(worker_addr, route, start, end, code=0):
-        up_name, choice = addr_name.get(worker_addr), addr_name.get(route)
+        up_name, choice = addr_name.get(worker_addr), addr_name.get(first_host(route))
         o = down_at(choice, start) if choice else None
         if o and up_name and up_name != choice and code == 400:
             return "retry-rank", (
                 f"dprank chose {choice} ({dp_at(choice, o['stop'] - 1)} ranks), which was down (+{o['stop'] - t0:.1f} to +{o['ready'] - t0:.1f} s); "
-                f"the shipped connect-failure retry sent the request, with the rank written for {choice}, to {up_name}, "
+                f"the connect-failure retry sent the request, with the rank written for {choice}, to {up_name}, "
                 f"which has {dp_at(up_name, start)} ranks: the worker's 400 (rank out of range)"
             )
         w = up_name or choice
@@ -440,7 +464,7 @@ def report(work, out):
             if w == o["worker"] and o["stop"] <= start <= o["ready"]:
                 return "injected-retry", (
                     f"sent to {w} while it was down (+{o['stop'] - t0:.1f} to +{o['ready'] - t0:.1f} s); "
-                    "the shipped connect-failure retry did not move it to a live worker"
+                    "every attempt of the shipped connect-failure retry failed"
                 )
         return "unexplained", "no injected fault explains it"
 
@@ -524,7 +548,8 @@ def report(work, out):
     w(
         f"- Envoy `--concurrency 2 --disable-hot-restart`, `envoy/dprank.yaml` rendered: listener 127.0.0.1:{meta['listener']}, admin 127.0.0.1:{meta['admin']}, "
         f"filter `workers` and cluster `sglang` endpoints = worker_a 127.0.0.1:{ports['worker_a']}, worker_b :{ports['worker_b']}, worker_c :{ports['worker_c']} (no `dp_size` configured: learned from the reports); "
-        "everything else as shipped (poll every 1000 ms, stale after 3000 ms, retry `connect-failure,refused-stream,reset-before-request` x2), plus a JSON access log on the connection manager to attribute failures."
+        "everything else as shipped (poll every 1000 ms, stale after 3000 ms, passive health at its defaults, retry `connect-failure,refused-stream,reset-before-request,reset` x2 "
+        "over the hosts dprank lists in `x-dprank-endpoint`, then the fallback round robin with `previous_hosts`), plus a JSON access log on the connection manager to attribute failures."
     )
     w(
         f"- Workers: one `dprank-sim --dp-size 4 --time-scale {meta['time_scale']}` process each (default model: 200k KV tokens and 64 sequences per rank)."
@@ -560,7 +585,7 @@ def report(work, out):
     w("")
 
     w(
-        "Routing around each fault (from the access log: `x-dprank-endpoint` is dprank's choice, the upstream is where Envoy sent it after retries):\n"
+        "Routing around each fault (from the access log: the first host of `x-dprank-endpoint` is dprank's choice, the upstream is where Envoy sent it after retries):\n"
     )
     w(
         "| fault | window (s) | requests dprank sent to that worker during the window | of them retried elsewhere by Envoy (where they landed) | failed | last sent there (s after start of window) | first sent there after the window (s after its end) |"
@@ -569,7 +594,7 @@ def report(work, out):
 
     def routed_to(name, a_, b_):
         addr = f"127.0.0.1:{ports[name]}"
-        return [a for a in access if a.get("route") == addr and a_ <= num(a.get("start")) <= b_]
+        return [a for a in access if first_host(a.get("route")) == addr and a_ <= num(a.get("start")) <= b_]
 
     windows = [
         (f"{o['worker']} stopped, back with {o['restart_detail'] or '?'}", o["worker"], o["stop"], o["ready"])
@@ -581,7 +606,7 @@ def report(work, out):
         addr = f"127.0.0.1:{ports[name]}"
         moved = [a for a in inside if a.get("upstream") != addr]
         bad_ = [a for a in inside if a in failures]
-        after = [a for a in access if a.get("route") == addr and num(a.get("start")) > b_]
+        after = [a for a in access if first_host(a.get("route")) == addr and num(a.get("start")) > b_]
         last_in = max((num(a.get("start")) for a in inside), default=None)
         first_after = min((num(a.get("start")) for a in after), default=None)
         landed = {}
@@ -599,7 +624,8 @@ def report(work, out):
         key = (
             "dprank's choice was a worker that was down"
             if any(
-                a.get("route") == f"127.0.0.1:{ports[o['worker']]}" and o["stop"] <= num(a.get("start")) <= o["ready"]
+                first_host(a.get("route")) == f"127.0.0.1:{ports[o['worker']]}"
+                and o["stop"] <= num(a.get("start")) <= o["ready"]
                 for o in outages
             )
             else "no dprank choice (passthrough: fallback round robin)"
@@ -619,8 +645,9 @@ def report(work, out):
             )
             or "none"
         )
-        + f". {len(exhausted)} failed with every attempt used. 3 attempts means the first retry was refused too, i.e. it went to the stopped worker again: "
-        "the shipped config has no health check, outlier detection or `retry_host_predicate`, so the fallback round robin can pick the stopped worker for a retry.\n"
+        + f". {len(exhausted)} failed with every attempt used. "
+        f"dprank's counters: last attempt on a listed alternate {fmt(last.get('retry.to_alternate'))}, on the fallback policy's pick {fmt(last.get('retry.to_fallback'))}; "
+        f"routed with no alternate holding the rank {fmt(last.get('retry.no_alternate'))}.\n"
     )
     w("## Samples\n")
     w(
@@ -709,7 +736,8 @@ def report(work, out):
         if s.get("shared_data_bytes") is not None and s.get("_floor")
     ]
     w(
-        "What the gauge counts (src/poller.rs, src/state.rs): the poller lease, the VM counter and one record per worker; a record holds 8 B per rank "
+        "What the gauge counts (src/store.rs, src/state.rs): the poller lease, the VM counter, the health record (workers and ranks out of rotation or back for less than "
+        "`max_cooldown_ms`; empty on a healthy fleet) and one record per worker; a record holds 8 B per rank "
         "plus 12 + 8 x ranks B per pending-estimate bucket (requests routed since a poll round whose report is not in yet; "
         "a bucket leaves when a later report arrives or its requests end). So the size follows the rank counts and the requests in flight between polls, not the number of requests served"
         + (
@@ -758,6 +786,14 @@ def report(work, out):
     )
     w(
         f"- accounting_skipped: {fmt(last['accounting_skipped'])}; shared_data_conflicts: {fmt(last['shared_data_conflicts'])}"
+    )
+    w(
+        f"- passive health: failures {json.dumps(last.get('failures', {}))}; ejections {json.dumps(last.get('ejections', {}))}; "
+        f"rank ejections {json.dumps(last.get('rank_ejections', {}))}; refused load reports {json.dumps(last.get('report_refused', {}))}"
+    )
+    w(
+        f"- retries (dprank's count): last attempt on a listed alternate {fmt(last.get('retry.to_alternate'))}, on the fallback policy's pick "
+        f"{fmt(last.get('retry.to_fallback'))}; routed with no alternate holding the rank {fmt(last.get('retry.no_alternate'))}"
     )
     w(
         "- Envoy: "
@@ -829,7 +865,7 @@ def report(work, out):
     w(
         f"**{len(in_flight)} injected: in flight on a worker when it was stopped; "
         f"{len(used_up)} injected: sent to a stopped worker, and every attempt of the shipped connect-failure retry went to it (Envoy's 503); "
-        f"{len(retry_rank)} injected worker stop + the shipped connect-failure retry onto a worker with fewer ranks (a defect, see Findings); "
+        f"{len(retry_rank)} retried onto a worker with fewer ranks (400, rank out of range: the retry-rank limitation); "
         f"{len(unexplained) + len(curl_unmatched)} unexplained.**\n"
     )
     if fail_rows:
@@ -884,19 +920,15 @@ def report(work, out):
         firsts = sorted(retry_rank, key=lambda a: a["_start"])
         ex = firsts[0]
         findings.append(
-            f"**Retry onto a worker with fewer ranks turns a survivable worker stop into client 400s ({len(retry_rank)} requests).** "
-            f"dprank wrote a rank chosen for a worker that had just been stopped; Envoy's shipped retry (`connect-failure`, 2 retries) re-sent the same body to another worker "
-            f"picked by the fallback round robin, and that worker has fewer ranks, so it answered 400 `routed_dp_rank=N is out of range`. "
-            f"First at +{ex['_start'] - t0:.1f} s: {ex['_why']}. "
-            "These requests never reached the stopped worker, so they are not the in-flight losses the fault matrix allows. "
-            "With equal rank counts the same retry succeeds, but on a rank dprank did not choose for that worker (its estimate stays on the stopped worker's rank until the request ends). "
-            "It needs workers with different `dp_size` (here: one restarted with `--dp-size 2`) and a request routed to a worker in the ~1-3 s between its death and dprank noticing."
+            f"**Retry onto a worker with fewer ranks turned a worker stop into client 400s ({len(retry_rank)} requests).** "
+            f"dprank wrote a rank chosen for a worker that had just been stopped; Envoy's retry re-sent the same body to a worker with fewer ranks, "
+            f"which answered 400 `routed_dp_rank=N is out of range`. First at +{ex['_start'] - t0:.1f} s: {ex['_why']}. "
+            "dprank lists only workers with the chosen rank as alternates; this happens when none is left (`retry.no_alternate`) and the fallback policy picks."
         )
     if used_up:
         findings.append(
-            f"**The shipped retry can be used up on the stopped worker ({len(used_up)} requests got Envoy's 503 `URX,UF`).** "
-            "Each retry is placed by the fallback round robin, which still includes the stopped worker (no health check, outlier detection or "
-            "`retry_host_predicate: previous_hosts` in envoy/dprank.yaml); see above how many requests needed all 3 attempts."
+            f"**Every attempt of the retry failed ({len(used_up)} requests got Envoy's 503).** "
+            "See above how many requests needed all 3 attempts and where they went."
         )
     if unexplained or curl_unmatched:
         findings.append(
@@ -945,7 +977,7 @@ def report(work, out):
         )
     verdict.append(
         f"{len(fail_rows)} failed requests seen by Envoy: {len(in_flight)} in flight on a stopped worker, {len(used_up)} with every retry spent on a stopped worker, "
-        f"{len(retry_rank)} retried onto a worker with fewer ranks (defect), {len(unexplained)} unexplained; "
+        f"{len(retry_rank)} retried onto a worker with fewer ranks (the retry-rank limitation), {len(unexplained)} unexplained; "
         f"{load_errors + len(curl_fail)} client-side errors; Envoy log: {len(bad_lines)} panic/critical/error lines."
     )
     w(" ".join(verdict))

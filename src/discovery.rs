@@ -85,27 +85,48 @@ impl HealthStatus {
     }
 }
 
-/// The usable hosts of `cluster` in an admin `/clusters?format=json` answer, sorted.
-pub fn cluster_members(admin_json: &[u8], cluster: &str) -> Result<Vec<SocketAddr>, String> {
+/// Every host of `cluster` in an admin `/clusters?format=json` answer, with
+/// whether Envoy would send to it.
+fn cluster_hosts(admin_json: &[u8], cluster: &str) -> Result<Vec<(SocketAddr, bool)>, String> {
     let clusters: AdminClusters = serde_json::from_slice(admin_json).map_err(|e| e.to_string())?;
     let status = clusters
         .cluster_statuses
         .into_iter()
         .find(|c| c.name == cluster)
         .ok_or_else(|| format!("Envoy has no cluster `{cluster}`"))?;
-    let mut members: Vec<SocketAddr> = status
+    Ok(status
         .host_statuses
         .iter()
-        .filter(|h| h.health_status.usable())
         .filter_map(|h| {
             let s = h.address.socket_address.as_ref()?;
             let ip = s.address.parse().ok()?;
-            Some(SocketAddr::new(ip, s.port_value))
+            Some((SocketAddr::new(ip, s.port_value), h.health_status.usable()))
         })
+        .collect())
+}
+
+/// The usable hosts of `cluster` in an admin `/clusters?format=json` answer, sorted.
+pub fn cluster_members(admin_json: &[u8], cluster: &str) -> Result<Vec<SocketAddr>, String> {
+    let mut members: Vec<SocketAddr> = cluster_hosts(admin_json, cluster)?
+        .into_iter()
+        .filter_map(|(address, usable)| usable.then_some(address))
         .collect();
     members.sort();
     members.dedup();
     Ok(members)
+}
+
+/// The hosts of `cluster` Envoy would not send to (failed active health
+/// check, ejected by outlier detection, EDS unhealthy, draining or timed
+/// out), sorted: `envoy_health` keeps them out of dprank's choice.
+pub fn unhealthy_hosts(admin_json: &[u8], cluster: &str) -> Result<Vec<SocketAddr>, String> {
+    let mut hosts: Vec<SocketAddr> = cluster_hosts(admin_json, cluster)?
+        .into_iter()
+        .filter_map(|(address, usable)| (!usable).then_some(address))
+        .collect();
+    hosts.sort();
+    hosts.dedup();
+    Ok(hosts)
 }
 
 /// The configuration to route with: the plugin's own, or with a cluster's
@@ -180,6 +201,34 @@ mod tests {
         );
         assert!(cluster_members(ADMIN, "nope").unwrap_err().contains("nope"));
         assert!(cluster_members(b"<html>", "sglang").is_err());
+    }
+
+    #[test]
+    fn unhealthy_hosts_are_those_envoy_would_not_send_to() {
+        assert_eq!(
+            unhealthy_hosts(ADMIN, "sglang").unwrap(),
+            vec![
+                "10.0.0.3:30000".parse().unwrap(),
+                "10.0.0.4:30000".parse().unwrap()
+            ]
+        );
+        let outlier = br#"{"cluster_statuses":[{"name":"w","host_statuses":[
+            {"address":{"socket_address":{"address":"10.0.0.1","port_value":1}},"health_status":{"failed_outlier_check":true,"eds_health_status":"HEALTHY"}},
+            {"address":{"socket_address":{"address":"10.0.0.2","port_value":1}},"health_status":{"eds_health_status":"UNHEALTHY"}},
+            {"address":{"socket_address":{"address":"10.0.0.3","port_value":1}},"health_status":{"eds_health_status":"DEGRADED"}},
+            {"address":{"socket_address":{"address":"10.0.0.4","port_value":1}},"health_status":{"eds_health_status":"TIMEOUT"}},
+            {"address":{"socket_address":{"address":"10.0.0.5","port_value":1}},"health_status":{"failed_active_degraded_check":true}}
+        ]}]}"#;
+        let bad: Vec<SocketAddr> = ["10.0.0.1:1", "10.0.0.2:1", "10.0.0.4:1"]
+            .iter()
+            .map(|a| a.parse().unwrap())
+            .collect();
+        assert_eq!(
+            unhealthy_hosts(outlier, "w").unwrap(),
+            bad,
+            "degraded hosts still serve"
+        );
+        assert!(unhealthy_hosts(outlier, "x").is_err());
     }
 
     #[test]

@@ -133,4 +133,8 @@ impl Host for EnvoyHost {
     fn resume_response(&self) {
         let _ = hostcalls::resume_http_response();
     }
+
+    fn property(&self, path: &[&str]) -> Option<Vec<u8>> {
+        hostcalls::get_property(path.to_vec()).ok().flatten()
+    }
 }

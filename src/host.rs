@@ -61,6 +61,11 @@ pub trait Host {
     fn send_response(&self, status: u32, headers: &[(&str, &str)], body: &[u8]);
     /// Lets a paused response continue.
     fn resume_response(&self);
+
+    // Properties (Envoy's attributes).
+    /// A property of the current request as Envoy serialises it (strings as
+    /// is, integers as 8 little-endian bytes), e.g. `["response", "code"]`.
+    fn property(&self, path: &[&str]) -> Option<Vec<u8>>;
 }
 
 #[cfg(test)]

@@ -6,7 +6,8 @@
 //! life), `router` (where it goes), `scheduler` (which worker and rank),
 //! `body` (reading and rewriting bodies), `prefix` (the prefix index and
 //! prompt hashing of prefix affinity), `poller`, `load` and `discovery`
-//! (load reports and cluster membership), `store` and `state` (shared data),
+//! (load reports and cluster membership), `health` (passive health and
+//! Envoy's view of it), `store` and `state` (shared data),
 //! `config`, `metrics`. `envoy_host` is the only caller of the host ABI and
 //! `filter` only translates callbacks.
 
@@ -15,6 +16,7 @@ pub mod config;
 pub mod discovery;
 pub mod envoy_host;
 pub mod filter;
+pub mod health;
 pub mod host;
 pub mod load;
 pub mod metrics;

@@ -1,6 +1,11 @@
 //! Parsing of the workers' load reports (`/v1/loads` and `/get_load`) into
 //! tokens per rank. Unknown keys are ignored; a rank whose figures are missing
-//! or unusable is reported as unknown rather than guessed.
+//! or unusable is reported as unknown rather than guessed. The ranks
+//! themselves must make sense: exactly 0..N-1, each once, where N is the
+//! report's `dp_rank_count` or else its number of entries. A report naming
+//! any other rank, a rank twice, or leaving a gap is refused whole
+//! ([`LoadError::BadRanks`]): a rank dprank cannot trust is a rank it might
+//! write into a request, and the server answers that with a 400.
 
 use crate::config::MAX_DP_SIZE;
 use crate::state::RankFigures;
@@ -24,6 +29,9 @@ pub enum LoadError {
     NotJson(String),
     NoRanks,
     RankOutOfRange(u64),
+    /// The ranks are not exactly 0..N-1 (another rank, a duplicate, a gap,
+    /// or a `dp_rank` that is not a rank number).
+    BadRanks(String),
 }
 
 impl fmt::Display for LoadError {
@@ -34,6 +42,7 @@ impl fmt::Display for LoadError {
             LoadError::RankOutOfRange(r) => {
                 write!(f, "load report names dp_rank {r} (limit {MAX_DP_SIZE})")
             }
+            LoadError::BadRanks(why) => write!(f, "load report refused: its ranks are not 0..N-1 ({why})"),
         }
     }
 }
@@ -61,8 +70,12 @@ struct RankEntry {
 #[derive(Deserialize)]
 #[serde(untagged)]
 enum Report {
-    /// `/v1/loads`: `{"loads":[...], ...}`
-    V1 { loads: Vec<RankEntry> },
+    /// `/v1/loads`: `{"loads":[...], "dp_rank_count": N, ...}`
+    V1 {
+        loads: Vec<RankEntry>,
+        #[serde(default)]
+        dp_rank_count: Option<Value>,
+    },
     /// `/get_load`: one object per rank.
     Array(Vec<RankEntry>),
     /// `/get_load` on builds that return a single object.
@@ -121,10 +134,10 @@ pub fn parse_load_report(body: &[u8]) -> Result<RankTokens, LoadError> {
 /// Tokens per rank and the figures prefix affinity reads.
 pub fn parse_load_details(body: &[u8]) -> Result<LoadReport, LoadError> {
     let report: Report = serde_json::from_slice(body).map_err(|e| LoadError::NotJson(e.to_string()))?;
-    let entries = match report {
-        Report::V1 { loads } => loads,
-        Report::Array(entries) => entries,
-        Report::Single(entry) if entry.looks_like_rank() => vec![entry],
+    let (entries, rank_count) = match report {
+        Report::V1 { loads, dp_rank_count } => (loads, dp_rank_count),
+        Report::Array(entries) => (entries, None),
+        Report::Single(entry) if entry.looks_like_rank() => (vec![entry], None),
         Report::Single(_) => {
             return Err(LoadError::NotJson(
                 "an object with neither `loads` nor rank fields".into(),
@@ -134,33 +147,45 @@ pub fn parse_load_details(body: &[u8]) -> Result<LoadReport, LoadError> {
     if entries.is_empty() {
         return Err(LoadError::NoRanks);
     }
-    let mut ranks: RankTokens = Vec::new();
-    let mut figures: Vec<RankFigures> = Vec::new();
+    let count = match &rank_count {
+        None | Some(Value::Null) => entries.len() as u64,
+        Some(v) => v
+            .as_u64()
+            .ok_or_else(|| LoadError::BadRanks(format!("dp_rank_count {v} is not a count")))?,
+    };
+    if count > u64::from(MAX_DP_SIZE) {
+        return Err(LoadError::RankOutOfRange(count));
+    }
+    let mut ranks: RankTokens = vec![None; count as usize];
+    let mut figures: Vec<RankFigures> = vec![RankFigures::default(); count as usize];
+    let mut seen = vec![false; count as usize];
     for (index, entry) in entries.iter().enumerate() {
         let rank = match &entry.dp_rank {
             None => index as u64,
-            Some(v) => match v.as_u64() {
-                Some(r) => r,
-                None => continue,
-            },
+            Some(v) => v
+                .as_u64()
+                .ok_or_else(|| LoadError::BadRanks(format!("dp_rank {v} is not a rank number")))?,
         };
         if rank >= u64::from(MAX_DP_SIZE) {
             return Err(LoadError::RankOutOfRange(rank));
         }
-        let rank = rank as usize;
-        if ranks.len() <= rank {
-            ranks.resize(rank + 1, None);
-            figures.resize(rank + 1, RankFigures::default());
+        let Some(first) = seen.get_mut(rank as usize) else {
+            return Err(LoadError::BadRanks(format!("dp_rank {rank} with {count} ranks")));
+        };
+        if std::mem::replace(first, true) {
+            return Err(LoadError::BadRanks(format!("dp_rank {rank} listed twice")));
         }
-        if let Some(slot) = ranks.get_mut(rank) {
+        if let Some(slot) = ranks.get_mut(rank as usize) {
             *slot = entry.tokens();
         }
-        if let Some(slot) = figures.get_mut(rank) {
+        if let Some(slot) = figures.get_mut(rank as usize) {
             *slot = entry.figures();
         }
     }
-    if ranks.is_empty() {
-        return Err(LoadError::NoRanks);
+    if let Some(gap) = seen.iter().position(|s| !s) {
+        return Err(LoadError::BadRanks(format!(
+            "no entry for dp_rank {gap} of {count}"
+        )));
     }
     Ok(LoadReport {
         tokens: ranks,
@@ -224,9 +249,58 @@ mod tests {
     }
 
     #[test]
-    fn ranks_out_of_order_and_gaps() {
-        let body = br#"[{"dp_rank":2,"num_tokens":9},{"dp_rank":0,"num_tokens":1}]"#;
+    fn ranks_out_of_order() {
+        let body = br#"[{"dp_rank":2,"num_tokens":9},{"dp_rank":0,"num_tokens":1},{"dp_rank":1}]"#;
         assert_eq!(parse_load_report(body).unwrap(), vec![Some(1), None, Some(9)]);
+    }
+
+    fn refused(body: &[u8]) -> String {
+        match parse_load_report(body) {
+            Err(LoadError::BadRanks(why)) => why,
+            other => panic!("{} gave {other:?}", String::from_utf8_lossy(body)),
+        }
+    }
+
+    #[test]
+    fn ranks_must_be_exactly_zero_to_n_minus_one() {
+        // The report from issue 14: rank 99 on a worker with two entries.
+        assert!(
+            refused(br#"{"loads":[{"dp_rank":0,"num_tokens":1},{"dp_rank":99,"num_tokens":0}]}"#)
+                .contains("99")
+        );
+        assert!(
+            refused(br#"[{"dp_rank":0,"num_tokens":1},{"dp_rank":0,"num_tokens":2},{"dp_rank":1}]"#)
+                .contains("twice")
+        );
+        assert!(refused(br#"[{"dp_rank":2,"num_tokens":9},{"dp_rank":0,"num_tokens":1}]"#).contains("2"));
+        // A position stands for the rank: a duplicate of a named one is refused too.
+        assert!(refused(br#"[{"dp_rank":1,"num_tokens":1},{"num_tokens":2}]"#).contains("twice"));
+    }
+
+    #[test]
+    fn dp_rank_count_sets_n_when_present() {
+        let gap =
+            br#"{"dp_rank_count":4,"loads":[{"dp_rank":0,"num_tokens":1},{"dp_rank":1,"num_tokens":1}]}"#;
+        assert!(refused(gap).contains("no entry for dp_rank 2 of 4"));
+        let beyond =
+            br#"{"dp_rank_count":1,"loads":[{"dp_rank":0,"num_tokens":1},{"dp_rank":1,"num_tokens":1}]}"#;
+        assert!(refused(beyond).contains("dp_rank 1 with 1 ranks"));
+        assert!(refused(br#"{"dp_rank_count":"2","loads":[{"dp_rank":0}]}"#).contains("not a count"));
+        let null = br#"{"dp_rank_count":null,"loads":[{"dp_rank":0,"num_tokens":3}]}"#;
+        assert_eq!(
+            parse_load_report(null).unwrap(),
+            vec![Some(3)],
+            "null: count the entries"
+        );
+        assert_eq!(
+            parse_load_report(br#"{"dp_rank_count":5000,"loads":[{"dp_rank":0}]}"#),
+            Err(LoadError::RankOutOfRange(5000))
+        );
+    }
+
+    #[test]
+    fn a_lone_object_must_be_rank_zero() {
+        assert!(refused(br#"{"dp_rank":3,"num_tokens":7}"#).contains("dp_rank 3 with 1 ranks"));
     }
 
     #[test]
@@ -251,9 +325,17 @@ mod tests {
     }
 
     #[test]
-    fn bad_dp_rank_entries_are_skipped() {
-        let body = br#"[{"dp_rank":"zero","num_tokens":1},{"dp_rank":1,"num_tokens":2}]"#;
-        assert_eq!(parse_load_report(body).unwrap(), vec![None, Some(2)]);
+    fn a_dp_rank_that_is_no_rank_number_refuses_the_report() {
+        for bad in [r#""zero""#, "2.0", "-1", "true", "[1]"] {
+            let body = format!(r#"[{{"dp_rank":{bad},"num_tokens":1}},{{"dp_rank":1,"num_tokens":2}}]"#);
+            assert!(refused(body.as_bytes()).contains("is not a rank number"), "{bad}");
+        }
+        let null = br#"[{"dp_rank":null,"num_tokens":1},{"dp_rank":1,"num_tokens":2}]"#;
+        assert_eq!(
+            parse_load_report(null).unwrap(),
+            vec![Some(1), Some(2)],
+            "null: its position"
+        );
     }
 
     #[test]
@@ -264,11 +346,9 @@ mod tests {
     }
 
     #[test]
-    fn fractions_round_and_duplicates_keep_the_last() {
-        let body =
-            br#"[{"dp_rank":0,"num_tokens":12.5},{"dp_rank":1,"num_tokens":1},{"dp_rank":1,"num_tokens":9},
-                        {"dp_rank":2.0,"num_tokens":4},{"dp_rank":-1,"num_tokens":4}]"#;
-        assert_eq!(parse_load_report(body).unwrap(), vec![Some(13), Some(9)]);
+    fn fractions_round() {
+        let body = br#"[{"dp_rank":0,"num_tokens":12.5},{"dp_rank":1,"num_tokens":8.49}]"#;
+        assert_eq!(parse_load_report(body).unwrap(), vec![Some(13), Some(8)]);
     }
 
     #[test]

@@ -12,6 +12,16 @@ pub const PIN_IGNORED: &str = "dprank.pin_ignored";
 pub const NO_FRESH_PREFILL_DATA: &str = "dprank.passthrough.no_fresh_data_prefill";
 pub const MEMBERSHIP_CHANGES: &str = "dprank.membership_changes";
 pub const MEMBERSHIP_FAILED: &str = "dprank.membership_failed";
+/// The admin API could not tell the host health of `envoy_health`'s cluster.
+pub const ENVOY_HEALTH_FAILED: &str = "dprank.envoy_health_failed";
+/// A routed request had no alternate with its rank: a retry goes to the
+/// cluster's fallback policy, with a rank the host it picks may lack.
+pub const NO_ALTERNATE: &str = "dprank.retry.no_alternate";
+/// A request's last attempt went to an alternate dprank listed.
+pub const RETRIED_TO_ALTERNATE: &str = "dprank.retry.to_alternate";
+/// A request's last attempt went to a host the fallback policy picked
+/// (every listed host failed).
+pub const RETRIED_TO_FALLBACK: &str = "dprank.retry.to_fallback";
 
 // Gauges without a worker.
 /// Bytes dprank keeps in shared data.
@@ -53,6 +63,16 @@ pub enum PerWorker {
     /// Prefix affinity: ranks whose index lost entries because they
     /// reported far fewer cache hits than it expected.
     PrefixForgotten,
+    /// A load report whose ranks are not 0..N-1 was refused.
+    ReportRefused,
+    /// Failures passive health counted (5xx, resets, failed connections).
+    Failures,
+    /// Passive health took the worker out of rotation.
+    Ejections,
+    /// Passive health took one of the worker's ranks out of rotation.
+    RankEjections,
+    /// Gauge: 0 in rotation, 1 probing, 2 ejected, 3 unhealthy in Envoy.
+    Health,
 }
 
 impl PerWorker {
@@ -66,6 +86,11 @@ impl PerWorker {
             PerWorker::PrefillFailed => "prefill_failed",
             PerWorker::SnapshotAgeMs => "snapshot_age_ms",
             PerWorker::PrefixForgotten => "prefix_forgotten",
+            PerWorker::ReportRefused => "report_refused",
+            PerWorker::Failures => "failures",
+            PerWorker::Ejections => "ejections",
+            PerWorker::RankEjections => "rank_ejections",
+            PerWorker::Health => "health",
         };
         format!("dprank.{kind}.{worker}")
     }
@@ -83,5 +108,7 @@ mod tests {
         assert_eq!(rejected("not_json"), "dprank.rejected.not_json");
         assert_eq!(PerWorker::PrefillFailed.of("p0"), "dprank.prefill_failed.p0");
         assert_eq!(PerWorker::SnapshotAgeMs.of("w"), "dprank.snapshot_age_ms.w");
+        assert_eq!(PerWorker::RankEjections.of("w"), "dprank.rank_ejections.w");
+        assert_eq!(PerWorker::Health.of("w"), "dprank.health.w");
     }
 }

@@ -4,8 +4,9 @@
 
 use crate::config::{Config, Discovery, LoadEndpoint, Worker};
 use crate::discovery;
+use crate::health::observe;
 use crate::host::{Callout, Host};
-use crate::load::{parse_load_details, LoadReport};
+use crate::load::{parse_load_details, LoadError, LoadReport};
 use crate::metrics::{self, PerWorker};
 use crate::prefix::index::IndexRecord;
 use crate::store::{self, IfMissing, Members};
@@ -45,6 +46,8 @@ enum Call {
     Load(LoadCall),
     /// The admin API's cluster listing (workers taken from a cluster).
     Membership,
+    /// The admin API's cluster listing (`envoy_health`: its hosts' health).
+    EnvoyHealth,
 }
 
 /// Per-VM poller state. Workers are keyed by address, so a membership change
@@ -100,8 +103,12 @@ impl Poller {
             return;
         }
         if let Some(discovery) = config.discovery() {
-            self.dispatch_membership(config, discovery, host);
+            self.dispatch_admin(config, discovery, Call::Membership, host);
         }
+        if let Some(envoy_health) = &config.envoy_health {
+            self.dispatch_admin(config, envoy_health, Call::EnvoyHealth, host);
+        }
+        observe::poll_round(config, host);
         let now = host.now_ms();
         let states = store::read_worker_states(config, host);
         for ((index, w), state) in config.all_workers().enumerate().zip(&states) {
@@ -125,8 +132,16 @@ impl Poller {
         host.gauge(metrics::SHARED_DATA_BYTES, store::shared_bytes(config, host));
     }
 
-    fn dispatch_membership(&mut self, config: &Config, discovery: &Discovery, host: &dyn Host) {
-        if self.outstanding.values().any(|c| matches!(c, Call::Membership)) {
+    /// Reads `discovery.cluster`'s hosts from the admin API, for `call`
+    /// (membership or Envoy's health); one call of each kind at a time.
+    fn dispatch_admin(&mut self, config: &Config, discovery: &Discovery, kind: Call, host: &dyn Host) {
+        let same = |c: &Call| {
+            matches!(
+                (c, kind),
+                (Call::Membership, Call::Membership) | (Call::EnvoyHealth, Call::EnvoyHealth)
+            )
+        };
+        if self.outstanding.values().any(same) {
             return;
         }
         let path = discovery::admin_clusters_path(&discovery.cluster);
@@ -142,12 +157,17 @@ impl Poller {
         };
         match host.http_call(&call) {
             Ok(token) => {
-                self.outstanding.insert(token, Call::Membership);
+                self.outstanding.insert(token, kind);
             }
             Err(e) => {
-                host.count(metrics::MEMBERSHIP_FAILED, 1);
+                let failed = match kind {
+                    Call::EnvoyHealth => metrics::ENVOY_HEALTH_FAILED,
+                    _ => metrics::MEMBERSHIP_FAILED,
+                };
+                host.count(failed, 1);
                 log::warn!(
-                    "cannot read cluster membership through `{}`: {e}",
+                    "cannot read cluster `{}` through `{}`: {e}",
+                    discovery.cluster,
                     discovery.admin_cluster
                 );
             }
@@ -218,6 +238,7 @@ impl Poller {
         match self.outstanding.remove(&token) {
             Some(Call::Load(call)) => self.on_load_response(config, host, call, status, body),
             Some(Call::Membership) => on_membership_response(config, host, status, body),
+            Some(Call::EnvoyHealth) => on_envoy_health_response(config, host, status, body),
             None => {}
         }
     }
@@ -239,7 +260,13 @@ impl Poller {
             return;
         };
         let outcome = match status {
-            Some(200) => parse_load_details(body).map_err(|e| e.to_string()),
+            Some(200) => match parse_load_details(body) {
+                Err(LoadError::BadRanks(why)) => {
+                    refuse(config, host, w, &why);
+                    return;
+                }
+                parsed => parsed.map_err(|e| e.to_string()),
+            },
             Some(404) if call.endpoint == Endpoint::V1Loads && config.load_endpoint == LoadEndpoint::Auto => {
                 log::info!("{} has no /v1/loads; polling /get_load from now on", w.endpoint());
                 // Kept with the worker's state, so whichever thread polls next knows.
@@ -256,10 +283,19 @@ impl Poller {
         let ok = match outcome {
             Ok(report) => {
                 apply_report(config, host, index, w, call.seq, report);
+                observe::poll_answered(config, host, w.address);
+                if store::set_refused(config, host, w.address, false) {
+                    log::info!("{} reports sensible ranks again", w.endpoint());
+                }
                 true
             }
             Err(reason) => {
                 host.count(&PerWorker::PollFailed.of(&w.name), 1);
+                // Envoy answers 503 itself when it cannot connect; 502/504
+                // say the same from a proxy in between.
+                if matches!(status, None | Some(502..=504)) {
+                    observe::poll_unanswered(config, host, w.address);
+                }
                 if self.healthy.get(&call.worker) != Some(&false) {
                     log::warn!(
                         "load poll of {} failed: {reason}; keeping its last snapshot",
@@ -272,6 +308,19 @@ impl Poller {
         if self.healthy.insert(call.worker, ok) == Some(false) && ok {
             log::info!("load poll of {} recovered", w.endpoint());
         }
+    }
+}
+
+/// A report whose ranks are not 0..N-1: counted, not applied (the last good
+/// snapshot stays until it goes stale), and logged once per worker until a
+/// good report comes, whichever VM polls.
+fn refuse(config: &Config, host: &dyn Host, w: &Worker, why: &str) {
+    host.count(&PerWorker::ReportRefused.of(&w.name), 1);
+    if store::set_refused(config, host, w.address, true) {
+        log::warn!(
+            "refusing the load reports of {}: its ranks are not 0..N-1 ({why}); keeping its last good snapshot until it is stale",
+            w.endpoint()
+        );
     }
 }
 
@@ -329,6 +378,29 @@ fn apply_report(config: &Config, host: &dyn Host, index: usize, w: &Worker, seq:
         }
     }
     host.count(&PerWorker::PollOk.of(&w.name), 1);
+}
+
+/// Stores which workers Envoy reports unhealthy (`envoy_health`).
+fn on_envoy_health_response(config: &Config, host: &dyn Host, status: Option<u32>, body: &[u8]) {
+    let Some(envoy_health) = &config.envoy_health else {
+        return;
+    };
+    let unhealthy = match status {
+        Some(200) => discovery::unhealthy_hosts(body, &envoy_health.cluster),
+        Some(code) => Err(format!("admin answered HTTP {code}")),
+        None => Err("admin did not answer".to_string()),
+    };
+    match unhealthy {
+        Ok(list) => observe::set_envoy_unhealthy(config, host, list),
+        Err(e) => {
+            // The last view stays: a lost admin read makes nobody healthy or unhealthy.
+            host.count(metrics::ENVOY_HEALTH_FAILED, 1);
+            log::warn!(
+                "cannot read the health of cluster `{}`: {e}",
+                envoy_health.cluster
+            );
+        }
+    }
 }
 
 /// Stores a new membership for every thread; workers that left lose their state.

@@ -8,9 +8,10 @@
 
 use crate::config::Config;
 use crate::discovery::Membership;
+use crate::health::observe::{self, Watch};
 use crate::host::{Callout, Host};
 use crate::poller::POLL_DESTINATION_HEADER;
-use crate::router::{self, Decision, PassReason, PdRouted, Reply};
+use crate::router::{self, route_value, Decision, PassReason, PdRouted, Reply};
 use crate::state::{PrefillTicket, Ticket};
 use std::cell::{Cell, RefCell};
 use std::rc::Rc;
@@ -61,6 +62,7 @@ enum PrefillLeg {
     None,
     Pending {
         worker: usize,
+        rank: Option<u32>,
     },
     Done,
     Failed(Reply),
@@ -84,6 +86,8 @@ pub struct Request {
     prefill: PrefillLeg,
     /// The decode response headers wait for the prefill leg.
     response_held: bool,
+    /// Where the request was sent, for passive health and retry stats when it ends.
+    watch: Option<Watch>,
 }
 
 impl Request {
@@ -102,6 +106,7 @@ impl Request {
             prefill_charge: None,
             prefill: PrefillLeg::None,
             response_held: false,
+            watch: None,
         }
     }
 
@@ -143,15 +148,17 @@ impl Request {
 
     /// The prefill leg answered (or failed: no status).
     pub fn on_prefill_response(&mut self, host: &dyn Host, body_size: usize) {
-        let PrefillLeg::Pending { worker } = self.prefill else {
+        let PrefillLeg::Pending { worker, rank } = self.prefill else {
             return;
         };
         if let Some(ticket) = self.prefill_ticket.take() {
-            router::release(&self.config, host, &ticket);
+            let charge = self.prefill_charge.take();
+            router::release(&self.config, host, &ticket, charge.as_ref());
         }
-        self.prefill_over(host);
         let status = host.callout_status();
         let body = host.callout_body(body_size);
+        let routed_at_ms = self.watch.as_ref().map_or(0, |w| w.routed_at_ms);
+        router::prefill_health(&self.config, host, worker, rank, status, routed_at_ms);
         match router::prefill_outcome(&self.config, host, worker, status, &body) {
             None => {
                 self.prefill = PrefillLeg::Done;
@@ -201,14 +208,36 @@ impl Request {
         }
     }
 
-    /// The request is over (completed, reset or refused): estimates go back.
+    /// The request is over (completed, reset or refused): estimates go
+    /// back, and how it went counts for its workers' health.
     pub fn on_done(&mut self, host: &dyn Host) {
-        self.prefill_over(host);
+        // A prefill still charged (no body came) leaves in the same write as
+        // the estimate of its worker.
+        let mut charge = self.prefill_charge.take();
         for ticket in [self.ticket.take(), self.prefill_ticket.take()]
             .into_iter()
             .flatten()
         {
-            router::release(&self.config, host, &ticket);
+            let with = charge.take_if(|c| c.worker == ticket.worker);
+            router::release(&self.config, host, &ticket, with.as_ref());
+        }
+        if let Some(charge) = charge {
+            router::prefill_started(&self.config, host, &charge);
+        }
+        if let Some(watch) = self.watch.take() {
+            observe::request_ended(&self.config, host, &watch);
+        }
+    }
+
+    /// Remembers where the request went, when its end can tell something.
+    fn watch(&mut self, host: &dyn Host, hosts: Vec<std::net::SocketAddr>, rank: Option<u32>, clean: bool) {
+        if self.config.passive_health.is_some() || self.config.retry_alternates > 0 {
+            self.watch = Some(Watch {
+                hosts,
+                rank,
+                routed_at_ms: host.now_ms(),
+                health_was_clean: clean,
+            });
         }
     }
 
@@ -220,12 +249,18 @@ impl Request {
         let tie_breaker = self.routing.next_tie_breaker();
         match router::route(&self.config, host, &body, self.pin.as_deref(), tie_breaker) {
             Decision::Route(routed) => {
-                host.set_request_header(&self.config.route_header, &routed.to.endpoint);
+                let value = route_value(&routed.to, &routed.alternates);
+                host.set_request_header(&self.config.route_header, &value);
                 if let Some(new_body) = &routed.body {
                     self.replace_body(host, new_body);
                 }
                 self.ticket = routed.ticket;
                 self.prefill_charge = routed.prefill;
+                let hosts = addresses(
+                    &self.config,
+                    std::iter::once(&routed.to).chain(&routed.alternates),
+                );
+                self.watch(host, hosts, routed.to.rank, routed.health_was_clean);
                 Action::Continue
             }
             Decision::Pd(pd) => self.start_pd(host, pd),
@@ -233,6 +268,8 @@ impl Request {
                 if let Some(new_body) = &new_body {
                     self.replace_body(host, new_body);
                 }
+                // The fallback policy picks the host; its answer still tells.
+                self.watch(host, Vec::new(), None, false);
                 Action::Continue
             }
             Decision::Reject(reply) => {
@@ -261,9 +298,15 @@ impl Request {
             return Action::Pause;
         }
         if let Some(decode) = &pd.decode {
-            host.set_request_header(&self.config.route_header, &decode.endpoint);
+            host.set_request_header(
+                &self.config.route_header,
+                &route_value(decode, &pd.decode_alternates),
+            );
         }
         self.replace_body(host, &pd.decode_body);
+        let hosts = addresses(&self.config, pd.decode.iter().chain(&pd.decode_alternates));
+        let rank = pd.decode.as_ref().and_then(|d| d.rank);
+        self.watch(host, hosts, rank, pd.health_was_clean);
         Action::Continue
     }
 
@@ -296,6 +339,7 @@ impl Request {
             Ok(_) => {
                 self.prefill = PrefillLeg::Pending {
                     worker: pd.prefill.worker,
+                    rank: pd.prefill.rank,
                 };
                 true
             }
@@ -305,6 +349,16 @@ impl Request {
             }
         }
     }
+}
+
+/// The addresses of chosen workers (`Config::all_workers` indices).
+fn addresses<'a>(
+    config: &Config,
+    chosen: impl Iterator<Item = &'a router::Chosen>,
+) -> Vec<std::net::SocketAddr> {
+    chosen
+        .filter_map(|c| config.worker(c.worker).map(|w| w.address))
+        .collect()
 }
 
 /// Why a request is not routed, as far as its headers tell.

@@ -12,6 +12,8 @@
 //! | `<p>.members` | [`Members`]: a cluster's current workers | poller (`workers_from_cluster`) |
 //! | `<p>.config` | [`Announced`]: the configuration last logged | each VM at start-up |
 //! | `<p>.px.<ip:port>` | [`IndexRecord`]: that worker's prefix index (prefix affinity) | router (routed prompts), poller (cache feedback) |
+//! | `<p>.refused` | [`Refused`]: workers whose last load report was refused | poller |
+//! | `<p>.health` | [`Health`]: targets not plainly healthy, hosts Envoy reports unhealthy | request ends (passive health), poller (Envoy's view) |
 //!
 //! Keys of later kinds follow the same pattern (`<p>.<kind>.<ip:port>[...]`)
 //! with a tag of their own. Values are a 4-byte tag (kind and layout
@@ -21,6 +23,7 @@
 //! way to delete a key (proxy-wasm has no delete): it reads as absent too.
 
 use crate::config::Config;
+use crate::health::Health;
 use crate::host::{Host, SharedSetError};
 use crate::metrics;
 pub use crate::prefix::index::{IndexRecord, IndexView};
@@ -61,6 +64,12 @@ impl<'a> Keys<'a> {
     }
     pub fn prefix_index(&self, address: &SocketAddr) -> String {
         format!("{}.px.{address}", self.prefix)
+    }
+    pub fn health(&self) -> String {
+        format!("{}.health", self.prefix)
+    }
+    pub fn refused(&self) -> String {
+        format!("{}.refused", self.prefix)
     }
 }
 
@@ -140,6 +149,13 @@ impl Record for WorkerState {
     }
 }
 
+impl Record for Health {
+    const TAG: [u8; 4] = *b"DPH1";
+    fn within_limits(&self) -> bool {
+        Health::within_limits(self)
+    }
+}
+
 /// The poll lease: who polls, until when, and when the last round started,
 /// so a new holder keeps the cadence.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -171,6 +187,32 @@ pub struct Members(pub Vec<SocketAddr>);
 
 impl Record for Members {
     const TAG: [u8; 4] = *b"DPM1";
+}
+
+/// Workers whose last load report was refused (ranks not 0..N-1), sorted:
+/// so that whichever VM polls, a refusal is logged once, not per poll.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Refused(pub Vec<SocketAddr>);
+
+impl Record for Refused {
+    const TAG: [u8; 4] = *b"DPR1";
+}
+
+/// Records whether `worker`'s last report was refused; true when that
+/// changed (the caller logs it).
+pub fn set_refused(config: &Config, host: &dyn Host, worker: SocketAddr, refused: bool) -> bool {
+    update(host, &Keys::of(config).refused(), |list: Option<Refused>| {
+        let mut list = list.unwrap_or_default();
+        match (list.0.binary_search(&worker), refused) {
+            (Err(at), true) => list.0.insert(at, worker),
+            (Ok(at), false) => {
+                list.0.remove(at);
+            }
+            _ => return None,
+        }
+        Some((list, ()))
+    })
+    .is_some()
 }
 
 /// A hash of the configuration last logged at start-up, so that the VMs of
@@ -321,6 +363,26 @@ pub fn read_worker_states(config: &Config, host: &dyn Host) -> Vec<Option<Worker
         .collect()
 }
 
+/// The health record (empty when absent or unreadable).
+pub fn read_health(config: &Config, host: &dyn Host) -> Health {
+    host.shared_get(&Keys::of(config).health())
+        .and_then(|(bytes, _)| decode(&bytes))
+        .unwrap_or_default()
+}
+
+/// Read-modify-write of the health record; `change` returns None to write nothing.
+pub fn update_health<R>(
+    config: &Config,
+    host: &dyn Host,
+    mut change: impl FnMut(&mut Health) -> Option<R>,
+) -> Option<R> {
+    update(host, &Keys::of(config).health(), |current: Option<Health>| {
+        let mut health = current.unwrap_or_default();
+        let result = change(&mut health)?;
+        Some((health, result))
+    })
+}
+
 /// A number unique to this VM among those sharing the data (0 if none could be had).
 pub fn next_vm_id(config: &Config, host: &dyn Host) -> u64 {
     update(host, &Keys::of(config).vms(), |count: Option<VmCount>| {
@@ -399,7 +461,13 @@ pub fn first_to_announce(config: &Config, host: &dyn Host, json: &str) -> bool {
 /// Bytes dprank keeps in shared data for this configuration.
 pub fn shared_bytes(config: &Config, host: &dyn Host) -> u64 {
     let keys = Keys::of(config);
-    let fixed = [keys.lease(), keys.vms(), keys.members(), keys.config()];
+    let fixed = [
+        keys.lease(),
+        keys.vms(),
+        keys.members(),
+        keys.config(),
+        keys.health(),
+    ];
     let workers = config.all_workers().map(|w| keys.worker(&w.address));
     let indexes = config
         .all_workers()
@@ -444,6 +512,8 @@ mod tests {
             ("fleet.lease".into(), "fleet.vms".into(), "fleet.members".into())
         );
         assert_eq!(keys.config(), "fleet.config");
+        assert_eq!(keys.health(), "fleet.health");
+        assert_eq!(keys.refused(), "fleet.refused");
     }
 
     #[test]
@@ -520,6 +590,21 @@ mod tests {
         h.conflicts.set(CAS_ATTEMPTS);
         assert_eq!(next_vm_id(&c, &h), 0);
         assert_eq!(h.counter(metrics::SHARED_DATA_CONFLICTS), 1);
+    }
+
+    #[test]
+    fn refusals_are_recorded_once_per_worker_until_cleared() {
+        let c = config();
+        let h = FakeHost::default();
+        let (a, b): (SocketAddr, SocketAddr) = ("10.0.0.2:1".parse().unwrap(), "10.0.0.1:1".parse().unwrap());
+        assert!(!set_refused(&c, &h, a, false), "nothing to clear");
+        assert!(set_refused(&c, &h, a, true));
+        assert!(!set_refused(&c, &h, a, true), "another VM, the same episode");
+        assert!(set_refused(&c, &h, b, true));
+        let (bytes, _) = h.shared_get(&Keys::of(&c).refused()).unwrap();
+        assert_eq!(decode::<Refused>(&bytes), Some(Refused(vec![b, a])));
+        assert!(set_refused(&c, &h, a, false));
+        assert!(set_refused(&c, &h, a, true), "a new episode");
     }
 
     #[test]

@@ -45,5 +45,7 @@ mod input_matrix;
 #[path = "e2e/security.rs"]
 mod security;
 
+#[path = "e2e/health.rs"]
+mod health;
 #[path = "e2e/prefix.rs"]
 mod prefix;

@@ -10,14 +10,16 @@ use std::time::Instant;
 use clap::Args;
 use dprank::body::JsonObject;
 use dprank::config::{Config, Worker};
+use dprank::health::Health;
 use dprank::scheduler::{choose, Constraint, Context, Pool};
 use dprank::state::WorkerState;
 use dprank::store;
 
 mod prefix;
 
-use crate::stats::{markdown_table, median, report_header};
-use crate::trace::generate_body_of_size;
+use crate::report::{markdown_table, report_header};
+use crate::stats::median;
+use crate::workload::bodies;
 
 #[derive(Debug, Clone, Args)]
 pub struct SelectionArgs {
@@ -26,6 +28,15 @@ pub struct SelectionArgs {
     pub batches: usize,
     #[arg(long, default_value = "bench-results")]
     pub out: PathBuf,
+}
+
+impl SelectionArgs {
+    pub fn defaults() -> SelectionArgs {
+        SelectionArgs {
+            batches: 51,
+            out: PathBuf::from("bench-results"),
+        }
+    }
 }
 
 /// Ranks per worker in the synthetic fleets (one 8-GPU node each).
@@ -115,11 +126,15 @@ pub fn selection(args: &SelectionArgs, command_line: &str) -> Result<(), String>
     for ranks in TOTAL_RANKS {
         let (config, states) = fleet(ranks)?;
         let workers = config.routed();
+        // A healthy fleet: no worker or rank out of rotation.
+        let health = Health::default();
         let ctx = |tie_breaker| Context {
             now_ms: 1_500,
             stale_after_ms: config.stale_after_ms,
             constraint: Constraint::default(),
             tie_breaker,
+            health: &health,
+            admit_probing: false,
             affinity: None,
         };
         fn pool<'a>(workers: &'a [Worker], states: &'a [Option<WorkerState>]) -> Pool<'a> {
@@ -203,7 +218,7 @@ pub fn selection(args: &SelectionArgs, command_line: &str) -> Result<(), String>
 
     let mut body_rows = Vec::new();
     for (size, label) in [(1024usize, "1 KB"), (100 * 1024, "100 KB")] {
-        let body = generate_body_of_size(size).into_bytes();
+        let body = bodies::generate_of_size(size).to_vec();
         let ns = time_ns(args.batches, || match JsonObject::parse(&body) {
             Ok(object) => object.with_fields(&[("routed_dp_rank", "3")]).len() as u64,
             Err(_) => 0,

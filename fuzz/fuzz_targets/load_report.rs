@@ -5,7 +5,7 @@
 //! - raw bytes: never panics; `Ok` only when serde_json reads the bytes as a
 //!   JSON value, with 1..=MAX_DP_SIZE ranks, and every known figure is one of
 //!   the numbers in that value (rounded); `RankOutOfRange(r)` only for
-//!   r >= MAX_DP_SIZE;
+//!   r >= MAX_DP_SIZE (when `BadRanks` comes is checked on generated reports);
 //! - generated reports: the generator first decides what each rank's figure
 //!   is (or that it has none), then writes a report that says so in one of the
 //!   shapes of docs/protocol.md (`/get_load` array or single object,
@@ -184,29 +184,29 @@ enum Generated {
 }
 
 /// The result a report written from `entries` must give: each entry names
-/// its rank (or its position does); later entries win; ranks nobody names
-/// are unknown; entries with a bad rank count for nothing.
+/// its rank (or its position does), and the ranks named must be exactly
+/// 0..N-1 with N the number of entries (the generator writes that as
+/// `dp_rank_count` too), each once; an entry with a `dp_rank` that is no
+/// rank number refuses the report.
 fn expected(entries: &[EntrySpec]) -> std::result::Result<Vec<Option<u64>>, LoadError> {
-    let mut ranks: Vec<Option<u64>> = Vec::new();
+    if entries.is_empty() {
+        return Err(LoadError::NoRanks);
+    }
+    let mut ranks: Vec<Option<Option<u64>>> = vec![None; entries.len()];
     for (position, e) in entries.iter().enumerate() {
         let rank = match (&e.bad_rank, e.rank) {
             (Some(Junk::Null), _) | (None, None) => position,
-            (Some(_), _) => continue,
+            (Some(_), _) => return Err(LoadError::BadRanks(String::new())),
             (None, Some(r)) => usize::from(r % 8),
         };
-        if rank >= MAX_DP_SIZE as usize {
-            return Err(LoadError::RankOutOfRange(rank as u64));
+        match ranks.get_mut(rank) {
+            Some(slot @ None) => *slot = Some(e.figure.as_ref().map(Figure::count)),
+            // Beyond N, or named twice.
+            _ => return Err(LoadError::BadRanks(String::new())),
         }
-        if ranks.len() <= rank {
-            ranks.resize(rank + 1, None);
-        }
-        ranks[rank] = e.figure.as_ref().map(Figure::count);
     }
-    if ranks.is_empty() {
-        Err(LoadError::NoRanks)
-    } else {
-        Ok(ranks)
-    }
+    // N entries, each naming a different rank below N: no gap is possible.
+    Ok(ranks.into_iter().map(Option::flatten).collect())
 }
 
 fn write(shape: &Shape, entries: &[EntrySpec]) -> String {
@@ -224,6 +224,7 @@ fn write(shape: &Shape, entries: &[EntrySpec]) -> String {
 fn same(got: &std::result::Result<Vec<Option<u64>>, LoadError>, want: &std::result::Result<Vec<Option<u64>>, LoadError>) -> bool {
     match (got, want) {
         (Err(LoadError::NotJson(_)), Err(LoadError::NotJson(_))) => true,
+        (Err(LoadError::BadRanks(_)), Err(LoadError::BadRanks(_))) => true,
         (g, w) => g == w,
     }
 }
@@ -292,7 +293,7 @@ fn check_raw(data: &[u8]) {
             }
         }
         Err(LoadError::RankOutOfRange(r)) => assert!(r >= u64::from(MAX_DP_SIZE)),
-        Err(LoadError::NoRanks | LoadError::NotJson(_)) => {}
+        Err(LoadError::NoRanks | LoadError::NotJson(_) | LoadError::BadRanks(_)) => {}
     }
 }
 

@@ -77,6 +77,29 @@ pub struct ConfigJson {
     pub prefix_kv_weight: Option<f64>,
     #[serde(default)]
     pub prefix_queue: Option<QueueMeasure>,
+    #[serde(default)]
+    pub passive_health: Option<PassiveHealthJson>,
+    /// Listed workers: respect the host health Envoy has for this cluster.
+    #[serde(default)]
+    pub envoy_health: Option<DiscoveryJson>,
+    #[serde(default)]
+    pub retry_alternates: Option<u32>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PassiveHealthJson {
+    /// false turns passive health off.
+    #[serde(default)]
+    pub enabled: Option<bool>,
+    #[serde(default)]
+    pub consecutive_failures: Option<u32>,
+    #[serde(default)]
+    pub cooldown_ms: Option<u64>,
+    #[serde(default)]
+    pub max_cooldown_ms: Option<u64>,
+    #[serde(default)]
+    pub probe_share: Option<f64>,
 }
 
 #[derive(Debug, Deserialize)]

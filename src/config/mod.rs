@@ -6,7 +6,7 @@ mod json;
 pub mod prefix;
 mod validate;
 
-pub use json::{ConfigJson, DiscoveryJson, WorkerJson};
+pub use json::{ConfigJson, DiscoveryJson, PassiveHealthJson, WorkerJson};
 pub use prefix::{Prefix, QueueMeasure};
 pub use validate::default_worker_name;
 
@@ -32,6 +32,18 @@ pub const DEFAULT_ROUTE_HEADER: &str = "x-dprank-endpoint";
 pub const DEFAULT_POLL_INTERVAL_MS: u64 = 1000;
 pub const DEFAULT_STATE_KEY: &str = "dprank";
 pub const DEFAULT_PATHS: [&str; 3] = ["/generate", "/v1/completions", "/v1/chat/completions"];
+/// Passive health defaults: Envoy's outlier detection ejects after 5
+/// consecutive 5xx (smg's circuit breaker after 10); the cooldown starts
+/// shorter than Envoy's 30 s because a probe costs a single request, and is
+/// capped at Envoy's 300 s.
+pub const DEFAULT_CONSECUTIVE_FAILURES: u32 = 5;
+pub const DEFAULT_COOLDOWN_MS: u64 = 10_000;
+pub const DEFAULT_MAX_COOLDOWN_MS: u64 = 300_000;
+pub const DEFAULT_PROBE_SHARE: f64 = 0.05;
+/// Alternates named after the chosen worker: the shipped route's `num_retries`.
+pub const DEFAULT_RETRY_ALTERNATES: u32 = 2;
+/// Most alternates a route header may list.
+pub const MAX_RETRY_ALTERNATES: u32 = 16;
 
 /// Which load endpoint a worker is polled on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
@@ -98,6 +110,20 @@ impl Worker {
 pub struct Discovery {
     pub cluster: String,
     pub admin_cluster: String,
+}
+
+/// Passive health (`passive_health`): when a worker or one of its ranks
+/// leaves rotation after failing, and how it comes back (`health.rs`).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct PassiveHealth {
+    /// Failures in a row that eject a worker (or a rank).
+    pub consecutive_failures: u32,
+    /// The first cooldown; each ejection in a row doubles it.
+    pub cooldown_ms: u64,
+    pub max_cooldown_ms: u64,
+    /// Share of requests for which a worker (or rank) past its cooldown is a
+    /// candidate: its probes.
+    pub probe_share: f64,
 }
 
 /// Where a rank value comes from, for the fields PD mode writes.
@@ -176,6 +202,15 @@ pub struct Config {
     pub poll_loads: bool,
     /// Prefix affinity (None: `prefix_affinity: false`, load only).
     pub prefix: Option<Prefix>,
+    /// Passive health; None = off.
+    pub passive_health: Option<PassiveHealth>,
+    /// Listed workers: the cluster whose host health (from the admin API)
+    /// dprank respects. `workers_from_cluster` respects it through the
+    /// membership instead.
+    pub envoy_health: Option<Discovery>,
+    /// How many other workers with the chosen rank the route header names
+    /// after the chosen one, for Envoy's retries.
+    pub retry_alternates: u32,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -259,6 +294,11 @@ impl Config {
         self.routed()
             .iter()
             .chain(self.pd().into_iter().flat_map(|p| p.prefill.iter()))
+    }
+
+    /// Whether routing needs the health record: passive health or Envoy's view.
+    pub fn reads_health(&self) -> bool {
+        self.passive_health.is_some() || self.envoy_health.is_some()
     }
 
     pub fn routes_path(&self, path: &str) -> bool {

@@ -29,6 +29,85 @@ fn minimal_config_gets_documented_defaults() {
     assert!(!c.keep_client_rank);
     assert_eq!(c.pin_header, None);
     assert!(c.poll_loads);
+    assert_eq!(
+        c.passive_health,
+        Some(PassiveHealth {
+            consecutive_failures: 5,
+            cooldown_ms: 10_000,
+            max_cooldown_ms: 300_000,
+            probe_share: 0.05,
+        })
+    );
+    assert_eq!(c.envoy_health, None);
+    assert_eq!(c.retry_alternates, 2);
+}
+
+#[test]
+fn health_and_retry_keys() {
+    let c = parse(
+        r#"{"workers":[{"address":"127.0.0.1:1"}],"retry_alternates":0,
+            "passive_health":{"consecutive_failures":3,"cooldown_ms":2000,"max_cooldown_ms":8000,"probe_share":0.1},
+            "envoy_health":{"cluster":"sglang"}}"#,
+    )
+    .unwrap();
+    let p = c.passive_health.clone().unwrap();
+    assert_eq!(
+        (p.consecutive_failures, p.cooldown_ms, p.max_cooldown_ms),
+        (3, 2000, 8000)
+    );
+    assert_eq!(p.probe_share, 0.1);
+    assert_eq!(c.retry_alternates, 0);
+    let e = c.envoy_health.clone().unwrap();
+    assert_eq!(
+        (e.cluster.as_str(), e.admin_cluster.as_str()),
+        ("sglang", "dprank_admin")
+    );
+    assert!(c.reads_health());
+    let off = parse(r#"{"workers":[{"address":"127.0.0.1:1"}],"passive_health":{"enabled":false}}"#).unwrap();
+    assert_eq!(off.passive_health, None);
+    assert!(!off.reads_health());
+    // A long first cooldown raises the default cap with it.
+    let long =
+        parse(r#"{"workers":[{"address":"127.0.0.1:1"}],"passive_health":{"cooldown_ms":600000}}"#).unwrap();
+    assert_eq!(long.passive_health.unwrap().max_cooldown_ms, 600_000);
+}
+
+#[test]
+fn bad_health_and_retry_keys_are_named() {
+    let with = |extra: &str| parse(&format!(r#"{{"workers":[{{"address":"127.0.0.1:1"}}],{extra}}}"#));
+    for (extra, key) in [
+        (
+            r#""passive_health":{"consecutive_failures":0}"#,
+            "passive_health.consecutive_failures",
+        ),
+        (
+            r#""passive_health":{"cooldown_ms":10}"#,
+            "passive_health.cooldown_ms",
+        ),
+        (
+            r#""passive_health":{"cooldown_ms":5000,"max_cooldown_ms":4000}"#,
+            "passive_health.max_cooldown_ms",
+        ),
+        (
+            r#""passive_health":{"probe_share":0}"#,
+            "passive_health.probe_share",
+        ),
+        (
+            r#""passive_health":{"probe_share":1.5}"#,
+            "passive_health.probe_share",
+        ),
+        (r#""retry_alternates":17"#, "retry_alternates"),
+        (r#""envoy_health":{"cluster":""}"#, "envoy_health"),
+    ] {
+        assert_eq!(key_of(with(extra)), key, "{extra}");
+    }
+    assert!(matches!(
+        with(r#""passive_health":{"threshold":3}"#),
+        Err(ConfigError::Json(e)) if e.contains("threshold")
+    ));
+    let discovery =
+        parse(r#"{"workers_from_cluster":{"cluster":"sglang"},"envoy_health":{"cluster":"sglang"}}"#);
+    assert_eq!(key_of(discovery), "envoy_health");
 }
 
 #[test]

@@ -29,6 +29,14 @@ impl TryFrom<ConfigJson> for Config {
         )?;
         let paths = paths(json.paths)?;
         let (route_header, pin_header) = headers(json.route_header, json.pin_header)?;
+        let envoy_health = envoy_health(json.envoy_health, &mode)?;
+        let retry_alternates = json.retry_alternates.unwrap_or(DEFAULT_RETRY_ALTERNATES);
+        if retry_alternates > MAX_RETRY_ALTERNATES {
+            return Err(invalid(
+                "retry_alternates",
+                format!("must be 0..={MAX_RETRY_ALTERNATES}, got {retry_alternates}"),
+            ));
+        }
         Ok(Config {
             mode,
             poll_cluster: non_empty("poll_cluster", json.poll_cluster, DEFAULT_POLL_CLUSTER)?,
@@ -46,8 +54,83 @@ impl TryFrom<ConfigJson> for Config {
             state_key: state_key(json.state_key)?,
             poll_loads: json.poll_loads.unwrap_or(true),
             prefix,
+            passive_health: passive_health(json.passive_health.unwrap_or_default())?,
+            envoy_health,
+            retry_alternates,
         })
     }
+}
+
+/// `passive_health`: on with the defaults unless `enabled: false`.
+fn passive_health(json: PassiveHealthJson) -> Result<Option<PassiveHealth>, ConfigError> {
+    let key = |field: &str| format!("passive_health.{field}");
+    if json.enabled == Some(false) {
+        return Ok(None);
+    }
+    let consecutive_failures = json.consecutive_failures.unwrap_or(DEFAULT_CONSECUTIVE_FAILURES);
+    if !(1..=1000).contains(&consecutive_failures) {
+        return Err(invalid(
+            key("consecutive_failures"),
+            format!("must be 1..=1000, got {consecutive_failures}"),
+        ));
+    }
+    let cooldown_ms = json.cooldown_ms.unwrap_or(DEFAULT_COOLDOWN_MS);
+    let max_cooldown_ms = json
+        .max_cooldown_ms
+        .unwrap_or(DEFAULT_MAX_COOLDOWN_MS.max(cooldown_ms));
+    if !(MIN_POLL_INTERVAL_MS..=MAX_POLL_INTERVAL_MS).contains(&cooldown_ms) {
+        return Err(invalid(
+            key("cooldown_ms"),
+            format!("must be {MIN_POLL_INTERVAL_MS}..={MAX_POLL_INTERVAL_MS}, got {cooldown_ms}"),
+        ));
+    }
+    if !(cooldown_ms..=MAX_POLL_INTERVAL_MS).contains(&max_cooldown_ms) {
+        return Err(invalid(
+            key("max_cooldown_ms"),
+            format!("must be cooldown_ms ({cooldown_ms})..={MAX_POLL_INTERVAL_MS}, got {max_cooldown_ms}"),
+        ));
+    }
+    let probe_share = json.probe_share.unwrap_or(DEFAULT_PROBE_SHARE);
+    // Not 0: a worker past its cooldown would never be tried again.
+    if !(probe_share > 0.0 && probe_share <= 1.0) {
+        return Err(invalid(
+            key("probe_share"),
+            format!("must be above 0 and at most 1, got {probe_share}"),
+        ));
+    }
+    Ok(Some(PassiveHealth {
+        consecutive_failures,
+        cooldown_ms,
+        max_cooldown_ms,
+        probe_share,
+    }))
+}
+
+/// `envoy_health`: for listed workers (and PD's decode workers, whose
+/// cluster it names); `workers_from_cluster` follows Envoy's health already.
+fn envoy_health(json: Option<DiscoveryJson>, mode: &Mode) -> Result<Option<Discovery>, ConfigError> {
+    let Some(json) = json else {
+        return Ok(None);
+    };
+    if matches!(mode, Mode::FromCluster { .. }) {
+        return Err(invalid(
+            "envoy_health",
+            "workers_from_cluster already leaves out the hosts Envoy reports unhealthy",
+        ));
+    }
+    let admin_cluster = json
+        .admin_cluster
+        .unwrap_or_else(|| DEFAULT_ADMIN_CLUSTER.to_string());
+    if json.cluster.is_empty() || admin_cluster.is_empty() {
+        return Err(invalid(
+            "envoy_health",
+            "`cluster` and `admin_cluster` must not be empty",
+        ));
+    }
+    Ok(Some(Discovery {
+        cluster: json.cluster,
+        admin_cluster,
+    }))
 }
 
 /// Which of the three modes the worker keys describe; exactly one must fit.

@@ -86,6 +86,8 @@ pub struct MemoryHost {
     pub replies: RefCell<Vec<Reply>>,
     /// How often a paused response was resumed.
     pub resumed: Cell<u32>,
+    /// Properties by dotted path (`response.code`), as Envoy serialises them.
+    pub properties: RefCell<HashMap<String, Vec<u8>>>,
     /// Host calls made, by `Host` method name.
     host_calls: RefCell<HashMap<&'static str, u64>>,
 }
@@ -128,6 +130,21 @@ impl MemoryHost {
             .map(|(k, v)| (k.to_string(), v.to_string()))
             .collect();
         *self.request_body.borrow_mut() = body.to_vec();
+    }
+    /// Sets the properties Envoy has when a request ends: status, code
+    /// details, the last attempt's host and the number of attempts.
+    pub fn finish_request(&self, code: u64, details: &str, upstream: Option<&str>, attempts: u64) {
+        let mut p = self.properties.borrow_mut();
+        p.clear();
+        p.insert("response.code".into(), code.to_le_bytes().to_vec());
+        p.insert("response.code_details".into(), details.as_bytes().to_vec());
+        if let Some(u) = upstream {
+            p.insert("upstream.address".into(), u.as_bytes().to_vec());
+        }
+        p.insert(
+            "upstream.request_attempt_count".into(),
+            attempts.to_le_bytes().to_vec(),
+        );
     }
     fn record(&self, kind: &'static str) {
         *self.host_calls.borrow_mut().entry(kind).or_default() += 1;
@@ -230,5 +247,9 @@ impl Host for MemoryHost {
     fn resume_response(&self) {
         self.record("resume_response");
         self.resumed.set(self.resumed.get() + 1);
+    }
+    fn property(&self, path: &[&str]) -> Option<Vec<u8>> {
+        self.record("property");
+        self.properties.borrow().get(&path.join(".")).cloned()
     }
 }

@@ -163,6 +163,86 @@ fn malformed_reports_count_as_failures() {
 }
 
 #[test]
+fn reports_with_senseless_ranks_are_refused_counted_and_logged_once() {
+    let (c, h, mut p) = first_round("");
+    let good = br#"[{"dp_rank":0,"num_tokens":7},{"dp_rank":1,"num_tokens":3}]"#;
+    p.on_response(&c, &h, 1, Some(200), good);
+    let bad: [&[u8]; 3] = [
+        br#"{"loads":[{"dp_rank":0,"num_tokens":1},{"dp_rank":99,"num_tokens":0}]}"#,
+        br#"[{"dp_rank":0,"num_tokens":1},{"dp_rank":0,"num_tokens":0}]"#,
+        br#"{"dp_rank_count":3,"loads":[{"dp_rank":0,"num_tokens":1},{"dp_rank":2,"num_tokens":0}]}"#,
+    ];
+    for (round, body) in bad.iter().enumerate() {
+        h.now.set(9_000_000 + 1000 * (round as u64 + 1));
+        h.calls.borrow_mut().clear();
+        p.on_tick(&c, &h);
+        let token = h.calls.borrow()[0].2;
+        p.on_response(&c, &h, token, Some(200), body);
+    }
+    let refused = |h: &FakeHost| h.shared_get(&Keys::of(&c).refused()).map(|(b, _)| b.len());
+    assert!(refused(&h).is_some_and(|n| n > 4), "worker a is listed");
+    assert!(
+        !store::set_refused(&c, &h, c.routed()[0].address, true),
+        "so another VM stays silent"
+    );
+    assert_eq!(h.counter("dprank.report_refused.a"), 3);
+    assert_eq!(h.counter("dprank.poll_failed.a"), 0, "the poll itself went fine");
+    assert_eq!(h.counter("dprank.poll_ok.a"), 1);
+    let a = read_worker_states(&c, &h)[0].clone().unwrap();
+    assert_eq!(
+        (a.ranks(), a.snapshot_at_ms),
+        (2, 9_000_000),
+        "the last good snapshot stays (and ages)"
+    );
+    h.now.set(9_010_000);
+    h.calls.borrow_mut().clear();
+    p.on_tick(&c, &h);
+    let token = h.calls.borrow()[0].2;
+    p.on_response(&c, &h, token, Some(200), good);
+    assert!(
+        store::set_refused(&c, &h, c.routed()[0].address, true),
+        "a good report ended the episode: the next refusal is logged again"
+    );
+}
+
+#[test]
+fn envoy_health_is_read_from_the_admin_api_every_round() {
+    let (c, h, mut p) = first_round(r#","envoy_health":{"cluster":"sglang","admin_cluster":"admin"}"#);
+    let admin: Vec<_> = h
+        .calls
+        .borrow()
+        .iter()
+        .filter(|(cluster, _, _)| cluster == "admin")
+        .map(|(_, headers, token)| (headers.clone(), *token))
+        .collect();
+    assert_eq!(admin.len(), 1);
+    let path = admin[0].0.iter().find(|(k, _)| k == ":path").unwrap().1.clone();
+    assert_eq!(path, "/clusters?format=json&filter=%5Esglang%24");
+    let answer = br#"{"cluster_statuses":[{"name":"sglang","host_statuses":[
+        {"address":{"socket_address":{"address":"127.0.0.1","port_value":1}},"health_status":{"eds_health_status":"HEALTHY"}},
+        {"address":{"socket_address":{"address":"127.0.0.1","port_value":2}},"health_status":{"failed_outlier_check":true}},
+        {"address":{"socket_address":{"address":"127.0.0.9","port_value":9}},"health_status":{"failed_active_health_check":true}}
+    ]}]}"#;
+    p.on_response(&c, &h, admin[0].1, Some(200), answer);
+    let b: SocketAddr = "127.0.0.1:2".parse().unwrap();
+    assert_eq!(
+        store::read_health(&c, &h).envoy_unhealthy,
+        vec![b],
+        "only configured workers are kept"
+    );
+    h.now.set(9_001_000);
+    h.calls.borrow_mut().clear();
+    p.on_tick(&c, &h);
+    assert_eq!(h.gauge_value("dprank.health.b"), Some(3));
+    assert_eq!(h.gauge_value("dprank.health.a"), Some(0));
+    // A failed read keeps the last view.
+    let token = h.calls.borrow().iter().find(|c| c.0 == "admin").unwrap().2;
+    p.on_response(&c, &h, token, Some(503), b"");
+    assert_eq!(h.counter("dprank.envoy_health_failed"), 1);
+    assert_eq!(store::read_health(&c, &h).envoy_unhealthy, vec![b]);
+}
+
+#[test]
 fn configured_dp_size_trims_a_larger_report() {
     let (c, h, mut p) = first_round("");
     p.on_response(
@@ -321,4 +401,27 @@ fn a_reloaded_configuration_takes_the_lease_at_once() {
     assert_eq!(h.calls.borrow().len(), 2, "the old config backs off");
     new_poller.on_tick(&new, &h);
     assert_eq!(h.calls.borrow().len(), 4, "the new one polls at its interval");
+}
+
+#[test]
+fn a_worker_ejected_for_broken_streams_then_gone_returns_at_its_first_good_poll() {
+    use crate::health::{observe, Outcome, Phase, Target};
+    let (c, h, mut p) = first_round("");
+    let a = Target {
+        worker: c.routed()[0].address,
+        rank: None,
+    };
+    for _ in 0..5 {
+        observe::record(&c, &h, &[(a, Outcome::Failure)], 9_000_000, false);
+    }
+    let phase = |h: &FakeHost| store::read_health(&c, h).entry(&a).map(|e| e.phase(h.now_ms()));
+    assert!(matches!(phase(&h), Some(Phase::Ejected { .. })));
+    p.on_response(&c, &h, 1, Some(503), b"no healthy upstream");
+    h.now.set(9_001_000);
+    h.calls.borrow_mut().clear();
+    p.on_tick(&c, &h);
+    assert!(matches!(phase(&h), Some(Phase::Ejected { .. })), "still ejected");
+    let token = h.calls.borrow()[0].2;
+    p.on_response(&c, &h, token, Some(200), br#"[{"dp_rank":0,"num_tokens":1}]"#);
+    assert_eq!(phase(&h), Some(Phase::Probing), "its cooldown (10 s) ended early");
 }

@@ -4,7 +4,7 @@
 use super::*;
 use crate::host::fake::FakeHost;
 use crate::router::testing::{fleet, json, pd_fleet};
-use crate::store::read_worker_states;
+use crate::store::{self, read_worker_states};
 
 fn request(config: &Config) -> Request {
     Request::new(Rc::new(Routing::new(Rc::new(config.clone()), 0)))
@@ -47,7 +47,11 @@ fn a_routed_request_gets_its_endpoint_rank_and_length_and_gives_its_estimate_bac
     let client = [("x-dprank-endpoint", "10.9.9.9:1"), ("x-pin", "zzz/0")];
     post(&h, "/generate?x=1", br#"{"text":"hello there"}"#, &client);
     assert_eq!(send(&mut r, &h), (Action::Pause, Action::Continue));
-    assert_eq!(h.header("x-dprank-endpoint").as_deref(), Some("127.0.0.1:2"));
+    // b, then a (which has rank 2 too) for Envoy's retries.
+    assert_eq!(
+        h.header("x-dprank-endpoint").as_deref(),
+        Some("127.0.0.1:2,127.0.0.1:1")
+    );
     assert_eq!(h.header("x-pin"), None, "the pin header never reaches the worker");
     let body = h.request_body.borrow().clone();
     assert_eq!(body, br#"{"routed_dp_rank":2,"text":"hello there"}"#);
@@ -127,7 +131,10 @@ fn trailers_end_a_body_that_never_saw_end_of_stream() {
     assert_eq!(r.on_request_headers(&h, false), Action::Pause);
     assert_eq!(r.on_request_body(&h, 14, false), Action::Pause);
     assert_eq!(r.on_request_trailers(&h), Action::Continue);
-    assert_eq!(h.header("x-dprank-endpoint").as_deref(), Some("127.0.0.1:2"));
+    assert_eq!(
+        h.header("x-dprank-endpoint").as_deref(),
+        Some("127.0.0.1:2,127.0.0.1:1")
+    );
     assert_eq!(r.on_request_trailers(&h), Action::Continue, "routed once");
     assert_eq!(h.counter("dprank.routed.b.rank_2"), 1);
 }
@@ -194,7 +201,11 @@ fn pd_sends_the_prefill_leg_and_holds_the_decode_response_until_it_is_done() {
     let decode_body = json(&h.request_body.borrow());
     assert_eq!(prefill_body["bootstrap_room"], decode_body["bootstrap_room"]);
     assert_eq!(decode_body["disagg_prefill_dp_rank"], 1);
-    assert_eq!(h.header("x-dprank-endpoint").as_deref(), Some("10.0.1.2:30000"));
+    assert_eq!(
+        h.header("x-dprank-endpoint").as_deref(),
+        Some("10.0.1.2:30000,10.0.1.1:30000"),
+        "the other decode worker for retries"
+    );
     assert_eq!(
         h.header("content-length"),
         Some(h.request_body.borrow().len().to_string())
@@ -276,4 +287,178 @@ fn membership_changes_reach_the_next_request() {
     post(&h, "/generate", br#"{"text":"x"}"#, &[]);
     send(&mut r, &h);
     assert_eq!(h.header("x-dprank-endpoint").as_deref(), Some("10.0.0.1:1"));
+}
+
+/// Sends one routed request that ends as Envoy reports; returns the route header.
+fn routed_and_ended(
+    c: &Config,
+    h: &FakeHost,
+    code: u64,
+    details: &str,
+    upstream: &str,
+    attempts: u64,
+) -> String {
+    let mut r = request(c);
+    post(h, "/generate", br#"{"text":"x"}"#, &[]);
+    send(&mut r, h);
+    let route = h.header("x-dprank-endpoint").unwrap_or_default();
+    h.finish_request(code, details, Some(upstream), attempts);
+    r.on_done(h);
+    route
+}
+
+#[test]
+fn a_worker_answering_500_leaves_rotation_after_five_and_comes_back_after_a_probe() {
+    let (c, h) = fleet(r#","passive_health":{"probe_share":1.0}"#);
+    for i in 1..=5 {
+        let route = routed_and_ended(&c, &h, 500, "via_upstream", "127.0.0.1:2", 1);
+        assert!(route.starts_with("127.0.0.1:2"), "{i}: b is the least loaded");
+        assert_eq!(h.counter("dprank.failures.b"), i);
+    }
+    assert_eq!(h.counter("dprank.ejections.b"), 1);
+    assert_eq!(h.gauge_value("dprank.health.b"), Some(2));
+    // b's rank 2 was ejected along with it (every failure was on rank 2).
+    assert_eq!(h.counter("dprank.rank_ejections.b"), 1);
+    let route = routed_and_ended(&c, &h, 200, "via_upstream", "127.0.0.1:1", 1);
+    assert_eq!(route, "127.0.0.1:1", "a alone: b is out, so no alternate either");
+    assert_eq!(h.counter("dprank.retry.no_alternate"), 1);
+    // After the cooldown (10 s), every request may probe (share 1.0 here).
+    h.now.set(h.now.get() + 10_000);
+    // Keep the loads fresh.
+    crate::router::testing::poll(&c, &h, 0, &[100, 50, 100, 100]);
+    crate::router::testing::poll(&c, &h, 1, &[100, 100, 20, 100]);
+    let route = routed_and_ended(&c, &h, 200, "via_upstream", "127.0.0.1:2", 1);
+    assert!(route.starts_with("127.0.0.1:2"), "the probe: {route}");
+    let route = routed_and_ended(&c, &h, 200, "via_upstream", "127.0.0.1:2", 1);
+    assert_eq!(route, "127.0.0.1:2,127.0.0.1:1", "back in rotation");
+    assert_eq!(h.counter("dprank.failures.b"), 5);
+}
+
+#[test]
+fn successes_on_a_healthy_fleet_write_nothing_and_client_errors_never_count() {
+    let (c, h) = fleet("");
+    routed_and_ended(&c, &h, 200, "via_upstream", "127.0.0.1:2", 1);
+    let (gets, sets) = (h.host_calls("shared_get"), h.host_calls("shared_set"));
+    let properties = h.host_calls("property");
+    routed_and_ended(&c, &h, 200, "via_upstream", "127.0.0.1:2", 1);
+    assert_eq!(
+        h.host_calls("property") - properties,
+        3,
+        "attempts, code details, status: not the upstream"
+    );
+    // Routing reads the states and the health record, and writes the estimate
+    // and its release; the end reads nothing more.
+    assert_eq!(h.host_calls("shared_get") - gets, 2 + 1 + 1 + 1);
+    assert_eq!(h.host_calls("shared_set") - sets, 2);
+    for _ in 0..20 {
+        routed_and_ended(&c, &h, 400, "via_upstream", "127.0.0.1:2", 1);
+    }
+    assert_eq!(h.counter("dprank.failures.b"), 0);
+    assert!(store::read_health(&c, &h).entries.is_empty());
+}
+
+#[test]
+fn a_refused_connection_counts_for_the_chosen_worker_and_the_retry_for_the_alternate() {
+    let (c, h) = fleet("");
+    let refused = "upstream_reset_before_response_started{connection_failure}";
+    // The chosen worker (b) refused; Envoy retried on the alternate (a), which answered.
+    let route = routed_and_ended(&c, &h, 200, "via_upstream", "127.0.0.1:1", 2);
+    assert_eq!(route, "127.0.0.1:2,127.0.0.1:1");
+    assert_eq!(h.counter("dprank.retry.to_alternate"), 1);
+    assert_eq!(h.counter("dprank.failures.b"), 1);
+    assert_eq!(h.counter("dprank.failures.a"), 0);
+    // Both refused; the fallback policy found nothing better.
+    routed_and_ended(&c, &h, 503, refused, "127.0.0.1:1", 3);
+    assert_eq!(h.counter("dprank.failures.a"), 1);
+    assert_eq!(h.counter("dprank.failures.b"), 2);
+    let health = store::read_health(&c, &h);
+    let b: std::net::SocketAddr = "127.0.0.1:2".parse().unwrap();
+    let b_entry = health
+        .entries
+        .iter()
+        .find(|e| e.target.worker == b && e.target.rank.is_none());
+    assert_eq!(b_entry.map(|e| e.failures), Some(2), "{health:?}");
+    assert!(
+        health.entries.iter().all(|e| e.target.rank.is_none()),
+        "no rank saw these requests"
+    );
+    // Served by a host outside the list (the fallback policy's pick).
+    routed_and_ended(&c, &h, 400, "via_upstream", "127.0.0.1:9", 3);
+    assert_eq!(h.counter("dprank.retry.to_fallback"), 1);
+}
+
+#[test]
+fn passive_health_off_reads_no_properties_but_retries_are_still_counted() {
+    let (c, h) = fleet(r#","passive_health":{"enabled":false},"retry_alternates":0"#);
+    let route = routed_and_ended(&c, &h, 500, "via_upstream", "127.0.0.1:2", 1);
+    assert_eq!(route, "127.0.0.1:2", "no alternates");
+    assert_eq!(h.host_calls("property"), 0);
+    assert_eq!(h.counter("dprank.failures.b"), 0);
+    let (c, h) = fleet(r#","passive_health":{"enabled":false}"#);
+    routed_and_ended(&c, &h, 200, "via_upstream", "127.0.0.1:1", 2);
+    assert_eq!(h.counter("dprank.retry.to_alternate"), 1);
+    assert!(store::read_health(&c, &h).entries.is_empty());
+}
+
+#[test]
+fn with_every_worker_out_of_rotation_requests_pass_through_until_a_poll_reaches_one() {
+    for closed in [false, true] {
+        let (c, h) = fleet(if closed { r#","fail_mode":"closed""# } else { "" });
+        let refused = "upstream_reset_before_response_started{connection_failure}";
+        // Both refuse: b first, then its alternate a, then the fallback's pick.
+        for _ in 0..5 {
+            routed_and_ended(&c, &h, 503, refused, "127.0.0.1:1", 3);
+        }
+        assert_eq!(
+            h.counter("dprank.ejections.a") + h.counter("dprank.ejections.b"),
+            2
+        );
+        let route = routed_and_ended(&c, &h, 503, "no_healthy_upstream", "127.0.0.1:1", 1);
+        assert_eq!(route, "", "no route header: the fallback policy picks");
+        if closed {
+            assert_eq!(reply_status(&h), vec![503]);
+            assert_eq!(h.counter("dprank.rejected.none_in_rotation"), 1);
+        } else {
+            assert_eq!(h.counter("dprank.passthrough.none_in_rotation"), 1);
+        }
+        assert_eq!(
+            h.counter("dprank.passthrough.no_fresh_data"),
+            0,
+            "the data is fresh"
+        );
+        // b answers its load poll: probed at once, and (nothing else being in
+        // rotation) by every request until it answers one.
+        crate::health::observe::poll_answered(&c, &h, "127.0.0.1:2".parse().unwrap());
+        let route = routed_and_ended(&c, &h, 200, "via_upstream", "127.0.0.1:2", 1);
+        assert_eq!(route, "127.0.0.1:2", "a is still out: no alternate");
+        let route = routed_and_ended(&c, &h, 200, "via_upstream", "127.0.0.1:2", 1);
+        assert_eq!(route, "127.0.0.1:2", "b is back");
+        assert_eq!(h.gauge_value("dprank.health.b"), Some(0));
+    }
+}
+
+#[test]
+fn about_the_probe_share_of_requests_go_to_a_worker_past_its_cooldown() {
+    let (c, h) = fleet("");
+    for _ in 0..5 {
+        routed_and_ended(&c, &h, 500, "via_upstream", "127.0.0.1:2", 1);
+    }
+    h.now.set(h.now.get() + 10_000);
+    crate::router::testing::poll(&c, &h, 0, &[100, 50, 100, 100]);
+    crate::router::testing::poll(&c, &h, 1, &[100, 100, 20, 100]);
+    // b is probing and the least loaded; 429 answers leave it probing. One
+    // VM's requests share its tie-break sequence, which draws the probes.
+    let routing = Rc::new(Routing::new(Rc::new(c.clone()), 7));
+    let to_b = (0..2000)
+        .filter(|_| {
+            let mut r = Request::new(routing.clone());
+            post(&h, "/generate", br#"{"text":"x"}"#, &[]);
+            send(&mut r, &h);
+            let route = h.header("x-dprank-endpoint").unwrap_or_default();
+            h.finish_request(429, "via_upstream", Some("127.0.0.1:2"), 1);
+            r.on_done(&h);
+            route.starts_with("127.0.0.1:2")
+        })
+        .count();
+    assert!((60..=140).contains(&to_b), "{to_b} of 2000 at a 5% probe share");
 }

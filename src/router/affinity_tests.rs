@@ -44,7 +44,7 @@ fn finish(c: &Config, h: &dyn Host, r: &Routed) {
         prefill_started(c, h, p);
     }
     if let Some(t) = &r.ticket {
-        release(c, h, t);
+        release(c, h, t, None);
     }
 }
 
@@ -229,8 +229,8 @@ fn pd_chooses_the_prefill_rank_by_prefix_and_the_decode_rank_by_load() {
     if let Some(p) = &first.prefill_charge {
         prefill_started(&c, &h, p);
     }
-    release(&c, &h, first.prefill_ticket.as_ref().unwrap());
-    release(&c, &h, first.decode_ticket.as_ref().unwrap());
+    release(&c, &h, first.prefill_ticket.as_ref().unwrap(), None);
+    release(&c, &h, first.decode_ticket.as_ref().unwrap(), None);
     assert_eq!(
         first.decode.as_ref().map(|d| (d.worker, d.rank)),
         Some((1, Some(1)))
@@ -239,8 +239,8 @@ fn pd_chooses_the_prefill_rank_by_prefix_and_the_decode_rank_by_load() {
         let next = pd(tie);
         assert_eq!((next.prefill.worker, next.prefill.rank), prefill, "tie {tie}");
         assert!(next.decode_ticket.is_some());
-        release(&c, &h, next.prefill_ticket.as_ref().unwrap());
-        release(&c, &h, next.decode_ticket.as_ref().unwrap());
+        release(&c, &h, next.prefill_ticket.as_ref().unwrap(), None);
+        release(&c, &h, next.decode_ticket.as_ref().unwrap(), None);
         if let Some(p) = &next.prefill_charge {
             prefill_started(&c, &h, p);
         }

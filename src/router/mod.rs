@@ -5,11 +5,12 @@
 mod pd;
 mod replies;
 
-pub use pd::{mark_unreachable, prefill_not_sent, prefill_outcome, PdRouted};
+pub use pd::{mark_unreachable, prefill_health, prefill_not_sent, prefill_outcome, PdRouted};
 pub use replies::Reply;
 
 use crate::body::{may_name_a_rank, BodyError, JsonObject};
 use crate::config::{Config, CostEstimate, FailMode};
+use crate::health::{self, Health};
 use crate::host::Host;
 use crate::metrics;
 use crate::prefix::{Affinity, PromptBlocks};
@@ -31,6 +32,9 @@ pub enum PassReason {
     ClientRankUnavailable,
     /// Not JSON to dprank, yet it names a rank a lenient server parser could honour.
     UnreadableRank,
+    /// Workers have fresh data, but none is in rotation (ejected by passive
+    /// health, or unhealthy in Envoy).
+    NoneInRotation,
 }
 
 impl PassReason {
@@ -45,6 +49,7 @@ impl PassReason {
             PassReason::NoFreshData => "no_fresh_data",
             PassReason::ClientRankUnavailable => "client_rank_unavailable",
             PassReason::UnreadableRank => "unreadable_rank",
+            PassReason::NoneInRotation => "none_in_rotation",
         }
     }
 }
@@ -72,13 +77,29 @@ impl Chosen {
 #[derive(Debug, PartialEq, Eq)]
 pub struct Routed {
     pub to: Chosen,
+    /// Other workers with the same rank, cheapest first, for Envoy's retries.
+    pub alternates: Vec<Chosen>,
     /// The rewritten body, or None to keep the client's (a trusted client rank).
     pub body: Option<Vec<u8>>,
     /// To release when the request ends; None if accounting could not be written.
     pub ticket: Option<Ticket>,
+    /// The health record listed nothing when the request was routed: its
+    /// success needs no write.
+    pub health_was_clean: bool,
     /// Prefix affinity: the prefill charged to the rank, to take back at
     /// the first response byte (or the end).
     pub prefill: Option<PrefillTicket>,
+}
+
+/// The route header's value: the chosen worker, then its alternates
+/// (`override_host` takes the next one at each retry).
+pub fn route_value(to: &Chosen, alternates: &[Chosen]) -> String {
+    let mut value = to.endpoint.clone();
+    for alt in alternates {
+        value.push(',');
+        value.push_str(&alt.endpoint);
+    }
+    value
 }
 
 #[derive(Debug, PartialEq, Eq)]
@@ -107,6 +128,7 @@ fn pass_or_reject(config: &Config, host: &dyn Host, reason: PassReason, body: Op
         (FailMode::Closed, PassReason::NotJson | PassReason::NotObject) => Some(Reply::not_an_object()),
         (FailMode::Closed, PassReason::ClientRankUnavailable) => Some(Reply::client_rank_unavailable()),
         (FailMode::Closed, PassReason::NoFreshData) => Some(Reply::no_fresh_data()),
+        (FailMode::Closed, PassReason::NoneInRotation) => Some(Reply::none_in_rotation()),
         _ => None,
     };
     match refusal {
@@ -152,40 +174,134 @@ fn pool<'a>(config: &'a Config, states: &'a [Option<WorkerState>], prefill: bool
     }
 }
 
+/// What a choice sees besides the pool: the health record and, for this
+/// request, whether it may probe a worker or rank past its cooldown.
+pub(crate) struct Sight {
+    pub health: Health,
+    pub now_ms: u64,
+    pub admit_probing: bool,
+}
+
+impl Sight {
+    /// Reads the health record if the configuration needs it.
+    pub(crate) fn read(config: &Config, host: &dyn Host, tie_breaker: u64) -> Sight {
+        let health = if config.reads_health() {
+            store::read_health(config, host)
+        } else {
+            Health::default()
+        };
+        let now_ms = host.now_ms();
+        let admit_probing = config
+            .passive_health
+            .as_ref()
+            .is_some_and(|p| health.any_probing(now_ms) && health::is_probe(p.probe_share, tie_breaker));
+        Sight {
+            health,
+            now_ms,
+            admit_probing,
+        }
+    }
+
+    fn context<'a>(&'a self, config: &Config, constraint: Constraint<'a>, tie_breaker: u64) -> Context<'a> {
+        Context {
+            now_ms: self.now_ms,
+            stale_after_ms: config.stale_after_ms,
+            constraint,
+            tie_breaker,
+            health: &self.health,
+            admit_probing: self.admit_probing,
+            affinity: None,
+        }
+    }
+
+    /// The best candidate: in rotation; else, when nothing is (and the
+    /// request was not already a probe), one past its cooldown, like
+    /// Envoy's panic threshold, rather than the fallback policy's pick.
+    fn pick(&self, pool: &Pool, ctx: &Context) -> Option<Candidate> {
+        scheduler::choose(pool, ctx).or_else(|| {
+            let probing = !ctx.admit_probing && self.health.any_probing(self.now_ms);
+            probing
+                .then(|| {
+                    let panic = Context {
+                        admit_probing: true,
+                        ..*ctx
+                    };
+                    scheduler::choose(pool, &panic)
+                })
+                .flatten()
+        })
+    }
+
+    /// Why a pool with no candidate for `constraint` has none: every
+    /// worker with fresh data is out of rotation, or there is no fresh data.
+    fn no_candidate_reason(&self, config: &Config, pool: &Pool, constraint: Constraint) -> PassReason {
+        if self.health.is_empty() {
+            return PassReason::NoFreshData;
+        }
+        let blind = Context {
+            health: &health::NO_HEALTH,
+            ..self.context(config, constraint, 0)
+        };
+        match scheduler::choose(pool, &blind) {
+            Some(_) => PassReason::NoneInRotation,
+            None => PassReason::NoFreshData,
+        }
+    }
+}
+
 /// The best (worker, rank) of a pool under a constraint; `worker` indexes
 /// `Config::all_workers`. A pin that names no candidate is ignored (and
 /// counted): it is a preference, not a constraint.
 fn choose(
     config: &Config,
     host: &dyn Host,
+    sight: &Sight,
     pool: &Pool,
     constraint: Constraint,
     tie_breaker: u64,
     affinity: Option<&Affinity>,
 ) -> Option<Candidate> {
     let ctx = Context {
-        now_ms: host.now_ms(),
-        stale_after_ms: config.stale_after_ms,
-        constraint,
-        tie_breaker,
         affinity,
+        ..sight.context(config, constraint, tie_breaker)
     };
-    let mut pick = scheduler::choose(pool, &ctx);
+    let mut pick = sight.pick(pool, &ctx);
     if pick.is_none() && constraint.pin.is_some() {
         host.count(metrics::PIN_IGNORED, 1);
         let unpinned = Constraint {
             pin: None,
             ..constraint
         };
-        pick = scheduler::choose(
-            pool,
-            &Context {
-                constraint: unpinned,
-                ..ctx
-            },
-        );
+        let ctx = Context {
+            affinity,
+            ..sight.context(config, unpinned, tie_breaker)
+        };
+        pick = sight.pick(pool, &ctx);
     }
     pick
+}
+
+/// The workers Envoy should retry `chosen` on (`retry_alternates` of them
+/// at most); counted when there is none.
+fn alternates(
+    config: &Config,
+    host: &dyn Host,
+    sight: &Sight,
+    pool: &Pool,
+    chosen: &Candidate,
+) -> Vec<Chosen> {
+    if config.retry_alternates == 0 {
+        return Vec::new();
+    }
+    let ctx = sight.context(config, Constraint::default(), 0);
+    let found = scheduler::alternates(pool, &ctx, chosen, config.retry_alternates as usize);
+    if found.is_empty() {
+        host.count(metrics::NO_ALTERNATE, 1);
+    }
+    found
+        .iter()
+        .map(|c| Chosen::new(config, c.worker, Some(c.rank)))
+        .collect()
 }
 
 /// Prefix affinity for one request over the pool starting at `offset` in
@@ -307,10 +423,14 @@ pub fn prefill_started(config: &Config, host: &dyn Host, ticket: &PrefillTicket)
     });
 }
 
-/// Gives back a routed request's estimate when its stream ends.
-pub fn release(config: &Config, host: &dyn Host, ticket: &Ticket) {
+/// Gives back a routed request's estimate when its stream ends (and, under
+/// prefix affinity, its prefill charge when no response byte came first).
+pub fn release(config: &Config, host: &dyn Host, ticket: &Ticket, prefill: Option<&PrefillTicket>) {
     store::update_worker(config, host, ticket.worker, IfMissing::Skip, |state| {
         state.release(ticket);
+        if let Some(prefill) = prefill {
+            state.prefill_started(prefill);
+        }
         Some(())
     });
 }
@@ -344,21 +464,31 @@ pub fn route(config: &Config, host: &dyn Host, body: &[u8], pin: Option<&str>, t
         .flatten();
     let states = store::read_worker_states(config, host);
     let pool = pool(config, &states, false);
+    let sight = Sight::read(config, host, tie_breaker);
     let constraint = Constraint {
         only_rank: trusted_rank,
         pin,
     };
     let affinity = affinity(config, host, &object, pool.offset);
-    let Some(Candidate { worker, rank, .. }) =
-        choose(config, host, &pool, constraint, tie_breaker, affinity.as_ref())
-    else {
-        if trusted_rank.is_some() && choose(config, host, &pool, Constraint::default(), 0, None).is_some() {
+    let Some(chosen) = choose(
+        config,
+        host,
+        &sight,
+        &pool,
+        constraint,
+        tie_breaker,
+        affinity.as_ref(),
+    ) else {
+        let unconstrained = choose(config, host, &sight, &pool, Constraint::default(), 0, None);
+        if trusted_rank.is_some() && unconstrained.is_some() {
             return pass_or_reject(config, host, PassReason::ClientRankUnavailable, None);
         }
         let neutralised = (trusted_rank.is_none() && object.has_any(&rank_names))
             .then(|| object.rewritten(&[], &rank_names));
-        return pass_or_reject(config, host, PassReason::NoFreshData, neutralised);
+        let reason = sight.no_candidate_reason(config, &pool, Constraint::default());
+        return pass_or_reject(config, host, reason, neutralised);
     };
+    let Candidate { worker, rank, .. } = chosen;
     let cost = estimated_tokens(config, &object, affinity.as_ref());
     let prefill = Prefill::of(affinity.as_ref(), worker - pool.offset, rank);
     let (ticket, prefill) = account(config, host, worker, rank, cost, prefill);
@@ -369,8 +499,10 @@ pub fn route(config: &Config, host: &dyn Host, body: &[u8], pin: Option<&str>, t
     });
     Decision::Route(Routed {
         to: Chosen::new(config, worker, Some(rank)),
+        alternates: alternates(config, host, &sight, &pool, &chosen),
         body,
         ticket,
+        health_was_clean: sight.health.entries.is_empty(),
         prefill,
     })
 }

@@ -3,10 +3,13 @@
 //! and what the prefill leg's outcome means for the client.
 
 use super::{
-    account, affinity, choose, parse_body, pool, record, reject, Chosen, Decision, PassReason, Prefill, Reply,
+    account, affinity, alternates, choose, parse_body, pool, record, reject, Chosen, Decision, PassReason,
+    Prefill, Reply, Sight,
 };
 use crate::body::bootstrap_fields;
 use crate::config::{Config, Pd, RankOf};
+use crate::health::observe;
+use crate::health::{classify, targets, Outcome};
 use crate::host::Host;
 use crate::metrics::{self, PerWorker};
 use crate::scheduler::Constraint;
@@ -18,6 +21,10 @@ pub struct PdRouted {
     pub prefill: Chosen,
     /// None when no decode worker has fresh data: the cluster's fallback picks.
     pub decode: Option<Chosen>,
+    /// Other decode workers with the decode rank, for Envoy's retries.
+    pub decode_alternates: Vec<Chosen>,
+    /// The health record listed nothing when the request was routed.
+    pub health_was_clean: bool,
     pub prefill_body: Vec<u8>,
     pub decode_body: Vec<u8>,
     pub prefill_ticket: Option<Ticket>,
@@ -55,6 +62,7 @@ pub(super) fn route_pd(
     };
     let (prefill_pin, decode_pin) = split_pin(pin);
     let states = store::read_worker_states(config, host);
+    let sight = Sight::read(config, host, tie_breaker);
     // The prefill rank is chosen by prefix and load, the decode rank by load.
     let prefill_pool = pool(config, &states, true);
     let affinity = affinity(config, host, &object, prefill_pool.offset);
@@ -63,6 +71,7 @@ pub(super) fn route_pd(
         choose(
             config,
             host,
+            &sight,
             &pool(config, &states, prefill),
             constraint,
             tie_breaker,
@@ -70,6 +79,9 @@ pub(super) fn route_pd(
         )
     };
     let (p, d) = (pick(true, prefill_pin), pick(false, decode_pin));
+    let decode_alternates = d
+        .map(|d| alternates(config, host, &sight, &pool(config, &states, false), &d))
+        .unwrap_or_default();
     if p.is_none() {
         host.count(metrics::NO_FRESH_PREFILL_DATA, 1);
     }
@@ -108,6 +120,8 @@ pub(super) fn route_pd(
     Decision::Pd(PdRouted {
         prefill: Chosen::new(config, prefill_index, ranks.0),
         decode: d.map(|c| Chosen::new(config, c.worker, Some(c.rank))),
+        decode_alternates,
+        health_was_clean: sight.health.entries.is_empty(),
         prefill_body: body_for(&pd.prefill_body_fields),
         decode_body: body_for(&pd.decode_body_fields),
         prefill_ticket,
@@ -161,6 +175,32 @@ pub fn prefill_outcome(
         mark_unreachable(config, host, worker);
     }
     Some(Reply::prefill_failed(&endpoint, status, body))
+}
+
+/// What the prefill leg's answer tells passive health about its worker and
+/// rank: an answer other than 5xx (and 429) is a success, a 5xx a failure of
+/// the rank, no answer at all (refused, reset, timeout) the worker's
+/// (unreachable).
+pub fn prefill_health(
+    config: &Config,
+    host: &dyn Host,
+    worker: usize,
+    rank: Option<u32>,
+    status: Option<u32>,
+    routed_at_ms: u64,
+) {
+    let Some(w) = config.worker(worker) else {
+        return;
+    };
+    let outcome = match status {
+        None => Outcome::Unreachable,
+        Some(code) => classify(Some(u64::from(code)), Some("via_upstream")),
+    };
+    if outcome == Outcome::Neutral {
+        return;
+    }
+    let observed = targets(w.address, rank, outcome);
+    observe::record(config, host, &observed, routed_at_ms, false);
 }
 
 /// The prefill leg could not even be dispatched (Envoy refused the call).

@@ -54,6 +54,15 @@ impl Reply {
         Reply::error(503, "service_unavailable", "no worker has fresh load data")
     }
 
+    /// Every worker with fresh load data is out of rotation (closed mode).
+    pub fn none_in_rotation() -> Reply {
+        Reply::error(
+            503,
+            "service_unavailable",
+            "every worker with fresh load data is out of rotation (failing, or unhealthy in Envoy)",
+        )
+    }
+
     /// The prefill leg failed. The client's own mistakes (a 4xx) keep their
     /// status; anything else is a 502.
     pub fn prefill_failed(endpoint: &str, status: Option<u32>, body: &[u8]) -> Reply {

@@ -12,6 +12,7 @@
 //! candidate list.
 
 mod fresh;
+mod healthy;
 mod kv;
 mod least_cost;
 mod load;
@@ -21,16 +22,22 @@ mod prefix;
 mod queue;
 
 use crate::config::Worker;
+use crate::health::Health;
 use crate::prefix::Affinity;
 use crate::state::WorkerState;
 
 /// Filters, in order: the first that drops a worker ends its turn.
-const FILTERS: &[&dyn Filter] = &[&fresh::Fresh, &only_rank::OnlyRank, &pinned::Pinned];
+const FILTERS: &[&dyn Filter] = &[
+    &fresh::Fresh,
+    &healthy::Healthy,
+    &only_rank::OnlyRank,
+    &pinned::Pinned,
+];
 /// Scorers: each adds its cost to every candidate left. Load only
 /// (`prefix_affinity: false`, and PD's decode pool):
 const LOAD_SCORERS: &[&dyn Scorer] = &[&load::Load];
-/// Prefix affinity: the prefill queued ahead, the request's own uncached
-/// prefill, and the rank's load (weighted, `config/prefix.rs`).
+/// Prefix affinity: the work queued ahead, the request's own uncached
+/// prefill, the rank's load and the KV it lacks (weighted, `config/prefix.rs`).
 const PREFIX_SCORERS: &[&dyn Scorer] = &[&queue::Queue, &prefix::Prefix, &load::Load, &kv::Kv];
 /// The picker: takes one candidate from those left.
 type ThePicker = least_cost::LeastCost;
@@ -72,6 +79,10 @@ pub struct Context<'a> {
     pub constraint: Constraint<'a>,
     /// Varies per request so that equal costs spread.
     pub tie_breaker: u64,
+    /// Workers and ranks out of rotation (passive health, Envoy's view).
+    pub health: &'a Health,
+    /// This request may go to a worker or rank whose cooldown is over (a probe).
+    pub admit_probing: bool,
     /// Prefix affinity for this request and pool (None: load only).
     pub affinity: Option<&'a Affinity<'a>>,
 }
@@ -112,35 +123,85 @@ fn offered_ranks(worker: &Worker, state: &WorkerState) -> usize {
         .map_or(state.ranks(), |dp| state.ranks().min(dp as usize))
 }
 
+/// Runs the filters and scorers on one worker: its cost slots, one per rank
+/// (None: removed), or None when a filter dropped the whole worker.
+fn run_steps(ctx: &Context, view: &WorkerView, slots: &mut Vec<Option<u64>>) -> bool {
+    slots.clear();
+    slots.resize(offered_ranks(view.worker, view.state), Some(0));
+    if !FILTERS.iter().all(|f| f.filter(ctx, view, slots)) {
+        return false;
+    }
+    let scorers = if ctx.affinity.is_some() {
+        PREFIX_SCORERS
+    } else {
+        LOAD_SCORERS
+    };
+    for scorer in scorers {
+        scorer.score(ctx, view, slots);
+    }
+    true
+}
+
 /// Runs the pipeline over `pool`; the candidate's `worker` is a
 /// `Config::all_workers` index. The constraint is strict: a pin that names
 /// no candidate leaves none (the router then retries without it).
 pub fn choose(pool: &Pool, ctx: &Context) -> Option<Candidate> {
     let mut picker = ThePicker::new(ctx);
     let mut slots: Vec<Option<u64>> = Vec::new();
-    let scorers = if ctx.affinity.is_some() {
-        PREFIX_SCORERS
-    } else {
-        LOAD_SCORERS
-    };
     for (index, (worker, state)) in pool.workers.iter().zip(pool.states).enumerate() {
         let Some(state) = state else { continue };
         let view = WorkerView { index, worker, state };
-        slots.clear();
-        slots.resize(offered_ranks(worker, state), Some(0));
-        if !FILTERS.iter().all(|f| f.filter(ctx, &view, &mut slots)) {
-            continue;
+        if run_steps(ctx, &view, &mut slots) {
+            picker.offer(index, &slots);
         }
-        for scorer in scorers {
-            scorer.score(ctx, &view, &mut slots);
-        }
-        picker.offer(index, &slots);
     }
     let chosen = picker.pick()?;
     Some(Candidate {
         worker: chosen.worker + pool.offset,
         ..chosen
     })
+}
+
+/// Up to `max` other workers of the pool that could serve `chosen`'s rank,
+/// cheapest first: each passes every filter with only that rank (and no
+/// probing), and its cost is that rank's. Envoy retries a request on them,
+/// in this order, when the chosen worker fails before answering (the route
+/// header lists them after it), so a retry never carries a rank the worker
+/// it lands on lacks.
+pub fn alternates(pool: &Pool, ctx: &Context, chosen: &Candidate, max: usize) -> Vec<Candidate> {
+    if max == 0 {
+        return Vec::new();
+    }
+    let strict = Context {
+        constraint: Constraint {
+            only_rank: Some(chosen.rank),
+            pin: None,
+        },
+        admit_probing: false,
+        ..*ctx
+    };
+    let mut found = Vec::new();
+    let mut slots: Vec<Option<u64>> = Vec::new();
+    for (index, (worker, state)) in pool.workers.iter().zip(pool.states).enumerate() {
+        let Some(state) = state else { continue };
+        if index + pool.offset == chosen.worker {
+            continue;
+        }
+        let view = WorkerView { index, worker, state };
+        if !run_steps(&strict, &view, &mut slots) {
+            continue;
+        }
+        if let Some(Some(cost)) = slots.get(chosen.rank as usize) {
+            found.push(Candidate {
+                worker: index + pool.offset,
+                rank: chosen.rank,
+                cost: *cost,
+            });
+        }
+    }
+    found.sort_by_key(|c| (c.cost, c.worker));
+    found.truncate(max);
+    found
 }
 
 #[cfg(test)]
@@ -165,13 +226,25 @@ pub(crate) mod testing {
         s
     }
 
-    pub fn ctx(constraint: Constraint) -> Context {
+    pub fn ctx(constraint: Constraint<'_>) -> Context<'_> {
         Context {
             now_ms: 1000,
             stale_after_ms: 3000,
             constraint,
             tie_breaker: 0,
+            health: &crate::health::NO_HEALTH,
+            admit_probing: false,
             affinity: None,
+        }
+    }
+
+    /// Passive health that ejects after 3 failures for 1 s, doubling to 4 s.
+    pub fn policy() -> crate::config::PassiveHealth {
+        crate::config::PassiveHealth {
+            consecutive_failures: 3,
+            cooldown_ms: 1000,
+            max_cooldown_ms: 4000,
+            probe_share: 0.05,
         }
     }
 
@@ -258,5 +331,63 @@ mod tests {
         };
         assert_eq!(choose(&pool, &pin("a/0")), Some(c(0, 0, 9)));
         assert_eq!(choose(&pool, &pin("a/5")), None);
+    }
+
+    #[test]
+    fn alternates_have_the_chosen_rank_are_healthy_and_ordered_by_its_cost() {
+        let workers = [
+            worker("a", 1, None),
+            worker("b", 2, None),
+            worker("c", 3, None),
+            worker("d", 4, None),
+            worker("e", 5, None),
+            worker("f", 6, None),
+            worker("g", 7, Some(2)),
+        ];
+        let states = [
+            Some(state(&[9, 9, 9, 0], 1000)),     // a: chosen (rank 3)
+            Some(state(&[1, 1], 1000)),           // b: no rank 3
+            Some(state(&[50, 50, 50, 70], 1000)), // c: rank 3 at 70
+            Some(state(&[50, 50, 50, 5], 0)),     // d: rank 3 at 5, but stale at 3500
+            Some(state(&[50, 50, 50, 30], 1000)), // e: rank 3 at 30
+            Some(state(&[50, 50, 50, 1], 1000)),  // f: cheapest, but ejected
+            Some(state(&[50, 50, 50, 0], 1000)),  // g: reports 4 ranks, dp_size 2
+        ];
+        let pool = Pool {
+            workers: &workers,
+            states: &states,
+            offset: 10,
+        };
+        let policy = policy();
+        let mut health = Health::default();
+        for _ in 0..3 {
+            let f = crate::health::Target {
+                worker: workers[5].address,
+                rank: None,
+            };
+            health.observe(&policy, f, crate::health::Outcome::Failure, 3000, 3000);
+        }
+        let ctx = Context {
+            now_ms: 3500,
+            health: &health,
+            // Probing is never offered as an alternate, even to a probe.
+            admit_probing: true,
+            ..ctx(Constraint::default())
+        };
+        let chosen = choose(&pool, &ctx).unwrap();
+        assert_eq!(chosen, c(10, 3, 0));
+        let alts = alternates(&pool, &ctx, &chosen, 5);
+        assert_eq!(alts, vec![c(14, 3, 30), c(12, 3, 70)]);
+        assert_eq!(alternates(&pool, &ctx, &chosen, 1), vec![c(14, 3, 30)]);
+        assert!(alternates(&pool, &ctx, &chosen, 0).is_empty());
+        // Past f's cooldown (1 s): still not an alternate.
+        let probing = Context { now_ms: 4200, ..ctx };
+        assert!(!alternates(&pool, &probing, &chosen, 5).contains(&c(15, 3, 1)));
+        let rank_0 = c(11, 0, 1);
+        assert_eq!(
+            alternates(&pool, &ctx, &rank_0, 9).len(),
+            4,
+            "a, c, e and g: fresh, in rotation, with rank 0"
+        );
     }
 }

@@ -25,7 +25,7 @@
 //! | load endpoint flapping (500 <-> ok every 300 ms) | same | both `poll_ok.b` and `poll_failed.b` grow | keeps working, mostly on b |
 //! | worker killed mid-stream | that stream is cut (the worker's failure); requests in flight there at the kill may fail, and one written on a kept-alive connection to it in the instant after (see above); nothing else | `poll_failed.b` | requests routed to it before its data is stale are retried elsewhere by Envoy (connection refused); then a only |
 //! | worker restarted at once with fewer ranks | until its new report is in (one poll), a request for a rank it lost is refused by it (400); then 200 | `poll_ok.b` | missing ranks never chosen after its next poll; its remaining ranks used |
-//! | all workers down | Envoy's own 503 (text, not the filter's JSON) | `routed.*` until stale, then `passthrough.no_fresh_data`; `poll_failed.*` | back within a poll or two of their return |
+//! | all workers down | Envoy's own 503 (text, not the filter's JSON) | `routed.*` until passive health ejects them (5 refused connections each), `passthrough.none_in_rotation` until stale, then `passthrough.no_fresh_data`; `poll_failed.*` | back within a poll or two of their return (a poll that reaches an ejected worker ends its cooldown) |
 
 use crate::common::faulty::{fronted_sim, LoadAnswer, SimProcess};
 use crate::common::traffic::{Outcome, Traffic};

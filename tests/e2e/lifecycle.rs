@@ -349,20 +349,16 @@ fn hot_restart_loses_no_request() {
             outcomes.len()
         ));
         // Every request carried the lowest pair's rank, except those the new
-        // process got before its first poll (passed through, still answered).
+        // process got before its first poll round was complete: passed
+        // through (no data yet) or routed on the one worker polled so far.
         let received = loader_requests(&sims, tag);
         for outcome in outcomes.iter() {
             let (worker, body) = received
                 .get(&outcome.seq)
                 .unwrap_or_else(|| panic!("{tag} request {} reached no worker", outcome.seq));
             match rank_field(body) {
-                Some(got) => assert_eq!(
-                    (worker.as_str(), got),
-                    ("worker_b", ("routed_dp_rank", 2)),
-                    "{tag} request {}: {body}",
-                    outcome.seq
-                ),
-                None => passed_through.push(outcome.sent),
+                Some(got) if (worker.as_str(), got) == ("worker_b", ("routed_dp_rank", 2)) => {}
+                _ => passed_through.push((outcome.sent, format!("{tag} {}: {worker} {body}", outcome.seq))),
             }
         }
     }
@@ -380,13 +376,13 @@ fn hot_restart_loses_no_request() {
         "{report:?}"
     );
     eprintln!(
-        "hot restart: {} requests passed through (no data yet): {passed_through:?}",
+        "hot restart: {} requests not on the lowest pair (no full poll round yet): {passed_through:?}",
         passed_through.len()
     );
-    for sent in &passed_through {
+    for (sent, what) in &passed_through {
         assert!(
             *sent >= restart_at && *sent <= ready_at + interval + SCHEDULING_SLACK,
-            "a request sent at {sent:?} passed through (epoch 1 ready at {ready_at:?})"
+            "{what}: sent at {sent:?}, not on the lowest pair (epoch 1 ready at {ready_at:?})"
         );
     }
 

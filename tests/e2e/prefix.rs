@@ -31,13 +31,7 @@ fn chat(world: &World, question: &str) -> (String, i64) {
 }
 
 fn start() -> World {
-    World::start(
-        "prefix_affinity",
-        2,
-        &["--instant"],
-        &[],
-        EnvoyOptions::default(),
-    )
+    World::start("prefix_affinity", 2, &["--instant"], &[], EnvoyOptions::default())
 }
 
 #[test]
@@ -58,7 +52,10 @@ fn a_shared_prefix_sticks_to_one_pair_and_distinct_prompts_spread() {
             world.served_by(&reply)
         })
         .collect();
-    assert!(spread.len() >= 4, "distinct prompts spread over equal ranks: {spread:?}");
+    assert!(
+        spread.len() >= 4,
+        "distinct prompts spread over equal ranks: {spread:?}"
+    );
     assert!(world.envoy.stat("shared_data_bytes") > 0);
 }
 
@@ -94,6 +91,10 @@ fn a_heavily_loaded_rank_loses_its_prefix_traffic_within_two_polls() {
         changed.elapsed()
     );
     for i in 0..5 {
-        assert_eq!(chat(&world, &format!("After {i}?")), moved, "sticks where it went");
+        assert_eq!(
+            chat(&world, &format!("After {i}?")),
+            moved,
+            "sticks where it went"
+        );
     }
 }

@@ -14,7 +14,7 @@ use dprank::state::WorkerState;
 use dprank::store::{self, Keys};
 
 use super::{time_ns, Timing, RANKS_PER_WORKER};
-use crate::stats::markdown_table;
+use crate::report::markdown_table;
 
 /// KV tokens per rank the indexes are sized for (the simulator's default).
 const CAPACITY_TOKENS: u64 = 200_000;
