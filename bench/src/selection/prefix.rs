@@ -138,6 +138,8 @@ pub fn rows(batches: usize) -> Result<(String, Timing), String> {
                 stale_after_ms: u64::MAX,
                 constraint: Constraint::default(),
                 tie_breaker: tie,
+                health: &dprank::health::NO_HEALTH,
+                admit_probing: false,
                 affinity: Some(&affinity),
             };
             choose(&pool, &ctx).map_or(0, |c| c.cost)
