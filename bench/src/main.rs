@@ -8,6 +8,7 @@ mod demo;
 mod envoy;
 mod fleet;
 mod loadgen;
+mod offline;
 mod overhead;
 mod plot;
 mod procs;
@@ -86,6 +87,8 @@ enum Command {
     Overhead(overhead::OverheadArgs),
     /// Cost of the filter's selection step and body handling (host micro-benchmark).
     Selection(selection::SelectionArgs),
+    /// Routing rules compared in virtual time (a model without Envoy): fast, deterministic.
+    Offline(offline::OfflineArgs),
 }
 
 #[derive(Debug, Clone, Args)]
@@ -344,6 +347,7 @@ async fn run(cli: Cli) -> Result<(), String> {
         Command::Load(args) => load(args.clone()).await,
         Command::Overhead(args) => overhead::overhead(&tools()?, args, &command_line).await,
         Command::Selection(args) => selection::selection(args, &command_line),
+        Command::Offline(args) => offline::offline(args, &command_line),
     }
 }
 

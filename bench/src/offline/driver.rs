@@ -1,0 +1,439 @@
+//! One offline run: a workload's plan through a variant's gateways into the
+//! simulator's engine in virtual time (`dprank_sim::offline::Fleet`).
+//!
+//! Events, in time order: arrivals (open-loop requests at their time; chat
+//! turns after the previous answer and a think time), every dprank
+//! gateway's poller ticks (at the filter's own tick period) and the answers
+//! to the polls they dispatch (the worker's `/v1/loads` as published at that
+//! moment, after `POLL_RTT_S`), and between them the engine's first tokens
+//! and finishes, fed back to the gateway that routed the request as its
+//! response head and first body chunk (streamed; a non-streamed response
+//! arrives whole at the end) and its end. Nothing is random but the seeded
+//! workload and tie-breaks: a run is a function of its inputs.
+
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, HashMap};
+
+use dprank_sim::chat::template_json;
+use dprank_sim::offline::{Fleet, Prompt, Request};
+use dprank_sim::output::text_upto;
+use dprank_sim::SimConfig;
+use serde_json::Value;
+
+use super::front::{mix, DprankGateway, Front, Held, Placement, PollCall};
+use super::smg::CacheAware;
+use crate::envoy::Balancer;
+use crate::loadgen::{gateway_for, RequestRecord, RunOutput};
+use crate::variant::{Dispatch, Front as VariantFront, Variant};
+use crate::workload::{bodies, text, Api, Plan};
+
+/// Round trip of a load poll (the worker answers from its last published
+/// snapshot at once).
+pub const POLL_RTT_S: f64 = 0.001;
+/// dprank's clock at simulated time 0 (ms since the Unix epoch).
+const EPOCH_MS: u64 = 1_800_000_000_000;
+
+/// Everything one run needs besides the plan.
+pub struct RunSpec<'a> {
+    pub variant: &'a Variant,
+    pub sim: SimConfig,
+    pub workers: usize,
+    pub seed: u64,
+    /// Chat turns that would start later than this are not sent.
+    pub turn_horizon_s: f64,
+    /// Stop here, whatever is still running (capacity runs).
+    pub cut_at_s: Option<f64>,
+}
+
+/// The engine never runs further ahead of the event queue than this, so a
+/// chat turn scheduled from a finish (its think time is at least 0.5 s)
+/// never lands in the engine's past.
+const MAX_STEP_S: f64 = 0.25;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+enum Event {
+    /// Open-loop request `i` of the plan.
+    Open(usize),
+    /// Turn `turn` of session `session`.
+    Turn { session: usize, turn: usize },
+    Tick(usize),
+    Poll { gateway: usize, token: u32, worker: usize },
+}
+
+struct Queue {
+    heap: BinaryHeap<Reverse<(u64, u64, Event)>>,
+    seq: u64,
+}
+
+impl Queue {
+    fn push(&mut self, at_s: f64, event: Event) {
+        self.seq += 1;
+        let at = (at_s.max(0.0) * 1e6).round() as u64;
+        self.heap.push(Reverse((at, self.seq, event)));
+    }
+
+    fn peek_s(&self) -> Option<f64> {
+        self.heap.peek().map(|Reverse((at, _, _))| *at as f64 / 1e6)
+    }
+
+    fn pop(&mut self) -> Option<(f64, Event)> {
+        self.heap.pop().map(|Reverse((at, _, e))| (at as f64 / 1e6, e))
+    }
+}
+
+/// A request in the engine.
+struct InFlight {
+    gateway: usize,
+    placement: Placement,
+    held: Held,
+    streamed: bool,
+    record: RequestRecord,
+    first_s: Option<f64>,
+    /// Chat: (session, turn).
+    turn: Option<(usize, usize)>,
+}
+
+/// The workers' addresses as dprank's configuration names them.
+pub fn worker_address(i: usize) -> String {
+    format!("10.0.{}.{}:30000", i / 250, i % 250 + 1)
+}
+
+/// dprank's configuration for a variant: the shipped filter keys, the
+/// variant's poll interval (simulated ms) and overrides.
+pub fn dprank_config(variant: &Variant, workers: usize) -> Result<dprank::config::Config, String> {
+    let VariantFront::Dprank { poll, set } = &variant.front else {
+        return Err(format!("`{}` is not a dprank variant", variant.name));
+    };
+    let list: Vec<Value> = (0..workers)
+        .map(|i| serde_json::json!({"address": worker_address(i), "name": format!("w{i}")}))
+        .collect();
+    let mut json = serde_json::json!({
+        "workers": list,
+        "poll_interval_ms": poll.sim_ms(1.0) as u64,
+    });
+    if let Some(map) = json.as_object_mut() {
+        for (k, v) in set {
+            map.insert(k.clone(), v.clone());
+        }
+    }
+    dprank::config::Config::from_json(json.to_string().as_bytes())
+        .map_err(|e| format!("variant `{}`: {e}", variant.name))
+}
+
+fn fronts(spec: &RunSpec) -> Result<Vec<Front>, String> {
+    let gateways = spec.variant.gateways.max(1);
+    (0..gateways)
+        .map(|g| {
+            let salt = mix(spec.seed ^ (g as u64 + 1) << 32);
+            Ok(match &spec.variant.front {
+                VariantFront::Envoy(Balancer::RoundRobin) => Front::RoundRobin {
+                    next: salt as usize,
+                    workers: spec.workers,
+                },
+                VariantFront::Envoy(_) => Front::LeastRequest {
+                    active: vec![0; spec.workers],
+                    draws: salt,
+                },
+                VariantFront::Dprank { .. } => {
+                    let config = dprank_config(spec.variant, spec.workers)?;
+                    Front::Dprank(Box::new(DprankGateway::new(config, salt, EPOCH_MS)))
+                }
+                VariantFront::Smg { policy, dp_aware: true, .. } if policy == "cache_aware" => {
+                    Front::Smg(Box::new(CacheAware::new(spec.workers, spec.sim.dp_size)))
+                }
+                _ => {
+                    return Err(format!(
+                        "`{}`: offline runs support rr, in-server, oracle, dprank[...] and smg-cache-aware",
+                        spec.variant.name
+                    ))
+                }
+            })
+        })
+        .collect()
+}
+
+/// The sim's request for a body.
+fn sim_request(body: &[u8], placement: Placement) -> Result<(Request, bool), String> {
+    let value: Value = serde_json::from_slice(body).map_err(|e| format!("body: {e}"))?;
+    let prompt = match (value.get("messages"), value.get("text")) {
+        (Some(messages), _) => Prompt::Text(template_json(messages).ok_or("messages not a list")?),
+        (_, Some(Value::String(text))) => Prompt::Text(text.clone()),
+        _ => return Err("a body with neither messages nor text".into()),
+    };
+    let max_new = value
+        .pointer("/sampling_params/max_new_tokens")
+        .or_else(|| value.get("max_tokens"))
+        .and_then(Value::as_u64)
+        .unwrap_or(1);
+    let streamed = value.get("stream").and_then(Value::as_bool).unwrap_or(false);
+    let mut request = Request::new(prompt, max_new);
+    if let Some(rank) = placement.rank {
+        request = request.on_rank(rank);
+    }
+    Ok((request, streamed))
+}
+
+fn empty_record(sent_s: f64, gateway: usize, input: u32, output: u32) -> RequestRecord {
+    RequestRecord {
+        sent_s,
+        end_s: sent_s,
+        gateway,
+        input_tokens: input,
+        output_tokens: output,
+        ttft_ms: None,
+        tpot_ms: f64::NAN,
+        e2e_ms: f64::NAN,
+        tokens: 0,
+        prompt_tokens: None,
+        cached_tokens: None,
+        error: None,
+        truncated: false,
+        session: None,
+        gaps_us: Vec::new(),
+    }
+}
+
+/// The chat body of a session's turn, with the answers before it.
+fn turn_body(plan: &Plan, session: usize, turn: usize) -> (bytes::Bytes, u32) {
+    let s = &plan.sessions[session];
+    let answers: Vec<String> = s.turns[..turn]
+        .iter()
+        .map(|t| text_upto(u64::from(t.output_tokens)))
+        .collect();
+    let mut messages: Vec<(&str, &str)> = vec![("system", &s.system)];
+    for (t, answer) in s.turns[..turn].iter().zip(&answers) {
+        messages.push(("user", &t.user));
+        messages.push(("assistant", answer));
+    }
+    messages.push(("user", &s.turns[turn].user));
+    let input = text::chat_tokens(&messages) as u32;
+    (bodies::chat(&messages, s.turns[turn].output_tokens), input)
+}
+
+/// Runs `plan` under `spec`: what the load generator would have measured,
+/// and dprank's counters.
+pub fn run(plan: &Plan, spec: &RunSpec) -> Result<(RunOutput, Option<String>), String> {
+    let mut sim = spec.sim.clone();
+    sim.dispatch = match spec.variant.dispatch {
+        Dispatch::InServer => dprank_sim::Dispatch::TotalTokens,
+        Dispatch::Oracle => dprank_sim::Dispatch::Oracle,
+        Dispatch::RoundRobin => dprank_sim::Dispatch::RoundRobin,
+        Dispatch::RoomModulo => return Err("PD variants do not run offline".into()),
+    };
+    let mut fleet = Fleet::new(sim, spec.workers)?;
+    let mut fronts = fronts(spec)?;
+    let gateways = fronts.len();
+    let mut queue = Queue {
+        heap: BinaryHeap::new(),
+        seq: 0,
+    };
+    for (i, r) in plan.requests.iter().enumerate() {
+        queue.push(r.at_s, Event::Open(i));
+    }
+    for (i, s) in plan.sessions.iter().enumerate() {
+        if !s.turns.is_empty() {
+            queue.push(s.start_s + s.turns[0].think_s, Event::Turn { session: i, turn: 0 });
+        }
+    }
+    for (g, front) in fronts.iter().enumerate() {
+        if let Front::Dprank(gateway) = front {
+            // Gateways start at independent points of their poll cycle.
+            let interval_s = gateway.config.poll_interval_ms as f64 / 1000.0;
+            let phase = (mix(spec.seed ^ g as u64) % 1000) as f64 / 1000.0 * interval_s;
+            queue.push(phase, Event::Tick(g));
+        }
+    }
+    let mut in_flight: HashMap<u64, InFlight> = HashMap::new();
+    let mut records: Vec<RequestRecord> = Vec::new();
+    let mut beyond_horizon = 0usize;
+    let mut arrivals_left = plan.request_count();
+    loop {
+        // Nothing left to send or answer: ticks alone do not keep a run going.
+        if arrivals_left == 0 && in_flight.is_empty() {
+            break;
+        }
+        if spec.cut_at_s.is_some_and(|cut| fleet.now() >= cut) {
+            break;
+        }
+        let horizon = fleet.now() + MAX_STEP_S;
+        let reports = match queue.peek_s() {
+            Some(t) if t <= horizon => fleet.run_until(t),
+            _ => fleet.run_until(horizon),
+        };
+        for report in reports {
+            let Some(flight) = in_flight.get_mut(&report.req) else {
+                continue;
+            };
+            let front = &mut fronts[flight.gateway];
+            if !report.finished {
+                flight.first_s = Some(report.at);
+                flight.record.ttft_ms = Some((report.at - flight.record.sent_s) * 1000.0);
+                flight.record.prompt_tokens = Some(report.prompt_tokens);
+                flight.record.cached_tokens = Some(report.cached_tokens);
+                if flight.streamed {
+                    front.first_bytes(report.at, &mut flight.held);
+                }
+                continue;
+            }
+            let Some(mut flight) = in_flight.remove(&report.req) else {
+                continue;
+            };
+            let front = &mut fronts[flight.gateway];
+            if !flight.streamed {
+                front.first_bytes(report.at, &mut flight.held);
+            }
+            front.done(report.at, flight.placement, &mut flight.held);
+            let first = flight.first_s.unwrap_or(report.at);
+            let r = &mut flight.record;
+            r.end_s = report.at;
+            r.e2e_ms = (report.at - r.sent_s) * 1000.0;
+            r.tokens = report.completion_tokens as u32;
+            if report.completion_tokens >= 2 {
+                r.tpot_ms = (report.at - first) * 1000.0 / (report.completion_tokens - 1) as f64;
+            }
+            if let Some((session, turn)) = flight.turn {
+                let next_turn = turn + 1;
+                if let Some(t) = plan.sessions[session].turns.get(next_turn) {
+                    let at = report.at + t.think_s;
+                    if at > spec.turn_horizon_s {
+                        let left = plan.sessions[session].turns.len() - next_turn;
+                        beyond_horizon += left;
+                        arrivals_left -= left;
+                    } else {
+                        queue.push(at, Event::Turn {
+                            session,
+                            turn: next_turn,
+                        });
+                    }
+                }
+            }
+            records.push(flight.record);
+        }
+        if queue.peek_s().is_none_or(|t| t > fleet.now()) {
+            continue;
+        }
+        let Some((t, event)) = queue.pop() else {
+            continue;
+        };
+        match event {
+            Event::Tick(g) => {
+                if let Front::Dprank(gateway) = &mut fronts[g] {
+                    for call in gateway.tick(t) {
+                        queue.push(t + POLL_RTT_S, Event::Poll {
+                            gateway: g,
+                            token: call.token,
+                            worker: call.worker,
+                        });
+                    }
+                    queue.push(t + gateway.tick_period_s(), Event::Tick(g));
+                }
+            }
+            Event::Poll { gateway, token, worker } => {
+                // The worker answers from what it last published.
+                let body = fleet.v1_loads(worker).to_string();
+                if let Front::Dprank(g) = &mut fronts[gateway] {
+                    g.poll_answer(t, PollCall { token, worker }, body.as_bytes());
+                }
+            }
+            Event::Open(i) => {
+                arrivals_left -= 1;
+                let r = &plan.requests[i];
+                let g = gateway_for(spec.seed, i as u64, gateways);
+                let record = empty_record(t, g, r.input_tokens, r.output_tokens);
+                submit(&mut fleet, &mut fronts, &mut in_flight, t, g, r.api, &r.body, record, None)?;
+            }
+            Event::Turn { session, turn } => {
+                arrivals_left -= 1;
+                let s = &plan.sessions[session];
+                let g = gateway_for(spec.seed, 1 << 40 | u64::from(s.id), gateways);
+                let (body, input) = turn_body(plan, session, turn);
+                let mut record = empty_record(t, g, input, s.turns[turn].output_tokens);
+                record.session = Some((s.id, turn as u32));
+                submit(
+                    &mut fleet,
+                    &mut fronts,
+                    &mut in_flight,
+                    t,
+                    g,
+                    Api::Chat,
+                    &body,
+                    record,
+                    Some((session, turn)),
+                )?;
+            }
+        }
+    }
+    records.sort_by(|a, b| a.sent_s.total_cmp(&b.sent_s));
+    let last_arrival = plan
+        .requests
+        .last()
+        .map(|r| r.at_s)
+        .into_iter()
+        .chain(plan.sessions.iter().map(|s| s.start_s))
+        .fold(0.0, f64::max);
+    let span_s = records.iter().map(|r| r.end_s).fold(0.0, f64::max);
+    let counters = counter_summary(&fronts);
+    Ok(RunOutput {
+        records,
+        abandoned: 0,
+        beyond_horizon,
+        samples: Vec::new(),
+        arrival_window_s: last_arrival,
+        span_s,
+    })
+    .map(|output| (output, counters))
+}
+
+/// dprank's counters summed over its gateways, by kind (`routed`,
+/// `poll_ok`, `passthrough.no_fresh_data`, ...), as one line.
+fn counter_summary(fronts: &[Front]) -> Option<String> {
+    let mut sums: std::collections::BTreeMap<String, u64> = std::collections::BTreeMap::new();
+    for front in fronts {
+        if let Front::Dprank(g) = front {
+            for (name, value) in g.host.counters.borrow().iter() {
+                let name = name.trim_start_matches("dprank.");
+                let kind = match name.split('.').next() {
+                    Some(k @ ("routed" | "poll_ok" | "poll_failed" | "poll_skipped")) => k.to_string(),
+                    _ => name.to_string(),
+                };
+                *sums.entry(kind).or_default() += value;
+            }
+        }
+    }
+    (!sums.is_empty()).then(|| {
+        sums.iter()
+            .map(|(k, v)| format!("{k}={v}"))
+            .collect::<Vec<_>>()
+            .join(" ")
+    })
+}
+
+#[allow(clippy::too_many_arguments)]
+fn submit(
+    fleet: &mut Fleet,
+    fronts: &mut [Front],
+    in_flight: &mut HashMap<u64, InFlight>,
+    t: f64,
+    gateway: usize,
+    api: Api,
+    body: &[u8],
+    record: RequestRecord,
+    turn: Option<(usize, usize)>,
+) -> Result<(), String> {
+    let (placement, held) = fronts[gateway].route(t, api.path(), body);
+    let (request, streamed) = sim_request(body, placement)?;
+    let id = fleet.submit(t.max(fleet.now()), placement.worker, request)?;
+    in_flight.insert(
+        id,
+        InFlight {
+            gateway,
+            placement,
+            held,
+            streamed,
+            record,
+            first_s: None,
+            turn,
+        },
+    );
+    Ok(())
+}
