@@ -40,6 +40,7 @@ pub fn measure(args: &OfflineArgs, workload: &Workload, kv: Kv) -> Result<f64, S
             seed: SEED,
             turn_horizon_s: WINDOW_S,
             cut_at_s: Some(WINDOW_S),
+            requests_out: None,
         };
         let (output, _) = driver::run(&plan, &spec)?;
         let ends: Vec<f64> = output.records.iter().map(|r| r.end_s).collect();

@@ -43,6 +43,8 @@ pub struct RunSpec<'a> {
     pub turn_horizon_s: f64,
     /// Stop here, whatever is still running (capacity runs).
     pub cut_at_s: Option<f64>,
+    /// Write one JSON line per request here (where it went, what it got).
+    pub requests_out: Option<std::path::PathBuf>,
 }
 
 /// The engine never runs further ahead of the event queue than this, so a
@@ -55,9 +57,16 @@ enum Event {
     /// Open-loop request `i` of the plan.
     Open(usize),
     /// Turn `turn` of session `session`.
-    Turn { session: usize, turn: usize },
+    Turn {
+        session: usize,
+        turn: usize,
+    },
     Tick(usize),
-    Poll { gateway: usize, token: u32, worker: usize },
+    Poll {
+        gateway: usize,
+        token: u32,
+        worker: usize,
+    },
 }
 
 struct Queue {
@@ -138,7 +147,11 @@ fn fronts(spec: &RunSpec) -> Result<Vec<Front>, String> {
                     let config = dprank_config(spec.variant, spec.workers)?;
                     Front::Dprank(Box::new(DprankGateway::new(config, salt, EPOCH_MS)))
                 }
-                VariantFront::Smg { policy, dp_aware: true, .. } if policy == "cache_aware" => {
+                VariantFront::Smg {
+                    policy,
+                    dp_aware: true,
+                    ..
+                } if policy == "cache_aware" => {
                     Front::Smg(Box::new(CacheAware::new(spec.workers, spec.sim.dp_size)))
                 }
                 _ => {
@@ -232,7 +245,10 @@ pub fn run(plan: &Plan, spec: &RunSpec) -> Result<(RunOutput, Option<String>), S
     }
     for (i, s) in plan.sessions.iter().enumerate() {
         if !s.turns.is_empty() {
-            queue.push(s.start_s + s.turns[0].think_s, Event::Turn { session: i, turn: 0 });
+            queue.push(
+                s.start_s + s.turns[0].think_s,
+                Event::Turn { session: i, turn: 0 },
+            );
         }
     }
     for (g, front) in fronts.iter().enumerate() {
@@ -244,6 +260,7 @@ pub fn run(plan: &Plan, spec: &RunSpec) -> Result<(RunOutput, Option<String>), S
         }
     }
     let mut in_flight: HashMap<u64, InFlight> = HashMap::new();
+    let mut request_log: Option<Vec<String>> = spec.requests_out.as_ref().map(|_| Vec::new());
     let mut records: Vec<RequestRecord> = Vec::new();
     let mut beyond_horizon = 0usize;
     let mut arrivals_left = plan.request_count();
@@ -300,12 +317,25 @@ pub fn run(plan: &Plan, spec: &RunSpec) -> Result<(RunOutput, Option<String>), S
                         beyond_horizon += left;
                         arrivals_left -= left;
                     } else {
-                        queue.push(at, Event::Turn {
-                            session,
-                            turn: next_turn,
-                        });
+                        queue.push(
+                            at,
+                            Event::Turn {
+                                session,
+                                turn: next_turn,
+                            },
+                        );
                     }
                 }
+            }
+            if let Some(log) = &mut request_log {
+                let r = &flight.record;
+                let line = serde_json::json!({
+                    "sent_s": r.sent_s, "gateway": flight.gateway, "worker": flight.placement.worker,
+                    "rank": report.rank, "ttft_ms": r.ttft_ms, "end_s": r.end_s,
+                    "prompt": r.prompt_tokens, "cached": r.cached_tokens, "output": r.tokens,
+                    "session": r.session,
+                });
+                log.push(line.to_string());
             }
             records.push(flight.record);
         }
@@ -319,16 +349,23 @@ pub fn run(plan: &Plan, spec: &RunSpec) -> Result<(RunOutput, Option<String>), S
             Event::Tick(g) => {
                 if let Front::Dprank(gateway) = &mut fronts[g] {
                     for call in gateway.tick(t) {
-                        queue.push(t + POLL_RTT_S, Event::Poll {
-                            gateway: g,
-                            token: call.token,
-                            worker: call.worker,
-                        });
+                        queue.push(
+                            t + POLL_RTT_S,
+                            Event::Poll {
+                                gateway: g,
+                                token: call.token,
+                                worker: call.worker,
+                            },
+                        );
                     }
                     queue.push(t + gateway.tick_period_s(), Event::Tick(g));
                 }
             }
-            Event::Poll { gateway, token, worker } => {
+            Event::Poll {
+                gateway,
+                token,
+                worker,
+            } => {
                 // The worker answers from what it last published.
                 let body = fleet.v1_loads(worker).to_string();
                 if let Front::Dprank(g) = &mut fronts[gateway] {
@@ -340,7 +377,17 @@ pub fn run(plan: &Plan, spec: &RunSpec) -> Result<(RunOutput, Option<String>), S
                 let r = &plan.requests[i];
                 let g = gateway_for(spec.seed, i as u64, gateways);
                 let record = empty_record(t, g, r.input_tokens, r.output_tokens);
-                submit(&mut fleet, &mut fronts, &mut in_flight, t, g, r.api, &r.body, record, None)?;
+                submit(
+                    &mut fleet,
+                    &mut fronts,
+                    &mut in_flight,
+                    t,
+                    g,
+                    r.api,
+                    &r.body,
+                    record,
+                    None,
+                )?;
             }
             Event::Turn { session, turn } => {
                 arrivals_left -= 1;
@@ -363,6 +410,10 @@ pub fn run(plan: &Plan, spec: &RunSpec) -> Result<(RunOutput, Option<String>), S
             }
         }
     }
+    if let (Some(path), Some(log)) = (&spec.requests_out, &request_log) {
+        std::fs::write(path, log.join("\n") + "\n")
+            .map_err(|e| format!("cannot write {}: {e}", path.display()))?;
+    }
     records.sort_by(|a, b| a.sent_s.total_cmp(&b.sent_s));
     let last_arrival = plan
         .requests
@@ -372,7 +423,11 @@ pub fn run(plan: &Plan, spec: &RunSpec) -> Result<(RunOutput, Option<String>), S
         .chain(plan.sessions.iter().map(|s| s.start_s))
         .fold(0.0, f64::max);
     let span_s = records.iter().map(|r| r.end_s).fold(0.0, f64::max);
-    let counters = counter_summary(&fronts);
+    let retractions = fleet.retractions().len();
+    let counters = Some(match counter_summary(&fronts) {
+        Some(c) => format!("{c} retractions={retractions}"),
+        None => format!("retractions={retractions}"),
+    });
     Ok(RunOutput {
         records,
         abandoned: 0,
@@ -382,6 +437,7 @@ pub fn run(plan: &Plan, spec: &RunSpec) -> Result<(RunOutput, Option<String>), S
         span_s,
     })
     .map(|output| (output, counters))
+    .map(|(o, c)| (o, c.filter(|c| !c.is_empty())))
 }
 
 /// dprank's counters summed over its gateways, by kind (`routed`,
@@ -393,7 +449,9 @@ fn counter_summary(fronts: &[Front]) -> Option<String> {
             for (name, value) in g.host.counters.borrow().iter() {
                 let name = name.trim_start_matches("dprank.");
                 let kind = match name.split('.').next() {
-                    Some(k @ ("routed" | "poll_ok" | "poll_failed" | "poll_skipped")) => k.to_string(),
+                    Some(
+                        k @ ("routed" | "poll_ok" | "poll_failed" | "poll_skipped" | "prefix_forgotten"),
+                    ) => k.to_string(),
                     _ => name.to_string(),
                 };
                 *sums.entry(kind).or_default() += value;

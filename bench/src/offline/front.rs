@@ -162,9 +162,15 @@ fn rank_in(body: &[u8], field: &str) -> Option<usize> {
 /// A gateway in front of the fleet.
 pub enum Front {
     /// Envoy round robin over workers.
-    RoundRobin { next: usize, workers: usize },
+    RoundRobin {
+        next: usize,
+        workers: usize,
+    },
     /// Envoy least_request (two random choices, fewer active requests).
-    LeastRequest { active: Vec<usize>, draws: u64 },
+    LeastRequest {
+        active: Vec<usize>,
+        draws: u64,
+    },
     Dprank(Box<DprankGateway>),
     /// A model of smg's `cache_aware` policy with `--dp-aware`.
     Smg(Box<CacheAware>),

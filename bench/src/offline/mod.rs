@@ -75,6 +75,10 @@ pub struct OfflineArgs {
     /// Write `offline.md` and `offline-runs.jsonl` here.
     #[arg(long)]
     pub out: Option<PathBuf>,
+    /// Write every request of every run (where it went, its TTFT, its cached
+    /// tokens) as JSONL files in this directory.
+    #[arg(long)]
+    pub requests_out: Option<PathBuf>,
 }
 
 /// The variants compared when none are named.
@@ -165,6 +169,15 @@ fn run_cell(
         seed,
         turn_horizon_s: args.warmup + args.duration + crate::workload::chat::TAIL_S,
         cut_at_s: None,
+        requests_out: args.requests_out.as_ref().map(|dir| {
+            dir.join(format!(
+                "{}-{}-{:.0}-{}-{seed}.jsonl",
+                workload.kind.name(),
+                kv.name(),
+                load.unwrap_or(0.0) * 100.0,
+                variant.name.replace(['/', ':', '"'], "_")
+            ))
+        }),
     };
     let (output, counters) = driver::run(&plan, &spec)?;
     let mut record = summarize(
@@ -320,8 +333,9 @@ fn table(g: &Group, reference: &str) -> String {
     let mut rows = Vec::new();
     for (variant, runs) in &g.variants {
         let ratio = |f: &dyn Fn(&RunRecord) -> f64| match reference_runs {
-            Some(base) if variant != reference => paired_ratio(&per_seed(runs, f), &per_seed(base, f))
-                .map_or("–".into(), |r| r.display()),
+            Some(base) if variant != reference => {
+                paired_ratio(&per_seed(runs, f), &per_seed(base, f)).map_or("–".into(), |r| r.display())
+            }
             _ => "–".into(),
         };
         let hit = |r: &RunRecord| r.cache_hit.unwrap_or(f64::NAN);
