@@ -464,3 +464,57 @@ fn effective_configuration_prints_as_json() {
     assert_eq!(v["mode"]["from_cluster"]["discovery"]["cluster"], "sglang");
     assert_eq!(v["fail_mode"], "open");
 }
+
+#[test]
+fn prefix_affinity_is_on_by_default_with_documented_tuning() {
+    let c = parse(r#"{"workers":[{"address":"127.0.0.1:1"}]}"#).unwrap();
+    let p = c.prefix.unwrap();
+    assert_eq!(
+        (p.block_bytes, p.capacity_tokens, p.ttl_ms, p.queue),
+        (512, None, 600_000, QueueMeasure::Max)
+    );
+    assert_eq!(
+        (p.uncached_weight, p.load_weight, p.kv_weight, p.wait_weight),
+        (1.0, 0.1, 1.0, 0.0)
+    );
+    assert_eq!(p.capacity_blocks(Some(200_000)), 1562);
+    assert_eq!(p.capacity_blocks(None), 131_072 * 4 / 512, "unreported");
+    let tuned = parse(
+        r#"{"workers":[{"address":"127.0.0.1:1"}],"prefix_block_bytes":1024,"prefix_capacity_tokens":8000,
+            "prefix_ttl_ms":5000,"prefix_uncached_weight":2,"prefix_load_weight":0,"prefix_kv_weight":0.5,
+            "prefix_wait_weight":300,"prefix_queue":"local"}"#,
+    )
+    .unwrap()
+    .prefix
+    .unwrap();
+    assert_eq!(
+        tuned.capacity_blocks(Some(200_000)),
+        8000 * 4 / 1024,
+        "configured wins"
+    );
+    assert_eq!((tuned.queue, tuned.wait_weight), (QueueMeasure::Local, 300.0));
+    let off = parse(r#"{"workers":[{"address":"127.0.0.1:1"}],"prefix_affinity":false}"#).unwrap();
+    assert_eq!(off.prefix, None);
+}
+
+#[test]
+fn prefix_keys_are_checked_and_refused_when_affinity_is_off() {
+    let with = |extra: &str| parse(&format!(r#"{{"workers":[{{"address":"127.0.0.1:1"}}],{extra}}}"#));
+    assert_eq!(key_of(with(r#""prefix_block_bytes":16"#)), "prefix_block_bytes");
+    assert_eq!(
+        key_of(with(r#""prefix_capacity_tokens":0"#)),
+        "prefix_capacity_tokens"
+    );
+    assert_eq!(key_of(with(r#""prefix_ttl_ms":999"#)), "prefix_ttl_ms");
+    assert_eq!(key_of(with(r#""prefix_ttl_ms":3600001"#)), "prefix_ttl_ms");
+    assert_eq!(
+        key_of(with(r#""prefix_uncached_weight":-1"#)),
+        "prefix_uncached_weight"
+    );
+    assert_eq!(key_of(with(r#""prefix_kv_weight":1e9"#)), "prefix_kv_weight");
+    assert!(with(r#""prefix_queue":"both""#).is_err());
+    assert_eq!(
+        key_of(with(r#""prefix_affinity":false,"prefix_load_weight":0.5"#)),
+        "prefix_load_weight"
+    );
+}

@@ -38,7 +38,12 @@ fn burst(world: &World) -> BTreeMap<(String, u64), u64> {
             let url = url.clone();
             let start = start.clone();
             std::thread::spawn(move || {
-                let text: String = (0..size).map(|j| (b'a' + ((i + j) % 26) as u8) as char).collect();
+                // A distinct start per request: no two prompts share a prefix, so
+                // prefix affinity (on in `burst_spread`) has nothing to keep together.
+                let text: String = format!("{i:03}:")
+                    .chars()
+                    .chain((4..size).map(|j| (b'a' + ((i + j) % 26) as u8) as char))
+                    .collect();
                 let body = json!({"text": text, "sampling_params": {"max_new_tokens": 1}});
                 let client = Client::new();
                 start.wait();
@@ -98,7 +103,7 @@ fn a_burst_fills_the_less_loaded_ranks_first() {
     let base_a = [0, 10_000, 20_000, 30_000];
     let base_b = [40_000, 0, 20_000, 10_000];
     let world = World::start(
-        "burst_spread",
+        "burst_levels",
         2,
         &["--instant"],
         &World::base_tokens(&[&base_a, &base_b]),
