@@ -100,6 +100,8 @@ struct InFlight {
     first_s: Option<f64>,
     /// Chat: (session, turn).
     turn: Option<(usize, usize)>,
+    /// The hash of the prompt's first 512 bytes (which prompts share a start).
+    head: Option<u32>,
 }
 
 /// The workers' addresses as dprank's configuration names them.
@@ -333,7 +335,7 @@ pub fn run(plan: &Plan, spec: &RunSpec) -> Result<(RunOutput, Option<String>), S
                     "sent_s": r.sent_s, "gateway": flight.gateway, "worker": flight.placement.worker,
                     "rank": report.rank, "ttft_ms": r.ttft_ms, "end_s": r.end_s,
                     "prompt": r.prompt_tokens, "cached": r.cached_tokens, "output": r.tokens,
-                    "session": r.session,
+                    "session": r.session, "head": flight.head,
                 });
                 log.push(line.to_string());
             }
@@ -491,6 +493,10 @@ fn submit(
             record,
             first_s: None,
             turn,
+            head: dprank::body::JsonObject::parse(body).ok().and_then(|o| {
+                let blocks = dprank::prefix::PromptBlocks::of(&o, 512);
+                blocks.chains.first()?.hashes.first().copied()
+            }),
         },
     );
     Ok(())
