@@ -14,6 +14,7 @@ pub mod config;
 pub mod discovery;
 pub mod envoy_host;
 pub mod filter;
+pub mod headers;
 pub mod host;
 pub mod load;
 pub mod metrics;

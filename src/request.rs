@@ -6,9 +6,9 @@
 //! holds the decode response until it is done, and gives every estimate back
 //! when the request ends. `filter.rs` only translates callbacks to it.
 
-use crate::config::Config;
+use crate::config::{Config, CostEstimate, Transport};
 use crate::discovery::Membership;
-use crate::host::{Callout, Host};
+use crate::host::{Callout, HeaderMap, Host};
 use crate::poller::POLL_DESTINATION_HEADER;
 use crate::router::{self, Decision, PassReason, PdRouted, Reply};
 use crate::state::Ticket;
@@ -102,20 +102,32 @@ impl Request {
     }
 
     pub fn on_request_headers(&mut self, host: &dyn Host, end_of_stream: bool) -> Action {
-        let config = &self.config;
-        // Routing headers are the filter's alone: a client value would steer traffic.
-        host.remove_request_header(&config.route_header);
+        let config = self.config.clone();
+        let headers = host.request_headers();
+        // Routing and rank headers are the filter's alone: a client value would steer traffic.
+        remove_client_headers(&config, host, &headers);
         if let Some(pin_header) = &config.pin_header {
-            self.pin = host.request_header(pin_header);
-            host.remove_request_header(pin_header);
+            self.pin = headers.get(pin_header).map(str::to_string);
         }
-        if let Some(reason) = pass_reason(config, host, end_of_stream) {
+        if let Some(reason) = pass_reason(&config, &headers, end_of_stream) {
             router::pass_early(host, reason);
             return Action::Continue;
         }
-        self.will_route = true;
-        self.had_content_length = host.request_header("content-length").is_some();
-        Action::Pause
+        match &config.transport {
+            Transport::Body => {
+                self.will_route = true;
+                self.had_content_length = headers.contains("content-length");
+                Action::Pause
+            }
+            Transport::Header(settings) => {
+                let cost = match (config.cost_estimate, headers.content_length()) {
+                    (CostEstimate::One, _) => 1,
+                    (_, Some(length)) => length.div_ceil(4).max(1),
+                    (_, None) => settings.cost_without_length,
+                };
+                self.route_by_headers(host, cost)
+            }
+        }
     }
 
     pub fn on_request_body(&mut self, host: &dyn Host, body_size: usize, end_of_stream: bool) -> Action {
@@ -225,10 +237,37 @@ impl Request {
         }
     }
 
+    /// Header mode: routes on what the headers tell and lets the body stream
+    /// through untouched.
+    fn route_by_headers(&mut self, host: &dyn Host, cost: u64) -> Action {
+        self.config = self.routing.current(host);
+        let tie_breaker = self.routing.next_tie_breaker();
+        match router::route_by_headers(&self.config, host, cost, self.pin.as_deref(), tie_breaker) {
+            Decision::Route(routed) => {
+                host.set_request_header(&self.config.route_header, &routed.to.endpoint);
+                if let (Some(settings), Some(rank)) = (self.config.header_transport(), routed.to.rank) {
+                    let mut digits = itoa::Buffer::new();
+                    let rank = digits.format(rank);
+                    for name in &settings.rank_headers {
+                        host.set_request_header(name, rank);
+                    }
+                }
+                self.ticket = routed.ticket;
+                Action::Continue
+            }
+            Decision::Reject(reply) => {
+                reply.send(host);
+                Action::Pause
+            }
+            // Header mode never builds a PD decision (validation refuses PD with it).
+            Decision::PassThrough { .. } | Decision::Pd(_) => Action::Continue,
+        }
+    }
+
     /// Envoy does not correct `content-length` after a body change: dprank does.
     fn replace_body(&self, host: &dyn Host, body: &[u8]) {
         if host.replace_request_body(self.body_size, body) && self.had_content_length {
-            host.set_request_header("content-length", &body.len().to_string());
+            host.set_request_header("content-length", itoa::Buffer::new().format(body.len()));
         }
     }
 
@@ -254,20 +293,21 @@ impl Request {
         let Some(settings) = self.config.pd() else {
             return false;
         };
-        let path = host.request_header(":path").unwrap_or_default();
-        let forwarded: Vec<(&str, String)> = PREFILL_FORWARDED_HEADERS
+        let client = host.request_headers();
+        let path = client.get(":path").unwrap_or_default();
+        let forwarded: Vec<(&str, &str)> = PREFILL_FORWARDED_HEADERS
             .iter()
-            .filter_map(|h| host.request_header(h).map(|v| (*h, v)))
+            .filter_map(|h| client.get(h).map(|v| (*h, v)))
             .collect();
         let endpoint = pd.prefill.endpoint.as_str();
         let mut headers = vec![
             (":method", "POST"),
-            (":path", path.as_str()),
+            (":path", path),
             (":authority", endpoint),
             (POLL_DESTINATION_HEADER, endpoint),
             ("content-type", "application/json"),
         ];
-        headers.extend(forwarded.iter().map(|(k, v)| (*k, v.as_str())));
+        headers.extend(forwarded);
         let call = Callout {
             cluster: &settings.cluster,
             headers: &headers,
@@ -289,21 +329,31 @@ impl Request {
     }
 }
 
+/// Removes the client headers only dprank may set (`Config::removed_headers`),
+/// those present only: a removal is a host call.
+fn remove_client_headers(config: &Config, host: &dyn Host, headers: &HeaderMap) {
+    for (name, _) in headers.iter() {
+        if let Some(removed) = config.removed_headers.iter().find(|r| r.as_bytes() == name) {
+            host.remove_request_header(removed);
+        }
+    }
+}
+
 /// Why a request is not routed, as far as its headers tell.
-fn pass_reason(config: &Config, host: &dyn Host, end_of_stream: bool) -> Option<PassReason> {
-    if host.request_header(":method").as_deref() != Some("POST") {
+fn pass_reason(config: &Config, headers: &HeaderMap, end_of_stream: bool) -> Option<PassReason> {
+    let header_mode = config.header_transport().is_some();
+    if headers.get_bytes(":method") != Some(b"POST") {
         Some(PassReason::Method)
-    } else if !host
-        .request_header(":path")
-        .is_some_and(|p| config.routes_path(&p))
-    {
+    } else if !headers.get(":path").is_some_and(|p| config.routes_path(p)) {
         Some(PassReason::Path)
-    } else if host
-        .request_header("content-encoding")
-        .is_some_and(|e| !e.eq_ignore_ascii_case("identity"))
+    } else if !header_mode
+        && headers
+            .get_bytes("content-encoding")
+            .is_some_and(|e| !e.eq_ignore_ascii_case(b"identity"))
     {
+        // The body would have to be decompressed; header mode never reads it.
         Some(PassReason::Encoded)
-    } else if end_of_stream {
+    } else if end_of_stream || headers.content_length() == Some(0) {
         Some(PassReason::EmptyBody)
     } else {
         None

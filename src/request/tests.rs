@@ -277,3 +277,126 @@ fn membership_changes_reach_the_next_request() {
     send(&mut r, &h);
     assert_eq!(h.header("x-dprank-endpoint").as_deref(), Some("10.0.0.1:1"));
 }
+
+/// Rank and bootstrap headers a client might send, in the casing HTTP/1 allows
+/// (Envoy hands them over lowercase).
+const CLIENT_RANK: [(&str, &str); 6] = [
+    ("x-data-parallel-rank", "3"),
+    ("x-override-routed-dp-rank", "3"),
+    ("x-override-disagg-prefill-dp-rank", "3"),
+    ("x-override-bootstrap-host", "10.9.9.9"),
+    ("x-override-bootstrap-port", "1"),
+    ("x-override-bootstrap-room", "7"),
+];
+
+#[test]
+fn client_rank_headers_are_removed_from_routed_and_passed_requests_in_body_mode() {
+    let (c, h) = fleet("");
+    for (path, body, routed) in [
+        ("/generate", &br#"{"text":"x"}"#[..], true),
+        ("/generate", &b"not json"[..], false),
+        ("/health", &br#"{"text":"x"}"#[..], false),
+    ] {
+        let mut r = request(&c);
+        post(&h, path, body, &CLIENT_RANK);
+        send(&mut r, &h);
+        for (name, _) in CLIENT_RANK {
+            assert_eq!(h.header(name), None, "{path} {name}");
+        }
+        assert_eq!(h.header("x-dprank-endpoint").is_some(), routed, "{path}");
+        r.on_done(&h);
+    }
+}
+
+#[test]
+fn header_mode_routes_at_the_headers_and_never_touches_the_body() {
+    let (c, h) = fleet(r#","rank_transport":"header","pin_header":"x-pin""#);
+    let mut r = request(&c);
+    let body = br#"{"model":"m","messages":[{"role":"user","content":"hello"}],"routed_dp_rank":0}"#;
+    let mut client = CLIENT_RANK.to_vec();
+    client.push(("x-dprank-endpoint", "10.9.9.9:1"));
+    post(&h, "/v1/chat/completions", body, &client);
+    assert_eq!(
+        r.on_request_headers(&h, false),
+        Action::Continue,
+        "decided at the headers"
+    );
+    assert_eq!(r.on_request_body(&h, body.len(), true), Action::Continue);
+    assert_eq!(h.header("x-dprank-endpoint").as_deref(), Some("127.0.0.1:2"));
+    assert_eq!(h.header("x-data-parallel-rank").as_deref(), Some("2"));
+    assert_eq!(h.header("x-override-routed-dp-rank").as_deref(), Some("2"));
+    for name in [
+        "x-override-disagg-prefill-dp-rank",
+        "x-override-bootstrap-host",
+        "x-override-bootstrap-port",
+        "x-override-bootstrap-room",
+    ] {
+        assert_eq!(h.header(name), None, "{name}");
+    }
+    assert_eq!(h.request_body.borrow().as_slice(), body, "byte for byte");
+    assert_eq!(h.header("content-length"), Some(body.len().to_string()));
+    assert_eq!(
+        (h.host_calls("request_body"), h.host_calls("replace_request_body")),
+        (0, 0)
+    );
+    assert_eq!(h.counter("dprank.routed.b.rank_2"), 1);
+    assert_eq!(
+        pending(&c, &h),
+        (body.len() as u64).div_ceil(4),
+        "content-length / 4"
+    );
+    r.on_done(&h);
+    assert_eq!(pending(&c, &h), 0);
+}
+
+#[test]
+fn header_mode_counts_a_request_without_length_at_the_configured_default() {
+    let (c, h) = fleet(r#","rank_transport":"header","cost_without_length":300,"rank_headers":["x-rank"]"#);
+    let mut r = request(&c);
+    h.start_request(&[(":method", "POST"), (":path", "/generate")], b"{}");
+    assert_eq!(r.on_request_headers(&h, false), Action::Continue);
+    assert_eq!(pending(&c, &h), 300);
+    assert_eq!(h.header("x-rank").as_deref(), Some("2"));
+    assert_eq!(
+        h.header("x-data-parallel-rank"),
+        None,
+        "only the configured headers are set"
+    );
+    r.on_done(&h);
+    // An empty body is not routed, whatever the mode.
+    let mut r = request(&c);
+    post(&h, "/generate", b"", &[]);
+    assert_eq!(r.on_request_headers(&h, false), Action::Continue);
+    assert_eq!(h.counter("dprank.passthrough.empty_body"), 1);
+    assert_eq!(h.header("x-rank"), None);
+}
+
+#[test]
+fn header_mode_without_fresh_data_passes_or_refuses_at_the_headers() {
+    for (fail_mode, expected) in [("open", Action::Continue), ("closed", Action::Pause)] {
+        let c = crate::router::testing::config(&format!(
+            r#","rank_transport":"header","fail_mode":"{fail_mode}""#
+        ));
+        let h = FakeHost::default();
+        let mut r = request(&c);
+        post(&h, "/generate", br#"{"text":"x"}"#, &CLIENT_RANK);
+        assert_eq!(r.on_request_headers(&h, false), expected, "{fail_mode}");
+        assert_eq!(
+            h.header("x-data-parallel-rank"),
+            None,
+            "{fail_mode}: the server picks"
+        );
+        assert_eq!(h.header("x-dprank-endpoint"), None);
+        let replies = reply_status(&h);
+        assert_eq!(replies, if fail_mode == "open" { vec![] } else { vec![503] });
+    }
+}
+
+#[test]
+fn header_mode_routes_encoded_bodies_it_does_not_need_to_read() {
+    let (c, h) = fleet(r#","rank_transport":"header""#);
+    let mut r = request(&c);
+    post(&h, "/generate", b"\x1f\x8b gzip", &[("content-encoding", "gzip")]);
+    assert_eq!(r.on_request_headers(&h, false), Action::Continue);
+    assert_eq!(h.header("x-data-parallel-rank").as_deref(), Some("2"));
+}

@@ -2,9 +2,11 @@
 //! `request.rs` applies the decision. Regular mode is here; PD mode in
 //! `pd.rs`; every local answer in `replies.rs`.
 
+mod by_header;
 mod pd;
 mod replies;
 
+pub use by_header::route_by_headers;
 pub use pd::{mark_unreachable, prefill_not_sent, prefill_outcome, PdRouted};
 pub use replies::Reply;
 

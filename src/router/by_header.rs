@@ -1,0 +1,32 @@
+//! Header mode (`rank_transport: header`): the choice made from the request
+//! headers alone, before any body byte has arrived. The cost is what the
+//! request lifecycle estimated from `content-length`.
+
+use super::{account, choose, pass_or_reject, pool, Chosen, Decision, PassReason, Routed};
+use crate::config::Config;
+use crate::host::Host;
+use crate::scheduler::{Candidate, Constraint};
+use crate::store;
+
+/// Decides where a request goes without its body. `pin` is the test-only pin
+/// header; `cost` the tokens it adds to its rank until a poll counts it.
+pub fn route_by_headers(
+    config: &Config,
+    host: &dyn Host,
+    cost: u64,
+    pin: Option<&str>,
+    tie_breaker: u64,
+) -> Decision {
+    let states = store::read_worker_states(config, host);
+    let pool = pool(config, &states, false);
+    let constraint = Constraint { only_rank: None, pin };
+    let Some(Candidate { worker, rank, .. }) = choose(config, host, &pool, constraint, tie_breaker) else {
+        return pass_or_reject(config, host, PassReason::NoFreshData, None);
+    };
+    let ticket = account(config, host, worker, rank, cost);
+    Decision::Route(Routed {
+        to: Chosen::new(config, worker, Some(rank)),
+        body: None,
+        ticket,
+    })
+}
