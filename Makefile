@@ -3,7 +3,7 @@ CARGO ?= cargo
 WASM := target/wasm32-wasip1/release/dprank.wasm
 export ENVOY_BIN ?= $(CURDIR)/.venv/bin/envoy
 RUFF ?= $(CURDIR)/.venv/bin/ruff
-PY_SOURCES := scripts docker
+PY_SOURCES := scripts docker tests
 
 VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' Cargo.toml | head -n 1)
 IMAGE ?= dprank-wasm:$(VERSION)

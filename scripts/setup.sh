@@ -20,6 +20,13 @@ if [ "$(.venv/bin/ruff --version 2>/dev/null)" != "ruff $RUFF_VERSION" ]; then
   .venv/bin/pip install --quiet --disable-pip-version-check "ruff==$RUFF_VERSION"
 fi
 
+# The end-to-end tests drive header mode with the OpenAI Python client
+# (tests/e2e/header_mode/openai_client.py), pinned like ruff.
+OPENAI_VERSION=3.57.0
+if ! .venv/bin/python -c "import openai, sys; sys.exit(openai.__version__ != '$OPENAI_VERSION')" 2>/dev/null; then
+  .venv/bin/pip install --quiet --disable-pip-version-check "openai==$OPENAI_VERSION"
+fi
+
 # Benchmarks only: the peer router, and a font for the plots' text.
 if [ "${DPRANK_WITH_SMG:-0}" = 1 ]; then
   [ -x .venv/bin/smg ] || .venv/bin/pip install --quiet --disable-pip-version-check smg

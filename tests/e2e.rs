@@ -44,3 +44,6 @@ mod input_matrix;
 
 #[path = "e2e/security.rs"]
 mod security;
+
+#[path = "e2e/header.rs"]
+mod header;
