@@ -12,6 +12,7 @@ use crate::host::{Callout, HeaderMap, Host};
 use crate::poller::POLL_DESTINATION_HEADER;
 use crate::router::{self, Decision, PassReason, PdRouted, Reply};
 use crate::state::Ticket;
+use crate::store::cache::StateCache;
 use std::cell::{Cell, RefCell};
 use std::rc::Rc;
 
@@ -26,10 +27,11 @@ pub enum Action {
 /// Client headers the prefill leg carries too (auth and tracing).
 const PREFILL_FORWARDED_HEADERS: [&str; 4] = ["authorization", "x-request-id", "traceparent", "tracestate"];
 
-/// What every request of one VM shares: the configuration in force and the
-/// tie-break sequence.
+/// What every request of one VM shares: the configuration in force, the
+/// decoded worker states and the tie-break sequence.
 pub struct Routing {
     membership: RefCell<Membership>,
+    states: RefCell<StateCache>,
     tie_breaks: Cell<u64>,
 }
 
@@ -38,6 +40,7 @@ impl Routing {
     pub fn new(config: Rc<Config>, seed: u64) -> Routing {
         Routing {
             membership: RefCell::new(Membership::new(config)),
+            states: RefCell::new(StateCache::default()),
             tie_breaks: Cell::new(seed),
         }
     }
@@ -214,7 +217,15 @@ impl Request {
         self.config = self.routing.current(host);
         let body = host.request_body(self.body_size).unwrap_or_default();
         let tie_breaker = self.routing.next_tie_breaker();
-        match router::route(&self.config, host, &body, self.pin.as_deref(), tie_breaker) {
+        let decision = router::route(
+            &self.config,
+            host,
+            &mut self.routing.states.borrow_mut(),
+            &body,
+            self.pin.as_deref(),
+            tie_breaker,
+        );
+        match decision {
             Decision::Route(routed) => {
                 host.set_request_header(&self.config.route_header, &routed.to.endpoint);
                 if let Some(new_body) = &routed.body {
@@ -242,7 +253,15 @@ impl Request {
     fn route_by_headers(&mut self, host: &dyn Host, cost: u64) -> Action {
         self.config = self.routing.current(host);
         let tie_breaker = self.routing.next_tie_breaker();
-        match router::route_by_headers(&self.config, host, cost, self.pin.as_deref(), tie_breaker) {
+        let decision = router::route_by_headers(
+            &self.config,
+            host,
+            &mut self.routing.states.borrow_mut(),
+            cost,
+            self.pin.as_deref(),
+            tie_breaker,
+        );
+        match decision {
             Decision::Route(routed) => {
                 host.set_request_header(&self.config.route_header, &routed.to.endpoint);
                 if let (Some(settings), Some(rank)) = (self.config.header_transport(), routed.to.rank) {
@@ -299,7 +318,7 @@ impl Request {
             .iter()
             .filter_map(|h| client.get(h).map(|v| (*h, v)))
             .collect();
-        let endpoint = pd.prefill.endpoint.as_str();
+        let endpoint: &str = &pd.prefill.endpoint;
         let mut headers = vec![
             (":method", "POST"),
             (":path", path),

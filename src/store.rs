@@ -27,6 +27,8 @@ use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use std::net::SocketAddr;
 
+pub mod cache;
+
 /// How many times a read-modify-write on shared data is retried when another
 /// thread wrote in between.
 pub const CAS_ATTEMPTS: usize = 16;
@@ -154,6 +156,15 @@ pub fn encode<R: Record>(record: &R) -> Vec<u8> {
     let out = R::TAG.to_vec();
     // Writing into a Vec cannot fail; an empty value would read as absent.
     postcard::to_extend(record, out).unwrap_or_default()
+}
+
+/// `encode` into a reused buffer; the bytes, or None if encoding failed.
+pub fn encode_into<'b, R: Record>(record: &R, buffer: &'b mut Vec<u8>) -> Option<&'b [u8]> {
+    let mut out = std::mem::take(buffer);
+    out.clear();
+    out.extend_from_slice(&R::TAG);
+    *buffer = postcard::to_extend(record, out).ok()?;
+    Some(buffer.as_slice())
 }
 
 /// What `encode` wrote; None for anything else (the caller starts afresh).

@@ -6,26 +6,29 @@ use super::{account, choose, pass_or_reject, pool, Chosen, Decision, PassReason,
 use crate::config::Config;
 use crate::host::Host;
 use crate::scheduler::{Candidate, Constraint};
-use crate::store;
+use crate::store::cache::StateCache;
+use std::rc::Rc;
 
-/// Decides where a request goes without its body. `pin` is the test-only pin
-/// header; `cost` the tokens it adds to its rank until a poll counts it.
+/// Decides where a request goes without its body. `cache` is this VM's copy
+/// of the workers' states (read here); `pin` the test-only pin header;
+/// `cost` the tokens the request adds to its rank until a poll counts it.
 pub fn route_by_headers(
-    config: &Config,
+    config: &Rc<Config>,
     host: &dyn Host,
+    cache: &mut StateCache,
     cost: u64,
     pin: Option<&str>,
     tie_breaker: u64,
 ) -> Decision {
-    let states = store::read_worker_states(config, host);
-    let pool = pool(config, &states, false);
+    cache.refresh(config, host);
+    let pool = pool(config, cache.states(), false);
     let constraint = Constraint { only_rank: None, pin };
     let Some(Candidate { worker, rank, .. }) = choose(config, host, &pool, constraint, tie_breaker) else {
         return pass_or_reject(config, host, PassReason::NoFreshData, None);
     };
-    let ticket = account(config, host, worker, rank, cost);
+    let ticket = account(config, host, cache, worker, rank, cost);
     Decision::Route(Routed {
-        to: Chosen::new(config, worker, Some(rank)),
+        to: Chosen::new(cache, worker, Some(rank)),
         body: None,
         ticket,
     })

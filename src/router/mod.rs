@@ -16,7 +16,9 @@ use crate::host::Host;
 use crate::metrics;
 use crate::scheduler::{self, Candidate, Constraint, Context, Pool};
 use crate::state::{Ticket, WorkerState};
+use crate::store::cache::StateCache;
 use crate::store::{self, IfMissing};
+use std::rc::Rc;
 
 /// Why a request went through untouched (also the suffix of its counter).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -57,15 +59,15 @@ pub struct Chosen {
     pub worker: usize,
     pub rank: Option<u32>,
     /// Value for the route header (`ip:port`).
-    pub endpoint: String,
+    pub endpoint: Rc<str>,
 }
 
 impl Chosen {
-    fn new(config: &Config, worker: usize, rank: Option<u32>) -> Chosen {
+    fn new(cache: &StateCache, worker: usize, rank: Option<u32>) -> Chosen {
         Chosen {
             worker,
             rank,
-            endpoint: config.worker(worker).map(|w| w.endpoint()).unwrap_or_default(),
+            endpoint: cache.endpoint(worker),
         }
     }
 }
@@ -185,16 +187,19 @@ fn choose(
 }
 
 /// Adds a routed request's estimate to its rank and counts the route.
-fn account(config: &Config, host: &dyn Host, worker: usize, rank: u32, cost: u64) -> Option<Ticket> {
-    let ticket = store::update_worker(config, host, worker, IfMissing::Skip, |state| {
-        state.add(worker, rank, cost)
-    });
+fn account(
+    config: &Config,
+    host: &dyn Host,
+    cache: &mut StateCache,
+    worker: usize,
+    rank: u32,
+    cost: u64,
+) -> Option<Ticket> {
+    let ticket = cache.add_estimate(config, host, worker, rank, cost);
     if ticket.is_none() {
         host.count(metrics::ACCOUNTING_SKIPPED, 1);
     }
-    if let Some(w) = config.worker(worker) {
-        host.count(&metrics::routed(&w.name, rank), 1);
-    }
+    host.count(cache.routed_name(worker, rank), 1);
     ticket
 }
 
@@ -206,12 +211,20 @@ pub fn release(config: &Config, host: &dyn Host, ticket: &Ticket) {
     });
 }
 
-/// Decides where a request with this body goes. `pin` is the test-only pin
-/// header (already None unless the config enables it). `tie_breaker` varies
-/// per request so equal loads spread.
-pub fn route(config: &Config, host: &dyn Host, body: &[u8], pin: Option<&str>, tie_breaker: u64) -> Decision {
+/// Decides where a request with this body goes. `cache` is this VM's copy
+/// of the workers' states (read here). `pin` is the test-only pin header
+/// (already None unless the config enables it). `tie_breaker` varies per
+/// request so equal loads spread.
+pub fn route(
+    config: &Rc<Config>,
+    host: &dyn Host,
+    cache: &mut StateCache,
+    body: &[u8],
+    pin: Option<&str>,
+    tie_breaker: u64,
+) -> Decision {
     if let Some(pd) = config.pd() {
-        return pd::route_pd(config, pd, host, body, pin, tie_breaker);
+        return pd::route_pd(config, pd, host, cache, body, pin, tie_breaker);
     }
     if body.is_empty() {
         // A chunked or HTTP/2 request whose body turned out empty.
@@ -233,8 +246,8 @@ pub fn route(config: &Config, host: &dyn Host, body: &[u8], pin: Option<&str>, t
         .keep_client_rank
         .then(|| client_rank(config, &object))
         .flatten();
-    let states = store::read_worker_states(config, host);
-    let pool = pool(config, &states, false);
+    cache.refresh(config, host);
+    let pool = pool(config, cache.states(), false);
     let constraint = Constraint {
         only_rank: trusted_rank,
         pin,
@@ -248,13 +261,13 @@ pub fn route(config: &Config, host: &dyn Host, body: &[u8], pin: Option<&str>, t
         return pass_or_reject(config, host, PassReason::NoFreshData, neutralised);
     };
     let cost = object.estimated_tokens(config.cost_estimate);
-    let ticket = account(config, host, worker, rank, cost);
+    let ticket = account(config, host, cache, worker, rank, cost);
     let body = trusted_rank.is_none().then(|| {
         let set = [(config.rank_field.as_str(), rank.to_string())];
         object.rewritten(&set, &rank_names)
     });
     Decision::Route(Routed {
-        to: Chosen::new(config, worker, Some(rank)),
+        to: Chosen::new(cache, worker, Some(rank)),
         body,
         ticket,
     })

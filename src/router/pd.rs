@@ -9,7 +9,9 @@ use crate::host::Host;
 use crate::metrics::{self, PerWorker};
 use crate::scheduler::Constraint;
 use crate::state::Ticket;
+use crate::store::cache::StateCache;
 use crate::store::{self, IfMissing};
+use std::rc::Rc;
 
 #[derive(Debug, PartialEq, Eq)]
 pub struct PdRouted {
@@ -36,9 +38,10 @@ fn split_pin(pin: Option<&str>) -> (Option<&str>, Option<&str>) {
 /// Picks a prefill and a decode (worker, rank) and writes the bootstrap
 /// fields both sides need to meet.
 pub(super) fn route_pd(
-    config: &Config,
+    config: &Rc<Config>,
     pd: &Pd,
     host: &dyn Host,
+    cache: &mut StateCache,
     body: &[u8],
     pin: Option<&str>,
     tie_breaker: u64,
@@ -49,13 +52,13 @@ pub(super) fn route_pd(
         Ok(o) => o,
     };
     let (prefill_pin, decode_pin) = split_pin(pin);
-    let states = store::read_worker_states(config, host);
+    cache.refresh(config, host);
     let pick = |prefill, pin| {
         let constraint = Constraint { only_rank: None, pin };
         choose(
             config,
             host,
-            &pool(config, &states, prefill),
+            &pool(config, cache.states(), prefill),
             constraint,
             tie_breaker,
         )
@@ -76,8 +79,8 @@ pub(super) fn route_pd(
     };
 
     let cost = object.estimated_tokens(config.cost_estimate);
-    let prefill_ticket = p.and_then(|c| account(config, host, c.worker, c.rank, cost));
-    let decode_ticket = d.and_then(|c| account(config, host, c.worker, c.rank, cost));
+    let prefill_ticket = p.and_then(|c| account(config, host, cache, c.worker, c.rank, cost));
+    let decode_ticket = d.and_then(|c| account(config, host, cache, c.worker, c.rank, cost));
 
     let bootstrap = bootstrap_fields(
         &object,
@@ -89,8 +92,8 @@ pub(super) fn route_pd(
     let neutralise = pd.field_names();
     let body_for = |fields| object.rewritten(&pd_body_fields(&bootstrap, fields, ranks), &neutralise);
     Decision::Pd(PdRouted {
-        prefill: Chosen::new(config, prefill_index, ranks.0),
-        decode: d.map(|c| Chosen::new(config, c.worker, Some(c.rank))),
+        prefill: Chosen::new(cache, prefill_index, ranks.0),
+        decode: d.map(|c| Chosen::new(cache, c.worker, Some(c.rank))),
         prefill_body: body_for(&pd.prefill_body_fields),
         decode_body: body_for(&pd.decode_body_fields),
         prefill_ticket,

@@ -28,9 +28,10 @@ fn start() -> World {
     )
 }
 
-/// Rank and bootstrap headers a client might send, mixed case.
-const CLIENT_RANK_HEADERS: [(&str, &str); 6] = [
+/// Rank and bootstrap headers a client might send, mixed case, one twice.
+const CLIENT_RANK_HEADERS: [(&str, &str); 7] = [
     ("X-Data-Parallel-Rank", "3"),
+    ("x-data-parallel-rank", "2"),
     ("X-Override-Routed-Dp-Rank", "3"),
     ("x-override-disagg-prefill-dp-rank", "3"),
     ("X-Override-Bootstrap-Host", "10.9.9.9"),
