@@ -21,7 +21,7 @@ pub fn route_by_headers(
     tie_breaker: u64,
 ) -> Decision {
     cache.refresh(config, host);
-    let pool = pool(config, cache.states(), false);
+    let pool = pool(config, cache, false);
     let constraint = Constraint { only_rank: None, pin };
     let Some(Candidate { worker, rank, .. }) = choose(config, host, &pool, constraint, tie_breaker) else {
         return pass_or_reject(config, host, PassReason::NoFreshData, None);

@@ -15,7 +15,7 @@ use crate::config::{Config, FailMode};
 use crate::host::Host;
 use crate::metrics;
 use crate::scheduler::{self, Candidate, Constraint, Context, Pool};
-use crate::state::{Ticket, WorkerState};
+use crate::state::Ticket;
 use crate::store::cache::StateCache;
 use crate::store::{self, IfMissing};
 use std::rc::Rc;
@@ -139,15 +139,17 @@ fn client_rank(config: &Config, body: &JsonObject) -> Option<u32> {
     })
 }
 
-/// The routed pool (`prefill: false`) or PD's prefill pool, with their states.
-fn pool<'a>(config: &'a Config, states: &'a [Option<WorkerState>], prefill: bool) -> Pool<'a> {
+/// The routed pool (`prefill: false`) or PD's prefill pool, with their
+/// states as last read into `cache`.
+fn pool<'a>(config: &'a Config, cache: &'a StateCache, prefill: bool) -> Pool<'a> {
     let (workers, offset) = match (prefill, config.pd()) {
         (true, Some(pd)) => (pd.prefill.as_slice(), config.prefill_offset()),
         _ => (config.routed(), 0),
     };
     Pool {
         workers,
-        states: states.get(offset..offset + workers.len()).unwrap_or_default(),
+        states: cache.states().get(offset..offset + workers.len()).unwrap_or_default(),
+        loads: cache.loads(),
         offset,
     }
 }
@@ -247,7 +249,7 @@ pub fn route(
         .then(|| client_rank(config, &object))
         .flatten();
     cache.refresh(config, host);
-    let pool = pool(config, cache.states(), false);
+    let pool = pool(config, cache, false);
     let constraint = Constraint {
         only_rank: trusted_rank,
         pin,

@@ -58,7 +58,7 @@ pub(super) fn route_pd(
         choose(
             config,
             host,
-            &pool(config, cache.states(), prefill),
+            &pool(config, cache, prefill),
             constraint,
             tie_breaker,
         )

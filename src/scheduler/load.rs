@@ -1,6 +1,6 @@
 //! Scorer `load`: adds each rank's effective tokens (the last polled figure
-//! plus the estimates of requests the poll has not seen yet); a rank the
-//! report gave no usable figure for is removed.
+//! plus the estimates of requests the poll has not seen yet, as derived in
+//! `Loads`); a rank the report gave no usable figure for is removed.
 
 use super::{Context, Scorer, WorkerView};
 
@@ -8,7 +8,15 @@ pub struct Load;
 
 impl Scorer for Load {
     fn score(&self, _ctx: &Context, worker: &WorkerView, costs: &mut [Option<u64>]) {
-        worker.state.add_effective_tokens(costs);
+        for (cost, load) in costs.iter_mut().zip(worker.loads) {
+            *cost = match (*cost, *load) {
+                (Some(c), Some(l)) => Some(c.saturating_add(l)),
+                _ => None,
+            };
+        }
+        for cost in costs.iter_mut().skip(worker.loads.len()) {
+            *cost = None;
+        }
     }
 }
 
@@ -21,10 +29,12 @@ mod tests {
 
     fn score(state: &WorkerState, mut costs: Vec<Option<u64>>) -> Vec<Option<u64>> {
         let w = worker("a", 1, None);
+        let loads = super::super::Loads::of(std::slice::from_ref(&Some(state.clone())));
         let view = WorkerView {
             index: 0,
             worker: &w,
             state,
+            loads: loads.worker(0),
         };
         Load.score(&ctx(Constraint::default()), &view, &mut costs);
         costs

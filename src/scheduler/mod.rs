@@ -14,8 +14,11 @@
 mod fresh;
 mod least_cost;
 mod load;
+mod loads;
 mod only_rank;
 mod pinned;
+
+pub use loads::Loads;
 
 use crate::config::Worker;
 use crate::state::WorkerState;
@@ -43,6 +46,9 @@ pub struct Pool<'a> {
     pub workers: &'a [Worker],
     /// One per worker (None: no state yet).
     pub states: &'a [Option<WorkerState>],
+    /// The loads derived from the states, indexed like `Config::all_workers`
+    /// (`workers[0]` is at `offset`).
+    pub loads: &'a Loads,
     /// Index of `workers[0]` in `Config::all_workers`.
     pub offset: usize,
 }
@@ -73,9 +79,16 @@ pub struct WorkerView<'a> {
     pub index: usize,
     pub worker: &'a Worker,
     pub state: &'a WorkerState,
+    /// Effective tokens per rank its state lists (`Loads`).
+    pub loads: &'a [Option<u64>],
 }
 
 pub trait Filter {
+    /// Whether the filter can remove anything for this request; checked once
+    /// per choice, so a filter with nothing to do costs nothing per worker.
+    fn applies(&self, _ctx: &Context) -> bool {
+        true
+    }
     /// Clears the slots of ranks that may not be chosen; false drops the
     /// whole worker (the cheap way to remove every rank).
     fn filter(&self, ctx: &Context, worker: &WorkerView, ranks: &mut [Option<u64>]) -> bool;
@@ -102,25 +115,42 @@ fn offered_ranks(worker: &Worker, state: &WorkerState) -> usize {
         .map_or(state.ranks(), |dp| state.ranks().min(dp as usize))
 }
 
+thread_local! {
+    /// The cost slots of the worker being scored, reused across choices (each
+    /// VM is one thread).
+    static SLOTS: std::cell::RefCell<Vec<Option<u64>>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
 /// Runs the pipeline over `pool`; the candidate's `worker` is a
 /// `Config::all_workers` index. The constraint is strict: a pin that names
 /// no candidate leaves none (the router then retries without it).
 pub fn choose(pool: &Pool, ctx: &Context) -> Option<Candidate> {
-    let mut picker = ThePicker::new(ctx);
-    let mut slots: Vec<Option<u64>> = Vec::new();
-    for (index, (worker, state)) in pool.workers.iter().zip(pool.states).enumerate() {
-        let Some(state) = state else { continue };
-        let view = WorkerView { index, worker, state };
-        slots.clear();
-        slots.resize(offered_ranks(worker, state), Some(0));
-        if !FILTERS.iter().all(|f| f.filter(ctx, &view, &mut slots)) {
-            continue;
-        }
-        for scorer in SCORERS {
-            scorer.score(ctx, &view, &mut slots);
-        }
-        picker.offer(index, &slots);
+    let mut active: [Option<&dyn Filter>; FILTERS.len()] = [None; FILTERS.len()];
+    for (slot, filter) in active.iter_mut().zip(FILTERS) {
+        *slot = filter.applies(ctx).then_some(*filter);
     }
+    let mut picker = ThePicker::new(ctx);
+    SLOTS.with_borrow_mut(|slots| {
+        for (index, (worker, state)) in pool.workers.iter().zip(pool.states).enumerate() {
+            let Some(state) = state else { continue };
+            let loads = pool.loads.worker(index + pool.offset);
+            let view = WorkerView {
+                index,
+                worker,
+                state,
+                loads,
+            };
+            slots.clear();
+            slots.resize(offered_ranks(worker, state), Some(0));
+            if !active.iter().flatten().all(|f| f.filter(ctx, &view, slots)) {
+                continue;
+            }
+            for scorer in SCORERS {
+                scorer.score(ctx, &view, slots);
+            }
+            picker.offer(index, slots);
+        }
+    });
     let chosen = picker.pick()?;
     Some(Candidate {
         worker: chosen.worker + pool.offset,
@@ -159,6 +189,13 @@ pub(crate) mod testing {
         }
     }
 
+    /// The loads of a pool whose first worker sits at `offset`.
+    pub fn loads_at(offset: usize, states: &[Option<WorkerState>]) -> Loads {
+        let mut all = vec![None; offset];
+        all.extend_from_slice(states);
+        Loads::of(&all)
+    }
+
     /// Runs one filter on a worker with `ranks` slots; None if it dropped the worker.
     pub fn run_filter(
         f: &dyn Filter,
@@ -168,7 +205,13 @@ pub(crate) mod testing {
         state: &WorkerState,
     ) -> Option<Vec<Option<u64>>> {
         let mut ranks = vec![Some(0); state.ranks()];
-        let view = WorkerView { index, worker, state };
+        let loads = Loads::of(std::slice::from_ref(&Some(state.clone())));
+        let view = WorkerView {
+            index,
+            worker,
+            state,
+            loads: loads.worker(0),
+        };
         f.filter(ctx, &view, &mut ranks).then_some(ranks)
     }
 }
@@ -186,32 +229,42 @@ mod tests {
     fn the_pipeline_picks_the_joint_minimum_of_fresh_ranks_across_workers() {
         let workers = [worker("a", 1, None), worker("b", 2, None), worker("c", 3, None)];
         let states = [Some(state(&[50, 40], 1000)), Some(state(&[1], 0)), None];
-        let pool = |states| Pool {
-            workers: &workers,
-            states,
-            offset: 3,
-        };
+        let none: [Option<WorkerState>; 3] = [None, None, None];
+        let (loads, no_loads) = (loads_at(3, &states), loads_at(3, &none));
+        fn pool<'a>(workers: &'a [Worker], states: &'a [Option<WorkerState>], loads: &'a Loads) -> Pool<'a> {
+            Pool {
+                workers,
+                states,
+                loads,
+                offset: 3,
+            }
+        }
         let at = |now_ms| Context {
             now_ms,
             ..ctx(Constraint::default())
         };
         assert_eq!(
-            choose(&pool(&states), &at(1000)),
+            choose(&pool(&workers, &states, &loads), &at(1000)),
             Some(c(4, 0, 1)),
             "the joint minimum"
         );
-        assert_eq!(choose(&pool(&states), &at(3500)), Some(c(3, 1, 40)), "b is stale");
-        let none: [Option<WorkerState>; 3] = [None, None, None];
-        assert_eq!(choose(&pool(&none), &at(1000)), None);
+        assert_eq!(
+            choose(&pool(&workers, &states, &loads), &at(3500)),
+            Some(c(3, 1, 40)),
+            "b is stale"
+        );
+        assert_eq!(choose(&pool(&workers, &none, &no_loads), &at(1000)), None);
     }
 
     #[test]
     fn configured_dp_size_caps_the_offered_ranks() {
         let workers = [worker("a", 1, Some(2))];
         let states = [Some(state(&[5, 6, 0, 0], 1000))];
+        let loads = Loads::of(&states);
         let pool = Pool {
             workers: &workers,
             states: &states,
+            loads: &loads,
             offset: 0,
         };
         assert_eq!(choose(&pool, &ctx(Constraint::default())), Some(c(0, 0, 5)));
@@ -221,9 +274,11 @@ mod tests {
     fn constraints_are_strict() {
         let workers = [worker("a", 1, None), worker("b", 2, None)];
         let states = [Some(state(&[9, 1], 1000)), Some(state(&[5, 7], 1000))];
+        let loads = Loads::of(&states);
         let pool = Pool {
             workers: &workers,
             states: &states,
+            loads: &loads,
             offset: 0,
         };
         let only = |rank| {

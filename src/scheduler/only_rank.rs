@@ -6,6 +6,10 @@ use super::{Context, Filter, WorkerView};
 pub struct OnlyRank;
 
 impl Filter for OnlyRank {
+    fn applies(&self, ctx: &Context) -> bool {
+        ctx.constraint.only_rank.is_some()
+    }
+
     fn filter(&self, ctx: &Context, _worker: &WorkerView, ranks: &mut [Option<u64>]) -> bool {
         let Some(only) = ctx.constraint.only_rank else {
             return true;

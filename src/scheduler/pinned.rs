@@ -7,6 +7,10 @@ use super::{Context, Filter, WorkerView};
 pub struct Pinned;
 
 impl Filter for Pinned {
+    fn applies(&self, ctx: &Context) -> bool {
+        ctx.constraint.pin.is_some()
+    }
+
     fn filter(&self, ctx: &Context, worker: &WorkerView, ranks: &mut [Option<u64>]) -> bool {
         let Some(pin) = ctx.constraint.pin else {
             return true;

@@ -14,6 +14,7 @@ use super::{decode, encode_into, update_worker, IfMissing, Keys};
 use crate::config::Config;
 use crate::host::{Host, SharedSetError};
 use crate::metrics;
+use crate::scheduler::Loads;
 use crate::state::{Ticket, WorkerState};
 use std::rc::Rc;
 
@@ -26,6 +27,8 @@ pub struct StateCache {
     /// cas of each state as read; None: absent, or written by this VM since.
     cas: Vec<Option<u32>>,
     states: Vec<Option<WorkerState>>,
+    /// Effective tokens per rank, derived from `states` when they change.
+    loads: Loads,
     /// `routed.<worker>.rank_<r>` names, filled as ranks are routed to.
     routed_names: Vec<Vec<String>>,
     /// Encoding buffer, reused.
@@ -39,19 +42,28 @@ impl StateCache {
         if !self.config.as_ref().is_some_and(|c| Rc::ptr_eq(c, config)) {
             self.follow(config);
         }
-        for ((key, cas), state) in self.keys.iter().zip(&mut self.cas).zip(&mut self.states) {
-            match host.shared_get(key) {
-                Some((bytes, read)) => {
-                    if *cas != Some(read) {
-                        *state = decode(&bytes);
-                        *cas = Some(read);
-                    }
+        let mut relayout = false;
+        for (index, ((key, cas), state)) in self.keys.iter().zip(&mut self.cas).zip(&mut self.states).enumerate() {
+            let changed = match host.shared_get(key) {
+                Some((bytes, read)) if *cas != Some(read) => {
+                    *state = decode(&bytes);
+                    *cas = Some(read);
+                    true
                 }
+                Some(_) => false,
                 None => {
+                    let had = state.is_some();
                     *state = None;
                     *cas = None;
+                    had
                 }
+            };
+            if changed && !relayout {
+                relayout = !self.loads.update(index, state.as_ref());
             }
+        }
+        if relayout {
+            self.loads.rebuild(&self.states);
         }
     }
 
@@ -62,12 +74,18 @@ impl StateCache {
         self.routed_names = vec![Vec::new(); self.keys.len()];
         self.cas = vec![None; self.keys.len()];
         self.states = vec![None; self.keys.len()];
+        self.loads = Loads::of(&self.states);
         self.config = Some(config.clone());
     }
 
     /// The states as last read, indexed like `Config::all_workers`.
     pub fn states(&self) -> &[Option<WorkerState>] {
         &self.states
+    }
+
+    /// The loads derived from the states, indexed like them.
+    pub fn loads(&self) -> &Loads {
+        &self.loads
     }
 
     /// The route header value (`ip:port`) of worker `index`.
@@ -137,6 +155,9 @@ impl StateCache {
         if let (Some(cas), Some(state)) = (self.cas.get_mut(index), self.states.get_mut(index)) {
             *cas = None;
             *state = None;
+            if !self.loads.update(index, None) {
+                self.loads.rebuild(&self.states);
+            }
         }
     }
 }
@@ -168,11 +189,13 @@ mod tests {
         cache.refresh(&c, &h);
         assert_eq!(cache.states()[0], first[0]);
         assert_eq!(cache.states()[1].as_ref().unwrap().polled_tokens(0), Some(7));
+        assert_eq!(cache.loads(), &Loads::of(cache.states()), "loads follow the states");
         // A key emptied (a worker that left) reads as no state.
         h.shared_set(&Keys::of(&c).worker(&c.routed()[0].address), b"", None)
             .unwrap();
         cache.refresh(&c, &h);
         assert_eq!(cache.states()[0], None);
+        assert_eq!(cache.loads(), &Loads::of(cache.states()));
     }
 
     #[test]
