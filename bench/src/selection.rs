@@ -254,9 +254,9 @@ pub fn selection(args: &SelectionArgs, command_line: &str) -> Result<(), String>
                 let ranks = worker
                     .dp_size
                     .map_or(state.ranks(), |dp| state.ranks().min(dp as usize));
-                for load in loads.worker(index).iter().take(ranks).flatten() {
-                    if best.is_none_or(|b| *load < b) {
-                        best = Some(*load);
+                for &load in loads.worker(index).iter().take(ranks) {
+                    if load != dprank::scheduler::REMOVED && best.is_none_or(|b| load < b) {
+                        best = Some(load);
                     }
                 }
             }

@@ -148,7 +148,10 @@ fn pool<'a>(config: &'a Config, cache: &'a StateCache, prefill: bool) -> Pool<'a
     };
     Pool {
         workers,
-        states: cache.states().get(offset..offset + workers.len()).unwrap_or_default(),
+        states: cache
+            .states()
+            .get(offset..offset + workers.len())
+            .unwrap_or_default(),
         loads: cache.loads(),
         offset,
     }

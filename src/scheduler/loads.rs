@@ -1,13 +1,14 @@
 //! Every worker's effective tokens per rank (polled figure plus pending
-//! estimates; None for a rank the report gave no usable figure for), laid
+//! estimates; `REMOVED` for a rank the report gave no usable figure for), laid
 //! out flat and derived once per state change: the `load` scorer then reads
 //! one contiguous array per choice instead of walking each state's buckets.
 
+use super::{Slot, MAX_COST, REMOVED};
 use crate::state::WorkerState;
 
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Loads {
-    values: Vec<Option<u64>>,
+    values: Vec<Slot>,
     /// Where each worker's ranks start in `values`; one more entry than workers.
     starts: Vec<usize>,
 }
@@ -28,9 +29,9 @@ impl Loads {
         for state in states {
             if let Some(state) = state {
                 let at = self.values.len();
-                self.values.resize(at + state.ranks(), Some(0));
+                self.values.resize(at + state.ranks(), 0);
                 if let Some(slots) = self.values.get_mut(at..) {
-                    state.add_effective_tokens(slots);
+                    derive(state, slots);
                 }
             }
             self.starts.push(self.values.len());
@@ -48,18 +49,24 @@ impl Loads {
             return false;
         };
         if let Some(state) = state {
-            slots.fill(Some(0));
-            state.add_effective_tokens(slots);
+            derive(state, slots);
         }
         true
     }
 
     /// Worker `index`'s loads, one per rank its state lists.
-    pub fn worker(&self, index: usize) -> &[Option<u64>] {
+    pub fn worker(&self, index: usize) -> &[Slot] {
         match (self.starts.get(index), self.starts.get(index + 1)) {
             (Some(&start), Some(&end)) => self.values.get(start..end).unwrap_or_default(),
             _ => &[],
         }
+    }
+}
+
+/// One slot per rank of `state`: its effective tokens, `REMOVED` if unknown.
+fn derive(state: &WorkerState, slots: &mut [Slot]) {
+    for (rank, slot) in slots.iter_mut().enumerate() {
+        *slot = state.effective_tokens(rank).map_or(REMOVED, |t| t.min(MAX_COST));
     }
 }
 
@@ -74,13 +81,13 @@ mod tests {
         busy.add(0, 1, 10).unwrap();
         let states = vec![Some(busy.clone()), None, Some(state(&[1, 2, 3], 1000))];
         let mut loads = Loads::of(&states);
-        assert_eq!(loads.worker(0), [Some(5), Some(16)]);
-        assert_eq!(loads.worker(1), []);
-        assert_eq!(loads.worker(2), [Some(1), Some(2), Some(3)]);
-        assert_eq!(loads.worker(3), []);
+        assert_eq!(loads.worker(0), [5, 16]);
+        assert!(loads.worker(1).is_empty());
+        assert_eq!(loads.worker(2), [1, 2, 3]);
+        assert!(loads.worker(3).is_empty());
         busy.add(0, 0, 1).unwrap();
         assert!(loads.update(0, Some(&busy)));
-        assert_eq!(loads.worker(0), [Some(6), Some(16)]);
+        assert_eq!(loads.worker(0), [6, 16]);
         assert!(!loads.update(1, Some(&busy)), "a new rank count needs a rebuild");
         assert!(loads.update(1, None));
         assert!(!loads.update(2, None));
@@ -88,6 +95,6 @@ mod tests {
         grown[1] = Some(busy);
         loads.rebuild(&grown);
         assert_eq!(loads, Loads::of(&grown));
-        assert_eq!(loads.worker(1), [Some(6), Some(16)]);
+        assert_eq!(loads.worker(1), [6, 16]);
     }
 }

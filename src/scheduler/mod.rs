@@ -6,7 +6,7 @@
 //!
 //! Candidates are every rank a worker's last report listed (below its
 //! configured `dp_size`, if any). Steps work one worker at a time on a slice
-//! with one cost slot per rank (`None` = removed), and the picker is offered
+//! with one cost slot per rank (`REMOVED` = removed), and the picker is offered
 //! each worker's slots as soon as they are scored: a fleet of thousands of
 //! ranks costs one call per worker and step, a tight loop per rank, and no
 //! candidate list.
@@ -29,6 +29,13 @@ const FILTERS: &[&dyn Filter] = &[&fresh::Fresh, &only_rank::OnlyRank, &pinned::
 const SCORERS: &[&dyn Scorer] = &[&load::Load];
 /// The picker: takes one candidate from those left.
 type ThePicker = least_cost::LeastCost;
+
+/// A candidate's cost slot: its cost so far, or [`REMOVED`].
+pub type Slot = u64;
+/// The slot of a candidate a step removed. Costs saturate just below it.
+pub const REMOVED: Slot = u64::MAX;
+/// The highest cost a candidate can carry.
+pub const MAX_COST: Slot = u64::MAX - 1;
 
 /// A (worker, rank) a request could be sent to, with its cost (for now, the
 /// rank's effective tokens).
@@ -79,8 +86,9 @@ pub struct WorkerView<'a> {
     pub index: usize,
     pub worker: &'a Worker,
     pub state: &'a WorkerState,
-    /// Effective tokens per rank its state lists (`Loads`).
-    pub loads: &'a [Option<u64>],
+    /// Effective tokens per rank its state lists (`Loads`; `REMOVED` for a
+    /// rank without a usable figure).
+    pub loads: &'a [Slot],
 }
 
 pub trait Filter {
@@ -91,18 +99,19 @@ pub trait Filter {
     }
     /// Clears the slots of ranks that may not be chosen; false drops the
     /// whole worker (the cheap way to remove every rank).
-    fn filter(&self, ctx: &Context, worker: &WorkerView, ranks: &mut [Option<u64>]) -> bool;
+    fn filter(&self, ctx: &Context, worker: &WorkerView, ranks: &mut [Slot]) -> bool;
 }
 
 pub trait Scorer {
-    /// Adds this step's cost to every slot left; a rank it cannot score is cleared.
-    fn score(&self, ctx: &Context, worker: &WorkerView, costs: &mut [Option<u64>]);
+    /// Adds this step's cost to every slot left (saturating at `MAX_COST`); a
+    /// rank it cannot score is set to `REMOVED`.
+    fn score(&self, ctx: &Context, worker: &WorkerView, costs: &mut [Slot]);
 }
 
 pub trait Picker {
     fn new(ctx: &Context) -> Self;
     /// Offers one worker's candidates: its pool index and one slot per rank.
-    fn offer(&mut self, worker: usize, costs: &[Option<u64>]);
+    fn offer(&mut self, worker: usize, costs: &[Slot]);
     /// The candidate taken among all those offered.
     fn pick(self) -> Option<Candidate>;
 }
@@ -118,7 +127,7 @@ fn offered_ranks(worker: &Worker, state: &WorkerState) -> usize {
 thread_local! {
     /// The cost slots of the worker being scored, reused across choices (each
     /// VM is one thread).
-    static SLOTS: std::cell::RefCell<Vec<Option<u64>>> = const { std::cell::RefCell::new(Vec::new()) };
+    static SLOTS: std::cell::RefCell<Vec<Slot>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 /// Runs the pipeline over `pool`; the candidate's `worker` is a
@@ -141,7 +150,7 @@ pub fn choose(pool: &Pool, ctx: &Context) -> Option<Candidate> {
                 loads,
             };
             slots.clear();
-            slots.resize(offered_ranks(worker, state), Some(0));
+            slots.resize(offered_ranks(worker, state), 0);
             if !active.iter().flatten().all(|f| f.filter(ctx, &view, slots)) {
                 continue;
             }
@@ -203,8 +212,8 @@ pub(crate) mod testing {
         index: usize,
         worker: &Worker,
         state: &WorkerState,
-    ) -> Option<Vec<Option<u64>>> {
-        let mut ranks = vec![Some(0); state.ranks()];
+    ) -> Option<Vec<Slot>> {
+        let mut ranks = vec![0; state.ranks()];
         let loads = Loads::of(std::slice::from_ref(&Some(state.clone())));
         let view = WorkerView {
             index,

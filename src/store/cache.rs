@@ -43,7 +43,13 @@ impl StateCache {
             self.follow(config);
         }
         let mut relayout = false;
-        for (index, ((key, cas), state)) in self.keys.iter().zip(&mut self.cas).zip(&mut self.states).enumerate() {
+        for (index, ((key, cas), state)) in self
+            .keys
+            .iter()
+            .zip(&mut self.cas)
+            .zip(&mut self.states)
+            .enumerate()
+        {
             let changed = match host.shared_get(key) {
                 Some((bytes, read)) if *cas != Some(read) => {
                     *state = decode(&bytes);
@@ -189,7 +195,11 @@ mod tests {
         cache.refresh(&c, &h);
         assert_eq!(cache.states()[0], first[0]);
         assert_eq!(cache.states()[1].as_ref().unwrap().polled_tokens(0), Some(7));
-        assert_eq!(cache.loads(), &Loads::of(cache.states()), "loads follow the states");
+        assert_eq!(
+            cache.loads(),
+            &Loads::of(cache.states()),
+            "loads follow the states"
+        );
         // A key emptied (a worker that left) reads as no state.
         h.shared_set(&Keys::of(&c).worker(&c.routed()[0].address), b"", None)
             .unwrap();
