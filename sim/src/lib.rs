@@ -2,11 +2,16 @@
 //! --enable-dp-attention`), speaking the real wire format, with a control
 //! API for tests. See sim/README.md for the model.
 
+pub mod chat;
 pub mod config;
-pub mod model;
+pub mod engine;
+pub mod loads;
+pub mod offline;
+pub mod output;
 pub mod protocol;
 pub mod server;
+pub mod tokenizer;
 pub mod worker;
 
-pub use config::{Cli, Dispatch, Role, SimConfig};
+pub use config::{Admission, Cli, Dispatch, RankHeader, Role, SimConfig, Toggle};
 pub use server::SimServer;

@@ -14,16 +14,22 @@ async fn run(cli: Cli) -> Result<(), String> {
         ));
     }
     let config = Arc::new(cli.sim);
-    let mut servers = Vec::new();
-    for (index, listen) in cli.listen.iter().enumerate() {
-        // The bootstrap listener shares the worker's IP address.
-        let bootstrap = cli
-            .bootstrap_port
-            .get(index)
-            .map(|port| SocketAddr::new(listen.ip(), *port));
-        let server = SimServer::start(config.clone(), *listen, bootstrap).await?;
+    // The bootstrap listener shares the worker's IP address.
+    let listeners: Vec<(SocketAddr, Option<SocketAddr>)> = cli
+        .listen
+        .iter()
+        .enumerate()
+        .map(|(index, listen)| {
+            let bootstrap = cli
+                .bootstrap_port
+                .get(index)
+                .map(|port| SocketAddr::new(listen.ip(), *port));
+            (*listen, bootstrap)
+        })
+        .collect();
+    let servers = SimServer::start_fleet(config, &listeners).await?;
+    for server in &servers {
         println!("{}", server.ready_line());
-        servers.push(server);
     }
     wait_for_stop().await;
     drop(servers);

@@ -1,9 +1,12 @@
 //! SGLang / OpenAI request parsing and response shapes.
 
+use axum::http::HeaderMap;
 use bytes::Bytes;
 use serde_json::{json, Map, Value};
 
-use crate::config::Role;
+use crate::config::{RankHeader, Role, SimConfig};
+use crate::output::{text_upto, token_text};
+use crate::{chat, tokenizer};
 
 /// Largest number of output tokens one sequence may ask for.
 pub const MAX_NEW_TOKENS_LIMIT: u64 = 4096;
@@ -26,12 +29,14 @@ pub struct Bootstrap {
     pub rooms: Vec<u64>,
 }
 
-/// Everything the simulator needs from a serving request body.
+/// Everything the simulator needs from a serving request.
 #[derive(Debug, Clone)]
 pub struct ParsedRequest {
     pub api: Api,
-    /// Prompt tokens of each sequence (more than one for batched input).
-    pub prompt_tokens: Vec<u64>,
+    /// Token ids of each prompt (more than one for batched input).
+    pub prompts: Vec<Vec<u32>>,
+    /// The prompts were token ids: nothing to tokenize.
+    pub pretokenized: bool,
     /// The input was a list of prompts (answers are then lists too).
     pub batched: bool,
     pub max_new_tokens: u64,
@@ -57,9 +62,30 @@ fn bad_request(message: impl Into<String>) -> Rejection {
     }
 }
 
-/// The byte-count token estimate: ceil(bytes / 4), at least 1.
-pub fn tokens_of_text(text: &str) -> u64 {
-    (text.len() as u64).div_ceil(4).max(1)
+/// The tokens of a text prompt; an empty prompt still counts one token.
+pub fn text_tokens(text: &str) -> Vec<u32> {
+    let tokens = tokenizer::tokens(text);
+    if tokens.is_empty() {
+        vec![tokenizer::token_id(b"")]
+    } else {
+        tokens
+    }
+}
+
+/// Token ids given as JSON numbers, taken as they are.
+fn id_tokens(ids: &[Value]) -> Vec<u32> {
+    let mut tokens: Vec<u32> = ids
+        .iter()
+        .map(|id| {
+            id.as_u64()
+                .or_else(|| id.as_i64().map(|v| v as u64))
+                .unwrap_or_else(|| id.as_f64().unwrap_or(0.0) as u64) as u32
+        })
+        .collect();
+    if tokens.is_empty() {
+        tokens.push(tokenizer::token_id(b""));
+    }
+    tokens
 }
 
 /// Rank fields in the order they are honoured, by role.
@@ -68,6 +94,15 @@ fn rank_fields(role: Role) -> &'static [&'static str] {
         Role::Decode => &["routed_dp_rank", "decode_dp_rank", "data_parallel_rank"],
         Role::Regular | Role::Prefill => &["routed_dp_rank", "data_parallel_rank"],
     }
+}
+
+fn check_range(name: &str, rank: i64, dp_size: usize) -> Result<usize, Rejection> {
+    if rank < 0 || rank as u64 >= dp_size as u64 {
+        return Err(bad_request(format!(
+            "{name}={rank} is out of range [0, {dp_size})"
+        )));
+    }
+    Ok(rank as usize)
 }
 
 fn parse_rank(body: &Map<String, Value>, role: Role, dp_size: usize) -> Result<Option<usize>, Rejection> {
@@ -82,63 +117,109 @@ fn parse_rank(body: &Map<String, Value>, role: Role, dp_size: usize) -> Result<O
         let Some(rank) = value.as_i64() else {
             return Err(bad_request(format!("{name} must be an integer, got {value}")));
         };
-        if rank < 0 || rank as u64 >= dp_size as u64 {
-            return Err(bad_request(format!(
-                "{name}={rank} is out of range [0, {dp_size})"
-            )));
-        }
+        let rank = check_range(name, rank, dp_size)?;
         if chosen.is_none() {
-            chosen = Some(rank as usize);
+            chosen = Some(rank);
         }
     }
     Ok(chosen)
 }
 
-/// Token counts of a prompt given as text, text array, id list or id
-/// lists, and whether it was a batch.
-fn prompt_token_counts(value: &Value, field: &str) -> Result<(Vec<u64>, bool), Rejection> {
+/// An integer request header (as SGLang casts it: surrounding spaces
+/// allowed); a value that is not one is a 400.
+fn header_int(headers: &HeaderMap, name: &str) -> Result<Option<i64>, Rejection> {
+    let Some(value) = headers.get(name) else {
+        return Ok(None);
+    };
+    value
+        .to_str()
+        .ok()
+        .and_then(|text| text.trim().parse::<i64>().ok())
+        .map(Some)
+        .ok_or_else(|| bad_request(format!("invalid {name} header {value:?}: not an integer")))
+}
+
+fn header_str(headers: &HeaderMap, name: &str) -> Result<Option<String>, Rejection> {
+    let Some(value) = headers.get(name) else {
+        return Ok(None);
+    };
+    value
+        .to_str()
+        .map(|text| Some(text.to_string()))
+        .map_err(|_| bad_request(format!("invalid {name} header: not text")))
+}
+
+/// The `x-override-*` headers SGLang honours with
+/// SGLANG_ENABLE_REQUEST_HEADER_OVERRIDES (python/sglang/srt/entrypoints/request_headers.py).
+#[derive(Debug, Default)]
+struct Overrides {
+    routed_dp_rank: Option<i64>,
+    bootstrap_host: Option<String>,
+    bootstrap_port: Option<i64>,
+    bootstrap_room: Option<i64>,
+}
+
+fn parse_overrides(headers: &HeaderMap) -> Result<Overrides, Rejection> {
+    // Validated even where the simulator has no use for them.
+    header_int(headers, "x-override-disagg-prefill-dp-rank")?;
+    header_int(headers, "x-override-priority")?;
+    Ok(Overrides {
+        routed_dp_rank: header_int(headers, "x-override-routed-dp-rank")?,
+        bootstrap_host: header_str(headers, "x-override-bootstrap-host")?,
+        bootstrap_port: header_int(headers, "x-override-bootstrap-port")?,
+        bootstrap_room: header_int(headers, "x-override-bootstrap-room")?,
+    })
+}
+
+/// Whether this endpoint reads `x-data-parallel-rank` in the modelled
+/// SGLang version.
+fn reads_rank_header(api: Api, mode: RankHeader) -> bool {
+    match mode {
+        RankHeader::Honour => true,
+        RankHeader::Openai => api != Api::Generate,
+        RankHeader::Ignore => false,
+    }
+}
+
+/// Whether this endpoint applies the `x-override-*` headers when enabled.
+fn applies_overrides(api: Api) -> bool {
+    matches!(api, Api::Generate | Api::Chat)
+}
+
+/// The prompts of a text, text array, id list or id lists, and whether
+/// it was a batch and was given as ids.
+fn prompt_tokens(value: &Value, field: &str) -> Result<(Vec<Vec<u32>>, bool, bool), Rejection> {
     match value {
-        Value::String(text) => Ok((vec![tokens_of_text(text)], false)),
+        Value::String(text) => Ok((vec![text_tokens(text)], false, false)),
         Value::Array(items) if items.is_empty() => Err(bad_request(format!("{field} is empty"))),
         Value::Array(items) => {
             if items.iter().all(Value::is_number) {
-                return Ok((vec![(items.len() as u64).max(1)], false));
+                return Ok((vec![id_tokens(items)], false, true));
             }
-            let counts = items
+            let mut pretokenized = true;
+            let prompts = items
                 .iter()
                 .map(|item| match item {
-                    Value::String(text) => Ok(tokens_of_text(text)),
-                    Value::Array(ids) if ids.iter().all(Value::is_number) => Ok((ids.len() as u64).max(1)),
+                    Value::String(text) => {
+                        pretokenized = false;
+                        Ok(text_tokens(text))
+                    }
+                    Value::Array(ids) if ids.iter().all(Value::is_number) => Ok(id_tokens(ids)),
                     _ => Err(bad_request(format!(
                         "{field} has an element of an unsupported type"
                     ))),
                 })
-                .collect::<Result<Vec<u64>, Rejection>>()?;
-            Ok((counts, true))
+                .collect::<Result<Vec<Vec<u32>>, Rejection>>()?;
+            Ok((prompts, true, pretokenized))
         }
         _ => Err(bad_request(format!("{field} must be a string or an array"))),
     }
 }
 
-fn chat_prompt_tokens(body: &Map<String, Value>) -> Result<u64, Rejection> {
-    let Some(Value::Array(messages)) = body.get("messages") else {
-        return Err(bad_request("messages must be an array"));
-    };
-    let mut bytes = 0u64;
-    for message in messages {
-        match message.get("content") {
-            Some(Value::String(text)) => bytes += text.len() as u64,
-            Some(Value::Array(parts)) => {
-                for part in parts {
-                    if let Some(Value::String(text)) = part.get("text") {
-                        bytes += text.len() as u64;
-                    }
-                }
-            }
-            _ => {}
-        }
-    }
-    Ok(bytes.div_ceil(4).max(1))
+fn chat_prompt(body: &Map<String, Value>) -> Result<Vec<u32>, Rejection> {
+    let messages = body.get("messages").unwrap_or(&Value::Null);
+    let text = chat::template_json(messages).ok_or_else(|| bad_request("messages must be an array"))?;
+    Ok(text_tokens(&text))
 }
 
 fn optional_u64(body: &Map<String, Value>, name: &str) -> Result<Option<u64>, Rejection> {
@@ -181,10 +262,25 @@ fn scalar_or_array<T>(
     }
 }
 
-fn parse_bootstrap(body: &Map<String, Value>, role: Role) -> Result<Option<Bootstrap>, Rejection> {
+fn parse_bootstrap(
+    body: &Map<String, Value>,
+    role: Role,
+    overrides: &Overrides,
+) -> Result<Option<Bootstrap>, Rejection> {
     if role == Role::Regular {
         return Ok(None);
     }
+    let mut body = body.clone();
+    if let Some(host) = &overrides.bootstrap_host {
+        body.insert("bootstrap_host".into(), json!(host));
+    }
+    if let Some(port) = overrides.bootstrap_port {
+        body.insert("bootstrap_port".into(), json!(port));
+    }
+    if let Some(room) = overrides.bootstrap_room {
+        body.insert("bootstrap_room".into(), json!(room));
+    }
+    let body = &body;
     let hosts = scalar_or_array(body.get("bootstrap_host"), "bootstrap_host", |v| {
         v.as_str().map(str::to_string)
     })?;
@@ -213,24 +309,31 @@ fn parse_bootstrap(body: &Map<String, Value>, role: Role) -> Result<Option<Boots
     Ok(Some(Bootstrap { host, port, rooms }))
 }
 
-/// Parses and validates a serving request body.
-pub fn parse_request(api: Api, body: &[u8], role: Role, dp_size: usize) -> Result<ParsedRequest, Rejection> {
+/// Parses and validates a serving request: its body and the rank and
+/// override headers the modelled SGLang version reads.
+pub fn parse_request(
+    api: Api,
+    body: &[u8],
+    headers: &HeaderMap,
+    config: &SimConfig,
+) -> Result<ParsedRequest, Rejection> {
     let value: Value =
         serde_json::from_slice(body).map_err(|err| bad_request(format!("invalid JSON body: {err}")))?;
     let Value::Object(body) = value else {
         return Err(bad_request("the body must be a JSON object"));
     };
-    let (prompt_tokens, batched) = match api {
+    let (role, dp_size) = (config.role, config.dp_size);
+    let (prompts, batched, pretokenized) = match api {
         Api::Generate => match (body.get("input_ids"), body.get("text")) {
-            (Some(ids), _) if !ids.is_null() => prompt_token_counts(ids, "input_ids")?,
-            (_, Some(text)) if !text.is_null() => prompt_token_counts(text, "text")?,
+            (Some(ids), _) if !ids.is_null() => prompt_tokens(ids, "input_ids")?,
+            (_, Some(text)) if !text.is_null() => prompt_tokens(text, "text")?,
             _ => return Err(bad_request("either text or input_ids must be given")),
         },
         Api::Completions => match body.get("prompt") {
-            Some(prompt) => prompt_token_counts(prompt, "prompt")?,
+            Some(prompt) => prompt_tokens(prompt, "prompt")?,
             None => return Err(bad_request("prompt is required")),
         },
-        Api::Chat => (vec![chat_prompt_tokens(&body)?], false),
+        Api::Chat => (vec![chat_prompt(&body)?], false, false),
     };
     let stream = match body.get("stream") {
         None | Some(Value::Null) => false,
@@ -242,15 +345,30 @@ pub fn parse_request(api: Api, body: &[u8], role: Role, dp_size: usize) -> Resul
         .and_then(|options| options.get("include_usage"))
         .and_then(Value::as_bool)
         .unwrap_or(false);
+    let mut rank = parse_rank(&body, role, dp_size)?;
+    if reads_rank_header(api, config.rank_header) {
+        if let Some(header) = header_int(headers, "x-data-parallel-rank")? {
+            rank = Some(check_range("x-data-parallel-rank", header, dp_size)?);
+        }
+    }
+    let overrides = if config.header_overrides && applies_overrides(api) {
+        parse_overrides(headers)?
+    } else {
+        Overrides::default()
+    };
+    if let Some(header) = overrides.routed_dp_rank {
+        rank = Some(check_range("x-override-routed-dp-rank", header, dp_size)?);
+    }
     Ok(ParsedRequest {
         api,
         max_new_tokens: max_new_tokens(api, &body)?,
-        prompt_tokens,
+        prompts,
+        pretokenized,
         batched,
         stream,
         include_usage,
-        rank: parse_rank(&body, role, dp_size)?,
-        bootstrap: parse_bootstrap(&body, role)?,
+        rank,
+        bootstrap: parse_bootstrap(&body, role, &overrides)?,
         model: body.get("model").and_then(Value::as_str).map(str::to_string),
     })
 }
@@ -266,21 +384,7 @@ pub fn error_body(status: u16, message: &str) -> Value {
     json!({"error": {"message": message, "type": kind, "code": status}})
 }
 
-const WORDS: [&str; 8] = [
-    " the", " quick", " brown", " fox", " jumps", " over", " lazy", " dog",
-];
-
-/// The text of output token `index` (1-based).
-pub fn token_text(index: u64) -> &'static str {
-    WORDS[((index.max(1) - 1) % WORDS.len() as u64) as usize]
-}
-
-/// The text of the first `count` output tokens.
-pub fn text_upto(count: u64) -> String {
-    (1..=count).map(token_text).collect()
-}
-
-/// Formats the responses of one admitted request.
+/// The responses of one admitted request, as its sequences progress.
 #[derive(Debug, Clone)]
 pub struct ResponseShape {
     pub api: Api,
@@ -293,6 +397,12 @@ pub struct ResponseShape {
     /// Whether the input was a batch (responses are then per item).
     pub batched: bool,
     pub include_usage: bool,
+    /// `--enable-cache-report`: cached tokens in OpenAI usage.
+    pub cache_report: bool,
+    /// Output tokens so far, per sequence.
+    pub counts: Vec<u64>,
+    /// Prompt tokens served from the prefix cache, per sequence.
+    pub cached: Vec<u64>,
 }
 
 fn sse(value: &Value) -> Bytes {
@@ -310,14 +420,36 @@ pub fn sse_error(message: &str) -> Bytes {
 }
 
 impl ResponseShape {
-    fn sequences(&self) -> usize {
-        self.prompt_tokens.len()
+    /// Records that sequence `seq` now has `count` output tokens.
+    pub fn record(&mut self, seq: usize, count: u64, cached_tokens: u64) {
+        if let Some(slot) = self.counts.get_mut(seq) {
+            *slot = count;
+        }
+        if let Some(slot) = self.cached.get_mut(seq) {
+            *slot = cached_tokens;
+        }
     }
 
-    fn usage(&self, completion: u64) -> Value {
+    /// Every sequence has all its tokens.
+    pub fn done(&self) -> bool {
+        self.counts.iter().all(|count| *count >= self.max_new_tokens)
+    }
+
+    fn count(&self, seq: usize) -> u64 {
+        self.counts.get(seq).copied().unwrap_or(0)
+    }
+
+    fn usage(&self) -> Value {
         let prompt: u64 = self.prompt_tokens.iter().sum();
-        let completion = completion * self.sequences() as u64;
-        json!({"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion})
+        let completion: u64 = self.counts.iter().sum();
+        let mut usage = json!({"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion});
+        if self.cache_report {
+            if let Some(object) = usage.as_object_mut() {
+                let cached: u64 = self.cached.iter().sum();
+                object.insert("prompt_tokens_details".into(), json!({"cached_tokens": cached}));
+            }
+        }
+        usage
     }
 
     fn finish_reason(&self, count: u64) -> Value {
@@ -328,7 +460,8 @@ impl ResponseShape {
         }
     }
 
-    fn generate_item(&self, index: usize, count: u64, elapsed_s: f64) -> Value {
+    fn generate_item(&self, index: usize, elapsed_s: f64) -> Value {
+        let count = self.count(index);
         let finish = if count >= self.max_new_tokens {
             json!({"type": "length", "length": count})
         } else {
@@ -341,7 +474,7 @@ impl ResponseShape {
                 "finish_reason": finish,
                 "prompt_tokens": self.prompt_tokens.get(index).copied().unwrap_or(1),
                 "completion_tokens": count,
-                "cached_tokens": 0,
+                "cached_tokens": self.cached.get(index).copied().unwrap_or(0),
                 "e2e_latency": elapsed_s,
             }
         });
@@ -353,38 +486,37 @@ impl ResponseShape {
         item
     }
 
-    /// SSE events announcing that every sequence now has `count` tokens.
-    pub fn stream_events(&self, count: u64, elapsed_s: f64) -> Vec<Bytes> {
-        (0..self.sequences())
-            .map(|index| match self.api {
-                Api::Generate => sse(&self.generate_item(index, count, elapsed_s)),
-                Api::Completions => sse(&json!({
-                    "id": self.id, "object": "text_completion", "created": self.created,
+    /// The SSE event for sequence `index`'s latest token.
+    pub fn stream_event(&self, index: usize, elapsed_s: f64) -> Bytes {
+        let count = self.count(index);
+        match self.api {
+            Api::Generate => sse(&self.generate_item(index, elapsed_s)),
+            Api::Completions => sse(&json!({
+                "id": self.id, "object": "text_completion", "created": self.created,
+                "model": self.model,
+                "choices": [{"index": index, "text": token_text(count), "logprobs": null,
+                             "finish_reason": self.finish_reason(count)}],
+                "usage": null,
+            })),
+            Api::Chat => {
+                let delta = if count <= 1 {
+                    json!({"role": "assistant", "content": token_text(count)})
+                } else {
+                    json!({"content": token_text(count)})
+                };
+                sse(&json!({
+                    "id": self.id, "object": "chat.completion.chunk", "created": self.created,
                     "model": self.model,
-                    "choices": [{"index": index, "text": token_text(count), "logprobs": null,
+                    "choices": [{"index": index, "delta": delta, "logprobs": null,
                                  "finish_reason": self.finish_reason(count)}],
                     "usage": null,
-                })),
-                Api::Chat => {
-                    let delta = if count <= 1 {
-                        json!({"role": "assistant", "content": token_text(count)})
-                    } else {
-                        json!({"content": token_text(count)})
-                    };
-                    sse(&json!({
-                        "id": self.id, "object": "chat.completion.chunk", "created": self.created,
-                        "model": self.model,
-                        "choices": [{"index": index, "delta": delta, "logprobs": null,
-                                     "finish_reason": self.finish_reason(count)}],
-                        "usage": null,
-                    }))
-                }
-            })
-            .collect()
+                }))
+            }
+        }
     }
 
     /// Events after the last token: the usage chunk if asked for, then [DONE].
-    pub fn stream_tail(&self, count: u64) -> Vec<Bytes> {
+    pub fn stream_tail(&self) -> Vec<Bytes> {
         let mut events = Vec::new();
         if self.include_usage && self.api != Api::Generate {
             let object = match self.api {
@@ -393,43 +525,43 @@ impl ResponseShape {
             };
             events.push(sse(&json!({
                 "id": self.id, "object": object, "created": self.created, "model": self.model,
-                "choices": [], "usage": self.usage(count),
+                "choices": [], "usage": self.usage(),
             })));
         }
         events.push(sse_done());
         events
     }
 
-    /// The whole response of a non-streamed request with `count` tokens.
-    pub fn full(&self, count: u64, elapsed_s: f64) -> Value {
+    /// The whole response of a non-streamed request.
+    pub fn full(&self, elapsed_s: f64) -> Value {
         match self.api {
             Api::Generate => {
                 if self.batched {
                     Value::Array(
-                        (0..self.sequences())
-                            .map(|index| self.generate_item(index, count, elapsed_s))
+                        (0..self.counts.len())
+                            .map(|index| self.generate_item(index, elapsed_s))
                             .collect(),
                     )
                 } else {
-                    self.generate_item(0, count, elapsed_s)
+                    self.generate_item(0, elapsed_s)
                 }
             }
             Api::Completions => json!({
                 "id": self.id, "object": "text_completion", "created": self.created,
                 "model": self.model,
-                "choices": (0..self.sequences()).map(|index| json!({
-                    "index": index, "text": text_upto(count), "logprobs": null,
-                    "finish_reason": self.finish_reason(count),
+                "choices": (0..self.counts.len()).map(|index| json!({
+                    "index": index, "text": text_upto(self.count(index)), "logprobs": null,
+                    "finish_reason": self.finish_reason(self.count(index)),
                 })).collect::<Vec<_>>(),
-                "usage": self.usage(count),
+                "usage": self.usage(),
             }),
             Api::Chat => json!({
                 "id": self.id, "object": "chat.completion", "created": self.created,
                 "model": self.model,
                 "choices": [{"index": 0,
-                             "message": {"role": "assistant", "content": text_upto(count)},
-                             "logprobs": null, "finish_reason": self.finish_reason(count)}],
-                "usage": self.usage(count),
+                             "message": {"role": "assistant", "content": text_upto(self.count(0))},
+                             "logprobs": null, "finish_reason": self.finish_reason(self.count(0))}],
+                "usage": self.usage(),
             }),
         }
     }
@@ -438,52 +570,71 @@ impl ResponseShape {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use axum::http::HeaderValue;
+
+    fn config(role: Role) -> SimConfig {
+        SimConfig {
+            role,
+            ..SimConfig::default()
+        }
+    }
+
+    fn parse(api: Api, body: &str, role: Role) -> Result<ParsedRequest, Rejection> {
+        parse_request(api, body.as_bytes(), &HeaderMap::new(), &config(role))
+    }
+
+    fn lens(parsed: &ParsedRequest) -> Vec<usize> {
+        parsed.prompts.iter().map(Vec::len).collect()
+    }
 
     #[test]
-    fn counts_text_input_ids_and_batches() {
-        let parsed = parse_request(Api::Generate, br#"{"text":"abcdefghi"}"#, Role::Regular, 4).unwrap();
-        assert_eq!(parsed.prompt_tokens, vec![3]);
-        let parsed = parse_request(Api::Generate, br#"{"text":["abcd","abcde"]}"#, Role::Regular, 4).unwrap();
-        assert_eq!(parsed.prompt_tokens, vec![1, 2]);
-        let parsed = parse_request(
+    fn prompts_are_tokenized_or_taken_as_ids() {
+        let parsed = parse(Api::Generate, r#"{"text":"Hello world"}"#, Role::Regular).unwrap();
+        assert_eq!(parsed.prompts, vec![tokenizer::tokens("Hello world")]);
+        assert!(!parsed.pretokenized);
+        let parsed = parse(Api::Generate, r#"{"text":["a b","a b c"]}"#, Role::Regular).unwrap();
+        assert_eq!(lens(&parsed), vec![2, 3]);
+        assert!(parsed.batched);
+        let parsed = parse(
             Api::Generate,
-            br#"{"text":"x","input_ids":[1,2,3,4,5]}"#,
+            r#"{"text":"x","input_ids":[1,2,3,4,5]}"#,
             Role::Regular,
-            4,
         )
         .unwrap();
-        assert_eq!(parsed.prompt_tokens, vec![5]);
-        let parsed = parse_request(Api::Completions, br#"{"prompt":[[1,2],[3]]}"#, Role::Regular, 4).unwrap();
-        assert_eq!(parsed.prompt_tokens, vec![2, 1]);
-        let parsed = parse_request(Api::Completions, br#"{"prompt":""}"#, Role::Regular, 4).unwrap();
-        assert_eq!(parsed.prompt_tokens, vec![1]);
-        let parsed = parse_request(
+        assert_eq!(parsed.prompts, vec![vec![1, 2, 3, 4, 5]]);
+        assert!(parsed.pretokenized);
+        let parsed = parse(Api::Completions, r#"{"prompt":[[1,2],[3]]}"#, Role::Regular).unwrap();
+        assert_eq!(parsed.prompts, vec![vec![1, 2], vec![3]]);
+        let parsed = parse(Api::Completions, r#"{"prompt":""}"#, Role::Regular).unwrap();
+        assert_eq!(lens(&parsed), vec![1]);
+        let parsed = parse(
             Api::Chat,
-            br#"{"messages":[{"role":"user","content":"abcdef"},{"role":"user","content":[{"type":"text","text":"ab"}]}]}"#,
+            r#"{"messages":[{"role":"user","content":"abc"},{"role":"user","content":[{"type":"text","text":"ab"}]}]}"#,
             Role::Regular,
-            4,
         )
         .unwrap();
-        assert_eq!(parsed.prompt_tokens, vec![2]);
+        let text = chat::template(&[
+            chat::Message::new("user", "abc"),
+            chat::Message::new("user", "ab"),
+        ]);
+        assert_eq!(parsed.prompts, vec![tokenizer::tokens(&text)]);
     }
 
     #[test]
     fn output_length_defaults_and_clamps() {
-        let parsed = parse_request(Api::Generate, br#"{"text":"a"}"#, Role::Regular, 4).unwrap();
+        let parsed = parse(Api::Generate, r#"{"text":"a"}"#, Role::Regular).unwrap();
         assert_eq!(parsed.max_new_tokens, DEFAULT_MAX_NEW_TOKENS);
-        let parsed = parse_request(
+        let parsed = parse(
             Api::Generate,
-            br#"{"text":"a","sampling_params":{"max_new_tokens":100000}}"#,
+            r#"{"text":"a","sampling_params":{"max_new_tokens":100000}}"#,
             Role::Regular,
-            4,
         )
         .unwrap();
         assert_eq!(parsed.max_new_tokens, MAX_NEW_TOKENS_LIMIT);
-        let parsed = parse_request(
+        let parsed = parse(
             Api::Chat,
-            br#"{"messages":[],"max_tokens":3,"max_completion_tokens":5}"#,
+            r#"{"messages":[],"max_tokens":3,"max_completion_tokens":5}"#,
             Role::Regular,
-            4,
         )
         .unwrap();
         assert_eq!(parsed.max_new_tokens, 5);
@@ -491,61 +642,146 @@ mod tests {
 
     #[test]
     fn rank_fields_and_their_errors() {
-        let parse = |body: &str, role| parse_request(Api::Generate, body.as_bytes(), role, 4);
+        let rank = |body: &str, role| parse(Api::Generate, body, role).map(|parsed| parsed.rank);
         assert_eq!(
-            parse(r#"{"text":"a","routed_dp_rank":2}"#, Role::Regular)
+            rank(r#"{"text":"a","routed_dp_rank":2}"#, Role::Regular),
+            Ok(Some(2))
+        );
+        assert_eq!(
+            rank(r#"{"text":"a","data_parallel_rank":3}"#, Role::Regular),
+            Ok(Some(3))
+        );
+        assert_eq!(
+            rank(r#"{"text":"a","data_parallel_rank":null}"#, Role::Regular),
+            Ok(None)
+        );
+        for body in [
+            r#"{"text":"a","routed_dp_rank":4}"#,
+            r#"{"text":"a","routed_dp_rank":-1}"#,
+            r#"{"text":"a","routed_dp_rank":"1"}"#,
+            r#"{"text":"a","routed_dp_rank":1.5}"#,
+        ] {
+            assert_eq!(rank(body, Role::Regular).unwrap_err().status, 400, "{body}");
+        }
+        let decode =
+            r#"{"text":"a","decode_dp_rank":1,"bootstrap_host":"h","bootstrap_port":1,"bootstrap_room":7}"#;
+        assert_eq!(rank(decode, Role::Decode), Ok(Some(1)));
+        assert_eq!(rank(decode, Role::Regular), Ok(None));
+    }
+
+    fn with_headers(
+        api: Api,
+        body: &str,
+        headers: &[(&'static str, &'static str)],
+        config: &SimConfig,
+    ) -> Result<ParsedRequest, Rejection> {
+        let mut map = HeaderMap::new();
+        for (name, value) in headers {
+            map.append(*name, HeaderValue::from_static(value));
+        }
+        parse_request(api, body.as_bytes(), &map, config)
+    }
+
+    #[test]
+    fn the_rank_header_wins_over_the_body_where_it_is_read() {
+        let body = r#"{"text":"a","routed_dp_rank":1}"#;
+        let chat = r#"{"messages":[],"routed_dp_rank":1}"#;
+        let header = [("X-Data-Parallel-Rank", " 3 ")];
+        let honour = config(Role::Regular);
+        let rank = |api, body, config: &SimConfig| with_headers(api, body, &header, config).map(|p| p.rank);
+        assert_eq!(rank(Api::Generate, body, &honour), Ok(Some(3)));
+        assert_eq!(rank(Api::Chat, chat, &honour), Ok(Some(3)));
+        let openai = SimConfig {
+            rank_header: RankHeader::Openai,
+            ..config(Role::Regular)
+        };
+        assert_eq!(rank(Api::Generate, body, &openai), Ok(Some(1)));
+        assert_eq!(rank(Api::Chat, chat, &openai), Ok(Some(3)));
+        let ignore = SimConfig {
+            rank_header: RankHeader::Ignore,
+            ..config(Role::Regular)
+        };
+        assert_eq!(rank(Api::Chat, chat, &ignore), Ok(Some(1)));
+        for bad in ["abc", "1.5", "", "4", "-1"] {
+            let mut map = HeaderMap::new();
+            map.insert("x-data-parallel-rank", HeaderValue::from_static(bad));
+            let error = parse_request(Api::Generate, body.as_bytes(), &map, &honour).unwrap_err();
+            assert_eq!(error.status, 400, "{bad:?}");
+            // Where the header is not read, a bad one does not matter.
+            assert!(parse_request(Api::Generate, body.as_bytes(), &map, &ignore).is_ok());
+        }
+    }
+
+    #[test]
+    fn override_headers_need_the_switch_and_win_last() {
+        let body = r#"{"text":"a","routed_dp_rank":1}"#;
+        let headers = [("x-data-parallel-rank", "2"), ("x-override-routed-dp-rank", "3")];
+        let off = config(Role::Regular);
+        let on = SimConfig {
+            header_overrides: true,
+            ..config(Role::Regular)
+        };
+        assert_eq!(
+            with_headers(Api::Generate, body, &headers, &off).unwrap().rank,
+            Some(2)
+        );
+        assert_eq!(
+            with_headers(Api::Generate, body, &headers, &on).unwrap().rank,
+            Some(3)
+        );
+        // /v1/completions does not apply the overrides.
+        let completion = r#"{"prompt":"a"}"#;
+        assert_eq!(
+            with_headers(Api::Completions, completion, &headers, &on)
                 .unwrap()
                 .rank,
             Some(2)
         );
+        for bad in [
+            ("x-override-routed-dp-rank", "x"),
+            ("x-override-bootstrap-port", "p"),
+            ("x-override-priority", "high"),
+            ("x-override-disagg-prefill-dp-rank", "?"),
+        ] {
+            assert_eq!(
+                with_headers(Api::Generate, body, &[bad], &on).unwrap_err().status,
+                400
+            );
+            assert!(with_headers(Api::Generate, body, &[bad], &off).is_ok());
+        }
+        let prefill = SimConfig {
+            header_overrides: true,
+            ..config(Role::Prefill)
+        };
+        let pd = with_headers(
+            Api::Generate,
+            r#"{"text":"a"}"#,
+            &[
+                ("x-override-bootstrap-host", "10.0.0.1"),
+                ("x-override-bootstrap-port", "8998"),
+                ("x-override-bootstrap-room", "42"),
+            ],
+            &prefill,
+        )
+        .unwrap();
         assert_eq!(
-            parse(r#"{"text":"a","data_parallel_rank":3}"#, Role::Regular)
-                .unwrap()
-                .rank,
-            Some(3)
+            pd.bootstrap,
+            Some(Bootstrap {
+                host: "10.0.0.1".into(),
+                port: Some(8998),
+                rooms: vec![42]
+            })
         );
-        assert_eq!(
-            parse(r#"{"text":"a","data_parallel_rank":null}"#, Role::Regular)
-                .unwrap()
-                .rank,
-            None
-        );
-        assert_eq!(
-            parse(r#"{"text":"a","routed_dp_rank":4}"#, Role::Regular)
-                .unwrap_err()
-                .status,
-            400
-        );
-        assert_eq!(
-            parse(r#"{"text":"a","routed_dp_rank":-1}"#, Role::Regular)
-                .unwrap_err()
-                .status,
-            400
-        );
-        assert_eq!(
-            parse(r#"{"text":"a","routed_dp_rank":"1"}"#, Role::Regular)
-                .unwrap_err()
-                .status,
-            400
-        );
-        assert_eq!(
-            parse(r#"{"text":"a","routed_dp_rank":1.5}"#, Role::Regular)
-                .unwrap_err()
-                .status,
-            400
-        );
-        let decode =
-            r#"{"text":"a","decode_dp_rank":1,"bootstrap_host":"h","bootstrap_port":1,"bootstrap_room":7}"#;
-        assert_eq!(parse(decode, Role::Decode).unwrap().rank, Some(1));
-        assert_eq!(parse(decode, Role::Regular).unwrap().rank, None);
     }
 
     #[test]
     fn bootstrap_fields() {
-        let parse = |body: &str, role| parse_request(Api::Generate, body.as_bytes(), role, 4);
         let batched =
             r#"{"text":["a","b"],"bootstrap_host":["h","h"],"bootstrap_port":[9,9],"bootstrap_room":[1,2]}"#;
-        let bootstrap = parse(batched, Role::Decode).unwrap().bootstrap.unwrap();
+        let bootstrap = parse(Api::Generate, batched, Role::Decode)
+            .unwrap()
+            .bootstrap
+            .unwrap();
         assert_eq!(
             bootstrap,
             Bootstrap {
@@ -555,36 +791,40 @@ mod tests {
             }
         );
         let no_port = r#"{"text":"a","bootstrap_host":"h","bootstrap_port":null,"bootstrap_room":1}"#;
-        assert_eq!(parse(no_port, Role::Decode).unwrap_err().status, 400);
-        assert!(parse(no_port, Role::Prefill).unwrap().bootstrap.is_some());
-        assert_eq!(parse(r#"{"text":"a"}"#, Role::Prefill).unwrap_err().status, 400);
+        assert_eq!(
+            parse(Api::Generate, no_port, Role::Decode).unwrap_err().status,
+            400
+        );
+        assert!(parse(Api::Generate, no_port, Role::Prefill)
+            .unwrap()
+            .bootstrap
+            .is_some());
+        assert_eq!(
+            parse(Api::Generate, r#"{"text":"a"}"#, Role::Prefill)
+                .unwrap_err()
+                .status,
+            400
+        );
         let big_room =
             r#"{"text":"a","bootstrap_host":"h","bootstrap_port":1,"bootstrap_room":9223372036854775807}"#;
         assert_eq!(
-            parse(big_room, Role::Prefill).unwrap().bootstrap.unwrap().rooms,
+            parse(Api::Generate, big_room, Role::Prefill)
+                .unwrap()
+                .bootstrap
+                .unwrap()
+                .rooms,
             vec![i64::MAX as u64]
         );
     }
 
     #[test]
     fn invalid_bodies_are_rejected() {
-        assert_eq!(
-            parse_request(Api::Generate, b"{not json", Role::Regular, 4)
-                .unwrap_err()
-                .status,
-            400
-        );
-        assert_eq!(
-            parse_request(Api::Generate, b"[1]", Role::Regular, 4)
-                .unwrap_err()
-                .status,
-            400
-        );
-        assert_eq!(
-            parse_request(Api::Generate, b"{}", Role::Regular, 4)
-                .unwrap_err()
-                .status,
-            400
-        );
+        for body in ["{not json", "[1]", "{}"] {
+            assert_eq!(
+                parse(Api::Generate, body, Role::Regular).unwrap_err().status,
+                400,
+                "{body}"
+            );
+        }
     }
 }

@@ -21,9 +21,10 @@ use tokio::sync::mpsc::UnboundedReceiver;
 use tokio::task::JoinHandle;
 
 use crate::config::{Role, SimConfig};
-use crate::model::Event;
 use crate::protocol::{self, Api, ParsedRequest, Rejection, ResponseShape};
-use crate::worker::{lock, ControlUpdate, InstantGuard, LoadFault, Record, ServingFault, Worker};
+use crate::worker::{
+    lock, ControlUpdate, LoadFault, Progress, Record, RequestGuard, Server, ServingFault, Shared,
+};
 
 const WORKER_HEADER: &str = "x-sim-worker";
 const RANK_HEADER: &str = "x-sim-dp-rank";
@@ -50,12 +51,28 @@ fn unix_seconds() -> u64 {
         .map_or(0, |elapsed| elapsed.as_secs())
 }
 
-/// Adds the worker name to every response, and rank -1 where none was set.
-async fn tag_response(State(worker): State<Arc<Worker>>, request: Request, next: Next) -> Response {
+/// One server of the process, as its HTTP handlers see it.
+#[derive(Clone)]
+pub struct Listener {
+    pub shared: Arc<Shared>,
+    pub index: usize,
+}
+
+impl Listener {
+    fn server(&self) -> &Server {
+        &self.shared.servers[self.index]
+    }
+}
+
+/// Adds the worker name to every response (the serving worker's, set by
+/// the handler, else this one's), and rank -1 where none was set.
+async fn tag_response(State(listener): State<Listener>, request: Request, next: Next) -> Response {
     let mut response = next.run(request).await;
     let headers = response.headers_mut();
-    if let Ok(value) = HeaderValue::from_str(&worker.name) {
-        headers.insert(WORKER_HEADER, value);
+    if !headers.contains_key(WORKER_HEADER) {
+        if let Ok(value) = HeaderValue::from_str(&listener.server().name) {
+            headers.insert(WORKER_HEADER, value);
+        }
     }
     if !headers.contains_key(RANK_HEADER) {
         headers.insert(RANK_HEADER, HeaderValue::from_static("-1"));
@@ -64,7 +81,7 @@ async fn tag_response(State(worker): State<Arc<Worker>>, request: Request, next:
 }
 
 /// The main router of a worker.
-pub fn router(worker: Arc<Worker>) -> Router {
+pub fn router(worker: Listener) -> Router {
     Router::new()
         .route("/health", get(|| async { StatusCode::OK }))
         .route("/health_generate", get(|| async { StatusCode::OK }))
@@ -91,7 +108,7 @@ pub fn router(worker: Arc<Worker>) -> Router {
 }
 
 /// The router of the prefill bootstrap listener: only the KV rooms.
-pub fn bootstrap_router(worker: Arc<Worker>) -> Router {
+pub fn bootstrap_router(worker: Listener) -> Router {
     Router::new()
         .route("/health", get(|| async { StatusCode::OK }))
         .route("/_sim/kv/{room}", get(kv_room))
@@ -104,19 +121,20 @@ async fn not_found() -> Response {
     error_response(404, "Not Found")
 }
 
-async fn models(State(worker): State<Arc<Worker>>) -> Response {
-    let model = &worker.config.model;
+async fn models(State(worker): State<Listener>) -> Response {
+    let config = &worker.shared.config;
+    let model = &config.model;
     json_response(
         StatusCode::OK,
         &json!({"object": "list", "data": [{
             "id": model, "object": "model", "created": 0, "owned_by": "sglang",
-            "root": model, "max_model_len": worker.config.kv_capacity,
+            "root": model, "max_model_len": config.kv_capacity,
         }]}),
     )
 }
 
-async fn server_info(State(worker): State<Arc<Worker>>) -> Response {
-    let config = &worker.config;
+async fn server_info(State(worker): State<Listener>) -> Response {
+    let config = &worker.shared.config;
     json_response(
         StatusCode::OK,
         &json!({
@@ -127,11 +145,14 @@ async fn server_info(State(worker): State<Arc<Worker>>) -> Response {
             // DP attention splits the TP group into the DP ranks.
             "tp_size": config.dp_size,
             "enable_dp_attention": true,
-            "load_balance_method": match config.dispatch {
-                crate::config::Dispatch::RoundRobin => "round_robin",
-                crate::config::Dispatch::MinimumTokens => "minimum_tokens",
-                crate::config::Dispatch::RoomModulo => "room_modulo",
-            },
+            "load_balance_method": config.dispatch.name(),
+            "page_size": config.page_size,
+            "chunked_prefill_size": config.chunked_prefill_size,
+            "max_prefill_tokens": config.max_prefill_tokens,
+            "schedule_policy": "fcfs",
+            "schedule_conservativeness": config.schedule_conservativeness,
+            "disable_radix_cache": config.prefix_cache == crate::config::Toggle::Off,
+            "enable_cache_report": config.enable_cache_report,
             "disaggregation_mode": config.role.disaggregation_mode(),
             "max_total_num_tokens": config.kv_capacity,
             "max_running_requests": config.max_running,
@@ -141,8 +162,8 @@ async fn server_info(State(worker): State<Arc<Worker>>) -> Response {
     )
 }
 
-async fn model_info(State(worker): State<Arc<Worker>>) -> Response {
-    let model = &worker.config.model;
+async fn model_info(State(worker): State<Listener>) -> Response {
+    let model = &worker.shared.config.model;
     json_response(
         StatusCode::OK,
         &json!({
@@ -154,28 +175,28 @@ async fn model_info(State(worker): State<Arc<Worker>>) -> Response {
     )
 }
 
-async fn get_load(State(worker): State<Arc<Worker>>) -> Response {
-    worker.count_load_poll(false);
+async fn get_load(State(worker): State<Listener>) -> Response {
+    worker.server().count_load_poll(false);
     load_response(&worker, false).await
 }
 
-async fn v1_loads(State(worker): State<Arc<Worker>>) -> Response {
-    worker.count_load_poll(true);
-    if worker.config.no_v1_loads {
+async fn v1_loads(State(worker): State<Listener>) -> Response {
+    worker.server().count_load_poll(true);
+    if worker.shared.config.no_v1_loads {
         return not_found().await;
     }
     load_response(&worker, true).await
 }
 
-async fn load_response(worker: &Worker, v1: bool) -> Response {
+async fn load_response(worker: &Listener, v1: bool) -> Response {
     let report = |extra_ranks| {
         if v1 {
-            worker.v1_loads_json(extra_ranks)
+            worker.shared.v1_loads_json(worker.index, extra_ranks)
         } else {
-            worker.get_load_json(extra_ranks)
+            worker.shared.get_load_json(worker.index, extra_ranks)
         }
     };
-    match worker.control().load_fault {
+    match worker.server().control().load_fault {
         LoadFault::None => json_response(StatusCode::OK, &report(0)),
         LoadFault::WrongDpSize => json_response(StatusCode::OK, &report(2)),
         LoadFault::Http500 => error_response(500, "injected load fault"),
@@ -201,15 +222,19 @@ async fn load_response(worker: &Worker, v1: bool) -> Response {
     }
 }
 
-async fn kv_room(State(worker): State<Arc<Worker>>, Path(room): Path<String>) -> Response {
-    match room.parse::<u64>().ok().and_then(|room| worker.room_rank(room)) {
+async fn kv_room(State(worker): State<Listener>, Path(room): Path<String>) -> Response {
+    match room
+        .parse::<u64>()
+        .ok()
+        .and_then(|room| worker.server().room_rank(room))
+    {
         Some(rank) => json_response(StatusCode::OK, &json!({"ready": true, "dp_rank": rank})),
         None => json_response(StatusCode::NOT_FOUND, &json!({"ready": false})),
     }
 }
 
-async fn control_get(State(worker): State<Arc<Worker>>) -> Response {
-    json_response(StatusCode::OK, &json!(worker.control()))
+async fn control_get(State(worker): State<Listener>) -> Response {
+    json_response(StatusCode::OK, &json!(worker.server().control()))
 }
 
 fn parse_control(body: &[u8]) -> Result<ControlUpdate, String> {
@@ -219,33 +244,33 @@ fn parse_control(body: &[u8]) -> Result<ControlUpdate, String> {
     serde_json::from_slice(body).map_err(|err| format!("invalid control body: {err}"))
 }
 
-async fn control_post(State(worker): State<Arc<Worker>>, body: Bytes) -> Response {
-    match parse_control(&body).and_then(|update| worker.apply_control(update)) {
+async fn control_post(State(worker): State<Listener>, body: Bytes) -> Response {
+    match parse_control(&body).and_then(|update| worker.server().apply_control(update)) {
         Ok(control) => json_response(StatusCode::OK, &json!(control)),
         Err(message) => error_response(400, &message),
     }
 }
 
-async fn reset(State(worker): State<Arc<Worker>>, body: Bytes) -> Response {
-    match parse_control(&body).and_then(|update| worker.apply_control(update)) {
+async fn reset(State(worker): State<Listener>, body: Bytes) -> Response {
+    match parse_control(&body).and_then(|update| worker.server().apply_control(update)) {
         Ok(control) => {
-            worker.reset();
+            worker.server().reset();
             json_response(StatusCode::OK, &json!(control))
         }
         Err(message) => error_response(400, &message),
     }
 }
 
-async fn requests(State(worker): State<Arc<Worker>>) -> Response {
-    json_response(StatusCode::OK, &worker.records_json())
+async fn requests(State(worker): State<Listener>) -> Response {
+    json_response(StatusCode::OK, &worker.server().records_json())
 }
 
-async fn counters(State(worker): State<Arc<Worker>>) -> Response {
-    json_response(StatusCode::OK, &worker.counters_json())
+async fn counters(State(worker): State<Listener>) -> Response {
+    json_response(StatusCode::OK, &worker.server().counters_json())
 }
 
 async fn generate(
-    State(worker): State<Arc<Worker>>,
+    State(worker): State<Listener>,
     method: Method,
     uri: Uri,
     headers: HeaderMap,
@@ -255,7 +280,7 @@ async fn generate(
 }
 
 async fn completions(
-    State(worker): State<Arc<Worker>>,
+    State(worker): State<Listener>,
     method: Method,
     uri: Uri,
     headers: HeaderMap,
@@ -265,7 +290,7 @@ async fn completions(
 }
 
 async fn chat(
-    State(worker): State<Arc<Worker>>,
+    State(worker): State<Listener>,
     method: Method,
     uri: Uri,
     headers: HeaderMap,
@@ -276,44 +301,49 @@ async fn chat(
 
 /// Records a serving request, answers it and notes where it went.
 async fn serve(
-    worker: Arc<Worker>,
+    worker: Listener,
     api: Api,
     method: Method,
     uri: Uri,
     headers: HeaderMap,
     body: Bytes,
 ) -> Response {
-    let record = worker.record(Record {
-        path: uri.path().to_string(),
-        query: uri.query().map(str::to_string),
-        method: method.to_string(),
-        headers: headers
-            .iter()
-            .map(|(name, value)| {
-                (
-                    name.as_str().to_string(),
-                    String::from_utf8_lossy(value.as_bytes()).into_owned(),
-                )
-            })
-            .collect(),
-        body: body.clone(),
-        rank: None,
-        status: None,
-    });
-    let control = worker.control();
-    let (mut response, rank) = answer(&worker, api, &body, control.serving_fault).await;
+    let server = worker.server();
+    let record = server.record(
+        Record {
+            path: uri.path().to_string(),
+            query: uri.query().map(str::to_string),
+            method: method.to_string(),
+            headers: headers
+                .iter()
+                .map(|(name, value)| {
+                    (
+                        name.as_str().to_string(),
+                        String::from_utf8_lossy(value.as_bytes()).into_owned(),
+                    )
+                })
+                .collect(),
+            body: body.clone(),
+            rank: None,
+            status: None,
+        },
+        worker.shared.config.record_limit,
+    );
+    let control = server.control();
+    let (mut response, served) = answer(&worker, api, &headers, &body, control.serving_fault).await;
+    let rank = served.map(|(_, rank)| rank);
     {
         let mut record = lock(&record);
         record.rank = rank;
         record.status = Some(response.status().as_u16());
     }
     log::debug!(
-        "{} {} {} -> {} rank {:?}",
-        worker.name,
+        "{} {} {} -> {} {:?}",
+        server.name,
         method,
         uri,
         response.status(),
-        rank
+        served
     );
     if control.response_delay_ms > 0 {
         tokio::time::sleep(Duration::from_millis(control.response_delay_ms)).await;
@@ -321,6 +351,11 @@ async fn serve(
     let rank_value = rank.map_or_else(|| "-1".to_string(), |rank| rank.to_string());
     if let Ok(value) = HeaderValue::from_str(&rank_value) {
         response.headers_mut().insert(RANK_HEADER, value);
+    }
+    if let Some(name) = served.and_then(|(worker_index, _)| worker.shared.servers.get(worker_index)) {
+        if let Ok(value) = HeaderValue::from_str(&name.name) {
+            response.headers_mut().insert(WORKER_HEADER, value);
+        }
     }
     response
 }
@@ -331,46 +366,71 @@ fn rejection_response(rejection: &Rejection) -> Response {
 
 static RESPONSE_IDS: AtomicU64 = AtomicU64::new(1);
 
+/// Answers a serving request; also says which (worker, rank) served it.
 async fn answer(
-    worker: &Arc<Worker>,
+    listener: &Listener,
     api: Api,
+    headers: &HeaderMap,
     body: &[u8],
     fault: ServingFault,
-) -> (Response, Option<usize>) {
+) -> (Response, Option<(usize, usize)>) {
     if fault == ServingFault::Http500 {
         return (error_response(500, "injected serving fault"), None);
     }
-    let config: &SimConfig = &worker.config;
-    let request: ParsedRequest = match protocol::parse_request(api, body, config.role, config.dp_size) {
+    let shared = &listener.shared;
+    let config = &shared.config;
+    let request: ParsedRequest = match protocol::parse_request(api, body, headers, config) {
         Ok(request) => request,
         Err(rejection) => return (rejection_response(&rejection), None),
     };
-    let admitted = match worker.submit(&request) {
+    let admitted = match shared.submit(listener.index, &request) {
         Ok(admitted) => admitted,
         Err(rejection) => return (rejection_response(&rejection), None),
     };
-    let rank = admitted.rank;
+    let mut guard = admitted.guard;
+    let mut events = admitted.events;
+    if !config.instant {
+        // The tokenizer's time.
+        tokio::time::sleep_until(admitted.ready.into()).await;
+        shared.dispatch_due(admitted.ready);
+    }
+    let served = match events.recv().await {
+        Some(Progress::Placed { worker, rank }) => {
+            guard.placed(worker, rank);
+            (worker, rank)
+        }
+        Some(Progress::Failed { status, message }) => return (error_response(status, &message), None),
+        _ => return (error_response(500, "the request was aborted"), None),
+    };
     let prefix = match api {
         Api::Generate => "",
         Api::Completions => "cmpl-",
         Api::Chat => "chatcmpl-",
     };
-    let shape = ResponseShape {
+    let sequences = request.prompts.len().max(1);
+    let mut shape = ResponseShape {
         api,
         id: format!("{prefix}sim{:x}", RESPONSE_IDS.fetch_add(1, Ordering::Relaxed)),
         model: request.model.clone().unwrap_or_else(|| config.model.clone()),
         created: unix_seconds(),
-        prompt_tokens: request.prompt_tokens.clone(),
+        prompt_tokens: request.prompts.iter().map(|prompt| prompt.len() as u64).collect(),
         max_new_tokens: admitted.max_new_tokens,
         batched: request.batched,
         include_usage: request.include_usage,
+        cache_report: config.enable_cache_report,
+        counts: vec![0; sequences],
+        cached: vec![0; sequences],
     };
     let started = Instant::now();
-    let mut events = admitted.events;
     let first = match events.recv().await {
-        Some(Event::Tokens(count)) => count,
-        Some(Event::Failed { status, message }) => return (error_response(status, &message), Some(rank)),
-        None => return (error_response(500, "the request was aborted"), Some(rank)),
+        Some(Progress::Token { seq, count, cached }) => {
+            shape.record(seq, count, cached);
+            seq
+        }
+        Some(Progress::Failed { status, message }) => {
+            return (error_response(status, &message), Some(served))
+        }
+        _ => return (error_response(500, "the request was aborted"), Some(served)),
     };
     let close_mid_stream = fault == ServingFault::CloseMidStream;
     // A prefill worker answers with one short JSON body, what the router drains.
@@ -381,12 +441,11 @@ async fn answer(
             shape,
             started,
             first: Some(first),
-            last: 0,
             chunks_sent: 0,
             close_mid_stream,
             abort_next: false,
             done: false,
-            _instant_guard: admitted.instant_guard,
+            _guard: guard,
         };
         let body = Body::from_stream(stream::unfold(state, next_stream_chunk));
         (
@@ -402,18 +461,18 @@ async fn answer(
         )
             .into_response()
     } else {
-        let mut count = first;
-        while count < shape.max_new_tokens {
+        while !shape.done() {
             match events.recv().await {
-                Some(Event::Tokens(next)) => count = next,
-                Some(Event::Failed { status, message }) => {
-                    return (error_response(status, &message), Some(rank))
+                Some(Progress::Token { seq, count, cached }) => shape.record(seq, count, cached),
+                Some(Progress::Failed { status, message }) => {
+                    return (error_response(status, &message), Some(served))
                 }
-                None => return (error_response(500, "the request was aborted"), Some(rank)),
+                Some(Progress::Placed { .. }) => {}
+                None => return (error_response(500, "the request was aborted"), Some(served)),
             }
         }
-        drop(admitted.instant_guard);
-        let text = shape.full(count, started.elapsed().as_secs_f64()).to_string();
+        drop(guard);
+        let text = shape.full(started.elapsed().as_secs_f64()).to_string();
         if close_mid_stream {
             let whole = Bytes::from(text.into_bytes());
             let half = whole.slice(0..whole.len() / 2);
@@ -434,7 +493,7 @@ async fn answer(
                 .into_response()
         }
     };
-    (response, Some(rank))
+    (response, Some(served))
 }
 
 /// Fails a response body: hyper then drops the connection mid-message.
@@ -446,17 +505,16 @@ async fn injected_close() -> Result<Bytes, io::Error> {
 }
 
 struct StreamState {
-    events: UnboundedReceiver<Event>,
+    events: UnboundedReceiver<Progress>,
     shape: ResponseShape,
     started: Instant,
-    /// The first token, received before the headers were sent.
-    first: Option<u64>,
-    last: u64,
+    /// The sequence of the first token, received before the headers.
+    first: Option<usize>,
     chunks_sent: u32,
     close_mid_stream: bool,
     abort_next: bool,
     done: bool,
-    _instant_guard: Option<InstantGuard>,
+    _guard: RequestGuard,
 }
 
 fn concat(parts: Vec<Bytes>) -> Bytes {
@@ -475,52 +533,71 @@ async fn next_stream_chunk(mut state: StreamState) -> Option<(Result<Bytes, io::
         state.done = true;
         return Some((injected_close().await, state));
     }
-    let count = match state.first.take() {
-        Some(count) => count,
-        None => match state.events.recv().await {
-            Some(Event::Tokens(count)) => count,
-            Some(Event::Failed { message, .. }) => {
-                state.done = true;
-                return Some((
-                    Ok(concat(vec![protocol::sse_error(&message), protocol::sse_done()])),
-                    state,
-                ));
-            }
-            None => {
-                state.done = true;
-                let chunk = if state.last < state.shape.max_new_tokens {
-                    concat(vec![
-                        protocol::sse_error("the request was aborted"),
-                        protocol::sse_done(),
-                    ])
-                } else {
-                    concat(state.shape.stream_tail(state.last))
-                };
-                return Some((Ok(chunk), state));
+    let seq = match state.first.take() {
+        Some(seq) => seq,
+        None => loop {
+            match state.events.recv().await {
+                Some(Progress::Token { seq, count, cached }) => {
+                    state.shape.record(seq, count, cached);
+                    break seq;
+                }
+                Some(Progress::Placed { .. }) => continue,
+                Some(Progress::Failed { message, .. }) => {
+                    state.done = true;
+                    return Some((
+                        Ok(concat(vec![protocol::sse_error(&message), protocol::sse_done()])),
+                        state,
+                    ));
+                }
+                None => {
+                    state.done = true;
+                    let chunk = if state.shape.done() {
+                        concat(state.shape.stream_tail())
+                    } else {
+                        concat(vec![
+                            protocol::sse_error("the request was aborted"),
+                            protocol::sse_done(),
+                        ])
+                    };
+                    return Some((Ok(chunk), state));
+                }
             }
         },
     };
-    state.last = count;
     state.chunks_sent += 1;
-    let mut parts = state
+    let mut parts = vec![state
         .shape
-        .stream_events(count, state.started.elapsed().as_secs_f64());
-    let finished = count >= state.shape.max_new_tokens;
+        .stream_event(seq, state.started.elapsed().as_secs_f64())];
+    let finished = state.shape.done();
     if state.close_mid_stream && (finished || state.chunks_sent >= CHUNKS_BEFORE_CLOSE) {
         state.abort_next = true;
     } else if finished {
-        parts.extend(state.shape.stream_tail(count));
+        parts.extend(state.shape.stream_tail());
         state.done = true;
     }
     Some((Ok(concat(parts)), state))
 }
 
-/// A running simulated worker; dropping it stops its listeners and ranks.
+/// Aborts the tasks it holds when dropped.
+struct Tasks(Vec<JoinHandle<()>>);
+
+impl Drop for Tasks {
+    fn drop(&mut self) {
+        for task in &self.0 {
+            task.abort();
+        }
+    }
+}
+
+/// A running simulated worker; dropping every worker of a fleet stops the
+/// model's tasks, dropping one stops its listeners.
 pub struct SimServer {
     pub addr: SocketAddr,
     pub bootstrap_addr: Option<SocketAddr>,
-    pub worker: Arc<Worker>,
-    tasks: Vec<JoinHandle<()>>,
+    pub shared: Arc<Shared>,
+    pub index: usize,
+    _listeners: Tasks,
+    _model: Arc<Tasks>,
 }
 
 async fn bind(addr: SocketAddr) -> Result<TcpListener, String> {
@@ -542,50 +619,76 @@ fn spawn_server(listener: TcpListener, app: Router) -> JoinHandle<()> {
 }
 
 impl SimServer {
-    /// Binds the worker (and its bootstrap listener, if any) and starts
-    /// its rank schedulers. Port 0 picks a free port.
+    /// One worker (and its bootstrap listener, if any), a fleet of one.
+    /// Port 0 picks a free port.
     pub async fn start(
         config: Arc<SimConfig>,
         listen: SocketAddr,
         bootstrap: Option<SocketAddr>,
     ) -> Result<Self, String> {
+        let mut servers = Self::start_fleet(config, &[(listen, bootstrap)]).await?;
+        servers.pop().ok_or_else(|| "no worker started".to_string())
+    }
+
+    /// Workers sharing one model (the oracle dispatch chooses among them),
+    /// each with its listener and optional bootstrap listener.
+    pub async fn start_fleet(
+        config: Arc<SimConfig>,
+        listeners: &[(SocketAddr, Option<SocketAddr>)],
+    ) -> Result<Vec<Self>, String> {
         config.validate()?;
-        let listener = bind(listen).await?;
-        let addr = listener.local_addr().map_err(|err| err.to_string())?;
-        let bootstrap_listener = match bootstrap {
-            Some(bootstrap) => Some(bind(bootstrap).await?),
-            None => None,
-        };
-        let bootstrap_addr = match &bootstrap_listener {
-            Some(listener) => Some(listener.local_addr().map_err(|err| err.to_string())?),
-            None => None,
-        };
-        let worker = Worker::new(config.clone(), addr.to_string())?;
-        let mut tasks = Vec::new();
-        if config.instant {
-            // Nothing is scheduled.
-        } else if config.lockstep {
-            tasks.push(tokio::spawn(worker.clone().run_lockstep()));
+        let mut bound = Vec::new();
+        for (listen, bootstrap) in listeners {
+            let listener = bind(*listen).await?;
+            let addr = listener.local_addr().map_err(|err| err.to_string())?;
+            let bootstrap_listener = match bootstrap {
+                Some(bootstrap) => Some(bind(*bootstrap).await?),
+                None => None,
+            };
+            let bootstrap_addr = match &bootstrap_listener {
+                Some(listener) => Some(listener.local_addr().map_err(|err| err.to_string())?),
+                None => None,
+            };
+            bound.push((listener, addr, bootstrap_listener, bootstrap_addr));
+        }
+        let names = bound.iter().map(|(_, addr, _, _)| addr.to_string()).collect();
+        let shared = Shared::new(config.clone(), names)?;
+        let model = if config.instant {
+            Arc::new(Tasks(Vec::new()))
         } else {
-            for rank in 0..config.dp_size {
-                tasks.push(tokio::spawn(worker.clone().run_rank(rank)));
+            Arc::new(Tasks(
+                shared
+                    .groups()
+                    .into_iter()
+                    .map(|(worker, group)| tokio::spawn(shared.clone().run_group(worker, group)))
+                    .collect(),
+            ))
+        };
+        let mut servers = Vec::new();
+        for (index, (listener, addr, bootstrap_listener, bootstrap_addr)) in bound.into_iter().enumerate() {
+            let handle = Listener {
+                shared: shared.clone(),
+                index,
+            };
+            let mut tasks = vec![spawn_server(listener, router(handle.clone()))];
+            if let Some(listener) = bootstrap_listener {
+                tasks.push(spawn_server(listener, bootstrap_router(handle)));
             }
+            servers.push(Self {
+                addr,
+                bootstrap_addr,
+                shared: shared.clone(),
+                index,
+                _listeners: Tasks(tasks),
+                _model: model.clone(),
+            });
         }
-        tasks.push(spawn_server(listener, router(worker.clone())));
-        if let Some(listener) = bootstrap_listener {
-            tasks.push(spawn_server(listener, bootstrap_router(worker.clone())));
-        }
-        Ok(Self {
-            addr,
-            bootstrap_addr,
-            worker,
-            tasks,
-        })
+        Ok(servers)
     }
 
     /// The line printed once the worker is bound.
     pub fn ready_line(&self) -> String {
-        let config = &self.worker.config;
+        let config = &self.shared.config;
         let mut line = format!(
             "ready {} role={} dp_size={}",
             self.addr,
@@ -600,13 +703,5 @@ impl SimServer {
 
     pub fn url(&self) -> String {
         format!("http://{}", self.addr)
-    }
-}
-
-impl Drop for SimServer {
-    fn drop(&mut self) {
-        for task in &self.tasks {
-            task.abort();
-        }
     }
 }

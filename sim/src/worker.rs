@@ -1,5 +1,6 @@
-//! One simulated SGLang server: its ranks, schedulers, test controls and
-//! recordings.
+//! The simulated servers of one process in real time: the shared model
+//! and the tasks that step it, and each server's controls, recordings and
+//! counters.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -9,11 +10,12 @@ use std::time::{Duration, Instant, SystemTime};
 use base64::Engine;
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Map, Value};
-use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
+use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 use tokio::sync::Notify;
 
 use crate::config::{Dispatch, Role, SimConfig};
-use crate::model::{Event, RankLoad, RankState, SeqGroup, Step};
+use crate::engine::{Arrival, Event, EventKind, Fleet, Micros, RankSnapshot, ReqId};
+use crate::loads::{self, LoadView};
 use crate::protocol::{Bootstrap, ParsedRequest, Rejection};
 
 /// Locks a mutex, ignoring poisoning (no lock holder panics in this crate).
@@ -134,214 +136,222 @@ impl Rooms {
     }
 }
 
-pub struct Rank {
-    pub state: Mutex<RankState>,
-    /// Wakes this rank's scheduler.
-    pub wake: Notify,
+/// What a request hears while it is served.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Progress {
+    /// It reached its rank's queue.
+    Placed { worker: usize, rank: usize },
+    /// Sequence `seq` now has `count` output tokens.
+    Token { seq: usize, count: u64, cached: u64 },
+    /// It failed with this HTTP status.
+    Failed { status: u16, message: String },
 }
 
-/// A request accepted on a rank.
-pub struct Admitted {
-    pub rank: usize,
-    pub max_new_tokens: u64,
-    pub events: UnboundedReceiver<Event>,
-    /// Keeps --instant requests counted in the load until dropped.
-    pub instant_guard: Option<InstantGuard>,
-}
-
-/// Counts an --instant request in its rank's load while alive.
-pub struct InstantGuard {
-    worker: Arc<Worker>,
+/// A request being served by the model.
+#[derive(Debug)]
+struct Route {
+    sender: UnboundedSender<Progress>,
+    /// Sequences not yet finished.
+    open: usize,
+    /// Prefill role: rooms to mark ready once every sequence is done.
+    rooms: Vec<u64>,
+    /// Decode role: where to fetch the KV from.
+    bootstrap: Option<Bootstrap>,
+    /// The serving worker and rank, once placed.
+    worker: usize,
     rank: usize,
-    seqs: u64,
-    tokens: u64,
 }
 
-impl Drop for InstantGuard {
-    fn drop(&mut self) {
-        if let Some(rank) = self.worker.ranks.get(self.rank) {
-            let mut state = lock(&rank.state);
-            state.instant_requests = state.instant_requests.saturating_sub(1);
-            state.instant_seqs = state.instant_seqs.saturating_sub(self.seqs);
-            state.instant_tokens = state.instant_tokens.saturating_sub(self.tokens);
+/// The model and who listens to it.
+#[derive(Debug)]
+struct Model {
+    fleet: Fleet,
+    routes: HashMap<ReqId, Route>,
+}
+
+/// A request accepted by a server.
+pub struct Admitted {
+    pub max_new_tokens: u64,
+    /// When it reaches the scheduler (after the tokenizer), real time.
+    pub ready: Instant,
+    pub events: UnboundedReceiver<Progress>,
+    pub guard: RequestGuard,
+}
+
+/// Held while a request is in flight: dropping it aborts the request in
+/// the model (SGLang aborts requests whose client went away) and ends its
+/// in-flight count.
+pub struct RequestGuard {
+    shared: Arc<Shared>,
+    req: Option<ReqId>,
+    placed: Option<(usize, usize)>,
+    /// --instant: counted in the rank's load while alive.
+    instant: Option<(usize, usize, u64, u64)>,
+}
+
+impl RequestGuard {
+    /// Notes where the request is served (counted in flight there).
+    pub fn placed(&mut self, worker: usize, rank: usize) {
+        if self.placed.is_none() {
+            self.placed = Some((worker, rank));
         }
     }
 }
 
-pub struct Worker {
-    pub config: Arc<SimConfig>,
+impl Drop for RequestGuard {
+    fn drop(&mut self) {
+        if let Some(req) = self.req {
+            let wake = {
+                let mut model = lock(&self.shared.model);
+                match model.routes.remove(&req) {
+                    Some(_) => {
+                        // Placed, though this handler may not have heard yet.
+                        if let Some((worker, Some(rank))) = model.fleet.placement(req) {
+                            self.placed.get_or_insert((worker, rank));
+                        }
+                        model.fleet.abort(req)
+                    }
+                    None => None,
+                }
+            };
+            if let Some((worker, group)) = wake {
+                self.shared.wake(worker, group);
+            }
+        }
+        if let Some((worker, rank)) = self.placed {
+            if let Some(counter) = self
+                .shared
+                .servers
+                .get(worker)
+                .and_then(|s| s.in_flight.get(rank))
+            {
+                counter.fetch_sub(1, Ordering::Relaxed);
+            }
+        }
+        if let Some((worker, rank, seqs, tokens)) = self.instant {
+            if let Some(server) = self.shared.servers.get(worker) {
+                let mut instant = lock(&server.instant);
+                if let Some(load) = instant.get_mut(rank) {
+                    load.running = load.running.saturating_sub(seqs);
+                    load.used_tokens = load.used_tokens.saturating_sub(tokens);
+                    load.total_tokens = load.total_tokens.saturating_sub(tokens);
+                }
+            }
+        }
+    }
+}
+
+/// One server (one `--listen`): what is not the model.
+pub struct Server {
+    pub index: usize,
     /// The listen address, as put in `x-sim-worker`.
     pub name: String,
-    pub ranks: Vec<Rank>,
-    /// Makes "look at the loads, then enqueue" atomic for minimum_tokens.
-    dispatch_lock: Mutex<()>,
-    round_robin: AtomicUsize,
-    next_id: AtomicU64,
     control: Mutex<Control>,
     /// The latest `--record-limit` serving requests, oldest first.
     records: Mutex<VecDeque<Arc<Mutex<Record>>>>,
     get_load_polls: AtomicU64,
     v1_loads_polls: AtomicU64,
     served: Vec<AtomicU64>,
+    in_flight: Vec<AtomicU64>,
     rooms: Mutex<Rooms>,
-    /// Wakes the --lockstep scheduler when any rank has work.
-    any_wake: Notify,
-    http: reqwest::Client,
-    pub started: Instant,
+    /// --instant: what each rank holds (no model).
+    instant: Mutex<Vec<RankSnapshot>>,
+    round_robin: AtomicUsize,
 }
 
-impl Worker {
-    pub fn new(config: Arc<SimConfig>, name: String) -> Result<Arc<Self>, String> {
+/// Every server of one process and their shared model.
+pub struct Shared {
+    pub config: Arc<SimConfig>,
+    pub servers: Vec<Server>,
+    model: Mutex<Model>,
+    /// Wakes the task stepping each (worker, group).
+    wakes: Vec<Vec<Notify>>,
+    clock: Instant,
+    http: reqwest::Client,
+}
+
+impl Shared {
+    /// The servers named `names` (their listen addresses), in order.
+    pub fn new(config: Arc<SimConfig>, names: Vec<String>) -> Result<Arc<Self>, String> {
         let http = reqwest::Client::builder()
             .no_proxy()
             .tcp_nodelay(true)
             .build()
             .map_err(|err| format!("cannot build the HTTP client: {err}"))?;
         let dp_size = config.dp_size;
+        let fleet = Fleet::new(&config, names.len());
+        let wakes = (0..names.len())
+            .map(|worker| (0..fleet.groups(worker)).map(|_| Notify::new()).collect())
+            .collect();
+        let servers = names
+            .into_iter()
+            .enumerate()
+            .map(|(index, name)| Server {
+                index,
+                name,
+                control: Mutex::new(Control {
+                    base_tokens: vec![0; dp_size],
+                    ..Control::default()
+                }),
+                records: Mutex::new(VecDeque::new()),
+                get_load_polls: AtomicU64::new(0),
+                v1_loads_polls: AtomicU64::new(0),
+                served: (0..dp_size).map(|_| AtomicU64::new(0)).collect(),
+                in_flight: (0..dp_size).map(|_| AtomicU64::new(0)).collect(),
+                rooms: Mutex::new(Rooms::default()),
+                instant: Mutex::new(vec![RankSnapshot::default(); dp_size]),
+                round_robin: AtomicUsize::new(0),
+            })
+            .collect();
         Ok(Arc::new(Self {
-            name,
-            ranks: (0..dp_size)
-                .map(|_| Rank {
-                    state: Mutex::new(RankState::default()),
-                    wake: Notify::new(),
-                })
-                .collect(),
-            dispatch_lock: Mutex::new(()),
-            round_robin: AtomicUsize::new(0),
-            next_id: AtomicU64::new(1),
-            control: Mutex::new(Control {
-                base_tokens: vec![0; dp_size],
-                ..Control::default()
-            }),
-            records: Mutex::new(VecDeque::new()),
-            get_load_polls: AtomicU64::new(0),
-            v1_loads_polls: AtomicU64::new(0),
-            served: (0..dp_size).map(|_| AtomicU64::new(0)).collect(),
-            rooms: Mutex::new(Rooms::default()),
-            any_wake: Notify::new(),
-            http,
-            started: Instant::now(),
             config,
+            servers,
+            model: Mutex::new(Model {
+                fleet,
+                routes: HashMap::new(),
+            }),
+            wakes,
+            clock: Instant::now(),
+            http,
         }))
     }
 
-    pub fn control(&self) -> Control {
-        lock(&self.control).clone()
+    /// Simulated time now.
+    fn now(&self) -> Micros {
+        (self.clock.elapsed().as_secs_f64() * self.config.time_scale * 1e6) as Micros
     }
 
-    pub fn apply_control(&self, update: ControlUpdate) -> Result<Control, String> {
-        let dp_size = self.config.dp_size;
-        if let Some(base) = &update.base_tokens {
-            if base.len() > dp_size {
-                return Err(format!(
-                    "base_tokens has {} entries but dp_size is {dp_size}",
-                    base.len()
-                ));
-            }
-        }
-        let mut control = lock(&self.control);
-        if let Some(mut base) = update.base_tokens {
-            base.resize(dp_size, 0);
-            control.base_tokens = base;
-        }
-        if let Some(fault) = update.load_fault {
-            control.load_fault = fault;
-        }
-        if let Some(fault) = update.serving_fault {
-            control.serving_fault = fault;
-        }
-        if let Some(delay) = update.response_delay_ms {
-            control.response_delay_ms = delay;
-        }
-        Ok(control.clone())
+    /// The real duration of a simulated one.
+    fn real(&self, micros: Micros) -> Duration {
+        Duration::from_secs_f64(micros as f64 / 1e6 / self.config.time_scale)
     }
 
-    /// Clears recordings and counters.
-    pub fn reset(&self) {
-        lock(&self.records).clear();
-        self.get_load_polls.store(0, Ordering::Relaxed);
-        self.v1_loads_polls.store(0, Ordering::Relaxed);
-        for served in &self.served {
-            served.store(0, Ordering::Relaxed);
+    fn wake(&self, worker: usize, group: usize) {
+        if let Some(notify) = self.wakes.get(worker).and_then(|groups| groups.get(group)) {
+            notify.notify_one();
         }
     }
 
-    pub fn record(&self, record: Record) -> Arc<Mutex<Record>> {
-        let record = Arc::new(Mutex::new(record));
-        let limit = self.config.record_limit;
-        if limit > 0 {
-            let mut records = lock(&self.records);
-            if records.len() >= limit {
-                records.pop_front();
-            }
-            records.push_back(record.clone());
-        }
-        record
+    /// (worker, group) pairs that step.
+    pub fn groups(&self) -> Vec<(usize, usize)> {
+        self.wakes
+            .iter()
+            .enumerate()
+            .flat_map(|(worker, groups)| (0..groups.len()).map(move |group| (worker, group)))
+            .collect()
     }
 
-    pub fn records_json(&self) -> Value {
-        let records: Vec<Arc<Mutex<Record>>> = lock(&self.records).iter().cloned().collect();
-        Value::Array(records.iter().map(|record| lock(record).to_json()).collect())
-    }
-
-    pub fn count_load_poll(&self, v1: bool) {
-        let counter = if v1 {
-            &self.v1_loads_polls
-        } else {
-            &self.get_load_polls
-        };
-        counter.fetch_add(1, Ordering::Relaxed);
-    }
-
-    pub fn counters_json(&self) -> Value {
-        let loads = self.rank_loads();
-        json!({
-            "load_requests": {
-                "/get_load": self.get_load_polls.load(Ordering::Relaxed),
-                "/v1/loads": self.v1_loads_polls.load(Ordering::Relaxed),
-            },
-            "served_per_rank": self.served.iter().map(|n| n.load(Ordering::Relaxed)).collect::<Vec<_>>(),
-            "in_flight_per_rank": loads.iter().map(|load| load.in_flight).collect::<Vec<_>>(),
-        })
-    }
-
-    /// The model's loads right now (without the control offsets).
-    pub fn rank_loads(&self) -> Vec<RankLoad> {
-        self.ranks.iter().map(|rank| lock(&rank.state).load()).collect()
-    }
-
-    fn choose_rank(&self, request: &ParsedRequest) -> usize {
-        let dp_size = self.ranks.len().max(1);
-        let room = request.bootstrap.as_ref().and_then(|b| b.rooms.first().copied());
-        match (self.config.dispatch, room) {
-            (Dispatch::RoomModulo, Some(room)) => (room % dp_size as u64) as usize,
-            (Dispatch::RoundRobin | Dispatch::RoomModulo, _) => {
-                self.round_robin.fetch_add(1, Ordering::Relaxed) % dp_size
-            }
-            (Dispatch::MinimumTokens, _) => self
-                .rank_loads()
-                .iter()
-                .enumerate()
-                .min_by_key(|(index, load)| (load.used_tokens + load.pending_tokens, *index))
-                .map_or(0, |(index, _)| index),
-        }
-    }
-
-    /// Accepts a request on its rank: queued for the scheduler, or answered
-    /// at once in --instant mode.
-    pub fn submit(self: &Arc<Self>, request: &ParsedRequest) -> Result<Admitted, Rejection> {
+    /// Accepts a request arriving at server `receiving`: into the model
+    /// (through the tokenizer), or answered at once with --instant.
+    pub fn submit(
+        self: &Arc<Self>,
+        receiving: usize,
+        request: &ParsedRequest,
+    ) -> Result<Admitted, Rejection> {
         let config = &self.config;
-        let seqs = request.prompt_tokens.len().max(1) as u64;
-        let prompt_tokens: u64 = request.prompt_tokens.iter().sum();
-        if prompt_tokens + seqs > config.kv_capacity {
-            return Err(Rejection {
-                status: 400,
-                message: format!(
-                    "The input ({prompt_tokens} tokens) is longer than the KV cache capacity ({} tokens) of a rank.",
-                    config.kv_capacity
-                ),
-            });
-        }
+        let seqs = request.prompts.len().max(1) as u64;
+        let longest = request.prompts.iter().map(Vec::len).max().unwrap_or(1) as u64;
+        let prompt_tokens: u64 = request.prompts.iter().map(|prompt| prompt.len() as u64).sum();
         // A prefill worker only computes the first token; longer outputs
         // are clamped to what fits in the KV cache, as SGLang clamps to
         // the context length.
@@ -350,216 +360,281 @@ impl Worker {
         } else {
             request.max_new_tokens
         };
-        let max_new_tokens = wanted.min((config.kv_capacity - prompt_tokens) / seqs).max(1);
-        let (sender, events) = unbounded_channel();
-        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
-        let group = SeqGroup {
-            id,
-            seqs,
-            prompt_tokens,
-            max_new_tokens,
-            generated: 0,
-            reserved: prompt_tokens + seqs * max_new_tokens,
-            events: sender,
-            bootstrap: request.bootstrap.clone(),
-        };
-
-        let dispatch_guard = lock(&self.dispatch_lock);
-        let rank = request.rank.unwrap_or_else(|| self.choose_rank(request));
-        let Some(rank_slot) = self.ranks.get(rank) else {
+        let Some(max_new_tokens) = config.fit_output(longest, wanted) else {
             return Err(Rejection {
                 status: 400,
-                message: format!("rank {rank} is out of range"),
+                message: format!(
+                    "The input ({longest} tokens) is longer than the KV cache capacity ({} tokens) of a rank.",
+                    config.kv_capacity
+                ),
             });
         };
-        if let Some(served) = self.served.get(rank) {
-            served.fetch_add(1, Ordering::Relaxed);
-        }
-        let mut instant = None;
-        {
-            let mut state = lock(&rank_slot.state);
-            if config.instant {
-                state.instant_requests += 1;
-                state.instant_seqs += seqs;
-                state.instant_tokens += prompt_tokens;
-                instant = Some(group);
-            } else {
-                state.waiting.push_back(group);
-            }
-        }
-        drop(dispatch_guard);
-        let instant_guard = match instant {
-            Some(group) => {
-                self.answer_instantly(rank, group);
-                Some(InstantGuard {
-                    worker: self.clone(),
-                    rank,
-                    seqs,
-                    tokens: prompt_tokens,
-                })
-            }
-            None => {
-                self.wake(rank);
-                None
-            }
+        let (sender, events) = unbounded_channel();
+        let mut guard = RequestGuard {
+            shared: self.clone(),
+            req: None,
+            placed: None,
+            instant: None,
         };
-        Ok(Admitted {
-            rank,
+        if config.instant {
+            let rank = request
+                .rank
+                .unwrap_or_else(|| self.instant_rank(receiving, request));
+            {
+                let server = &self.servers[receiving];
+                let mut instant = lock(&server.instant);
+                if let Some(load) = instant.get_mut(rank) {
+                    load.running += seqs;
+                    load.used_tokens += prompt_tokens;
+                    load.total_tokens += prompt_tokens;
+                }
+            }
+            guard.instant = Some((receiving, rank, seqs, prompt_tokens));
+            self.count_served(receiving, rank);
+            guard.placed(receiving, rank);
+            let _ = sender.send(Progress::Placed {
+                worker: receiving,
+                rank,
+            });
+            self.answer_instantly(receiving, rank, request, max_new_tokens, sender);
+            return Ok(Admitted {
+                max_new_tokens,
+                ready: Instant::now(),
+                events,
+                guard,
+            });
+        }
+        let arrival = Arrival {
+            prompts: request.prompts.clone(),
             max_new_tokens,
+            rank: request.rank,
+            room: request.bootstrap.as_ref().and_then(|b| b.rooms.first().copied()),
+            pretokenized: request.pretokenized,
+        };
+        let submitted = {
+            let mut model = lock(&self.model);
+            let submitted = model.fleet.submit(self.now(), receiving, arrival);
+            model.routes.insert(
+                submitted.req,
+                Route {
+                    sender,
+                    open: request.prompts.len().max(1),
+                    rooms: match config.role {
+                        Role::Prefill => request
+                            .bootstrap
+                            .as_ref()
+                            .map(|b| b.rooms.clone())
+                            .unwrap_or_default(),
+                        _ => Vec::new(),
+                    },
+                    bootstrap: request.bootstrap.clone(),
+                    worker: submitted.worker,
+                    rank: 0,
+                },
+            );
+            submitted
+        };
+        guard.req = Some(submitted.req);
+        Ok(Admitted {
+            max_new_tokens,
+            ready: self.clock + self.real(submitted.ready_at),
             events,
-            instant_guard,
+            guard,
         })
+    }
+
+    /// --instant: the rank for a request naming none.
+    fn instant_rank(&self, receiving: usize, request: &ParsedRequest) -> usize {
+        let server = &self.servers[receiving];
+        let dp_size = self.config.dp_size.max(1);
+        let room = request.bootstrap.as_ref().and_then(|b| b.rooms.first().copied());
+        match (self.config.dispatch, room) {
+            (Dispatch::RoomModulo, Some(room)) => (room % dp_size as u64) as usize,
+            (Dispatch::TotalTokens | Dispatch::TotalRequests | Dispatch::Oracle, _) => lock(&server.instant)
+                .iter()
+                .enumerate()
+                .min_by_key(|(index, load)| (load.total_tokens, load.running, *index))
+                .map_or(0, |(index, _)| index),
+            _ => server.round_robin.fetch_add(1, Ordering::Relaxed) % dp_size,
+        }
     }
 
     /// --instant: every token at once (after the prefill room in the
     /// decode role: that wait is protocol, not modelled time).
-    fn answer_instantly(self: &Arc<Self>, rank: usize, group: SeqGroup) {
-        let send_all = |group: &SeqGroup| {
-            for count in 1..=group.max_new_tokens {
-                let _ = group.events.send(Event::Tokens(count));
+    fn answer_instantly(
+        self: &Arc<Self>,
+        receiving: usize,
+        rank: usize,
+        request: &ParsedRequest,
+        max_new_tokens: u64,
+        sender: UnboundedSender<Progress>,
+    ) {
+        let seqs = request.prompts.len().max(1);
+        let send_all = move |sender: &UnboundedSender<Progress>| {
+            for count in 1..=max_new_tokens {
+                for seq in 0..seqs {
+                    let _ = sender.send(Progress::Token {
+                        seq,
+                        count,
+                        cached: 0,
+                    });
+                }
             }
         };
-        match (self.config.role, group.bootstrap.clone()) {
+        match (self.config.role, request.bootstrap.clone()) {
             (Role::Decode, Some(bootstrap)) => {
-                let worker = self.clone();
+                let shared = self.clone();
                 tokio::spawn(async move {
-                    match worker.wait_for_rooms(&bootstrap, || group.cancelled()).await {
-                        Ok(()) => send_all(&group),
+                    match shared.wait_for_rooms(&bootstrap, || sender.is_closed()).await {
+                        Ok(()) => send_all(&sender),
                         Err(message) => {
-                            let _ = group.events.send(Event::Failed { status: 500, message });
+                            let _ = sender.send(Progress::Failed { status: 500, message });
                         }
                     }
                 });
             }
             (Role::Prefill, Some(bootstrap)) => {
-                self.mark_rooms_ready(&bootstrap.rooms, rank);
-                send_all(&group);
+                self.servers[receiving].mark_rooms_ready(&bootstrap.rooms, rank);
+                send_all(&sender);
             }
-            _ => send_all(&group),
+            _ => send_all(&sender),
         }
     }
 
-    fn mark_rooms_ready(&self, rooms: &[u64], rank: usize) {
-        let mut ready = lock(&self.rooms);
-        for room in rooms {
-            ready.mark(*room, rank);
-        }
-    }
-
-    /// The rank that prefilled a room, once it is ready.
-    pub fn room_rank(&self, room: u64) -> Option<usize> {
-        lock(&self.rooms).ready.get(&room).copied()
-    }
-
-    fn scaled(&self, seconds: f64) -> Duration {
-        Duration::from_secs_f64((seconds / self.config.time_scale).max(0.0))
-    }
-
-    /// Admits what fits on a rank and says what it does next; starts the
-    /// KV transfers of requests admitted in the decode role.
-    fn plan_step(self: &Arc<Self>, index: usize) -> Step {
-        let Some(rank) = self.ranks.get(index) else {
-            return Step::Idle;
-        };
-        let config = &self.config;
-        let (step, transfers) = {
-            let mut state = lock(&rank.state);
-            state.purge_cancelled();
-            let transfers = state.admit(config.kv_capacity, config.max_running, config.role);
-            (state.next_step(), transfers)
-        };
-        for transfer in transfers {
-            tokio::spawn(self.clone().transfer_kv(index, transfer.id, transfer.bootstrap));
-        }
-        step
-    }
-
-    fn step_duration(&self, step: Step) -> Duration {
-        let config = &self.config;
-        match step {
-            Step::Idle => Duration::ZERO,
-            Step::Prefill { tokens } => self.scaled(tokens as f64 / config.prefill_tokens_per_s),
-            Step::Decode { batch_tokens } => self.scaled(
-                config.decode_step_ms / 1e3 + config.decode_step_us_per_token * batch_tokens as f64 / 1e6,
-            ),
-        }
-    }
-
-    fn finish_step(&self, index: usize, step: Step) {
-        let Some(rank) = self.ranks.get(index) else {
-            return;
-        };
-        let mut state = lock(&rank.state);
-        match step {
-            Step::Idle => {}
-            Step::Prefill { .. } => {
-                state.finish_prefill(self.config.role, &mut |rooms| self.mark_rooms_ready(rooms, index))
+    fn count_served(&self, worker: usize, rank: usize) {
+        if let Some(server) = self.servers.get(worker) {
+            if let Some(served) = server.served.get(rank) {
+                served.fetch_add(1, Ordering::Relaxed);
             }
-            Step::Decode { .. } => state.finish_decode(),
+            if let Some(in_flight) = server.in_flight.get(rank) {
+                in_flight.fetch_add(1, Ordering::Relaxed);
+            }
         }
     }
 
-    /// Wakes a rank's scheduler (and the lockstep scheduler).
-    fn wake(&self, index: usize) {
-        if let Some(rank) = self.ranks.get(index) {
-            rank.wake.notify_one();
+    /// Puts every request the tokenizers are done with on its rank's
+    /// queue (called by each request once its tokenizer time has passed).
+    pub fn dispatch_due(self: &Arc<Self>, ready: Instant) {
+        let now = self.now().max((ready - self.clock).as_micros() as Micros);
+        let mut wake = Vec::new();
+        {
+            let mut model = lock(&self.model);
+            for dispatched in model.fleet.dispatch_due(now) {
+                if let Some(route) = model.routes.get_mut(&dispatched.req) {
+                    route.worker = dispatched.worker;
+                    route.rank = dispatched.rank;
+                    let _ = route.sender.send(Progress::Placed {
+                        worker: dispatched.worker,
+                        rank: dispatched.rank,
+                    });
+                }
+                self.count_served(dispatched.worker, dispatched.rank);
+                wake.push((dispatched.worker, dispatched.group));
+            }
         }
-        self.any_wake.notify_one();
+        for (worker, group) in wake {
+            self.wake(worker, group);
+        }
     }
 
-    /// The scheduler of one rank; runs until aborted.
-    pub async fn run_rank(self: Arc<Self>, index: usize) {
-        let Some(rank) = self.ranks.get(index) else {
-            return;
-        };
+    /// Steps one group of ranks of one worker, in real time; runs until
+    /// aborted.
+    pub async fn run_group(self: Arc<Self>, worker: usize, group: usize) {
         loop {
-            let step = self.plan_step(index);
-            if step == Step::Idle {
-                rank.wake.notified().await;
+            let step = {
+                let mut model = lock(&self.model);
+                let now = self.now();
+                let mut events = Vec::new();
+                let duration = model.fleet.begin_step(worker, group, now, &mut events);
+                self.deliver(&mut model, events);
+                duration.map(|duration| (now, duration))
+            };
+            let Some((start, duration)) = step else {
+                if let Some(notify) = self.wakes.get(worker).and_then(|groups| groups.get(group)) {
+                    notify.notified().await;
+                }
                 continue;
-            }
-            tokio::time::sleep(self.step_duration(step)).await;
-            self.finish_step(index, step);
+            };
+            tokio::time::sleep(self.real(duration)).await;
+            let mut model = lock(&self.model);
+            let mut events = Vec::new();
+            model.fleet.end_step(worker, group, start + duration, &mut events);
+            self.deliver(&mut model, events);
         }
     }
 
-    /// --lockstep: one scheduler for all ranks. Under DP attention every
-    /// forward pass is synchronised across ranks (the MoE layers are
-    /// shared), so a step lasts as long as the slowest rank's batch.
-    pub async fn run_lockstep(self: Arc<Self>) {
-        loop {
-            let steps: Vec<Step> = (0..self.ranks.len()).map(|index| self.plan_step(index)).collect();
-            if steps.iter().all(|step| *step == Step::Idle) {
-                self.any_wake.notified().await;
+    /// Hands model events to the requests they concern.
+    fn deliver(self: &Arc<Self>, model: &mut Model, events: Vec<Event>) {
+        for event in events {
+            let Some(route) = model.routes.get_mut(&event.req) else {
                 continue;
-            }
-            let longest = steps
-                .iter()
-                .map(|step| self.step_duration(*step))
-                .max()
-                .unwrap_or_default();
-            tokio::time::sleep(longest).await;
-            for (index, step) in steps.into_iter().enumerate() {
-                self.finish_step(index, step);
+            };
+            match event.kind {
+                EventKind::Token {
+                    count,
+                    cached_tokens,
+                    done,
+                } => {
+                    if done {
+                        route.open = route.open.saturating_sub(1);
+                        if route.open == 0 && !route.rooms.is_empty() {
+                            // The decode leg may fetch the KV before the
+                            // prefill's answer reaches the router.
+                            if let Some(server) = self.servers.get(route.worker) {
+                                server.mark_rooms_ready(&route.rooms, route.rank);
+                            }
+                        }
+                    }
+                    let _ = route.sender.send(Progress::Token {
+                        seq: event.seq,
+                        count,
+                        cached: cached_tokens,
+                    });
+                    if done && route.open == 0 {
+                        model.routes.remove(&event.req);
+                    }
+                }
+                EventKind::Failed { message } => {
+                    let _ = route.sender.send(Progress::Failed { status: 500, message });
+                    model.routes.remove(&event.req);
+                }
+                EventKind::TransferStart => {
+                    let bootstrap = route.bootstrap.clone();
+                    let worker = route.worker;
+                    tokio::spawn(self.clone().transfer_kv(worker, event.req, event.seq, bootstrap));
+                }
+                EventKind::Retracted => {}
             }
         }
     }
 
     /// Decode role: waits for the prefill's room, then lets the request
     /// decode (or fails it after --kv-wait-timeout-ms).
-    async fn transfer_kv(self: Arc<Self>, rank: usize, id: u64, bootstrap: Option<Bootstrap>) {
-        let Some(rank_slot) = self.ranks.get(rank) else {
-            return;
-        };
+    async fn transfer_kv(
+        self: Arc<Self>,
+        worker: usize,
+        req: ReqId,
+        seq: usize,
+        bootstrap: Option<Bootstrap>,
+    ) {
         let outcome = match bootstrap {
             Some(bootstrap) => {
-                self.wait_for_rooms(&bootstrap, || lock(&rank_slot.state).transfer_abandoned(id))
+                self.wait_for_rooms(&bootstrap, || !lock(&self.model).routes.contains_key(&req))
                     .await
             }
             None => Err("no bootstrap fields".to_string()),
         };
-        lock(&rank_slot.state).finish_transfer(id, outcome);
-        self.wake(rank);
+        let wake = {
+            let mut model = lock(&self.model);
+            let mut events = Vec::new();
+            let wake = model
+                .fleet
+                .transfer_done(self.now(), req, seq, outcome, &mut events);
+            self.deliver(&mut model, events);
+            wake
+        };
+        let (worker, group) = wake.unwrap_or((worker, 0));
+        self.wake(worker, group);
     }
 
     /// Polls `http://host:port/_sim/kv/<room>` until every room is ready.
@@ -616,85 +691,145 @@ impl Worker {
         }
     }
 
+    /// The loads of a server's ranks as its load endpoints report them:
+    /// what each rank last published (live counts with --instant).
+    pub fn snapshots(&self, worker: usize) -> Vec<RankSnapshot> {
+        if self.config.instant {
+            return self
+                .servers
+                .get(worker)
+                .map(|server| lock(&server.instant).clone())
+                .unwrap_or_default();
+        }
+        lock(&self.model).fleet.published(worker)
+    }
+
+    fn load_view<'a>(
+        &self,
+        snapshots: &'a [RankSnapshot],
+        base: &'a [u64],
+        extra_ranks: usize,
+    ) -> LoadView<'a> {
+        LoadView {
+            snapshots,
+            base_tokens: base,
+            capacity: self.config.kv_capacity,
+            max_running: self.config.max_running,
+            with_total: !self.config.no_total_tokens,
+            extra_ranks,
+            timestamp: SystemTime::now(),
+        }
+    }
+
     /// The load report as `/get_load` shapes it.
-    pub fn get_load_json(&self, extra_ranks: usize) -> Value {
-        let base = self.control().base_tokens;
-        let loads = self.rank_loads();
-        let rows: Vec<Value> = (0..loads.len() + extra_ranks)
-            .map(|rank| {
-                let load = loads.get(rank).copied().unwrap_or_default();
-                let offset = base.get(rank).copied().unwrap_or(0);
-                json!({
-                    "dp_rank": rank,
-                    "num_reqs": load.running + load.waiting,
-                    "num_waiting_reqs": load.waiting,
-                    "num_tokens": load.used_tokens + load.pending_tokens + offset,
-                })
-            })
-            .collect();
-        Value::Array(rows)
+    pub fn get_load_json(&self, worker: usize, extra_ranks: usize) -> Value {
+        let base = self.servers[worker].control().base_tokens;
+        let snapshots = self.snapshots(worker);
+        loads::get_load(&self.load_view(&snapshots, &base, extra_ranks))
     }
 
     /// The load report as `/v1/loads` shapes it.
-    pub fn v1_loads_json(&self, extra_ranks: usize) -> Value {
-        let base = self.control().base_tokens;
-        let loads = self.rank_loads();
-        let capacity = self.config.kv_capacity;
-        let with_total = !self.config.no_total_tokens;
-        let mut sums = [0u64; 6];
-        let rows: Vec<Value> = (0..loads.len() + extra_ranks)
-            .map(|rank| {
-                let load = loads.get(rank).copied().unwrap_or_default();
-                let offset = base.get(rank).copied().unwrap_or(0);
-                let used = load.used_tokens + offset;
-                let total = used + load.pending_tokens;
-                let values = [
-                    load.running,
-                    load.waiting,
-                    load.running + load.waiting,
-                    used,
-                    total,
-                    capacity,
-                ];
-                for (sum, value) in sums.iter_mut().zip(values) {
-                    *sum += value;
-                }
-                let mut row = json!({
-                    "dp_rank": rank,
-                    "num_running_reqs": load.running,
-                    "num_waiting_reqs": load.waiting,
-                    "num_total_reqs": load.running + load.waiting,
-                    "num_used_tokens": used,
-                    "max_total_num_tokens": capacity,
-                    "token_usage": used as f64 / capacity as f64,
-                });
-                if with_total {
-                    if let Some(object) = row.as_object_mut() {
-                        object.insert("num_total_tokens".into(), json!(total));
-                    }
-                }
-                row
-            })
-            .collect();
-        let mut aggregate = json!({
-            "num_running_reqs": sums[0],
-            "num_waiting_reqs": sums[1],
-            "num_total_reqs": sums[2],
-            "num_used_tokens": sums[3],
-            "max_total_num_tokens": sums[5],
-            "token_usage": if sums[5] == 0 { 0.0 } else { sums[3] as f64 / sums[5] as f64 },
-        });
-        if with_total {
-            if let Some(object) = aggregate.as_object_mut() {
-                object.insert("num_total_tokens".into(), json!(sums[4]));
+    pub fn v1_loads_json(&self, worker: usize, extra_ranks: usize) -> Value {
+        let base = self.servers[worker].control().base_tokens;
+        let snapshots = self.snapshots(worker);
+        loads::v1_loads(&self.load_view(&snapshots, &base, extra_ranks))
+    }
+}
+
+impl Server {
+    pub fn control(&self) -> Control {
+        lock(&self.control).clone()
+    }
+
+    pub fn apply_control(&self, update: ControlUpdate) -> Result<Control, String> {
+        let dp_size = self.served.len();
+        if let Some(base) = &update.base_tokens {
+            if base.len() > dp_size {
+                return Err(format!(
+                    "base_tokens has {} entries but dp_size is {dp_size}",
+                    base.len()
+                ));
             }
         }
+        let mut control = lock(&self.control);
+        if let Some(mut base) = update.base_tokens {
+            base.resize(dp_size, 0);
+            control.base_tokens = base;
+        }
+        if let Some(fault) = update.load_fault {
+            control.load_fault = fault;
+        }
+        if let Some(fault) = update.serving_fault {
+            control.serving_fault = fault;
+        }
+        if let Some(delay) = update.response_delay_ms {
+            control.response_delay_ms = delay;
+        }
+        Ok(control.clone())
+    }
+
+    /// Clears recordings and counters.
+    pub fn reset(&self) {
+        lock(&self.records).clear();
+        self.get_load_polls.store(0, Ordering::Relaxed);
+        self.v1_loads_polls.store(0, Ordering::Relaxed);
+        for served in &self.served {
+            served.store(0, Ordering::Relaxed);
+        }
+    }
+
+    pub fn record(&self, record: Record, limit: usize) -> Arc<Mutex<Record>> {
+        let record = Arc::new(Mutex::new(record));
+        if limit > 0 {
+            let mut records = lock(&self.records);
+            if records.len() >= limit {
+                records.pop_front();
+            }
+            records.push_back(record.clone());
+        }
+        record
+    }
+
+    pub fn records_json(&self) -> Value {
+        let records: Vec<Arc<Mutex<Record>>> = lock(&self.records).iter().cloned().collect();
+        Value::Array(records.iter().map(|record| lock(record).to_json()).collect())
+    }
+
+    pub fn count_load_poll(&self, v1: bool) {
+        let counter = if v1 {
+            &self.v1_loads_polls
+        } else {
+            &self.get_load_polls
+        };
+        counter.fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub fn counters_json(&self) -> Value {
+        let read = |counters: &[AtomicU64]| {
+            counters
+                .iter()
+                .map(|n| n.load(Ordering::Relaxed))
+                .collect::<Vec<_>>()
+        };
         json!({
-            "timestamp": humantime::format_rfc3339_millis(SystemTime::now()).to_string(),
-            "version": "sim",
-            "dp_rank_count": rows.len(),
-            "loads": rows,
-            "aggregate": aggregate,
+            "load_requests": {
+                "/get_load": self.get_load_polls.load(Ordering::Relaxed),
+                "/v1/loads": self.v1_loads_polls.load(Ordering::Relaxed),
+            },
+            "served_per_rank": read(&self.served),
+            "in_flight_per_rank": read(&self.in_flight),
         })
+    }
+
+    fn mark_rooms_ready(&self, rooms: &[u64], rank: usize) {
+        let mut ready = lock(&self.rooms);
+        for room in rooms {
+            ready.mark(*room, rank);
+        }
+    }
+
+    /// The rank that prefilled a room, once it is ready.
+    pub fn room_rank(&self, room: u64) -> Option<usize> {
+        lock(&self.rooms).ready.get(&room).copied()
     }
 }

@@ -11,24 +11,23 @@ use serde_json::json;
 
 #[tokio::test]
 async fn load_report_matches_what_the_model_holds() {
-    // The first request is prefilled at once, then a 3 s decode step
-    // freezes the rank: the two requests arriving meanwhile wait, as in
-    // SGLang, where the scheduler admits requests between steps.
+    // The first request is prefilled at once, then 3 s decode steps: the
+    // two requests arriving meanwhile wait (one running slot), and the
+    // snapshot published at the end of the step shows them.
     let server = start(SimConfig {
         dp_size: 2,
         kv_capacity: 500,
-        prefill_tokens_per_s: 1e7,
+        max_running: 1,
         decode_step_ms: 3000.0,
-        decode_step_us_per_token: 0.0,
-        ..SimConfig::default()
+        ..fast_config()
     })
     .await;
-    let body = json!({"text": text_of(100), "sampling_params": {"max_new_tokens": 100}, "routed_dp_rank": 1})
-        .to_string();
     let mut requests = Vec::new();
     for index in 0..3 {
         let url = format!("{}/generate", server.url());
-        let body = body.clone();
+        // Distinct prompts: no prefix-cache hits.
+        let body = json!({"text": distinct_text(100, index), "sampling_params": {"max_new_tokens": 100}, "routed_dp_rank": 1})
+            .to_string();
         requests.push(tokio::spawn(async move {
             client()
                 .post(url)
@@ -38,9 +37,10 @@ async fn load_report_matches_what_the_model_holds() {
                 .map(|response| response.status())
         }));
         if index == 0 {
-            // The first is prefilled and decoding before the others arrive.
+            // The first is prefilled (its prompt in KV, published at the
+            // end of the prefill step) and decoding before the others arrive.
             wait_for(Duration::from_secs(5), || async {
-                (rank_tokens(&server).await[1] == 101).then_some(())
+                (rank_tokens(&server).await[1] == 100).then_some(())
             })
             .await;
         }
@@ -50,7 +50,8 @@ async fn load_report_matches_what_the_model_holds() {
         (loads[1]["num_reqs"] == 3 && loads[1]["num_tokens"] == 301).then_some(loads)
     })
     .await;
-    // One running with prompt + first token in KV, two waiting with their prompts.
+    // Published at the end of the first decode step: one running with
+    // prompt + first token in KV, two waiting with their prompts.
     assert_eq!(
         loads,
         json!([
@@ -129,14 +130,16 @@ async fn a_longer_queue_means_longer_waits() {
 
 #[tokio::test]
 async fn kv_full_requests_wait_until_kv_is_freed() {
+    // The old rule (full reservation, no cache): each request reserves
+    // 150 + 40 tokens, the second must wait for the first to finish.
     let server = start(SimConfig {
         kv_capacity: 300,
         decode_step_ms: 20.0,
+        admission: dprank_sim::Admission::ReserveFull,
+        prefix_cache: dprank_sim::Toggle::Off,
         ..fast_config()
     })
     .await;
-    // Each request reserves 150 + 40 tokens: the second must wait for the
-    // first to finish.
     let big = json!({"text": text_of(150), "sampling_params": {"max_new_tokens": 40}, "routed_dp_rank": 2})
         .to_string();
     let holder = {
@@ -254,12 +257,13 @@ async fn non_streamed_shapes() {
     let reply = post(
         &server,
         "/generate",
-        r#"{"text":["abcd","abcdabcd"],"sampling_params":{"max_new_tokens":2}}"#,
+        r#"{"text":["one","one two"],"sampling_params":{"max_new_tokens":2}}"#,
     )
     .await;
     let items = reply.json();
     assert_eq!(items.as_array().unwrap().len(), 2);
     assert_eq!(items[1]["meta_info"]["prompt_tokens"], 2);
+    assert_eq!(items[1]["meta_info"]["cached_tokens"], 0);
     assert_eq!(items[1]["text"], " the quick");
     let reply = post(&server, "/v1/completions", r#"{"prompt":[1,2,3],"max_tokens":3}"#).await;
     let body = reply.json();
@@ -271,14 +275,17 @@ async fn non_streamed_shapes() {
     let reply = post(
         &server,
         "/v1/chat/completions",
-        r#"{"model":"m","messages":[{"role":"user","content":"abcdefgh"}],"max_completion_tokens":1}"#,
+        r#"{"model":"m","messages":[{"role":"user","content":"hi"}],"max_completion_tokens":1}"#,
     )
     .await;
     let body = reply.json();
     assert_eq!(body["object"], "chat.completion");
     assert_eq!(body["model"], "m");
     assert_eq!(body["choices"][0]["message"]["content"], " the");
-    assert_eq!(body["usage"]["prompt_tokens"], 2);
+    // <|im_start|> user \n hi <|im_end|> \n <|im_start|> assi stant \n
+    assert_eq!(body["usage"]["prompt_tokens"], 10);
+    // No cache report unless --enable-cache-report.
+    assert!(body["usage"].get("prompt_tokens_details").is_none());
 }
 
 #[tokio::test]
@@ -294,7 +301,8 @@ async fn prompts_larger_than_the_kv_cache_are_rejected() {
         .as_str()
         .unwrap()
         .contains("KV cache"));
-    // Output is clamped to what fits instead.
+    // Output is clamped to what fits an empty rank with a page to spare
+    // (SGLang admits prompt + output + a page strictly below the free KV).
     let reply = post(
         &server,
         "/generate",
@@ -302,13 +310,13 @@ async fn prompts_larger_than_the_kv_cache_are_rejected() {
     )
     .await;
     assert_eq!(reply.status, StatusCode::OK);
-    assert_eq!(reply.json()["meta_info"]["completion_tokens"], 5);
+    assert_eq!(reply.json()["meta_info"]["completion_tokens"], 3);
 }
 
 #[tokio::test]
 async fn minimum_tokens_dispatch_avoids_the_loaded_rank() {
     let server = start(SimConfig {
-        dispatch: Dispatch::MinimumTokens,
+        dispatch: Dispatch::TotalTokens,
         decode_step_ms: 2000.0,
         ..fast_config()
     })

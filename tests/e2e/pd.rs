@@ -308,7 +308,12 @@ fn pd_current_naming_bodies_stream_and_follow_loads() {
     bodies_carry_the_fields(&world, Naming::Current);
     decode_response_streams(&world);
     choices_follow_the_loads(&world);
-    assert!(world.envoy.stat("prefill_ok.prefill_b") >= 8);
+    // Six legs went to prefill_b before the loads changed (four checked
+    // bodies, the header check, the stream), and at least six to prefill_a
+    // after (the probe that saw the change and five more). How many probes
+    // the change took depends on the poll's phase, so they are not counted.
+    assert!(world.envoy.stat("prefill_ok.prefill_b") >= 6);
+    assert!(world.envoy.stat("prefill_ok.prefill_a") >= 6);
     assert_eq!(world.envoy.stat("prefill_failed.prefill_a"), 0);
     assert_eq!(world.envoy.stat("prefill_failed.prefill_b"), 0);
 }

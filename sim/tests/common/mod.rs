@@ -118,9 +118,31 @@ pub async fn rank_tokens(server: &SimServer) -> Vec<u64> {
         .collect()
 }
 
-/// A text of exactly `tokens` tokens under the bytes/4 rule.
+/// A text of exactly `tokens` tokens (" ab" is one token).
 pub fn text_of(tokens: usize) -> String {
-    "abcd".repeat(tokens)
+    " ab".repeat(tokens)
+}
+
+fn letter(n: usize) -> char {
+    (b'a' + (n % 26) as u8) as char
+}
+
+/// `tokens` one-token words, different for each `salt` (no shared prefix).
+pub fn distinct_text(tokens: usize, salt: usize) -> String {
+    (0..tokens)
+        .map(|i| {
+            let mut word = format!(" {}", letter(salt));
+            let mut n = i;
+            loop {
+                word.push(letter(n));
+                n /= 26;
+                if n == 0 {
+                    break;
+                }
+            }
+            word
+        })
+        .collect()
 }
 
 /// A small, fast model for tests.
@@ -130,6 +152,9 @@ pub fn fast_config() -> SimConfig {
         prefill_tokens_per_s: 1e7,
         decode_step_ms: 5.0,
         decode_step_us_per_token: 0.0,
+        tokenizer_delay_us: 0.0,
+        tokenizer_us_per_token: 0.0,
+        load_publish_interval: 1,
         ..SimConfig::default()
     }
 }

@@ -1,0 +1,520 @@
+//! The model of SGLang servers with data-parallel ranks, free of clocks and
+//! I/O: time is an argument, in simulated microseconds. The HTTP server
+//! drives it in real time, `crate::offline::Fleet` in virtual time.
+//!
+//! A driver calls, for every group of ranks that step together,
+//! `begin_step` (plan a step, get its duration), then `end_step` when the
+//! duration has passed; requests enter through `submit` and reach their
+//! rank's queue at `dispatch_due` once the tokenizer is done with them.
+
+mod oracle;
+pub mod radix;
+mod rank;
+mod worker;
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+
+use crate::config::{Admission, Dispatch, Role, SimConfig, Toggle, CLIP_MAX_NEW_TOKENS};
+use crate::config::{MIN_NEW_TOKEN_RATIO_FACTOR, NEW_TOKEN_RATIO_DECAY_STEPS};
+pub use rank::RankSnapshot;
+use rank::Seq;
+use worker::Worker;
+
+/// Simulated time in microseconds.
+pub type Micros = u64;
+/// A request (one HTTP request; several sequences for batched input).
+pub type ReqId = u64;
+pub(crate) type SeqId = u64;
+
+/// Something that happened to one sequence of a request.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Event {
+    pub req: ReqId,
+    /// Index of the sequence in its request.
+    pub seq: usize,
+    pub at: Micros,
+    pub kind: EventKind,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub enum EventKind {
+    /// The sequence now has `count` output tokens; `done` on its last.
+    Token {
+        count: u64,
+        cached_tokens: u64,
+        done: bool,
+    },
+    /// Sent back to the queue for lack of KV.
+    Retracted,
+    /// Decode role: admitted; its KV must now be fetched from the prefill.
+    TransferStart,
+    /// Decode role: the KV never came.
+    Failed { message: String },
+}
+
+/// A request as it reaches a server.
+#[derive(Debug, Clone, Default)]
+pub struct Arrival {
+    /// Token ids of each prompt (one per sequence).
+    pub prompts: Vec<Vec<u32>>,
+    /// Output tokens per sequence.
+    pub max_new_tokens: u64,
+    /// The rank the request names, if any.
+    pub rank: Option<usize>,
+    /// The first `bootstrap_room`, for room-modulo dispatch.
+    pub room: Option<u64>,
+    /// Given as token ids: nothing to tokenize.
+    pub pretokenized: bool,
+}
+
+impl Arrival {
+    /// Prompt tokens of all sequences.
+    pub fn tokens(&self) -> u64 {
+        self.prompts.iter().map(|prompt| prompt.len() as u64).sum()
+    }
+}
+
+/// Where a submitted request goes and when it reaches the scheduler.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Submitted {
+    pub req: ReqId,
+    pub worker: usize,
+    pub ready_at: Micros,
+}
+
+/// A request that has reached its rank's queue.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Dispatched {
+    pub req: ReqId,
+    pub worker: usize,
+    pub rank: usize,
+    pub group: usize,
+}
+
+/// Model constants derived once from the configuration.
+#[derive(Debug, Clone)]
+pub(crate) struct Params {
+    pub dp_size: usize,
+    pub lockstep: bool,
+    pub role: Role,
+    pub dispatch: Dispatch,
+    pub capacity: u64,
+    pub page: u64,
+    pub max_running: u64,
+    pub chunk: Option<u64>,
+    pub max_prefill: u64,
+    pub cache_on: bool,
+    pub full_reservation: bool,
+    pub init_ratio: f64,
+    pub min_ratio: f64,
+    pub ratio_decay: f64,
+    pub clip: u64,
+    pub prefill_us_per_token: f64,
+    pub decode_base_us: f64,
+    pub decode_us_per_token: f64,
+    pub tokenizer_base_us: f64,
+    pub tokenizer_us_per_token: f64,
+    pub publish_interval: u32,
+}
+
+impl Params {
+    fn new(config: &SimConfig) -> Self {
+        let full_reservation = config.admission == Admission::ReserveFull;
+        let init_ratio = if full_reservation {
+            1.0
+        } else {
+            config.init_new_token_ratio()
+        };
+        let min_ratio = (init_ratio * MIN_NEW_TOKEN_RATIO_FACTOR).min(1.0);
+        Self {
+            dp_size: config.dp_size.max(1),
+            lockstep: config.lockstep(),
+            role: config.role,
+            dispatch: config.dispatch,
+            capacity: config.kv_capacity,
+            page: config.page_size.max(1),
+            max_running: config.max_running,
+            chunk: config.chunk_per_rank(),
+            max_prefill: config.max_prefill_tokens,
+            // The decode side receives its KV; its cache plays no part.
+            cache_on: config.prefix_cache == Toggle::On && config.role != Role::Decode,
+            full_reservation,
+            init_ratio,
+            min_ratio,
+            ratio_decay: (init_ratio - min_ratio) / NEW_TOKEN_RATIO_DECAY_STEPS,
+            clip: if full_reservation {
+                u64::MAX
+            } else {
+                CLIP_MAX_NEW_TOKENS
+            },
+            prefill_us_per_token: 1e6 / config.prefill_tokens_per_s,
+            decode_base_us: config.decode_step_ms * 1e3,
+            decode_us_per_token: config.decode_step_us_per_token,
+            tokenizer_base_us: config.tokenizer_delay_us,
+            tokenizer_us_per_token: config.tokenizer_us_per_token,
+            publish_interval: config.load_publish_interval.max(1),
+        }
+    }
+
+    pub fn prefill_us(&self, tokens: u64) -> Micros {
+        (tokens as f64 * self.prefill_us_per_token).round() as Micros
+    }
+
+    pub fn decode_us(&self, kv_tokens: u64) -> Micros {
+        (self.decode_base_us + self.decode_us_per_token * kv_tokens as f64).round() as Micros
+    }
+}
+
+#[derive(Debug)]
+struct Pending {
+    worker: usize,
+    arrival: Arrival,
+    /// Uncached tokens of each prompt as the oracle projected them.
+    oracle_uncached: Vec<u64>,
+}
+
+#[derive(Debug)]
+struct Placement {
+    worker: usize,
+    rank: Option<usize>,
+    seqs: Vec<SeqId>,
+    /// Sequences not yet finished or failed.
+    open: usize,
+}
+
+/// Every simulated server of one process, in one model.
+#[derive(Debug)]
+pub struct Fleet {
+    params: Params,
+    workers: Vec<Worker>,
+    pending: BTreeMap<(Micros, ReqId), Pending>,
+    placements: HashMap<ReqId, Placement>,
+    next_req: ReqId,
+    next_seq: SeqId,
+    every_token: bool,
+    /// Oracle dispatch: arrival times of the last `RATE_WINDOW`.
+    recent_arrivals: VecDeque<Micros>,
+}
+
+impl Fleet {
+    pub fn new(config: &SimConfig, workers: usize) -> Self {
+        let params = Params::new(config);
+        Self {
+            workers: (0..workers.max(1)).map(|_| Worker::new(&params)).collect(),
+            params,
+            pending: BTreeMap::new(),
+            placements: HashMap::new(),
+            next_req: 1,
+            next_seq: 1,
+            every_token: true,
+            recent_arrivals: VecDeque::new(),
+        }
+    }
+
+    /// With false, token events are only produced for the first and the
+    /// last token of each sequence (offline runs that only need those).
+    pub fn set_every_token(&mut self, every: bool) {
+        self.every_token = every;
+    }
+
+    pub fn workers(&self) -> usize {
+        self.workers.len()
+    }
+
+    pub fn dp_size(&self) -> usize {
+        self.params.dp_size
+    }
+
+    /// Groups of ranks stepping together in a worker.
+    pub fn groups(&self, worker: usize) -> usize {
+        self.workers.get(worker).map_or(0, |w| w.groups.len())
+    }
+
+    pub fn group_of(&self, worker: usize, rank: usize) -> usize {
+        self.workers.get(worker).map_or(0, |w| w.group_of(rank))
+    }
+
+    /// A request arrives at `worker` at `now`. Oracle dispatch picks its
+    /// (worker, rank) at once; every request then waits for the chosen
+    /// worker's tokenizer. A named rank must be below `dp_size`.
+    pub fn submit(&mut self, now: Micros, worker: usize, mut arrival: Arrival) -> Submitted {
+        let req = self.next_req;
+        self.next_req += 1;
+        let mut target = worker.min(self.workers.len() - 1);
+        if self.params.dispatch == Dispatch::Oracle {
+            while self
+                .recent_arrivals
+                .front()
+                .is_some_and(|at| *at + oracle::RATE_WINDOW < now)
+            {
+                self.recent_arrivals.pop_front();
+            }
+            self.recent_arrivals.push_back(now);
+        }
+        if self.params.dispatch == Dispatch::Oracle && arrival.rank.is_none() {
+            let (chosen_worker, chosen_rank) = oracle::choose(self, now, &arrival);
+            target = chosen_worker;
+            arrival.rank = Some(chosen_rank);
+        }
+        let ready_at = self.workers[target].tokenize(&self.params, now, &arrival);
+        let mut oracle_uncached = Vec::new();
+        if let (Dispatch::Oracle, Some(rank)) = (self.params.dispatch, arrival.rank) {
+            if let Some(rank_state) = self.workers[target].ranks.get_mut(rank) {
+                for prompt in &arrival.prompts {
+                    oracle_uncached.push(oracle::uncached(rank_state, prompt));
+                }
+                rank_state.pending.push(oracle::Queued {
+                    req,
+                    ready_at,
+                    uncached: oracle_uncached.iter().sum(),
+                    tokens: arrival.tokens(),
+                    max_new: arrival.max_new_tokens * arrival.prompts.len().max(1) as u64,
+                });
+            }
+        }
+        self.placements.insert(
+            req,
+            Placement {
+                worker: target,
+                rank: None,
+                seqs: Vec::new(),
+                open: arrival.prompts.len().max(1),
+            },
+        );
+        self.pending.insert(
+            (ready_at, req),
+            Pending {
+                worker: target,
+                arrival,
+                oracle_uncached,
+            },
+        );
+        Submitted {
+            req,
+            worker: target,
+            ready_at,
+        }
+    }
+
+    /// When the next submitted request reaches its scheduler.
+    pub fn next_ready(&self) -> Option<Micros> {
+        self.pending.keys().next().map(|(at, _)| *at)
+    }
+
+    /// Puts every request the tokenizer is done with (by `now`) on its
+    /// rank's queue, choosing the rank if the request names none.
+    pub fn dispatch_due(&mut self, now: Micros) -> Vec<Dispatched> {
+        let mut dispatched = Vec::new();
+        while let Some(entry) = self.pending.first_entry() {
+            if entry.key().0 > now {
+                break;
+            }
+            let ((_, req), pending) = entry.remove_entry();
+            dispatched.push(self.dispatch(now, req, pending));
+        }
+        dispatched
+    }
+
+    fn dispatch(&mut self, now: Micros, req: ReqId, pending: Pending) -> Dispatched {
+        let Pending {
+            worker,
+            arrival,
+            oracle_uncached,
+        } = pending;
+        let params = &self.params;
+        let worker_state = &mut self.workers[worker];
+        let rank = match arrival.rank {
+            Some(rank) => rank.min(params.dp_size - 1),
+            None => worker_state.choose_rank(params, now, &arrival),
+        };
+        let rank_state = &mut worker_state.ranks[rank];
+        rank_state.pending.retain(|queued| queued.req != req);
+        let max_new = arrival.max_new_tokens.max(1);
+        let mut seqs = Vec::new();
+        for (index, prompt) in arrival.prompts.into_iter().enumerate() {
+            let id = self.next_seq;
+            self.next_seq += 1;
+            seqs.push(id);
+            rank_state.enqueue(Seq {
+                id,
+                req,
+                index,
+                prompt,
+                max_new,
+                generated: 0,
+                prefix_len: 0,
+                node: radix::ROOT,
+                computed: 0,
+                alloc: 0,
+                cached_tokens: None,
+                est_uncached: 0,
+                oracle_uncached: oracle_uncached.get(index).copied(),
+            });
+        }
+        let group = worker_state.group_of(rank);
+        if let Some(placement) = self.placements.get_mut(&req) {
+            placement.rank = Some(rank);
+            placement.seqs = seqs;
+        }
+        Dispatched {
+            req,
+            worker,
+            rank,
+            group,
+        }
+    }
+
+    /// Where a request is (or will be) served: (worker, rank once known).
+    pub fn placement(&self, req: ReqId) -> Option<(usize, Option<usize>)> {
+        self.placements
+            .get(&req)
+            .map(|placement| (placement.worker, placement.rank))
+    }
+
+    /// Plans one step of a group of ranks; its duration, or None if the
+    /// group has nothing to do.
+    pub fn begin_step(
+        &mut self,
+        worker: usize,
+        group: usize,
+        now: Micros,
+        out: &mut Vec<Event>,
+    ) -> Option<Micros> {
+        let start = out.len();
+        let duration = self
+            .workers
+            .get_mut(worker)?
+            .begin_step(&self.params, group, now, out);
+        self.settle(start, out);
+        duration
+    }
+
+    /// Ends the group's step planned by `begin_step`.
+    pub fn end_step(&mut self, worker: usize, group: usize, now: Micros, out: &mut Vec<Event>) {
+        let start = out.len();
+        if let Some(worker) = self.workers.get_mut(worker) {
+            worker.end_step(&self.params, group, now, out);
+        }
+        self.settle(start, out);
+    }
+
+    /// Whether the group is in a step.
+    pub fn in_step(&self, worker: usize, group: usize) -> bool {
+        self.workers
+            .get(worker)
+            .and_then(|w| w.groups.get(group))
+            .is_some_and(|group| group.step.is_some())
+    }
+
+    /// Forgets finished requests and thins the token events.
+    fn settle(&mut self, start: usize, out: &mut Vec<Event>) {
+        for event in &out[start..] {
+            let closed = matches!(
+                event.kind,
+                EventKind::Token { done: true, .. } | EventKind::Failed { .. }
+            );
+            if closed {
+                if let Some(placement) = self.placements.get_mut(&event.req) {
+                    placement.open = placement.open.saturating_sub(1);
+                    if placement.open == 0 {
+                        self.placements.remove(&event.req);
+                    }
+                }
+            }
+        }
+        if !self.every_token {
+            let mut index = start;
+            out.retain(|event| {
+                let keep = index < start
+                    || !matches!(event.kind, EventKind::Token { count, done: false, .. } if count > 1);
+                index += 1;
+                keep
+            });
+        }
+    }
+
+    /// The client went away: the request is dropped wherever it is. Returns
+    /// the (worker, group) that may now have room.
+    pub fn abort(&mut self, req: ReqId) -> Option<(usize, usize)> {
+        let placement = self.placements.remove(&req)?;
+        let worker = self.workers.get_mut(placement.worker)?;
+        let Some(rank) = placement.rank else {
+            // Still in the tokenizer.
+            let key = self.pending.keys().find(|(_, id)| *id == req).copied();
+            if let Some(pending) = key.and_then(|key| self.pending.remove(&key)) {
+                if let Some(rank_state) = pending.arrival.rank.and_then(|rank| worker.ranks.get_mut(rank)) {
+                    rank_state.pending.retain(|queued| queued.req != req);
+                }
+            }
+            return None;
+        };
+        let rank_state = worker.ranks.get_mut(rank)?;
+        for seq in placement.seqs {
+            rank_state.abort(seq);
+        }
+        Some((placement.worker, worker.group_of(rank)))
+    }
+
+    /// Decode role: the KV transfer of a sequence ended. Returns the
+    /// (worker, group) to wake.
+    pub fn transfer_done(
+        &mut self,
+        now: Micros,
+        req: ReqId,
+        seq: usize,
+        outcome: Result<(), String>,
+        out: &mut Vec<Event>,
+    ) -> Option<(usize, usize)> {
+        let placement = self.placements.get(&req)?;
+        let (worker, rank) = (placement.worker, placement.rank?);
+        let id = *placement.seqs.get(seq)?;
+        let start = out.len();
+        let worker_state = self.workers.get_mut(worker)?;
+        worker_state
+            .ranks
+            .get_mut(rank)?
+            .finish_transfer(&self.params, now, id, outcome, out);
+        let group = worker_state.group_of(rank);
+        self.settle(start, out);
+        Some((worker, group))
+    }
+
+    /// The loads each rank of `worker` last published.
+    pub fn published(&self, worker: usize) -> Vec<RankSnapshot> {
+        self.workers
+            .get(worker)
+            .map(|w| w.ranks.iter().map(|rank| rank.published).collect())
+            .unwrap_or_default()
+    }
+
+    /// The loads of `worker`'s ranks right now (tests and the oracle's
+    /// tie-break; the endpoints serve `published`).
+    pub fn live(&mut self, worker: usize, now: Micros) -> Vec<RankSnapshot> {
+        let params = &self.params;
+        self.workers
+            .get_mut(worker)
+            .map(|w| {
+                w.ranks
+                    .iter_mut()
+                    .map(|rank| rank.snapshot(params, now))
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+
+    /// The current `new_token_ratio` of a rank.
+    pub fn new_token_ratio(&self, worker: usize, rank: usize) -> f64 {
+        self.workers
+            .get(worker)
+            .and_then(|w| w.ranks.get(rank))
+            .map_or(0.0, |rank| rank.ratio)
+    }
+
+    /// Tokens of `prompt` a rank's prefix cache holds now.
+    pub fn cached_prefix(&self, worker: usize, rank: usize, prompt: &[u32]) -> usize {
+        self.workers
+            .get(worker)
+            .and_then(|w| w.ranks.get(rank))
+            .map_or(0, |rank| rank.cache.match_len(prompt))
+    }
+}

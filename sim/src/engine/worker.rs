@@ -1,0 +1,192 @@
+//! One simulated server: its ranks, how they step (together under DP
+//! attention, or each on its own), its tokenizer and its DP controller.
+
+use super::rank::{Plan, Rank};
+use super::{Arrival, Event, Micros, Params};
+use crate::config::Dispatch;
+
+/// How often the DP controller re-reads the published loads
+/// (data_parallel_controller.py `refresh_load_budget`: at most every 20 ms).
+const BUDGET_REFRESH: Micros = 20_000;
+
+/// Ranks that step together: all of them under lockstep, else one each.
+#[derive(Debug)]
+pub(crate) struct Group {
+    pub ranks: Vec<usize>,
+    /// The step in progress: (start, end).
+    pub step: Option<(Micros, Micros)>,
+}
+
+/// SGLang's `DPBudget`: the controller's view of each rank's load, the
+/// published snapshots plus what it sent since.
+#[derive(Debug)]
+struct Budget {
+    requests: Vec<u64>,
+    tokens: Vec<u64>,
+    seen: Vec<Option<Micros>>,
+    last_refresh: Option<Micros>,
+}
+
+#[derive(Debug)]
+pub(crate) struct Worker {
+    pub ranks: Vec<Rank>,
+    pub groups: Vec<Group>,
+    lockstep: bool,
+    /// When the tokenizer is next free.
+    pub tokenizer_free: Micros,
+    round_robin: usize,
+    budget: Budget,
+}
+
+impl Worker {
+    pub fn new(params: &Params) -> Self {
+        let dp = params.dp_size;
+        let groups = if params.lockstep {
+            vec![Group {
+                ranks: (0..dp).collect(),
+                step: None,
+            }]
+        } else {
+            (0..dp)
+                .map(|rank| Group {
+                    ranks: vec![rank],
+                    step: None,
+                })
+                .collect()
+        };
+        Self {
+            ranks: (0..dp).map(|_| Rank::new(params)).collect(),
+            groups,
+            lockstep: params.lockstep,
+            tokenizer_free: 0,
+            round_robin: 0,
+            budget: Budget {
+                requests: vec![0; dp],
+                tokens: vec![0; dp],
+                seen: vec![None; dp],
+                last_refresh: None,
+            },
+        }
+    }
+
+    pub fn group_of(&self, rank: usize) -> usize {
+        if self.lockstep {
+            0
+        } else {
+            rank
+        }
+    }
+
+    /// When the tokenizer would finish a request arriving now.
+    pub fn tokenized_at(&self, params: &Params, now: Micros, arrival: &Arrival) -> Micros {
+        let per_token = if arrival.pretokenized {
+            0.0
+        } else {
+            params.tokenizer_us_per_token * arrival.tokens() as f64
+        };
+        now.max(self.tokenizer_free) + (params.tokenizer_base_us + per_token).round() as Micros
+    }
+
+    /// Queues a request on the tokenizer; returns when it is done.
+    pub fn tokenize(&mut self, params: &Params, now: Micros, arrival: &Arrival) -> Micros {
+        let ready = self.tokenized_at(params, now, arrival);
+        self.tokenizer_free = ready;
+        ready
+    }
+
+    /// The DP controller's choice for a request naming no rank.
+    pub fn choose_rank(&mut self, params: &Params, now: Micros, arrival: &Arrival) -> usize {
+        let dp = self.ranks.len().max(1);
+        match params.dispatch {
+            Dispatch::RoomModulo if arrival.room.is_some() => {
+                (arrival.room.unwrap_or(0) % dp as u64) as usize
+            }
+            Dispatch::TotalTokens | Dispatch::TotalRequests => {
+                self.refresh_budget(now);
+                let budget = &mut self.budget;
+                let rank = if params.dispatch == Dispatch::TotalRequests {
+                    (0..dp).min_by_key(|&r| (budget.requests[r], r)).unwrap_or(0)
+                } else {
+                    (0..dp)
+                        .min_by_key(|&r| (budget.tokens[r], budget.requests[r], r))
+                        .unwrap_or(0)
+                };
+                budget.requests[rank] += 1;
+                budget.tokens[rank] += arrival.tokens();
+                rank
+            }
+            _ => {
+                let rank = self.round_robin % dp;
+                self.round_robin = (self.round_robin + 1) % dp;
+                rank
+            }
+        }
+    }
+
+    /// Re-reads the published snapshots, at most every 20 ms, skipping a
+    /// rank whose snapshot has not changed (its increments then stay).
+    fn refresh_budget(&mut self, now: Micros) {
+        if self
+            .budget
+            .last_refresh
+            .is_some_and(|last| now < last + BUDGET_REFRESH)
+        {
+            return;
+        }
+        self.budget.last_refresh = Some(now);
+        for (index, rank) in self.ranks.iter().enumerate() {
+            let snapshot = &rank.published;
+            if self.budget.seen[index] == Some(snapshot.at) {
+                continue;
+            }
+            self.budget.seen[index] = Some(snapshot.at);
+            self.budget.requests[index] = snapshot.running + snapshot.waiting;
+            self.budget.tokens[index] = snapshot.total_tokens;
+        }
+    }
+
+    /// Plans one step of a group; its duration, or None when every rank of
+    /// the group is idle (they then publish their idle state).
+    pub fn begin_step(
+        &mut self,
+        params: &Params,
+        group: usize,
+        now: Micros,
+        out: &mut Vec<Event>,
+    ) -> Option<Micros> {
+        let ranks = self.groups.get(group)?.ranks.clone();
+        let mut longest = None;
+        for &index in &ranks {
+            let plan = self.ranks[index].plan_step(params, now, out);
+            let duration = match plan {
+                Plan::Idle => None,
+                Plan::Prefill { tokens, .. } => Some(params.prefill_us(tokens)),
+                Plan::Decode { kv_tokens } => Some(params.decode_us(kv_tokens)),
+            };
+            longest = longest.max(duration);
+        }
+        match longest {
+            Some(duration) => {
+                self.groups[group].step = Some((now, now + duration));
+                Some(duration)
+            }
+            None => {
+                for &index in &ranks {
+                    self.ranks[index].idle(params, now);
+                }
+                None
+            }
+        }
+    }
+
+    /// Ends the group's step: tokens, finishes, published loads.
+    pub fn end_step(&mut self, params: &Params, group: usize, now: Micros, out: &mut Vec<Event>) {
+        let Some(state) = self.groups.get_mut(group) else {
+            return;
+        };
+        let start = state.step.take().map_or(now, |(start, _)| start);
+        for index in state.ranks.clone() {
+            self.ranks[index].end_step(params, start, now, out);
+        }
+    }
+}

@@ -1,0 +1,373 @@
+//! The model driven in virtual time: no HTTP, no sleeping, deterministic.
+//! Submit requests at virtual times, advance the clock, read the loads as
+//! `/v1/loads` would answer them, and get each request's first token and
+//! finish with their times.
+//!
+//! ```
+//! use dprank_sim::offline::{Fleet, Prompt, Request};
+//! use dprank_sim::SimConfig;
+//!
+//! let mut fleet = Fleet::new(SimConfig::default(), 2).unwrap();
+//! let id = fleet
+//!     .submit(0.0, 0, Request::new(Prompt::Text("Hello there".into()), 8))
+//!     .unwrap();
+//! let reports = fleet.run_until(10.0);
+//! assert!(reports.iter().any(|report| report.req == id && report.finished));
+//! let loads = fleet.v1_loads(0);
+//! assert_eq!(loads["dp_rank_count"], 4);
+//! ```
+
+use std::collections::{BTreeSet, HashMap};
+use std::time::{Duration, SystemTime};
+
+use serde_json::Value;
+
+use crate::chat::{self, Message};
+use crate::config::SimConfig;
+use crate::engine::{self, Arrival, Event, EventKind, Micros, RankSnapshot, ReqId};
+use crate::loads::{self, LoadView};
+use crate::tokenizer;
+
+/// A prompt as a client sends it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Prompt {
+    /// `/generate` `text` or `/v1/completions` `prompt`.
+    Text(String),
+    /// `/v1/chat/completions` `messages`.
+    Chat(Vec<Message>),
+    /// `input_ids`: taken as given, nothing to tokenize.
+    Tokens(Vec<u32>),
+}
+
+/// One request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Request {
+    pub prompt: Prompt,
+    pub max_new_tokens: u64,
+    /// The rank the request names (`routed_dp_rank`), if any.
+    pub rank: Option<usize>,
+}
+
+impl Request {
+    pub fn new(prompt: Prompt, max_new_tokens: u64) -> Self {
+        Self {
+            prompt,
+            max_new_tokens,
+            rank: None,
+        }
+    }
+
+    pub fn on_rank(mut self, rank: usize) -> Self {
+        self.rank = Some(rank);
+        self
+    }
+}
+
+/// What happened to a request: its first token, then its finish.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Report {
+    pub req: ReqId,
+    /// Virtual time in seconds.
+    pub at: f64,
+    pub worker: usize,
+    pub rank: usize,
+    /// false: first token; true: the request finished.
+    pub finished: bool,
+    pub prompt_tokens: u64,
+    pub cached_tokens: u64,
+    pub completion_tokens: u64,
+}
+
+#[derive(Debug)]
+struct Tracked {
+    prompt_tokens: u64,
+    max_new: u64,
+    first_seen: bool,
+    open: usize,
+    cached_tokens: u64,
+    worker: usize,
+    rank: usize,
+}
+
+/// A fleet of simulated servers in virtual time.
+#[derive(Debug)]
+pub struct Fleet {
+    config: SimConfig,
+    engine: engine::Fleet,
+    now: Micros,
+    /// Steps in progress by end time: (end, worker, group).
+    step_ends: BTreeSet<(Micros, usize, usize)>,
+    tracked: HashMap<ReqId, Tracked>,
+    reports: Vec<Report>,
+    events: Vec<Event>,
+    retractions: Vec<(ReqId, f64)>,
+}
+
+fn micros(seconds: f64) -> Micros {
+    (seconds.max(0.0) * 1e6).round() as Micros
+}
+
+fn seconds(at: Micros) -> f64 {
+    at as f64 / 1e6
+}
+
+impl Fleet {
+    /// `workers` servers, each with `config.dp_size` ranks. `time_scale`,
+    /// `instant` and the HTTP-only options play no part.
+    pub fn new(config: SimConfig, workers: usize) -> Result<Self, String> {
+        config.validate()?;
+        let mut engine = engine::Fleet::new(&config, workers);
+        engine.set_every_token(false);
+        Ok(Self {
+            config,
+            engine,
+            now: 0,
+            step_ends: BTreeSet::new(),
+            tracked: HashMap::new(),
+            reports: Vec::new(),
+            events: Vec::new(),
+            retractions: Vec::new(),
+        })
+    }
+
+    /// The current virtual time in seconds.
+    pub fn now(&self) -> f64 {
+        seconds(self.now)
+    }
+
+    /// Submits a request arriving at `worker` at virtual time `at` (not
+    /// before `now()`); time advances to `at` first.
+    pub fn submit(&mut self, at: f64, worker: usize, request: Request) -> Result<ReqId, String> {
+        let at = micros(at);
+        if at < self.now {
+            return Err(format!(
+                "requests must be submitted in time order ({} s is before now, {} s)",
+                seconds(at),
+                seconds(self.now)
+            ));
+        }
+        if worker >= self.engine.workers() {
+            return Err(format!("worker {worker} does not exist"));
+        }
+        if let Some(rank) = request.rank {
+            if rank >= self.engine.dp_size() {
+                return Err(format!(
+                    "rank {rank} is out of range [0, {})",
+                    self.engine.dp_size()
+                ));
+            }
+        }
+        self.advance(at);
+        let (prompt, pretokenized) = match request.prompt {
+            Prompt::Text(text) => (tokenizer::tokens(&text), false),
+            Prompt::Chat(messages) => (tokenizer::tokens(&chat::template(&messages)), false),
+            Prompt::Tokens(ids) => (ids, true),
+        };
+        let prompt_tokens = prompt.len().max(1) as u64;
+        let prompt = if prompt.is_empty() { vec![0] } else { prompt };
+        let Some(max_new) = self.config.fit_output(prompt_tokens, request.max_new_tokens) else {
+            return Err(format!(
+                "the input ({prompt_tokens} tokens) is longer than the KV cache capacity ({} tokens) of a rank",
+                self.config.kv_capacity
+            ));
+        };
+        let submitted = self.engine.submit(
+            at,
+            worker,
+            Arrival {
+                prompts: vec![prompt],
+                max_new_tokens: max_new,
+                rank: request.rank,
+                room: None,
+                pretokenized,
+            },
+        );
+        self.tracked.insert(
+            submitted.req,
+            Tracked {
+                prompt_tokens,
+                max_new,
+                first_seen: false,
+                open: 1,
+                cached_tokens: 0,
+                worker: submitted.worker,
+                rank: 0,
+            },
+        );
+        // Due now if the tokenizer takes no time.
+        self.advance(at);
+        Ok(submitted.req)
+    }
+
+    /// Advances virtual time to `until` seconds; returns what happened
+    /// since the last call.
+    pub fn run_until(&mut self, until: f64) -> Vec<Report> {
+        let until = micros(until).max(self.now);
+        self.advance(until);
+        std::mem::take(&mut self.reports)
+    }
+
+    /// Runs until nothing is left to do; returns what happened.
+    pub fn run_to_end(&mut self) -> Vec<Report> {
+        while let Some(next) = self.next_event() {
+            self.advance(next);
+        }
+        std::mem::take(&mut self.reports)
+    }
+
+    fn next_event(&self) -> Option<Micros> {
+        let step = self.step_ends.first().map(|(at, _, _)| *at);
+        match (step, self.engine.next_ready()) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
+    }
+
+    fn advance(&mut self, until: Micros) {
+        while let Some(next) = self.next_event().filter(|next| *next <= until) {
+            self.now = next;
+            // Arrivals first: a step ending now plans with them.
+            let mut wake = BTreeSet::new();
+            for dispatched in self.engine.dispatch_due(next) {
+                if let Some(tracked) = self.tracked.get_mut(&dispatched.req) {
+                    tracked.worker = dispatched.worker;
+                    tracked.rank = dispatched.rank;
+                }
+                wake.insert((dispatched.worker, dispatched.group));
+            }
+            while let Some(&(end, worker, group)) = self.step_ends.first() {
+                if end > next {
+                    break;
+                }
+                self.step_ends.pop_first();
+                self.engine.end_step(worker, group, end, &mut self.events);
+                wake.insert((worker, group));
+            }
+            for (worker, group) in wake {
+                self.start_step(worker, group);
+            }
+            self.absorb();
+        }
+        self.now = until;
+    }
+
+    fn start_step(&mut self, worker: usize, group: usize) {
+        if self.engine.in_step(worker, group) {
+            return;
+        }
+        loop {
+            let duration = self.engine.begin_step(worker, group, self.now, &mut self.events);
+            // Decode role: the KV arrives at once offline.
+            let transfers: Vec<(ReqId, usize)> = self
+                .events
+                .iter()
+                .filter(|event| event.kind == EventKind::TransferStart)
+                .map(|event| (event.req, event.seq))
+                .collect();
+            self.events.retain(|event| event.kind != EventKind::TransferStart);
+            for &(req, seq) in &transfers {
+                self.engine
+                    .transfer_done(self.now, req, seq, Ok(()), &mut self.events);
+            }
+            match duration {
+                Some(duration) => {
+                    self.step_ends.insert((self.now + duration, worker, group));
+                    return;
+                }
+                None if transfers.is_empty() => return,
+                None => {}
+            }
+        }
+    }
+
+    /// Turns engine events into reports.
+    fn absorb(&mut self) {
+        for event in std::mem::take(&mut self.events) {
+            if event.kind == EventKind::Retracted {
+                self.retractions.push((event.req, seconds(event.at)));
+                continue;
+            }
+            let EventKind::Token {
+                count,
+                cached_tokens,
+                done,
+            } = event.kind
+            else {
+                continue;
+            };
+            let Some(tracked) = self.tracked.get_mut(&event.req) else {
+                continue;
+            };
+            let placed = (tracked.worker, tracked.rank);
+            tracked.cached_tokens = cached_tokens;
+            if !tracked.first_seen {
+                tracked.first_seen = true;
+                self.reports.push(Report {
+                    req: event.req,
+                    at: seconds(event.at),
+                    worker: placed.0,
+                    rank: placed.1,
+                    finished: false,
+                    prompt_tokens: tracked.prompt_tokens,
+                    cached_tokens,
+                    completion_tokens: count,
+                });
+            }
+            if done {
+                tracked.open -= 1;
+                if tracked.open == 0 {
+                    self.reports.push(Report {
+                        req: event.req,
+                        at: seconds(event.at),
+                        worker: placed.0,
+                        rank: placed.1,
+                        finished: true,
+                        prompt_tokens: tracked.prompt_tokens,
+                        cached_tokens: tracked.cached_tokens,
+                        completion_tokens: tracked.max_new,
+                    });
+                    self.tracked.remove(&event.req);
+                }
+            }
+        }
+    }
+
+    /// Every retraction so far: (request, virtual time in seconds).
+    pub fn retractions(&self) -> &[(ReqId, f64)] {
+        &self.retractions
+    }
+
+    /// The loads each rank of `worker` last published.
+    pub fn snapshots(&self, worker: usize) -> Vec<RankSnapshot> {
+        self.engine.published(worker)
+    }
+
+    fn view<'a>(&self, snapshots: &'a [RankSnapshot]) -> LoadView<'a> {
+        LoadView {
+            snapshots,
+            base_tokens: &[],
+            capacity: self.config.kv_capacity,
+            max_running: self.config.max_running,
+            with_total: !self.config.no_total_tokens,
+            extra_ranks: 0,
+            timestamp: SystemTime::UNIX_EPOCH + Duration::from_micros(self.now),
+        }
+    }
+
+    /// What `GET /v1/loads` on `worker` would answer now.
+    pub fn v1_loads(&self, worker: usize) -> Value {
+        let snapshots = self.snapshots(worker);
+        loads::v1_loads(&self.view(&snapshots))
+    }
+
+    /// What `GET /get_load` on `worker` would answer now.
+    pub fn get_load(&self, worker: usize) -> Value {
+        let snapshots = self.snapshots(worker);
+        loads::get_load(&self.view(&snapshots))
+    }
+
+    /// The model itself, for tests that look inside.
+    pub fn engine(&mut self) -> &mut engine::Fleet {
+        &mut self.engine
+    }
+}
