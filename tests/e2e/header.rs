@@ -88,6 +88,11 @@ fn the_rank_travels_in_headers_and_the_body_arrives_byte_for_byte() {
         }
         let reply = raw_exchange(world.envoy.listener, &head, &[body], Duration::ZERO);
         assert_eq!(reply.status, 200, "{path}: {reply:?}");
+        assert_eq!(
+            world.served_by(&reply),
+            ("worker_a".to_string(), 1),
+            "{path}: served on the header's rank"
+        );
         let recorded = world.sim_of(&reply).last_request();
         assert_eq!(recorded.body, body, "{path}: the body is forwarded byte for byte");
         assert_eq!(
@@ -221,6 +226,7 @@ fn the_openai_client_works_streamed_and_not() {
     assert_eq!(recorded.len(), 3, "{recorded:?}");
     for request in &recorded {
         assert_rank_headers(&world, request, "1", &request.path);
+        assert_eq!(request.rank, Some(1), "served on the header's rank");
         let body = request.body_json();
         assert!(body.get("routed_dp_rank").is_none() && body.get("data_parallel_rank").is_none());
         assert_eq!(
@@ -302,4 +308,63 @@ fn a_40_mib_body_routes_under_the_shipped_config() {
     assert_eq!(reply.status, 200, "{reply:?}");
     assert_eq!(world.sim_of(&reply).name, "worker_a");
     assert_eq!(world.envoy.stat("routed.worker_a.rank_1"), 1);
+}
+
+/// Where the server does not read the header, the request is still answered,
+/// on a rank the server picks (docs/rank-headers.md): SGLang releases up to
+/// 0.5.23 (`--rank-header openai`) ignore `x-data-parallel-rank` on
+/// `/generate`, and honour `x-override-routed-dp-rank` there only with
+/// request-header overrides enabled.
+#[test]
+fn the_rank_is_pinned_only_where_the_server_reads_the_header() {
+    let served = |world: &World, path: &str, body: &str| -> Vec<i64> {
+        (0..4)
+            .map(|_| {
+                let reply = world.post(path, body);
+                assert_eq!(reply.status, 200, "{path}: {reply:?}");
+                assert_eq!(
+                    world.sim_of(&reply).name,
+                    "worker_a",
+                    "dprank still picks the worker"
+                );
+                reply.rank()
+            })
+            .collect()
+    };
+    let chat = r#"{"messages":[{"role":"user","content":"hi"}],"max_tokens":1}"#;
+    let generate = r#"{"text":"hi","sampling_params":{"max_new_tokens":1}}"#;
+
+    let world = World::start(
+        "header_mode",
+        2,
+        &["--instant", "--rank-header", "openai"],
+        &loads(),
+        EnvoyOptions::default(),
+    );
+    assert_eq!(served(&world, "/v1/chat/completions", chat), [1; 4]);
+    let ignored = served(&world, "/generate", generate);
+    assert!(
+        ignored.iter().any(|r| *r != 1),
+        "/generate ignores the header: the server's round robin picks {ignored:?}"
+    );
+    assert_eq!(
+        world.envoy.stat("routed.worker_a.rank_1"),
+        8,
+        "dprank cannot tell"
+    );
+    drop(world);
+
+    let world = World::start(
+        "header_mode",
+        2,
+        &["--instant", "--rank-header", "openai", "--header-overrides"],
+        &loads(),
+        EnvoyOptions::default(),
+    );
+    assert_eq!(
+        served(&world, "/generate", generate),
+        [1; 4],
+        "x-override-routed-dp-rank"
+    );
+    assert_eq!(served(&world, "/v1/chat/completions", chat), [1; 4]);
 }
