@@ -158,7 +158,7 @@ impl Request {
             return;
         };
         if let Some(ticket) = self.prefill_ticket.take() {
-            router::release(&self.config, host, &ticket);
+            router::release(&self.config, host, &mut self.routing.states.borrow_mut(), &ticket);
         }
         let status = host.callout_status();
         let body = host.callout_body(body_size);
@@ -207,7 +207,7 @@ impl Request {
             .into_iter()
             .flatten()
         {
-            router::release(&self.config, host, &ticket);
+            router::release(&self.config, host, &mut self.routing.states.borrow_mut(), &ticket);
         }
     }
 

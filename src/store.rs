@@ -33,6 +33,11 @@ pub mod cache;
 /// thread wrote in between.
 pub const CAS_ATTEMPTS: usize = 16;
 
+thread_local! {
+    /// The encoding buffer of read-modify-writes, reused (one VM per thread).
+    static ENCODED: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
 /// The names of the keys of one configuration's shared data.
 pub struct Keys<'a> {
     prefix: &'a str,
@@ -187,7 +192,12 @@ pub fn update<T: Record, R>(
         let current = host.shared_get(key);
         let value = current.as_ref().and_then(|(bytes, _)| decode(bytes));
         let (new, result) = update(value)?;
-        match host.shared_set(key, &encode(&new), current.map(|(_, cas)| cas)) {
+        let cas = current.map(|(_, cas)| cas);
+        let written = ENCODED.with_borrow_mut(|buffer| match encode_into(&new, buffer) {
+            Some(bytes) => host.shared_set(key, bytes, cas),
+            None => Err(SharedSetError::Failed),
+        });
+        match written {
             Ok(()) => return Some(result),
             Err(SharedSetError::CasMismatch) => continue,
             Err(SharedSetError::Failed) => return None,

@@ -17,7 +17,6 @@ use crate::metrics;
 use crate::scheduler::{self, Candidate, Constraint, Context, Pool};
 use crate::state::Ticket;
 use crate::store::cache::StateCache;
-use crate::store::{self, IfMissing};
 use std::rc::Rc;
 
 /// Why a request went through untouched (also the suffix of its counter).
@@ -208,12 +207,10 @@ fn account(
     ticket
 }
 
-/// Gives back a routed request's estimate when its stream ends.
-pub fn release(config: &Config, host: &dyn Host, ticket: &Ticket) {
-    store::update_worker(config, host, ticket.worker, IfMissing::Skip, |state| {
-        state.release(ticket);
-        Some(())
-    });
+/// Gives back a routed request's estimate when its stream ends; `config` is
+/// the one it was routed with.
+pub fn release(config: &Rc<Config>, host: &dyn Host, cache: &mut StateCache, ticket: &Ticket) {
+    cache.release(config, host, ticket);
 }
 
 /// Decides where a request with this body goes. `cache` is this VM's copy

@@ -64,7 +64,7 @@ fn ended_requests_give_their_estimate_back() {
     ));
     let states = read_worker_states(&c, &h);
     assert!(states[1].as_ref().unwrap().pending_total() > 0);
-    release(&c, &h, &r.ticket.unwrap());
+    release(&c, &h, &mut StateCache::default(), &r.ticket.unwrap());
     let states = read_worker_states(&c, &h);
     assert_eq!(states[1].as_ref().unwrap().pending_total(), 0);
 }

@@ -156,6 +156,35 @@ impl StateCache {
         })
     }
 
+    /// Gives back a routed request's estimate: one write when this VM read the
+    /// worker's state since anyone wrote it (under load another request
+    /// usually has), else a read-modify-write. `config` is the one the
+    /// request was routed with.
+    pub fn release(&mut self, config: &Rc<Config>, host: &dyn Host, ticket: &Ticket) {
+        let index = ticket.worker;
+        let current = self.config.as_ref().is_some_and(|c| Rc::ptr_eq(c, config));
+        if let (true, Some(Some(cas)), Some(Some(state)), Some(key)) = (
+            current,
+            self.cas.get(index),
+            self.states.get_mut(index),
+            self.keys.get(index),
+        ) {
+            state.release(ticket);
+            let written = encode_into(&*state, &mut self.encoded)
+                .map(|bytes| host.shared_set(key, bytes, Some(*cas)).is_ok())
+                .unwrap_or(false);
+            // Either way the cached copy is no longer known to match a cas.
+            self.forget(index);
+            if written {
+                return;
+            }
+        }
+        update_worker(config, host, index, IfMissing::Skip, |state| {
+            state.release(ticket);
+            Some(())
+        });
+    }
+
     /// Drops worker `index`'s cached state (the next read decodes it).
     fn forget(&mut self, index: usize) {
         if let (Some(cas), Some(state)) = (self.cas.get_mut(index), self.states.get_mut(index)) {
@@ -235,6 +264,37 @@ mod tests {
             "the newer poll covers the first estimate"
         );
         assert_eq!(cache.add_estimate(&c, &h, 1, 9, 5), None, "no such rank");
+    }
+
+    #[test]
+    fn a_release_is_one_write_when_the_state_was_read_since() {
+        let (c, h) = fleet("");
+        let c = Rc::new(c);
+        let mut cache = StateCache::default();
+        cache.refresh(&c, &h);
+        let ticket = cache.add_estimate(&c, &h, 1, 2, 30).unwrap();
+        cache.refresh(&c, &h); // another request of this VM read it since
+        let (reads, writes) = (shared_reads(&h), h.host_calls("shared_set"));
+        cache.release(&c, &h, &ticket);
+        assert_eq!(
+            (shared_reads(&h) - reads, h.host_calls("shared_set") - writes),
+            (0, 1)
+        );
+        cache.refresh(&c, &h);
+        assert_eq!(cache.states()[1].as_ref().unwrap().pending_total(), 0);
+
+        // Not read since its own write: read-modify-write.
+        let ticket = cache.add_estimate(&c, &h, 1, 2, 30).unwrap();
+        let reads = shared_reads(&h);
+        cache.release(&c, &h, &ticket);
+        assert_eq!(shared_reads(&h) - reads, 1);
+        // Routed with another configuration (a membership change): by its own indices.
+        let ticket = cache.add_estimate(&c, &h, 1, 2, 30).unwrap();
+        cache.refresh(&c, &h);
+        let older = Rc::new((*c).clone());
+        cache.release(&older, &h, &ticket);
+        cache.refresh(&c, &h);
+        assert_eq!(cache.states()[1].as_ref().unwrap().pending_total(), 0);
     }
 
     #[test]
