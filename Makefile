@@ -8,7 +8,7 @@ PY_SOURCES := scripts docker tests
 VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' Cargo.toml | head -n 1)
 IMAGE ?= dprank-wasm:$(VERSION)
 
-.PHONY: help setup build wasm tools test demo bench image lint clean
+.PHONY: help setup build wasm noop-wasm tools test demo bench image lint clean
 
 help:
 	@echo "make demo   - build, start Envoy + dprank + simulated workers, send traffic, show the result"
@@ -27,6 +27,10 @@ build: wasm tools
 wasm:
 	$(CARGO) build --release --target wasm32-wasip1 -p dprank
 
+# The overhead benchmark's floor: a no-op wasm filter (bench/noop-filter), built on its own.
+noop-wasm:
+	$(CARGO) build --release --target wasm32-wasip1 --manifest-path bench/noop-filter/Cargo.toml --target-dir target
+
 tools:
 	$(CARGO) build --release -p dprank-sim -p dprank-bench
 
@@ -34,6 +38,8 @@ lint: setup
 	$(CARGO) fmt --all -- --check
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
 	$(CARGO) clippy --target wasm32-wasip1 -p dprank -- -D warnings
+	$(CARGO) fmt --manifest-path bench/noop-filter/Cargo.toml -- --check
+	$(CARGO) clippy --target wasm32-wasip1 --manifest-path bench/noop-filter/Cargo.toml --target-dir target -- -D warnings
 	$(RUFF) check $(PY_SOURCES)
 	$(RUFF) format --check $(PY_SOURCES)
 
@@ -44,7 +50,7 @@ test: setup wasm tools lint
 demo: setup wasm tools
 	./scripts/demo.sh
 
-bench: setup wasm tools
+bench: setup wasm noop-wasm tools
 	DPRANK_WITH_SMG=1 ./scripts/setup.sh
 	./target/release/dprank-bench all
 
