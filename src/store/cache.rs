@@ -4,64 +4,74 @@
 //!
 //! Every routing decision reads every worker's state (one shared-data read
 //! each: proxy-wasm has no multi-key read and no way to learn a key's cas
-//! without its value), but decodes only the states whose cas changed since
-//! this VM last read them. Under load a request changes one or two workers
-//! (its estimate, another's release), so the rest of the fleet is not
-//! decoded again. The cas read with a state also lets the estimate be
-//! written in one call when nobody wrote the worker in between.
+//! without its value), but decodes only the states whose bytes changed since
+//! this VM last read or wrote them. Under load a request changes one or two
+//! workers (its estimate, another's release), so the rest of the fleet is not
+//! decoded again, and this VM's own writes are never decoded back. The cas
+//! read with a state also lets an estimate be written, or given back, in one
+//! call when nobody wrote the worker in between.
 
 use super::{decode, encode_into, update_worker, IfMissing, Keys};
 use crate::config::Config;
-use crate::host::{Host, SharedSetError};
+use crate::host::Host;
 use crate::metrics;
 use crate::scheduler::Loads;
 use crate::state::{Ticket, WorkerState};
 use std::rc::Rc;
 
+/// What the cache keeps per worker besides its decoded state.
+#[derive(Default)]
+struct Entry {
+    key: String,
+    endpoint: Rc<str>,
+    /// cas of the state as read; None: absent, or written by this VM since.
+    cas: Option<u32>,
+    /// Bytes that decode to the cached state (empty: not known). A read that
+    /// returns them again under a new cas (this VM's own write, or an
+    /// identical one) needs no decoding.
+    encoding: Vec<u8>,
+    /// `routed.<worker>.rank_<r>` names, filled as ranks are routed to.
+    routed_names: Vec<String>,
+}
+
 #[derive(Default)]
 pub struct StateCache {
-    /// The configuration the entries below follow.
+    /// The configuration the entries follow.
     config: Option<Rc<Config>>,
-    keys: Vec<String>,
-    endpoints: Vec<Rc<str>>,
-    /// cas of each state as read; None: absent, or written by this VM since.
-    cas: Vec<Option<u32>>,
+    entries: Vec<Entry>,
+    /// The decoded states, indexed like `Config::all_workers`.
     states: Vec<Option<WorkerState>>,
     /// Effective tokens per rank, derived from `states` when they change.
     loads: Loads,
-    /// `routed.<worker>.rank_<r>` names, filled as ranks are routed to.
-    routed_names: Vec<Vec<String>>,
     /// Encoding buffer, reused.
     encoded: Vec<u8>,
 }
 
 impl StateCache {
     /// Follows `config` (rebuilding the per-worker tables when it changed)
-    /// and reads every worker's state, decoding only those whose cas changed.
+    /// and reads every worker's state, decoding only those that changed.
     pub fn refresh(&mut self, config: &Rc<Config>, host: &dyn Host) {
         if !self.config.as_ref().is_some_and(|c| Rc::ptr_eq(c, config)) {
             self.follow(config);
         }
         let mut relayout = false;
-        for (index, ((key, cas), state)) in self
-            .keys
-            .iter()
-            .zip(&mut self.cas)
-            .zip(&mut self.states)
-            .enumerate()
-        {
-            let changed = match host.shared_get(key) {
-                Some((bytes, read)) if *cas != Some(read) => {
-                    *state = decode(&bytes);
-                    *cas = Some(read);
-                    true
+        for (index, (entry, state)) in self.entries.iter_mut().zip(&mut self.states).enumerate() {
+            let changed = match host.shared_get(&entry.key) {
+                Some((_, read)) if entry.cas == Some(read) => false,
+                Some((bytes, read)) => {
+                    entry.cas = Some(read);
+                    if bytes == entry.encoding {
+                        false
+                    } else {
+                        *state = decode(&bytes);
+                        entry.encoding = if state.is_some() { bytes } else { Vec::new() };
+                        true
+                    }
                 }
-                Some(_) => false,
                 None => {
-                    let had = state.is_some();
-                    *state = None;
-                    *cas = None;
-                    had
+                    entry.cas = None;
+                    entry.encoding.clear();
+                    state.take().is_some()
                 }
             };
             if changed && !relayout {
@@ -75,11 +85,15 @@ impl StateCache {
 
     fn follow(&mut self, config: &Rc<Config>) {
         let keys = Keys::of(config);
-        self.keys = config.all_workers().map(|w| keys.worker(&w.address)).collect();
-        self.endpoints = config.all_workers().map(|w| Rc::from(w.endpoint())).collect();
-        self.routed_names = vec![Vec::new(); self.keys.len()];
-        self.cas = vec![None; self.keys.len()];
-        self.states = vec![None; self.keys.len()];
+        self.entries = config
+            .all_workers()
+            .map(|w| Entry {
+                key: keys.worker(&w.address),
+                endpoint: Rc::from(w.endpoint()),
+                ..Entry::default()
+            })
+            .collect();
+        self.states = vec![None; self.entries.len()];
         self.loads = Loads::of(&self.states);
         self.config = Some(config.clone());
     }
@@ -96,7 +110,9 @@ impl StateCache {
 
     /// The route header value (`ip:port`) of worker `index`.
     pub fn endpoint(&self, index: usize) -> Rc<str> {
-        self.endpoints.get(index).cloned().unwrap_or_else(|| Rc::from(""))
+        self.entries
+            .get(index)
+            .map_or_else(|| Rc::from(""), |e| e.endpoint.clone())
     }
 
     /// The name of the counter of requests routed to (`worker`, `rank`).
@@ -106,7 +122,7 @@ impl StateCache {
             .as_ref()
             .and_then(|c| c.worker(worker))
             .map_or("", |w| w.name.as_str());
-        let Some(names) = self.routed_names.get_mut(worker) else {
+        let Some(names) = self.entries.get_mut(worker).map(|e| &mut e.routed_names) else {
             return "";
         };
         while names.len() <= rank as usize {
@@ -126,56 +142,33 @@ impl StateCache {
         rank: u32,
         cost: u64,
     ) -> Option<Ticket> {
-        if let (Some(Some(cas)), Some(Some(state)), Some(key)) = (
-            self.cas.get(index),
-            self.states.get_mut(index),
-            self.keys.get(index),
-        ) {
-            let ticket = state.add(index, rank, cost)?;
-            if let Some(bytes) = encode_into(&*state, &mut self.encoded) {
-                match host.shared_set(key, bytes, Some(*cas)) {
-                    Ok(()) => {
-                        // The new cas is unknown: the next read decodes this state again.
-                        if let Some(cas) = self.cas.get_mut(index) {
-                            *cas = None;
-                        }
-                        return Some(ticket);
-                    }
-                    Err(SharedSetError::Failed) => {
-                        self.forget(index);
-                        return None;
-                    }
-                    Err(SharedSetError::CasMismatch) => {}
-                }
-            }
-            // Another thread wrote first: the cached copy is out of date.
-            self.forget(index);
+        let mut ticket = None;
+        let written = self.write_cached(host, index, |state| {
+            ticket = state.add(index, rank, cost);
+            ticket.is_some()
+        });
+        match written {
+            Some(true) => ticket,
+            Some(false) => None,
+            None => update_worker(config, host, index, IfMissing::Skip, |state| {
+                state.add(index, rank, cost)
+            }),
         }
-        update_worker(config, host, index, IfMissing::Skip, |state| {
-            state.add(index, rank, cost)
-        })
     }
 
-    /// Gives back a routed request's estimate: one write when this VM read the
-    /// worker's state since anyone wrote it (under load another request
-    /// usually has), else a read-modify-write. `config` is the one the
-    /// request was routed with.
+    /// Gives back a routed request's estimate: one write when the cached
+    /// state is known to be the stored one (its cas was read since anyone
+    /// wrote it, or this VM's own write is still what is stored), else a
+    /// read-modify-write. `config` is the one the request was routed with.
     pub fn release(&mut self, config: &Rc<Config>, host: &dyn Host, ticket: &Ticket) {
         let index = ticket.worker;
-        let current = self.config.as_ref().is_some_and(|c| Rc::ptr_eq(c, config));
-        if let (true, Some(Some(cas)), Some(Some(state)), Some(key)) = (
-            current,
-            self.cas.get(index),
-            self.states.get_mut(index),
-            self.keys.get(index),
-        ) {
-            state.release(ticket);
-            let written = encode_into(&*state, &mut self.encoded)
-                .map(|bytes| host.shared_set(key, bytes, Some(*cas)).is_ok())
-                .unwrap_or(false);
-            // Either way the cached copy is no longer known to match a cas.
-            self.forget(index);
-            if written {
+        if self.config.as_ref().is_some_and(|c| Rc::ptr_eq(c, config)) {
+            self.reread_if_own(host, index);
+            let released = self.write_cached(host, index, |state| {
+                state.release(ticket);
+                true
+            });
+            if released.is_some() {
                 return;
             }
         }
@@ -185,10 +178,66 @@ impl StateCache {
         });
     }
 
+    /// When worker `index`'s cas is unknown because this VM wrote last,
+    /// reads it: if the stored bytes are still the ones written, the cached
+    /// state is current under that cas.
+    fn reread_if_own(&mut self, host: &dyn Host, index: usize) {
+        let Some(entry) = self.entries.get_mut(index) else {
+            return;
+        };
+        if entry.cas.is_some() || entry.encoding.is_empty() {
+            return;
+        }
+        if let Some((bytes, cas)) = host.shared_get(&entry.key) {
+            if bytes == entry.encoding {
+                entry.cas = Some(cas);
+            }
+        }
+    }
+
+    /// Changes worker `index`'s cached state with `change` and writes it
+    /// under the cas it was read with. None when that could not be tried or
+    /// another thread wrote first (the cached copy is then dropped: the
+    /// caller falls back to a read-modify-write); else whether `change`
+    /// changed anything (false: nothing written).
+    fn write_cached(
+        &mut self,
+        host: &dyn Host,
+        index: usize,
+        change: impl FnOnce(&mut WorkerState) -> bool,
+    ) -> Option<bool> {
+        let (Some(entry), Some(Some(state))) = (self.entries.get_mut(index), self.states.get_mut(index))
+        else {
+            return None;
+        };
+        let cas = entry.cas?;
+        if !change(state) {
+            return Some(false);
+        }
+        let bytes = encode_into(&*state, &mut self.encoded);
+        let written = bytes.is_some_and(|b| host.shared_set(&entry.key, b, Some(cas)).is_ok());
+        if !written {
+            self.forget(index);
+            return None;
+        }
+        // The new cas is unknown until the next read, which finds these bytes.
+        entry.cas = None;
+        entry.encoding.clear();
+        entry.encoding.extend_from_slice(&self.encoded);
+        if !self
+            .loads
+            .update(index, self.states.get(index).and_then(Option::as_ref))
+        {
+            self.loads.rebuild(&self.states);
+        }
+        Some(true)
+    }
+
     /// Drops worker `index`'s cached state (the next read decodes it).
     fn forget(&mut self, index: usize) {
-        if let (Some(cas), Some(state)) = (self.cas.get_mut(index), self.states.get_mut(index)) {
-            *cas = None;
+        if let (Some(entry), Some(state)) = (self.entries.get_mut(index), self.states.get_mut(index)) {
+            entry.cas = None;
+            entry.encoding.clear();
             *state = None;
             if !self.loads.update(index, None) {
                 self.loads.rebuild(&self.states);
@@ -295,6 +344,35 @@ mod tests {
         cache.release(&older, &h, &ticket);
         cache.refresh(&c, &h);
         assert_eq!(cache.states()[1].as_ref().unwrap().pending_total(), 0);
+    }
+
+    /// The cache's view is always what a fresh read of shared data decodes to.
+    fn assert_current(cache: &StateCache, c: &Config, h: &FakeHost) {
+        assert_eq!(cache.states(), crate::store::read_worker_states(c, h).as_slice());
+        assert_eq!(cache.loads(), &Loads::of(cache.states()));
+    }
+
+    #[test]
+    fn own_writes_and_other_threads_writes_interleave_consistently() {
+        let (c, h) = fleet("");
+        let c = Rc::new(c);
+        let (mut mine, mut other) = (StateCache::default(), StateCache::default());
+        mine.refresh(&c, &h);
+        other.refresh(&c, &h);
+        let a = mine.add_estimate(&c, &h, 1, 2, 10).unwrap();
+        assert_current(&mine, &c, &h);
+        let b = other.add_estimate(&c, &h, 1, 2, 20).unwrap(); // stale cas: read-modify-write
+        other.refresh(&c, &h);
+        mine.refresh(&c, &h);
+        assert_current(&mine, &c, &h);
+        assert_eq!(mine.states()[1].as_ref().unwrap().effective_tokens(2), Some(50));
+        mine.release(&c, &h, &a);
+        other.release(&c, &h, &b); // its cas is stale again: read-modify-write
+        for cache in [&mut mine, &mut other] {
+            cache.refresh(&c, &h);
+            assert_current(cache, &c, &h);
+            assert_eq!(cache.states()[1].as_ref().unwrap().effective_tokens(2), Some(20));
+        }
     }
 
     #[test]
