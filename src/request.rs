@@ -1,12 +1,13 @@
 //! One request's life in the filter, as plain Rust behind the `Host` trait:
 //! one method per Envoy callback, each returning what Envoy should do next.
 //! It strips the headers only dprank may set, decides which requests to
-//! route, buffers the body, applies the router's decision (route header,
+//! route, buffers the body (body mode) or routes at once from the headers
+//! (header mode), applies the router's decision (route and rank headers,
 //! body and `content-length`, local replies), runs PD mode's prefill leg and
 //! holds the decode response until it is done, and gives every estimate back
 //! when the request ends. `filter.rs` only translates callbacks to it.
 
-use crate::config::{Config, CostEstimate, Transport};
+use crate::config::{Config, Transport};
 use crate::discovery::Membership;
 use crate::host::{Callout, HeaderMap, Host};
 use crate::poller::POLL_DESTINATION_HEADER;
@@ -123,11 +124,7 @@ impl Request {
                 Action::Pause
             }
             Transport::Header(settings) => {
-                let cost = match (config.cost_estimate, headers.content_length()) {
-                    (CostEstimate::One, _) => 1,
-                    (_, Some(length)) => length.div_ceil(4).max(1),
-                    (_, None) => settings.cost_without_length,
-                };
+                let cost = router::cost_from_length(&config, settings, headers.content_length());
                 self.route_by_headers(host, cost)
             }
         }

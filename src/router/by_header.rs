@@ -3,11 +3,22 @@
 //! request lifecycle estimated from `content-length`.
 
 use super::{account, choose, pass_or_reject, pool, Chosen, Decision, PassReason, Routed};
-use crate::config::Config;
+use crate::config::{Config, CostEstimate, HeaderTransport};
 use crate::host::Host;
 use crate::scheduler::{Candidate, Constraint};
 use crate::store::cache::StateCache;
 use std::rc::Rc;
+
+/// Tokens a request adds to its rank, from its `content-length` alone:
+/// length / 4 (`cost_estimate: bytes`, JSON syntax included), 1 per request
+/// (`one`), or the configured default when the length is not known.
+pub fn cost_from_length(config: &Config, settings: &HeaderTransport, content_length: Option<u64>) -> u64 {
+    match (config.cost_estimate, content_length) {
+        (CostEstimate::One, _) => 1,
+        (_, Some(length)) => length.div_ceil(4).max(1),
+        (_, None) => settings.cost_without_length,
+    }
+}
 
 /// Decides where a request goes without its body. `cache` is this VM's copy
 /// of the workers' states (read here); `pin` the test-only pin header;
@@ -32,4 +43,24 @@ pub fn route_by_headers(
         body: None,
         ticket,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::router::testing::config;
+
+    #[test]
+    fn cost_comes_from_the_length_or_the_default() {
+        let c = config(r#","rank_transport":"header","cost_without_length":77"#);
+        let h = c.header_transport().unwrap();
+        assert_eq!(cost_from_length(&c, h, Some(4001)), 1001);
+        assert_eq!(cost_from_length(&c, h, Some(1)), 1);
+        assert_eq!(cost_from_length(&c, h, None), 77);
+        let one = config(r#","rank_transport":"header","cost_estimate":"one""#);
+        assert_eq!(
+            cost_from_length(&one, one.header_transport().unwrap(), Some(4001)),
+            1
+        );
+    }
 }

@@ -6,7 +6,7 @@ mod by_header;
 mod pd;
 mod replies;
 
-pub use by_header::route_by_headers;
+pub use by_header::{cost_from_length, route_by_headers};
 pub use pd::{mark_unreachable, prefill_not_sent, prefill_outcome, PdRouted};
 pub use replies::Reply;
 
