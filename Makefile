@@ -8,12 +8,15 @@ PY_SOURCES := scripts docker tests
 VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' Cargo.toml | head -n 1)
 IMAGE ?= dprank-wasm:$(VERSION)
 
-.PHONY: help setup build wasm noop-wasm tools test demo bench image lint clean
+.PHONY: help setup build wasm noop-wasm tools test demo bench bench-pd bench-quick bench-full image lint clean
 
 help:
-	@echo "make demo   - build, start Envoy + dprank + simulated workers, send traffic, show the result"
+	@echo "make demo   - one seeded trace through Envoy round robin, then Envoy + dprank, side by side"
 	@echo "make test   - every test: unit, simulator, end-to-end in a real Envoy, deployment files, fuzz smoke"
-	@echo "make bench  - compare dprank with round robin, smg and the ideal (writes bench-results/)"
+	@echo "make bench  - headline tables (~58 min): dprank vs round robin, SGLang's balancer, smg, the oracle; overhead"
+	@echo "make bench-pd    - PD fleet: dprank vs the old rule vs smg, equal freshness and defaults (~9 min)"
+	@echo "make bench-quick - a quick look (~6 min)"
+	@echo "make bench-full  - everything for the committed results (~6 h; dprank-bench full --resume continues one)"
 	@echo "make build  - build the filter ($(WASM)), the simulator and the bench tool"
 	@echo "make image  - package the filter as an OCI image $(IMAGE) (needs a Docker engine; IMAGE=registry/name:tag)"
 	@echo "make wasm   - build $(WASM)"
@@ -52,7 +55,19 @@ demo: setup wasm tools
 
 bench: setup wasm noop-wasm tools
 	DPRANK_WITH_SMG=1 ./scripts/setup.sh
-	./target/release/dprank-bench all
+	./target/release/dprank-bench bench
+
+bench-pd: setup wasm tools
+	DPRANK_WITH_SMG=1 ./scripts/setup.sh
+	./target/release/dprank-bench pd
+
+bench-quick: setup wasm noop-wasm tools
+	DPRANK_WITH_SMG=1 ./scripts/setup.sh
+	./target/release/dprank-bench quick
+
+bench-full: setup wasm noop-wasm tools
+	DPRANK_WITH_SMG=1 ./scripts/setup.sh
+	./target/release/dprank-bench full
 
 image: wasm
 	docker build -f docker/wasm-image.Dockerfile -t $(IMAGE) .

@@ -27,14 +27,19 @@ if ! .venv/bin/python -c "import openai, sys; sys.exit(openai.__version__ != '$O
   .venv/bin/pip install --quiet --disable-pip-version-check "openai==$OPENAI_VERSION"
 fi
 
-# Benchmarks only: the peer router, and a font for the plots' text.
-if [ "${DPRANK_WITH_SMG:-0}" = 1 ]; then
-  [ -x .venv/bin/smg ] || .venv/bin/pip install --quiet --disable-pip-version-check smg
-  if [ ! -e /usr/share/fonts/truetype/dejavu/DejaVuSans.ttf ] && command -v apt-get >/dev/null; then
-    (apt-get install -y -q fonts-dejavu-core >/dev/null 2>&1 \
-      || (apt-get update -q >/dev/null 2>&1 && apt-get install -y -q fonts-dejavu-core >/dev/null 2>&1)) \
-      || echo "could not install fonts-dejavu-core: plots will have no text" >&2
-  fi
+# The demo's and the benchmarks' plots: a font for their text.
+if [ ! -e /usr/share/fonts/truetype/dejavu/DejaVuSans.ttf ] && command -v apt-get >/dev/null; then
+  (apt-get install -y -q fonts-dejavu-core >/dev/null 2>&1 \
+    || (apt-get update -q >/dev/null 2>&1 && apt-get install -y -q fonts-dejavu-core >/dev/null 2>&1)) \
+    || echo "could not install fonts-dejavu-core: plots will have no text" >&2
+fi
+
+# Benchmarks only: the peer router, pinned to the version the benchmarks and
+# bench/README.md describe.
+SMG_VERSION=1.13.0
+if [ "${DPRANK_WITH_SMG:-0}" = 1 ] \
+  && ! .venv/bin/pip show smg 2>/dev/null | grep -qx "Version: $SMG_VERSION"; then
+  .venv/bin/pip install --quiet --disable-pip-version-check "smg==$SMG_VERSION"
 fi
 
 .venv/bin/envoy --version | head -n 1

@@ -1,7 +1,10 @@
-//! HTTP/1.1 clients with TCP_NODELAY: a pooled client for open-loop load and
-//! single dedicated connections for closed-loop overhead runs.
+//! HTTP/1.1 clients with TCP_NODELAY: a pooled client for the workloads
+//! (streamed requests, read event by event) and single dedicated
+//! connections for closed-loop overhead runs.
 
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -11,6 +14,9 @@ use hyper::Request;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::{TokioExecutor, TokioIo};
+use tokio::sync::watch;
+
+use crate::workload::Api;
 
 pub type PooledClient = Client<HttpConnector, Full<Bytes>>;
 
@@ -28,12 +34,37 @@ pub fn pooled_client() -> PooledClient {
 #[derive(Debug, Clone, Default)]
 pub struct StreamOutcome {
     pub error: Option<String>,
-    /// Time to the first SSE data event.
+    /// Time to the first token event.
     pub ttft: Option<Duration>,
-    /// Gaps between successive data events (0 for events that arrived together).
+    /// Gaps between successive token events (0 for events that arrived together).
     pub itls: Vec<Duration>,
+    /// From sending to the end of the stream.
     pub e2e: Duration,
+    /// Token events received.
     pub tokens: u32,
+    /// Prompt and cached prompt tokens as the server reported them.
+    pub prompt_tokens: Option<u64>,
+    pub cached_tokens: Option<u64>,
+    /// The answer's text (chat streams, when asked for).
+    pub text: String,
+    /// The client stopped reading before the end (the run was over).
+    pub truncated: bool,
+}
+
+/// Optional links between a stream and its run: a counter bumped at the
+/// first token, and a signal to stop reading (the rest of the answer no
+/// longer matters once every request of the run has its first token).
+#[derive(Debug, Clone)]
+pub struct StreamHooks {
+    pub first_tokens: Arc<AtomicUsize>,
+    pub stop: watch::Receiver<bool>,
+}
+
+/// How to read a stream: which API shaped it and whether to keep the text.
+#[derive(Debug, Clone, Copy)]
+pub struct StreamKind {
+    pub api: Api,
+    pub keep_text: bool,
 }
 
 fn post(uri: &str, body: Bytes) -> Result<Request<Full<Bytes>>, String> {
@@ -52,11 +83,17 @@ fn event_end(buf: &[u8], from: usize) -> Option<usize> {
         .map(|p| p + from)
 }
 
-/// Sends a streamed request and times every SSE data event as it arrives.
-pub async fn stream_request(client: &PooledClient, uri: &str, body: Bytes) -> StreamOutcome {
+/// Sends a streamed request and times every token event as it arrives.
+pub async fn stream_request(
+    client: &PooledClient,
+    uri: &str,
+    body: Bytes,
+    kind: StreamKind,
+    hooks: Option<StreamHooks>,
+) -> StreamOutcome {
     let start = Instant::now();
     let mut out = StreamOutcome::default();
-    let result = stream_into(client, uri, body, start, &mut out).await;
+    let result = stream_into(client, uri, body, kind, hooks, start, &mut out).await;
     out.e2e = start.elapsed();
     if let Err(e) = result {
         out.error = Some(e);
@@ -64,10 +101,81 @@ pub async fn stream_request(client: &PooledClient, uri: &str, body: Bytes) -> St
     out
 }
 
+/// What one SSE data payload is.
+#[derive(Debug, PartialEq)]
+enum Event {
+    Done,
+    /// A token event (with the chat delta's text, when kept).
+    Token,
+    /// Anything else (a usage-only chunk).
+    Other,
+}
+
+/// Classifies one chat or completions payload, recording usage and text.
+fn read_openai_event(payload: &[u8], kind: StreamKind, out: &mut StreamOutcome) -> Result<Event, String> {
+    let value: serde_json::Value =
+        serde_json::from_slice(payload).map_err(|e| format!("stream event is not JSON: {e}"))?;
+    if let Some(error) = value.get("error") {
+        return Err(format!(
+            "error event: {}",
+            error.to_string().chars().take(200).collect::<String>()
+        ));
+    }
+    if let Some(usage) = value.get("usage").filter(|u| !u.is_null()) {
+        read_usage(usage, out);
+    }
+    let Some(choice) = value
+        .get("choices")
+        .and_then(|c| c.as_array())
+        .and_then(|c| c.first())
+    else {
+        return Ok(Event::Other);
+    };
+    if kind.keep_text {
+        let piece = choice
+            .get("delta")
+            .and_then(|d| d.get("content"))
+            .or_else(|| choice.get("text"))
+            .and_then(|t| t.as_str())
+            .unwrap_or_default();
+        out.text.push_str(piece);
+    }
+    Ok(Event::Token)
+}
+
+/// OpenAI usage: `prompt_tokens`, `prompt_tokens_details.cached_tokens`.
+fn read_usage(usage: &serde_json::Value, out: &mut StreamOutcome) {
+    if let Some(p) = usage.get("prompt_tokens").and_then(|v| v.as_u64()) {
+        out.prompt_tokens = Some(p);
+    }
+    if let Some(c) = usage
+        .get("prompt_tokens_details")
+        .and_then(|d| d.get("cached_tokens"))
+        .and_then(|v| v.as_u64())
+    {
+        out.cached_tokens = Some(c);
+    }
+}
+
+/// SGLang `/generate`: `meta_info.prompt_tokens` and `cached_tokens` of the
+/// last event (events carry the cumulative text, so only the last is read).
+fn read_generate_tail(payload: &[u8], out: &mut StreamOutcome) {
+    let Ok(value) = serde_json::from_slice::<serde_json::Value>(payload) else {
+        return;
+    };
+    let item = value.as_array().and_then(|a| a.first()).unwrap_or(&value);
+    if let Some(meta) = item.get("meta_info") {
+        out.prompt_tokens = meta.get("prompt_tokens").and_then(|v| v.as_u64());
+        out.cached_tokens = meta.get("cached_tokens").and_then(|v| v.as_u64());
+    }
+}
+
 async fn stream_into(
     client: &PooledClient,
     uri: &str,
     body: Bytes,
+    kind: StreamKind,
+    mut hooks: Option<StreamHooks>,
     start: Instant,
     out: &mut StreamOutcome,
 ) -> Result<(), String> {
@@ -92,8 +200,20 @@ async fn stream_into(
     let mut pending: Vec<u8> = Vec::new();
     let mut scanned = 0;
     let mut last_token: Option<Instant> = None;
+    let mut last_generate_payload: Vec<u8> = Vec::new();
     let mut done = false;
-    while let Some(frame) = body.frame().await {
+    loop {
+        let frame = match hooks.as_mut() {
+            Some(hooks) => tokio::select! {
+                frame = body.frame() => frame,
+                _ = hooks.stop.wait_for(|stop| *stop) => {
+                    out.truncated = true;
+                    return Ok(());
+                }
+            },
+            None => body.frame().await,
+        };
+        let Some(frame) = frame else { break };
         let frame = frame.map_err(|e| format!("stream: {e}"))?;
         let Ok(data) = frame.into_data() else {
             continue;
@@ -105,10 +225,20 @@ async fn stream_into(
         while let Some(end) = event_end(&pending, scanned.max(consumed)) {
             let event = pending.get(consumed..end).unwrap_or_default();
             if let Some(payload) = event.strip_prefix(b"data:") {
-                if payload.trim_ascii() == b"[DONE]" {
-                    done = true;
+                let payload = payload.trim_ascii();
+                let class = if payload == b"[DONE]" {
+                    Event::Done
+                } else if kind.api == Api::Generate {
+                    last_generate_payload.clear();
+                    last_generate_payload.extend_from_slice(payload);
+                    Event::Token
                 } else {
-                    tokens_now += 1;
+                    read_openai_event(payload, kind, out)?
+                };
+                match class {
+                    Event::Done => done = true,
+                    Event::Token => tokens_now += 1,
+                    Event::Other => {}
                 }
             }
             consumed = end + 2;
@@ -118,7 +248,12 @@ async fn stream_into(
         scanned = pending.len().saturating_sub(1);
         if tokens_now > 0 {
             match last_token {
-                None => out.ttft = Some(now - start),
+                None => {
+                    out.ttft = Some(now - start);
+                    if let Some(hooks) = &hooks {
+                        hooks.first_tokens.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
                 Some(last) => out.itls.push(now - last),
             }
             for _ in 1..tokens_now {
@@ -127,6 +262,9 @@ async fn stream_into(
             out.tokens += tokens_now;
             last_token = Some(now);
         }
+    }
+    if kind.api == Api::Generate && !last_generate_payload.is_empty() {
+        read_generate_tail(&last_generate_payload, out);
     }
     if !done {
         return Err("stream ended without [DONE]".into());
@@ -207,5 +345,40 @@ impl Connection {
             return Err(format!("HTTP {}", status.as_u16()));
         }
         Ok(start.elapsed())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn openai_events_yield_tokens_text_and_usage() {
+        let kind = StreamKind {
+            api: Api::Chat,
+            keep_text: true,
+        };
+        let mut out = StreamOutcome::default();
+        let token =
+            br#"{"choices":[{"index":0,"delta":{"role":"assistant","content":" the"}}],"usage":null}"#;
+        assert_eq!(read_openai_event(token, kind, &mut out), Ok(Event::Token));
+        let usage = br#"{"choices":[],"usage":{"prompt_tokens":90,"completion_tokens":3,"prompt_tokens_details":{"cached_tokens":64}}}"#;
+        assert_eq!(read_openai_event(usage, kind, &mut out), Ok(Event::Other));
+        assert_eq!(
+            (out.text.as_str(), out.prompt_tokens, out.cached_tokens),
+            (" the", Some(90), Some(64))
+        );
+        assert!(read_openai_event(br#"{"error":{"message":"boom"}}"#, kind, &mut out).is_err());
+        assert!(read_openai_event(b"not json", kind, &mut out).is_err());
+    }
+
+    #[test]
+    fn generate_tail_reads_meta_info() {
+        let mut out = StreamOutcome::default();
+        read_generate_tail(
+            br#"{"text":"a b","meta_info":{"prompt_tokens":12,"cached_tokens":8,"completion_tokens":2}}"#,
+            &mut out,
+        );
+        assert_eq!((out.prompt_tokens, out.cached_tokens), (Some(12), Some(8)));
     }
 }

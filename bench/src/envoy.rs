@@ -6,14 +6,38 @@
 use std::net::SocketAddr;
 use std::path::Path;
 
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, PartialEq)]
 pub enum Balancer {
     /// The shipped config: dprank picks worker and rank.
-    Dprank { poll_interval_ms: u64 },
+    Dprank(DprankSettings),
     /// Wasm filter removed: the cluster's fallback round robin over workers.
     RoundRobin,
     /// Wasm filter removed, fallback policy least_request over workers.
     LeastRequest,
+}
+
+/// What the benchmark changes in dprank's shipped configuration.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct DprankSettings {
+    pub poll_interval_ms: u64,
+    /// Further filter keys, set as given (a variant's `set.<key>=<json>`).
+    pub set: serde_json::Map<String, serde_json::Value>,
+}
+
+impl DprankSettings {
+    pub fn polling_every(poll_interval_ms: u64) -> DprankSettings {
+        DprankSettings {
+            poll_interval_ms,
+            set: serde_json::Map::new(),
+        }
+    }
+
+    fn apply(&self, object: &mut serde_json::Map<String, serde_json::Value>) {
+        object.insert("poll_interval_ms".into(), self.poll_interval_ms.into());
+        for (key, value) in &self.set {
+            object.insert(key.clone(), value.clone());
+        }
+    }
 }
 
 pub struct EnvoyPorts {
@@ -132,11 +156,11 @@ pub fn render(
     template: &str,
     ports: &EnvoyPorts,
     workers: &[SocketAddr],
-    balancer: Balancer,
+    balancer: &Balancer,
     wasm: &Path,
 ) -> Result<String, String> {
     let mut text = with_ports(template, ports)?;
-    if balancer == Balancer::LeastRequest {
+    if *balancer == Balancer::LeastRequest {
         text = replace_once(
             &text,
             "envoy.load_balancing_policies.round_robin\n",
@@ -154,7 +178,7 @@ pub fn render(
     replace_endpoints(&mut lines, workers)?;
 
     match balancer {
-        Balancer::Dprank { poll_interval_ms } => {
+        Balancer::Dprank(settings) => {
             rewrite_filter(&mut lines, wasm, |object| {
                 let named: Vec<serde_json::Value> = workers
                     .iter()
@@ -164,7 +188,7 @@ pub fn render(
                     )
                     .collect();
                 object.insert("workers".into(), serde_json::Value::Array(named));
-                object.insert("poll_interval_ms".into(), poll_interval_ms.into());
+                settings.apply(object);
                 Ok(())
             })?;
         }
@@ -191,7 +215,7 @@ pub fn render_pd(
     ports: &EnvoyPorts,
     prefill: &[PdWorker],
     decode: &[SocketAddr],
-    poll_interval_ms: u64,
+    settings: &DprankSettings,
     wasm: &Path,
 ) -> Result<String, String> {
     let text = with_ports(template, ports)?;
@@ -222,7 +246,7 @@ pub fn render_pd(
             .collect();
         object.insert("prefill_workers".into(), serde_json::Value::Array(prefill_json));
         object.insert("decode_workers".into(), serde_json::Value::Array(decode_json));
-        object.insert("poll_interval_ms".into(), poll_interval_ms.into());
+        settings.apply(object);
         Ok(())
     })?;
     Ok(join_lines(&lines))
@@ -255,9 +279,13 @@ mod tests {
             &template(),
             &PORTS,
             &workers(),
-            Balancer::Dprank {
+            &Balancer::Dprank(DprankSettings {
                 poll_interval_ms: 250,
-            },
+                set: serde_json::json!({"cost_estimate": "words"})
+                    .as_object()
+                    .unwrap()
+                    .clone(),
+            }),
             Path::new("/x/d.wasm"),
         )
         .unwrap();
@@ -265,6 +293,7 @@ mod tests {
         assert!(out.contains("port_value: 4003 }"));
         assert!(!out.contains("30001"));
         assert!(out.contains("\"poll_interval_ms\":250"));
+        assert!(out.contains("\"cost_estimate\":\"words\""));
         assert!(out.contains("\"address\":\"127.0.0.1:4002\""));
         assert!(out.contains("filename: /x/d.wasm"));
         assert!(out.contains("envoy.filters.http.router"));
@@ -276,7 +305,7 @@ mod tests {
             &template(),
             &PORTS,
             &workers(),
-            Balancer::RoundRobin,
+            &Balancer::RoundRobin,
             Path::new("/x"),
         )
         .unwrap();
@@ -287,7 +316,7 @@ mod tests {
             &template(),
             &PORTS,
             &workers(),
-            Balancer::LeastRequest,
+            &Balancer::LeastRequest,
             Path::new("/x"),
         )
         .unwrap();
@@ -312,7 +341,15 @@ mod tests {
             "127.0.0.1:4201".parse().unwrap(),
             "127.0.0.1:4202".parse().unwrap(),
         ];
-        let out = render_pd(&template, &PORTS, &prefill, &decode, 250, Path::new("/x/d.wasm")).unwrap();
+        let out = render_pd(
+            &template,
+            &PORTS,
+            &prefill,
+            &decode,
+            &DprankSettings::polling_every(250),
+            Path::new("/x/d.wasm"),
+        )
+        .unwrap();
         assert!(out.contains("port_value: 5000") && out.contains("port_value: 5001"));
         assert!(out.contains("port_value: 4202 }") && !out.contains("32001") && !out.contains("31001"));
         assert!(out.contains("\"bootstrap_port\":4102"));

@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use crate::client::{get_text, PooledClient};
-use crate::envoy::{render, Balancer, EnvoyPorts};
+use crate::envoy::{render, render_pd, Balancer, DprankSettings, EnvoyPorts, PdWorker};
 use crate::procs::{free_port, Managed};
 
 /// Where the tools live (all relative to the repository root).
@@ -25,7 +25,9 @@ impl Tools {
         let root = root
             .canonicalize()
             .map_err(|e| format!("repository root {}: {e}", root.display()))?;
-        let sim = root.join("target/release/dprank-sim");
+        let sim = std::env::var_os("DPRANK_SIM_BIN")
+            .map(PathBuf::from)
+            .unwrap_or_else(|| root.join("target/release/dprank-sim"));
         let envoy = std::env::var_os("ENVOY_BIN")
             .map(PathBuf::from)
             .unwrap_or_else(|| root.join(".venv/bin/envoy"));
@@ -59,7 +61,8 @@ pub struct SimOptions {
     pub workers: usize,
     pub dp_size: usize,
     pub time_scale: f64,
-    pub minimum_tokens: bool,
+    /// `--dispatch` value.
+    pub dispatch: &'static str,
     pub instant: bool,
     /// Further model flags, passed as given.
     pub extra: Vec<String>,
@@ -86,12 +89,7 @@ impl SimFleet {
             "--time-scale".into(),
             options.time_scale.to_string(),
             "--dispatch".into(),
-            if options.minimum_tokens {
-                "minimum_tokens"
-            } else {
-                "round_robin"
-            }
-            .into(),
+            options.dispatch.into(),
         ]);
         if options.instant {
             args.push("--instant".into());
@@ -146,6 +144,28 @@ impl SimFleet {
                 })
                 .unwrap_or(0);
             out.push(polls);
+        }
+        out
+    }
+}
+
+impl SimFleet {
+    /// Requests each rank has accepted so far (`/_sim/counters`), every rank
+    /// of every worker in order.
+    pub async fn served_per_rank(&self, client: &PooledClient) -> Vec<u64> {
+        let mut out = Vec::new();
+        for w in &self.workers {
+            let served: Vec<u64> = get_text(client, &format!("http://{w}/_sim/counters"))
+                .await
+                .ok()
+                .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
+                .and_then(|v| {
+                    v.get("served_per_rank")
+                        .and_then(|a| a.as_array())
+                        .map(|a| a.iter().map(|n| n.as_u64().unwrap_or(0)).collect())
+                })
+                .unwrap_or_default();
+            out.extend(served);
         }
         out
     }
@@ -256,7 +276,7 @@ pub async fn start_envoy(
     tools: &Tools,
     client: &PooledClient,
     fleet: &SimFleet,
-    balancer: Balancer,
+    balancer: &Balancer,
     name: &str,
 ) -> Result<Front, String> {
     let template = read_template(tools, "envoy/dprank.yaml")?;
@@ -270,6 +290,41 @@ pub async fn start_envoy(
         Balancer::RoundRobin | Balancer::LeastRequest => &[],
     };
     launch_envoy(tools, client, &yaml, &ports, polled, name).await
+}
+
+/// Envoy + dprank in PD mode: envoy/pd.yaml with the fleets' ports and
+/// worker lists.
+pub async fn start_envoy_pd(
+    tools: &Tools,
+    client: &PooledClient,
+    prefill: &SimFleet,
+    decode: &SimFleet,
+    settings: &DprankSettings,
+    name: &str,
+) -> Result<Front, String> {
+    let template = read_template(tools, "envoy/pd.yaml")?;
+    let ports = EnvoyPorts {
+        listener: free_port()?,
+        admin: free_port()?,
+    };
+    let prefill_workers: Vec<PdWorker> = prefill
+        .workers
+        .iter()
+        .zip(&prefill.bootstrap)
+        .map(|(addr, bootstrap_port)| PdWorker {
+            addr: *addr,
+            bootstrap_port: *bootstrap_port,
+        })
+        .collect();
+    let yaml = render_pd(
+        &template,
+        &ports,
+        &prefill_workers,
+        &decode.workers,
+        settings,
+        &tools.wasm,
+    )?;
+    launch_envoy(tools, client, &yaml, &ports, &[prefill, decode], name).await
 }
 
 /// A file of the repository (an Envoy template), as text.
@@ -336,40 +391,8 @@ pub async fn launch_envoy(
     })
 }
 
-/// smg options that distinguish the variants.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum SmgMode {
-    /// `--dp-aware`: ranks spread round robin.
-    DpAware,
-    /// `--dp-aware --dp-minimum-tokens-scheduler --load-monitor-interval 1`.
-    DpMinimumTokens,
-}
-
-pub async fn start_smg(
-    tools: &Tools,
-    client: &PooledClient,
-    fleet: &SimFleet,
-    mode: SmgMode,
-    name: &str,
-) -> Result<Option<Front>, String> {
-    let Some(smg) = &tools.smg else {
-        return Ok(None);
-    };
-    let (port, mut args) = smg_launch_args()?;
-    args.extend(["--dp-aware".into(), "--worker-urls".into()]);
-    args.extend(fleet.workers.iter().map(|w| format!("http://{w}")));
-    if mode == SmgMode::DpMinimumTokens {
-        args.extend([
-            "--dp-minimum-tokens-scheduler".into(),
-            "--load-monitor-interval".into(),
-            "1".into(),
-        ]);
-    }
-    smg_front(tools, client, smg, &args, port, name).await.map(Some)
-}
-
 /// `smg launch` on 127.0.0.1 at a free port (returned), metrics on another,
-/// round robin over workers, warnings only; the variant's own flags follow.
+/// warnings only; the variant's own flags (policy, mode, workers) follow.
 pub fn smg_launch_args() -> Result<(u16, Vec<String>), String> {
     let port = free_port()?;
     let metrics = free_port()?;
@@ -383,9 +406,6 @@ pub fn smg_launch_args() -> Result<(u16, Vec<String>), String> {
         "127.0.0.1".into(),
         "--prometheus-port".into(),
         metrics.to_string(),
-        // The same worker policy as Envoy's round robin.
-        "--policy".into(),
-        "round_robin".into(),
         "--log-level".into(),
         "warn".into(),
     ];
@@ -420,7 +440,7 @@ pub async fn smg_front(
             Ok(mut c) => c
                 .post(
                     "/generate",
-                    bytes::Bytes::from(crate::trace::generate_body(4, 1, false, 0)),
+                    crate::workload::bodies::generate("the cat sat far ", 1, false),
                 )
                 .await
                 .is_ok(),

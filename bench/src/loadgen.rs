@@ -1,139 +1,172 @@
-//! Open-loop replay of a trace against one or more HTTP endpoints, with
-//! per-rank load sampling from the workers' `/v1/loads`.
+//! Runs a plan against one or more gateways: open-loop requests at their
+//! times, closed-loop sessions turn by turn, every request streamed and timed;
+//! meanwhile the workers' `/v1/loads` are sampled for the per-rank picture.
+//!
+//! Several gateways stand for replicas behind an L4 balancer: each open-loop
+//! request lands on a gateway drawn from (seed, request) and each session
+//! keeps one gateway for all its turns (its connection), so the spread is
+//! random but the same for every variant run on the same seed.
 
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use bytes::Bytes;
-use hdrhistogram::Histogram;
 use indicatif::{ProgressBar, ProgressStyle};
 use tokio::sync::watch;
 use tokio::task::JoinSet;
 
-use crate::client::{get_text, pooled_client, stream_request, PooledClient, StreamOutcome};
-use crate::trace::{generate_body, TraceRequest};
+use crate::client::{
+    get_text, pooled_client, stream_request, PooledClient, StreamHooks, StreamKind, StreamOutcome,
+};
+use crate::workload::{bodies, text, Api, Plan, Session};
 
 #[derive(Debug, Clone)]
 pub struct LoadOptions {
-    /// Base URLs (`http://host:port`); request i goes to `targets[i % n]`.
-    pub targets: Vec<String>,
-    pub path: String,
+    /// Gateway base URLs (`http://host:port`).
+    pub gateways: Vec<String>,
     /// Workers whose `/v1/loads` are sampled (may be empty).
     pub workers: Vec<SocketAddr>,
-    /// Trace times are simulated seconds; wall time = simulated / time_scale.
+    /// Plan times are simulated seconds; wall time = simulated / time_scale.
     pub time_scale: f64,
     pub sample_every: Duration,
     /// Per-request limit (wall); a request still running then is an error.
     pub request_timeout: Duration,
+    /// Spreads requests over gateways.
+    pub seed: u64,
     pub progress: bool,
     pub label: String,
+    /// Stop at this simulated time and abandon what is still running
+    /// (capacity runs); None runs the whole plan.
+    pub cut_at_s: Option<f64>,
+    pub drain: Drain,
+    /// Session turns that would start after this simulated time are not
+    /// sent (closed-loop sessions otherwise trail on at a falling load).
+    pub turn_horizon_s: Option<f64>,
 }
 
-/// Tokens per rank, every rank of every worker in worker order, at `t_s`
-/// simulated seconds after the first arrival.
+/// When a run ends once every request has been sent.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Drain {
+    /// When every response has ended.
+    Complete,
+    /// When every request has its first token (or failed): every TTFT is
+    /// then known, and the answers still streaming cannot delay any request
+    /// of the run. Their inter-token gaps so far are kept; their end-to-end
+    /// latency is not known. Saves the decode tail of the longest answers.
+    FirstTokens,
+}
+
+/// Per-rank state of every rank of every worker (in worker order), at `t_s`
+/// simulated seconds after the start.
 #[derive(Debug, Clone)]
 pub struct LoadSample {
     pub t_s: f64,
+    /// `num_total_tokens`, else `num_tokens`, else `num_used_tokens`.
     pub tokens: Vec<u64>,
+    pub waiting: Vec<u64>,
+    /// `cache_hit_rate` when the worker reports it (NaN otherwise).
+    pub cache_hit_rate: Vec<f64>,
 }
 
+/// What happened to one request.
 #[derive(Debug, Clone)]
-pub struct LoadReport {
-    pub label: String,
-    pub sent: usize,
-    pub ok: usize,
-    pub errors: usize,
-    pub error_examples: Vec<String>,
-    /// Simulated milliseconds of every successful request.
-    pub ttft_ms: Vec<f64>,
-    pub e2e_ms: Vec<f64>,
-    /// Inter-token gaps, simulated microseconds.
-    pub itl_us: Histogram<u64>,
-    /// Successful requests per simulated second, first arrival to last completion.
-    pub throughput_rps: f64,
-    /// Output tokens per simulated second.
-    pub token_throughput: f64,
+pub struct RequestRecord {
+    /// When it was sent, simulated seconds after the start.
+    pub sent_s: f64,
+    /// When it finished (or failed), simulated seconds after the start.
+    pub end_s: f64,
+    pub gateway: usize,
+    pub input_tokens: u32,
+    pub output_tokens: u32,
+    /// Simulated ms; None when no token arrived.
+    pub ttft_ms: Option<f64>,
+    /// Mean gap between tokens after the first, simulated ms (NaN for < 2 tokens).
+    pub tpot_ms: f64,
+    pub e2e_ms: f64,
+    pub tokens: u32,
+    pub prompt_tokens: Option<u64>,
+    pub cached_tokens: Option<u64>,
+    pub error: Option<String>,
+    /// The run ended before this answer did (see [`Drain::FirstTokens`]).
+    pub truncated: bool,
+    /// Chat sessions: (session id, turn index).
+    pub session: Option<(u32, u32)>,
+    /// Gaps between token events after the first, simulated us.
+    pub gaps_us: Vec<u32>,
+}
+
+impl RequestRecord {
+    pub fn ok(&self) -> bool {
+        self.error.is_none() && self.ttft_ms.is_some()
+    }
+}
+
+/// Everything a run measured.
+#[derive(Debug)]
+pub struct RunOutput {
+    pub records: Vec<RequestRecord>,
+    /// Session turns never sent because an earlier turn failed.
+    pub abandoned: usize,
+    /// Session turns not sent because they fell after the turn horizon.
+    pub beyond_horizon: usize,
     pub samples: Vec<LoadSample>,
-    /// Time-averaged max/mean of per-rank tokens while arrivals last.
-    pub imbalance: Option<f64>,
-    /// Simulated seconds during which arrivals happen.
+    /// Simulated seconds from the start to the last arrival (open loop) or
+    /// session start.
     pub arrival_window_s: f64,
+    /// Simulated seconds from the start to the last completion.
+    pub span_s: f64,
 }
 
-/// Exact percentile (nearest rank) of unsorted values; NaN if empty.
-pub fn percentile(values: &[f64], p: f64) -> f64 {
-    if values.is_empty() {
-        return f64::NAN;
-    }
-    let mut sorted = values.to_vec();
-    sorted.sort_by(|a, b| a.total_cmp(b));
-    let rank = ((p / 100.0) * sorted.len() as f64).ceil() as usize;
-    sorted[rank.clamp(1, sorted.len()) - 1]
-}
-
-impl LoadReport {
-    pub fn ttft_p(&self, p: f64) -> f64 {
-        percentile(&self.ttft_ms, p)
-    }
-    pub fn e2e_p(&self, p: f64) -> f64 {
-        percentile(&self.e2e_ms, p)
-    }
-    /// Inter-token latency percentile, simulated ms.
-    pub fn itl_p(&self, p: f64) -> f64 {
-        if self.itl_us.is_empty() {
-            return f64::NAN;
-        }
-        self.itl_us.value_at_quantile(p / 100.0) as f64 / 1000.0
-    }
-
-    pub fn summary(&self) -> String {
-        format!(
-            "{}: {} sent, {} ok, {} errors | TTFT p50 {:.0} p99 {:.0} ms | ITL p50 {:.1} p99 {:.1} ms | E2E p50 {:.0} p99 {:.0} ms | {:.2} req/s | imbalance {} (times simulated)",
-            self.label,
-            self.sent,
-            self.ok,
-            self.errors,
-            self.ttft_p(50.0),
-            self.ttft_p(99.0),
-            self.itl_p(50.0),
-            self.itl_p(99.0),
-            self.e2e_p(50.0),
-            self.e2e_p(99.0),
-            self.throughput_rps,
-            self.imbalance.map_or("n/a".into(), |v| format!("{v:.3}")),
-        )
-    }
-}
-
-/// Parses `/v1/loads` (or the `/get_load` array) into tokens per rank,
-/// preferring `num_total_tokens`, then `num_tokens`, then `num_used_tokens`.
-pub fn parse_rank_tokens(text: &str) -> Option<Vec<u64>> {
+/// Parses `/v1/loads` (or the `/get_load` array) into per-rank figures,
+/// ordered by rank.
+pub fn parse_loads(text: &str) -> Option<Vec<(u64, u64, f64)>> {
     let value: serde_json::Value = serde_json::from_str(text).ok()?;
     let loads = match &value {
         serde_json::Value::Array(items) => items.clone(),
         serde_json::Value::Object(map) => map.get("loads")?.as_array()?.clone(),
         _ => return None,
     };
-    let mut ranks: Vec<(u64, u64)> = loads
+    let mut ranks: Vec<(u64, (u64, u64, f64))> = loads
         .iter()
         .filter_map(|l| {
             let rank = l.get("dp_rank")?.as_u64()?;
             let tokens = ["num_total_tokens", "num_tokens", "num_used_tokens"]
                 .iter()
                 .find_map(|k| l.get(*k).and_then(|v| v.as_u64()))?;
-            Some((rank, tokens))
+            let waiting = l.get("num_waiting_reqs").and_then(|v| v.as_u64()).unwrap_or(0);
+            let hit = l
+                .get("cache_hit_rate")
+                .and_then(|v| v.as_f64())
+                .unwrap_or(f64::NAN);
+            Some((rank, (tokens, waiting, hit)))
         })
         .collect();
-    ranks.sort_unstable();
-    Some(ranks.into_iter().map(|(_, t)| t).collect())
+    ranks.sort_by_key(|(rank, _)| *rank);
+    Some(ranks.into_iter().map(|(_, v)| v).collect())
 }
 
-/// max/mean of one sample; None when the fleet is (nearly) empty.
+/// max/mean of one sample's tokens; None when the fleet is (nearly) empty.
 pub fn sample_imbalance(tokens: &[u64]) -> Option<f64> {
     let max = *tokens.iter().max()? as f64;
     let mean = tokens.iter().sum::<u64>() as f64 / tokens.len() as f64;
     (mean >= 1.0).then(|| max / mean)
+}
+
+/// Time average over samples taken in [from_s, to_s] of max/mean tokens
+/// over the ranks in `ranks`.
+pub fn imbalance(
+    samples: &[LoadSample],
+    from_s: f64,
+    to_s: f64,
+    ranks: std::ops::Range<usize>,
+) -> Option<f64> {
+    let ratios: Vec<f64> = samples
+        .iter()
+        .filter(|s| s.t_s >= from_s && s.t_s <= to_s)
+        .filter_map(|s| s.tokens.get(ranks.clone()).and_then(sample_imbalance))
+        .collect();
+    (!ratios.is_empty()).then(|| ratios.iter().sum::<f64>() / ratios.len() as f64)
 }
 
 async fn sample_loads(
@@ -153,37 +186,191 @@ async fn sample_loads(
             _ = stop.changed() => break,
         }
         let t_s = start.elapsed().as_secs_f64() * time_scale;
-        let mut tokens = Vec::new();
+        let mut sample = LoadSample {
+            t_s,
+            tokens: Vec::new(),
+            waiting: Vec::new(),
+            cache_hit_rate: Vec::new(),
+        };
         let mut complete = true;
         for worker in &workers {
             let uri = format!("http://{worker}/v1/loads?include=core");
-            match get_text(&client, &uri)
-                .await
-                .ok()
-                .and_then(|t| parse_rank_tokens(&t))
-            {
-                Some(t) => tokens.extend(t),
+            match get_text(&client, &uri).await.ok().and_then(|t| parse_loads(&t)) {
+                Some(ranks) => {
+                    for (tokens, waiting, hit) in ranks {
+                        sample.tokens.push(tokens);
+                        sample.waiting.push(waiting);
+                        sample.cache_hit_rate.push(hit);
+                    }
+                }
                 None => complete = false,
             }
         }
-        if complete && !tokens.is_empty() {
-            samples.push(LoadSample { t_s, tokens });
+        if complete && !sample.tokens.is_empty() {
+            samples.push(sample);
         }
     }
     samples
 }
 
-/// Replays `trace` and measures it.
-pub async fn run_trace(trace: &[TraceRequest], options: &LoadOptions) -> Result<LoadReport, String> {
-    if options.targets.is_empty() {
-        return Err("no target".into());
+/// Which of `n` gateways gets `key` (a request index or a session id).
+pub fn gateway_for(seed: u64, key: u64, n: usize) -> usize {
+    (text::seed_of(&[0x6a7e, seed, key]) % n.max(1) as u64) as usize
+}
+
+/// Shared by every task of one run.
+struct Context {
+    client: PooledClient,
+    gateways: Vec<String>,
+    start: Instant,
+    time_scale: f64,
+    timeout: Duration,
+    /// Requests that have their first token, failed, or will never be sent.
+    settled: Arc<AtomicUsize>,
+    stop: watch::Receiver<bool>,
+    turn_horizon_s: Option<f64>,
+}
+
+impl Context {
+    fn sim_s(&self, at: Instant) -> f64 {
+        at.saturating_duration_since(self.start).as_secs_f64() * self.time_scale
+    }
+
+    fn wall(&self, sim_s: f64) -> Instant {
+        self.start + Duration::from_secs_f64(sim_s.max(0.0) / self.time_scale)
+    }
+
+    async fn send(&self, gateway: usize, api: Api, body: bytes::Bytes, keep_text: bool) -> StreamOutcome {
+        let uri = format!("{}{}", self.gateways[gateway].trim_end_matches('/'), api.path());
+        let kind = StreamKind { api, keep_text };
+        let hooks = StreamHooks {
+            first_tokens: self.settled.clone(),
+            stop: self.stop.clone(),
+        };
+        let outcome = match tokio::time::timeout(
+            self.timeout,
+            stream_request(&self.client, &uri, body, kind, Some(hooks)),
+        )
+        .await
+        {
+            Ok(outcome) => outcome,
+            Err(_) => StreamOutcome {
+                error: Some(format!("no complete response within {:?}", self.timeout)),
+                e2e: self.timeout,
+                ..StreamOutcome::default()
+            },
+        };
+        if outcome.ttft.is_none() {
+            self.settled.fetch_add(1, Ordering::Relaxed);
+        }
+        outcome
+    }
+
+    fn record(
+        &self,
+        outcome: &StreamOutcome,
+        sent: Instant,
+        gateway: usize,
+        meta: (u32, u32),
+    ) -> RequestRecord {
+        let to_ms = |d: Duration| d.as_secs_f64() * 1000.0 * self.time_scale;
+        let tpot_ms = if outcome.tokens >= 2 {
+            let gaps: Duration = outcome.itls.iter().sum();
+            to_ms(gaps) / f64::from(outcome.tokens - 1)
+        } else {
+            f64::NAN
+        };
+        RequestRecord {
+            sent_s: self.sim_s(sent),
+            end_s: self.sim_s(sent + outcome.e2e),
+            gateway,
+            input_tokens: meta.0,
+            output_tokens: meta.1,
+            ttft_ms: outcome.ttft.map(to_ms),
+            tpot_ms,
+            e2e_ms: to_ms(outcome.e2e),
+            tokens: outcome.tokens,
+            prompt_tokens: outcome.prompt_tokens,
+            cached_tokens: outcome.cached_tokens,
+            error: outcome.error.clone(),
+            truncated: outcome.truncated,
+            session: None,
+            gaps_us: if outcome.error.is_some() {
+                Vec::new()
+            } else {
+                outcome
+                    .itls
+                    .iter()
+                    .map(|g| (g.as_secs_f64() * 1e6 * self.time_scale).min(f64::from(u32::MAX)) as u32)
+                    .collect()
+            },
+        }
+    }
+}
+
+/// What a finished task hands back: records and turns it did not send.
+type TaskResult = (Vec<RequestRecord>, Skip);
+
+/// Session turns a task did not send, and why.
+#[derive(Debug, Clone, Copy)]
+enum Skip {
+    None,
+    /// An earlier turn failed.
+    Failed(usize),
+    /// Past the turn horizon.
+    Horizon(usize),
+}
+
+async fn run_session(ctx: Arc<Context>, session: Session, gateway: usize) -> TaskResult {
+    let mut records = Vec::new();
+    let mut history: Vec<(String, String)> = Vec::new();
+    let mut ready_at = ctx.wall(session.start_s);
+    for (i, turn) in session.turns.iter().enumerate() {
+        ready_at += Duration::from_secs_f64(turn.think_s / ctx.time_scale);
+        if ctx.turn_horizon_s.is_some_and(|h| ctx.sim_s(ready_at) > h) {
+            let left = session.turns.len() - i;
+            ctx.settled.fetch_add(left, Ordering::Relaxed);
+            return (records, Skip::Horizon(left));
+        }
+        tokio::time::sleep_until(ready_at.into()).await;
+        let mut messages: Vec<(&str, &str)> = vec![("system", &session.system)];
+        for (user, answer) in &history {
+            messages.push(("user", user));
+            messages.push(("assistant", answer));
+        }
+        messages.push(("user", &turn.user));
+        let input_tokens = text::chat_tokens(&messages) as u32;
+        let body = bodies::chat(&messages, turn.output_tokens);
+        let sent = Instant::now();
+        let outcome = ctx.send(gateway, Api::Chat, body, true).await;
+        let mut record = ctx.record(&outcome, sent, gateway, (input_tokens, turn.output_tokens));
+        record.session = Some((session.id, i as u32));
+        records.push(record);
+        if outcome.error.is_some() {
+            let skipped = session.turns.len() - i - 1;
+            ctx.settled.fetch_add(skipped, Ordering::Relaxed);
+            return (records, Skip::Failed(skipped));
+        }
+        history.push((turn.user.clone(), outcome.text));
+        ready_at = Instant::now();
+    }
+    (records, Skip::None)
+}
+
+/// Runs `plan` and measures it.
+pub async fn run_plan(plan: &Plan, options: &LoadOptions) -> Result<RunOutput, String> {
+    if options.gateways.is_empty() {
+        return Err("no gateway to send to".into());
+    }
+    if !(options.time_scale.is_finite() && options.time_scale > 0.0) {
+        return Err(format!("time scale must be positive, got {}", options.time_scale));
     }
     let client = pooled_client();
     let progress = if options.progress {
-        let bar = ProgressBar::new(trace.len() as u64);
-        if let Ok(style) = ProgressStyle::with_template(
-            "{msg:>24} [{elapsed_precise}] {wide_bar} {pos}/{len} done, {per_sec}",
-        ) {
+        let bar = ProgressBar::new(plan.request_count() as u64);
+        if let Ok(style) =
+            ProgressStyle::with_template("{msg:>28} [{elapsed_precise}] {wide_bar} {pos}/{len}")
+        {
             bar.set_style(style);
         }
         bar.set_message(options.label.clone());
@@ -191,11 +378,21 @@ pub async fn run_trace(trace: &[TraceRequest], options: &LoadOptions) -> Result<
     } else {
         ProgressBar::hidden()
     };
-
     let start = Instant::now();
+    let (drain_tx, drain_rx) = watch::channel(false);
+    let ctx = Arc::new(Context {
+        client: client.clone(),
+        gateways: options.gateways.clone(),
+        start,
+        time_scale: options.time_scale,
+        timeout: options.request_timeout,
+        settled: Arc::new(AtomicUsize::new(0)),
+        stop: drain_rx,
+        turn_horizon_s: options.turn_horizon_s,
+    });
     let (stop_tx, stop_rx) = watch::channel(false);
     let sampler = tokio::spawn(sample_loads(
-        client.clone(),
+        client,
         options.workers.clone(),
         options.sample_every,
         options.time_scale,
@@ -203,124 +400,112 @@ pub async fn run_trace(trace: &[TraceRequest], options: &LoadOptions) -> Result<
         stop_rx,
     ));
 
-    let uris: Arc<Vec<String>> = Arc::new(
-        options
-            .targets
-            .iter()
-            .map(|t| format!("{}{}", t.trim_end_matches('/'), options.path))
-            .collect(),
-    );
-    let mut tasks: JoinSet<(StreamOutcome, Instant)> = JoinSet::new();
-    let mut outcomes = Vec::with_capacity(trace.len());
-    let mut last_end = start;
-    for (i, request) in trace.iter().copied().enumerate() {
-        let due = start + Duration::from_secs_f64(request.at_s / options.time_scale);
-        tokio::time::sleep_until(due.into()).await;
-        let client = client.clone();
-        let uris = uris.clone();
-        let timeout = options.request_timeout;
+    let n = options.gateways.len();
+    let mut tasks: JoinSet<TaskResult> = JoinSet::new();
+    for session in plan.sessions.iter().cloned() {
+        let ctx = ctx.clone();
+        let gateway = gateway_for(options.seed, 1 << 40 | u64::from(session.id), n);
+        tasks.spawn(run_session(ctx, session, gateway));
+    }
+    let mut results: Vec<TaskResult> = Vec::new();
+    let cut = options.cut_at_s;
+    for (i, request) in plan.requests.iter().enumerate() {
+        if cut.is_some_and(|c| request.at_s >= c) {
+            break;
+        }
+        tokio::time::sleep_until(ctx.wall(request.at_s).into()).await;
+        let ctx = ctx.clone();
+        let request = request.clone();
+        let gateway = gateway_for(options.seed, i as u64, n);
         tasks.spawn(async move {
-            let uri = &uris[i % uris.len()];
-            let body = Bytes::from(generate_body(
-                request.input_tokens,
-                request.output_tokens,
-                true,
-                i as u64,
-            ));
-            let outcome = match tokio::time::timeout(timeout, stream_request(&client, uri, body)).await {
-                Ok(outcome) => outcome,
-                Err(_) => StreamOutcome {
-                    error: Some(format!("no complete response within {timeout:?}")),
-                    e2e: timeout,
-                    ..StreamOutcome::default()
-                },
-            };
-            (outcome, Instant::now())
+            let sent = Instant::now();
+            let outcome = ctx.send(gateway, request.api, request.body, false).await;
+            let meta = (request.input_tokens, request.output_tokens);
+            (vec![ctx.record(&outcome, sent, gateway, meta)], Skip::None)
         });
-        // Reap finished requests as we go so memory stays flat.
         while let Some(done) = tasks.try_join_next() {
-            if let Some((outcome, end)) = collect(done, &progress) {
-                last_end = last_end.max(end);
-                outcomes.push(outcome);
-            }
+            collect(done, &progress, &mut results);
         }
     }
-    let arrivals_end = start.elapsed();
-    while let Some(done) = tasks.join_next().await {
-        if let Some((outcome, end)) = collect(done, &progress) {
-            last_end = last_end.max(end);
-            outcomes.push(outcome);
+    let last_arrival = plan
+        .requests
+        .last()
+        .map(|r| r.at_s)
+        .into_iter()
+        .chain(plan.sessions.iter().map(|s| s.start_s))
+        .fold(0.0, f64::max);
+    match cut {
+        Some(cut_s) => {
+            let deadline = ctx.wall(cut_s);
+            loop {
+                tokio::select! {
+                    done = tasks.join_next() => match done {
+                        Some(done) => collect(done, &progress, &mut results),
+                        None => break,
+                    },
+                    _ = tokio::time::sleep_until(deadline.into()) => {
+                        tasks.abort_all();
+                        break;
+                    }
+                }
+            }
+        }
+        None => {
+            let total = plan.request_count();
+            let mut stopped = false;
+            loop {
+                if !stopped
+                    && options.drain == Drain::FirstTokens
+                    && ctx.settled.load(Ordering::Relaxed) >= total
+                {
+                    let _ = drain_tx.send(true);
+                    stopped = true;
+                }
+                tokio::select! {
+                    done = tasks.join_next() => match done {
+                        Some(done) => collect(done, &progress, &mut results),
+                        None => break,
+                    },
+                    _ = tokio::time::sleep(Duration::from_millis(20)), if !stopped => {}
+                }
+            }
         }
     }
     let _ = stop_tx.send(true);
     let samples = sampler.await.unwrap_or_default();
     progress.finish_and_clear();
 
-    let scale = options.time_scale;
-    let to_ms = |d: Duration| d.as_secs_f64() * 1000.0 * scale;
-    let mut itl_us = Histogram::<u64>::new(3).map_err(|e| format!("histogram: {e}"))?;
-    let mut report = LoadReport {
-        label: options.label.clone(),
-        sent: trace.len(),
-        ok: 0,
-        errors: trace.len().saturating_sub(outcomes.len()),
-        error_examples: Vec::new(),
-        ttft_ms: Vec::new(),
-        e2e_ms: Vec::new(),
-        itl_us: Histogram::new(3).map_err(|e| format!("histogram: {e}"))?,
-        throughput_rps: 0.0,
-        token_throughput: 0.0,
-        samples: Vec::new(),
-        imbalance: None,
-        arrival_window_s: arrivals_end.as_secs_f64() * scale,
-    };
-    let mut tokens = 0u64;
-    for outcome in outcomes {
-        match (&outcome.error, outcome.ttft) {
-            (None, Some(ttft)) => {
-                report.ok += 1;
-                report.ttft_ms.push(to_ms(ttft));
-                report.e2e_ms.push(to_ms(outcome.e2e));
-                tokens += u64::from(outcome.tokens);
-                for gap in &outcome.itls {
-                    let _ = itl_us.record((gap.as_secs_f64() * 1e6 * scale) as u64);
-                }
-            }
-            (error, _) => {
-                report.errors += 1;
-                if report.error_examples.len() < 5 {
-                    report
-                        .error_examples
-                        .push(error.clone().unwrap_or_else(|| "no token received".into()));
-                }
-            }
+    let mut records = Vec::new();
+    let (mut abandoned, mut beyond_horizon) = (0, 0);
+    for (task_records, skipped) in results {
+        records.extend(task_records);
+        match skipped {
+            Skip::None => {}
+            Skip::Failed(n) => abandoned += n,
+            Skip::Horizon(n) => beyond_horizon += n,
         }
     }
-    report.itl_us = itl_us;
-    let span_s = (last_end - start).as_secs_f64() * scale;
-    if span_s > 0.0 {
-        report.throughput_rps = report.ok as f64 / span_s;
-        report.token_throughput = tokens as f64 / span_s;
-    }
-    let window = report.arrival_window_s;
-    let ratios: Vec<f64> = samples
-        .iter()
-        .filter(|s| s.t_s <= window)
-        .filter_map(|s| sample_imbalance(&s.tokens))
-        .collect();
-    if !ratios.is_empty() {
-        report.imbalance = Some(ratios.iter().sum::<f64>() / ratios.len() as f64);
-    }
-    report.samples = samples;
-    Ok(report)
+    records.sort_by(|a, b| a.sent_s.total_cmp(&b.sent_s));
+    let span_s = records.iter().map(|r| r.end_s).fold(0.0, f64::max);
+    Ok(RunOutput {
+        records,
+        abandoned,
+        beyond_horizon,
+        samples,
+        arrival_window_s: cut.map_or(last_arrival, |c| c.min(last_arrival)),
+        span_s,
+    })
 }
 
 fn collect(
-    done: Result<(StreamOutcome, Instant), tokio::task::JoinError>,
+    done: Result<TaskResult, tokio::task::JoinError>,
     progress: &ProgressBar,
-) -> Option<(StreamOutcome, Instant)> {
-    progress.inc(1);
-    done.ok()
+    results: &mut Vec<TaskResult>,
+) {
+    if let Ok(result) = done {
+        progress.inc(result.0.len() as u64);
+        results.push(result);
+    }
 }
 
 #[cfg(test)]
@@ -328,25 +513,172 @@ mod tests {
     use super::*;
 
     #[test]
-    fn rank_tokens_from_both_load_shapes() {
-        let v1 = r#"{"loads":[{"dp_rank":1,"num_used_tokens":5,"num_total_tokens":9},{"dp_rank":0,"num_used_tokens":3}]}"#;
-        assert_eq!(parse_rank_tokens(v1), Some(vec![3, 9]));
+    fn loads_from_both_shapes_with_optional_fields() {
+        let v1 = r#"{"loads":[{"dp_rank":1,"num_used_tokens":5,"num_total_tokens":9,"num_waiting_reqs":2,"cache_hit_rate":0.5},{"dp_rank":0,"num_used_tokens":3}]}"#;
+        let parsed = parse_loads(v1).unwrap();
+        assert_eq!((parsed[0].0, parsed[0].1), (3, 0));
+        assert!(parsed[0].2.is_nan());
+        assert_eq!(parsed[1], (9, 2, 0.5));
         let legacy = r#"[{"dp_rank":0,"num_tokens":4},{"dp_rank":1,"num_tokens":6}]"#;
-        assert_eq!(parse_rank_tokens(legacy), Some(vec![4, 6]));
+        let tokens: Vec<u64> = parse_loads(legacy).unwrap().iter().map(|r| r.0).collect();
+        assert_eq!(tokens, vec![4, 6]);
+        assert!(parse_loads("nope").is_none());
     }
 
     #[test]
-    fn imbalance_ignores_an_empty_fleet() {
+    fn imbalance_ignores_an_empty_fleet_and_late_samples() {
         assert_eq!(sample_imbalance(&[0, 0, 0, 0]), None);
         assert_eq!(sample_imbalance(&[10, 10, 10, 10]), Some(1.0));
         assert_eq!(sample_imbalance(&[40, 0, 0, 0]), Some(4.0));
+        let sample = |t_s, tokens: Vec<u64>| LoadSample {
+            t_s,
+            waiting: vec![0; tokens.len()],
+            cache_hit_rate: vec![f64::NAN; tokens.len()],
+            tokens,
+        };
+        let samples = vec![
+            sample(1.0, vec![30, 10, 0, 0]),
+            sample(2.0, vec![10, 10, 20, 0]),
+            sample(9.0, vec![90, 0, 0, 0]),
+        ];
+        assert_eq!(imbalance(&samples, 0.0, 5.0, 0..4), Some(2.5));
+        assert_eq!(imbalance(&samples, 0.0, 5.0, 2..4), Some(2.0));
+        assert_eq!(imbalance(&samples, 1.5, 5.0, 0..4), Some(2.0));
+    }
+
+    async fn sim(time_scale: f64) -> dprank_sim::SimServer {
+        let config = dprank_sim::SimConfig {
+            time_scale,
+            ..dprank_sim::SimConfig::default()
+        };
+        dprank_sim::SimServer::start(Arc::new(config), "127.0.0.1:0".parse().unwrap(), None)
+            .await
+            .unwrap()
+    }
+
+    fn options(server: &dprank_sim::SimServer, time_scale: f64, drain: Drain) -> LoadOptions {
+        LoadOptions {
+            gateways: vec![format!("http://{}", server.addr)],
+            workers: vec![server.addr],
+            time_scale,
+            sample_every: Duration::from_millis(20),
+            request_timeout: Duration::from_secs(30),
+            seed: 1,
+            progress: false,
+            label: "test".into(),
+            cut_at_s: None,
+            drain,
+            turn_horizon_s: None,
+        }
+    }
+
+    fn shape(rate: f64, duration_s: f64) -> crate::workload::Shape {
+        crate::workload::Shape {
+            rate,
+            duration_s,
+            seed: 5,
+            max_prompt: 4000,
+            max_output: 200,
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn open_loop_requests_stream_from_a_simulated_worker() {
+        let server = sim(50.0).await;
+        let plan = crate::workload::Workload::new(crate::workload::WorkloadKind::Tenants)
+            .plan(&shape(4.0, 10.0))
+            .unwrap();
+        let out = run_plan(&plan, &options(&server, 50.0, Drain::Complete))
+            .await
+            .unwrap();
+        assert_eq!(out.records.len(), plan.requests.len());
+        assert!(
+            out.records.iter().all(|r| r.ok() && !r.truncated),
+            "{:?}",
+            out.records[0]
+        );
+        // The worker reports the prompt size the workload asked for.
+        let mut reported: Vec<(u64, u32)> = out
+            .records
+            .iter()
+            .map(|r| (r.prompt_tokens.unwrap(), r.tokens))
+            .collect();
+        let mut asked: Vec<(u64, u32)> = plan
+            .requests
+            .iter()
+            .map(|r| (u64::from(r.input_tokens), r.output_tokens))
+            .collect();
+        reported.sort_unstable();
+        asked.sort_unstable();
+        assert_eq!(reported, asked);
+        assert!(!out.samples.is_empty() && out.samples[0].tokens.len() == 4);
+        assert!(out.span_s >= out.arrival_window_s);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn first_tokens_drain_keeps_every_ttft_and_cuts_the_tail() {
+        let server = sim(20.0).await;
+        let mut plan = crate::workload::Workload::new(crate::workload::WorkloadKind::NoPrefix)
+            .plan(&shape(5.0, 4.0))
+            .unwrap();
+        // One long answer arriving first: the run must not wait for its end.
+        plan.requests[0].body = crate::workload::bodies::generate("the cat sat far ", 4000, true);
+        let out = run_plan(&plan, &options(&server, 20.0, Drain::FirstTokens))
+            .await
+            .unwrap();
+        assert!(out.records.iter().all(|r| r.ok() && r.ttft_ms.is_some()));
+        // The long answer (sent first) was cut off once the last request had its first token.
+        assert!(
+            out.records[0].truncated && out.records[0].tokens < 4000,
+            "{:?}",
+            out.records[0]
+        );
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn chat_sessions_resend_their_growing_history() {
+        let server = sim(50.0).await;
+        let plan = crate::workload::Workload::new(crate::workload::WorkloadKind::Chat)
+            .plan(&shape(6.0, 10.0))
+            .unwrap();
+        let out = run_plan(&plan, &options(&server, 50.0, Drain::Complete))
+            .await
+            .unwrap();
+        assert_eq!(out.records.len(), plan.request_count());
+        assert!(out.records.iter().all(RequestRecord::ok));
+        let mut checked = 0;
+        for session in plan.sessions.iter().filter(|s| s.turns.len() >= 2) {
+            let mut turns: Vec<&RequestRecord> = out
+                .records
+                .iter()
+                .filter(|r| r.session.map(|s| s.0) == Some(session.id))
+                .collect();
+            turns.sort_by_key(|r| r.session.map(|s| s.1));
+            assert_eq!(turns.len(), session.turns.len());
+            for pair in turns.windows(2) {
+                let (before, after) = (pair[0], pair[1]);
+                // The next prompt holds the previous prompt and its whole answer.
+                let prompt = |r: &RequestRecord| r.prompt_tokens.unwrap();
+                assert!(
+                    prompt(after) >= prompt(before) + u64::from(before.tokens),
+                    "{before:?} then {after:?}"
+                );
+                // The worker counted what the bench meant to send.
+                assert_eq!(prompt(after), u64::from(after.input_tokens));
+            }
+            checked += 1;
+        }
+        assert!(checked >= 3, "{checked} multi-turn sessions");
     }
 
     #[test]
-    fn percentile_is_nearest_rank() {
-        let v: Vec<f64> = (1..=100).map(f64::from).collect();
-        assert_eq!(percentile(&v, 50.0), 50.0);
-        assert_eq!(percentile(&v, 99.0), 99.0);
-        assert!(percentile(&[], 50.0).is_nan());
+    fn gateways_spread_evenly_and_reproducibly() {
+        let mut counts = [0usize; 4];
+        for key in 0..4000 {
+            counts[gateway_for(7, key, 4)] += 1;
+        }
+        assert!(counts.iter().all(|c| (850..1150).contains(c)), "{counts:?}");
+        assert_eq!(gateway_for(7, 11, 4), gateway_for(7, 11, 4));
+        assert_eq!(gateway_for(7, 11, 1), 0);
     }
 }

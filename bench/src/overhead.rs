@@ -12,11 +12,11 @@ use clap::Args;
 
 use crate::client::{pooled_client, Connection};
 use crate::cpu::CpuTimes;
-use crate::envoy::Balancer;
-use crate::fleet::{start_envoy, start_smg, Front, SimFleet, SimOptions, SmgMode, Tools};
-use crate::loadgen::percentile;
-use crate::stats::{fmt_spread, markdown_table, median, report_header};
-use crate::trace::generate_body_of_size;
+use crate::envoy::{Balancer, DprankSettings};
+use crate::fleet::{smg_front, smg_launch_args, start_envoy, Front, SimFleet, SimOptions, Tools};
+use crate::report::{fmt_spread, markdown_table, report_header};
+use crate::stats::{median, percentile};
+use crate::workload::bodies;
 
 #[derive(Debug, Clone, Args)]
 pub struct OverheadArgs {
@@ -27,6 +27,16 @@ pub struct OverheadArgs {
     pub runs: usize,
     #[arg(long, default_value = "bench-results")]
     pub out: PathBuf,
+}
+
+impl OverheadArgs {
+    pub fn defaults() -> OverheadArgs {
+        OverheadArgs {
+            seconds: 2.0,
+            runs: 3,
+            out: PathBuf::from("bench-results"),
+        }
+    }
 }
 
 const CONNECTIONS: [usize; 2] = [1, 16];
@@ -92,7 +102,7 @@ pub async fn overhead(tools: &Tools, args: &OverheadArgs, command_line: &str) ->
         workers: 1,
         dp_size: 4,
         time_scale: 1.0,
-        minimum_tokens: false,
+        dispatch: "round_robin",
         instant: true,
         extra: Vec::new(),
     };
@@ -101,7 +111,7 @@ pub async fn overhead(tools: &Tools, args: &OverheadArgs, command_line: &str) ->
     let mut fronts: Vec<(&'static str, Front)> = vec![
         (
             "envoy",
-            start_envoy(tools, &client, &fleet, Balancer::RoundRobin, "overhead-envoy").await?,
+            start_envoy(tools, &client, &fleet, &Balancer::RoundRobin, "overhead-envoy").await?,
         ),
         (
             "envoy+dprank",
@@ -109,16 +119,25 @@ pub async fn overhead(tools: &Tools, args: &OverheadArgs, command_line: &str) ->
                 tools,
                 &client,
                 &fleet,
-                Balancer::Dprank {
-                    poll_interval_ms: 1000,
-                },
+                &Balancer::Dprank(DprankSettings::polling_every(1000)),
                 "overhead-envoy-dprank",
             )
             .await?,
         ),
     ];
-    match start_smg(tools, &client, &fleet, SmgMode::DpAware, "overhead-smg").await? {
-        Some(front) => fronts.push(("smg --dp-aware", front)),
+    match &tools.smg {
+        Some(smg) => {
+            let (port, mut args) = smg_launch_args()?;
+            args.extend([
+                "--policy".into(),
+                "round_robin".into(),
+                "--dp-aware".into(),
+                "--worker-urls".into(),
+            ]);
+            args.push(format!("http://{worker}"));
+            let front = smg_front(tools, &client, smg, &args, port, "overhead-smg").await?;
+            fronts.push(("smg --dp-aware", front));
+        }
         None => println!(
             "overhead: smg skipped, not installed (DPRANK_WITH_SMG=1 ./scripts/setup.sh installs it)"
         ),
@@ -135,7 +154,7 @@ pub async fn overhead(tools: &Tools, args: &OverheadArgs, command_line: &str) ->
     for run in 0..args.runs {
         for (ci, connections) in CONNECTIONS.iter().enumerate() {
             for (bi, (size, label)) in BODIES.iter().enumerate() {
-                let body = Bytes::from(generate_body_of_size(*size));
+                let body = bodies::generate_of_size(*size);
                 for (ti, target) in targets.iter().enumerate() {
                     let cell = measure(target.addr, *connections, body.clone(), args.seconds).await?;
                     println!(

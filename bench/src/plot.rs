@@ -8,7 +8,7 @@ use std::sync::OnceLock;
 use plotters::coord::combinators::IntoLogRange;
 use plotters::prelude::*;
 
-use crate::loadgen::LoadReport;
+use crate::loadgen::LoadSample;
 
 const FONT_PATHS: [&str; 4] = [
     "/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf",
@@ -55,31 +55,34 @@ fn color(i: usize) -> RGBColor {
     COLORS[i % COLORS.len()]
 }
 
-/// Tokens per rank over time, one panel per report, same axes.
-pub fn rank_tokens(path: &Path, panels: &[(&LoadReport, &str)], dp_size: usize) -> Result<(), String> {
+/// One panel of [`rank_tokens`]: load samples and a caption.
+pub struct RankPanel<'a> {
+    pub samples: &'a [LoadSample],
+    pub caption: String,
+}
+
+/// Tokens per rank over time, panels side by side, same axes.
+pub fn rank_tokens(path: &Path, panels: &[RankPanel], dp_size: usize) -> Result<(), String> {
     let text = has_font();
-    let root = BitMapBackend::new(path, (1200, 420 * panels.len() as u32)).into_drawing_area();
+    let root = BitMapBackend::new(path, (800 * panels.len() as u32, 520)).into_drawing_area();
     root.fill(&WHITE).map_err(err)?;
     let x_max = panels
         .iter()
-        .flat_map(|(r, _)| r.samples.iter().map(|s| s.t_s))
+        .flat_map(|p| p.samples.iter().map(|s| s.t_s))
         .fold(1.0, f64::max);
     let y_max = panels
         .iter()
-        .flat_map(|(r, _)| r.samples.iter().flat_map(|s| s.tokens.iter().copied()))
+        .flat_map(|p| p.samples.iter().flat_map(|s| s.tokens.iter().copied()))
         .max()
         .unwrap_or(1)
         .max(1) as f64
         * 1.05;
-    let areas = root.split_evenly((panels.len(), 1));
-    for ((report, title), area) in panels.iter().zip(areas.iter()) {
+    let areas = root.split_evenly((1, panels.len()));
+    for (panel, area) in panels.iter().zip(areas.iter()) {
         let mut builder = ChartBuilder::on(area);
         builder.margin(12).x_label_area_size(40).y_label_area_size(70);
         if text {
-            builder.caption(
-                format!("{title}: imbalance {:.3}", report.imbalance.unwrap_or(f64::NAN)),
-                ("sans-serif", 20),
-            );
+            builder.caption(&panel.caption, ("sans-serif", 20));
         }
         let mut chart = builder
             .build_cartesian_2d(0f64..x_max, 0f64..y_max)
@@ -87,17 +90,17 @@ pub fn rank_tokens(path: &Path, panels: &[(&LoadReport, &str)], dp_size: usize) 
         let mut mesh = chart.configure_mesh();
         if text {
             mesh.x_desc("simulated seconds")
-                .y_desc("tokens on the rank (num_total_tokens)")
+                .y_desc("tokens on the rank (polled /v1/loads)")
                 .x_label_formatter(&|v| format!("{v:.0}"))
                 .y_label_formatter(&|v| format!("{v:.0}"));
         } else {
             mesh.x_labels(0).y_labels(0);
         }
         mesh.draw().map_err(err)?;
-        let ranks = report.samples.first().map_or(0, |s| s.tokens.len());
+        let ranks = panel.samples.first().map_or(0, |s| s.tokens.len());
         for rank in 0..ranks {
             let c = color(rank);
-            let points = report
+            let points = panel
                 .samples
                 .iter()
                 .filter_map(|s| s.tokens.get(rank).map(|t| (s.t_s, *t as f64)));
@@ -184,4 +187,144 @@ pub fn cdf(path: &Path, title: &str, x_desc: &str, series: &[(String, Vec<f64>)]
             .map_err(err)?;
     }
     root.present().map_err(err)
+}
+
+/// Lines of (x, y) points, one per series; `log_y` for latencies. Used for
+/// the sweep: a metric against the offered load.
+pub fn lines(
+    path: &Path,
+    title: &str,
+    x_desc: &str,
+    y_desc: &str,
+    series: &[(String, Vec<(f64, f64)>)],
+    log_y: bool,
+) -> Result<(), String> {
+    let text = has_font();
+    let root = BitMapBackend::new(path, (1000, 650)).into_drawing_area();
+    root.fill(&WHITE).map_err(err)?;
+    let points = || {
+        series
+            .iter()
+            .flat_map(|(_, p)| p.iter().copied())
+            .filter(|(x, y)| x.is_finite() && y.is_finite())
+    };
+    let (x_lo, x_hi) = points().fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), (x, _)| {
+        (lo.min(x), hi.max(x))
+    });
+    let (x_lo, x_hi) = if x_lo < x_hi {
+        (x_lo - 0.03, x_hi + 0.03)
+    } else {
+        (0.0, 1.0)
+    };
+    let positive = points().map(|(_, y)| y).filter(|y| *y > 0.0);
+    let y_hi = positive.clone().fold(0.0, f64::max);
+    let y_lo = positive.fold(f64::INFINITY, f64::min);
+    let mut builder = ChartBuilder::on(&root);
+    builder.margin(15).x_label_area_size(45).y_label_area_size(70);
+    if text {
+        builder.caption(title, ("sans-serif", 22));
+    }
+    macro_rules! draw {
+        ($chart:expr) => {{
+            let mut chart = $chart;
+            let x_label = |v: &f64| format!("{:.0}%", v * 100.0);
+            let y_label = |v: &f64| {
+                if log_y {
+                    format!("{v:.0}")
+                } else {
+                    format!("{v:.2}")
+                }
+            };
+            let mut mesh = chart.configure_mesh();
+            if text {
+                mesh.x_desc(x_desc)
+                    .y_desc(y_desc)
+                    .x_label_formatter(&x_label)
+                    .y_label_formatter(&y_label);
+            } else {
+                mesh.x_labels(0).y_labels(0);
+            }
+            mesh.draw().map_err(err)?;
+            for (i, (name, pts)) in series.iter().enumerate() {
+                let c = color(i);
+                let pts: Vec<(f64, f64)> = pts
+                    .iter()
+                    .copied()
+                    .filter(|(x, y)| x.is_finite() && y.is_finite() && (!log_y || *y > 0.0))
+                    .collect();
+                chart
+                    .draw_series(pts.iter().map(|p| Circle::new(*p, 4, c.filled())))
+                    .map_err(err)?;
+                let drawn = chart
+                    .draw_series(LineSeries::new(pts.clone(), c.stroke_width(2)))
+                    .map_err(err)?;
+                if text {
+                    drawn
+                        .label(name.clone())
+                        .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], c.stroke_width(2)));
+                }
+            }
+            if text {
+                chart
+                    .configure_series_labels()
+                    .position(SeriesLabelPosition::UpperLeft)
+                    .background_style(WHITE.mix(0.85))
+                    .border_style(BLACK)
+                    .draw()
+                    .map_err(err)?;
+            }
+        }};
+    }
+    if log_y {
+        let (lo, hi) = if y_lo.is_finite() && y_hi > y_lo {
+            (y_lo * 0.8, y_hi * 1.25)
+        } else {
+            (1.0, 10.0)
+        };
+        draw!(builder
+            .build_cartesian_2d(x_lo..x_hi, (lo..hi).log_scale())
+            .map_err(err)?);
+    } else {
+        let hi = if y_hi > 0.0 { y_hi * 1.05 } else { 1.0 };
+        draw!(builder.build_cartesian_2d(x_lo..x_hi, 0f64..hi).map_err(err)?);
+    }
+    root.present().map_err(err)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn plots_are_written() {
+        let dir = std::env::temp_dir().join(format!("dprank-plot-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let series = vec![
+            ("a".to_string(), vec![(0.5, 10.0), (0.7, 30.0), (0.95, 900.0)]),
+            ("b".to_string(), vec![(0.5, 12.0), (0.7, f64::NAN), (0.95, 400.0)]),
+        ];
+        lines(&dir.join("l.png"), "t", "load", "ms", &series, true).unwrap();
+        lines(&dir.join("g.png"), "t", "load", "share", &series, false).unwrap();
+        let samples = vec![LoadSample {
+            t_s: 1.0,
+            tokens: vec![1, 2, 3, 4],
+            waiting: vec![0; 4],
+            cache_hit_rate: vec![f64::NAN; 4],
+        }];
+        let panels = [
+            RankPanel {
+                samples: &samples,
+                caption: "x".into(),
+            },
+            RankPanel {
+                samples: &samples,
+                caption: "y".into(),
+            },
+        ];
+        rank_tokens(&dir.join("r.png"), &panels, 4).unwrap();
+        for f in ["l.png", "g.png", "r.png"] {
+            assert!(std::fs::metadata(dir.join(f)).unwrap().len() > 1000, "{f}");
+        }
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 }

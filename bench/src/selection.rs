@@ -17,8 +17,9 @@ use dprank::store::{self, cache::StateCache, IfMissing};
 use std::cell::{Cell, RefCell};
 use std::rc::Rc;
 
-use crate::stats::{markdown_table, median, report_header};
-use crate::trace::generate_body_of_size;
+use crate::report::{markdown_table, report_header};
+use crate::stats::median;
+use crate::workload::bodies;
 
 #[derive(Debug, Clone, Args)]
 pub struct SelectionArgs {
@@ -27,6 +28,15 @@ pub struct SelectionArgs {
     pub batches: usize,
     #[arg(long, default_value = "bench-results")]
     pub out: PathBuf,
+}
+
+impl SelectionArgs {
+    pub fn defaults() -> SelectionArgs {
+        SelectionArgs {
+            batches: 51,
+            out: PathBuf::from("bench-results"),
+        }
+    }
 }
 
 /// Ranks per worker in the synthetic fleets (one 8-GPU node each).
@@ -326,7 +336,7 @@ pub fn selection(args: &SelectionArgs, command_line: &str) -> Result<(), String>
 
     let mut body_rows = Vec::new();
     for (size, label) in [(1024usize, "1 KB"), (100 * 1024, "100 KB")] {
-        let body = generate_body_of_size(size).into_bytes();
+        let body = bodies::generate_of_size(size).to_vec();
         let ns = time_ns(args.batches, || match JsonObject::parse(&body) {
             Ok(object) => object.with_fields(&[("routed_dp_rank", "3")]).len() as u64,
             Err(_) => 0,

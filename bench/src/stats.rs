@@ -1,86 +1,187 @@
-//! Small helpers for reporting several runs: median with min–max spread.
+//! The statistics every benchmark table rests on: nearest-rank percentiles,
+//! medians, goodput against an SLO, and the paired ratio of two variants over
+//! seeds with a percentile-bootstrap confidence interval.
+//!
+//! Why paired: every seed is a different trace, and some traces are simply
+//! harder than others. Dividing dprank's figure by the peer's on the *same*
+//! seed removes that trace-to-trace spread from the comparison; the median of
+//! those ratios, with a bootstrap interval over seeds, is what the tables show.
 
-/// Median, min and max of `values` (NaN-free); None if empty.
-pub fn spread(values: &[f64]) -> Option<(f64, f64, f64)> {
-    let mut v: Vec<f64> = values.iter().copied().filter(|x| x.is_finite()).collect();
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+/// Nearest-rank percentile `p` (0-100) of unsorted values, NaN values
+/// ignored; NaN when nothing is left.
+pub fn percentile(values: &[f64], p: f64) -> f64 {
+    let mut sorted: Vec<f64> = values.iter().copied().filter(|v| !v.is_nan()).collect();
+    if sorted.is_empty() {
+        return f64::NAN;
+    }
+    sorted.sort_by(|a, b| a.total_cmp(b));
+    percentile_sorted(&sorted, p)
+}
+
+/// Nearest-rank percentile of values already sorted ascending (non-empty).
+fn percentile_sorted(sorted: &[f64], p: f64) -> f64 {
+    let rank = ((p / 100.0) * sorted.len() as f64).ceil() as usize;
+    sorted[rank.clamp(1, sorted.len()) - 1]
+}
+
+/// Median (mean of the two middle values for an even count), NaN values
+/// ignored; NaN when nothing is left.
+pub fn median(values: &[f64]) -> f64 {
+    let mut v: Vec<f64> = values.iter().copied().filter(|x| !x.is_nan()).collect();
     if v.is_empty() {
-        return None;
+        return f64::NAN;
     }
     v.sort_by(|a, b| a.total_cmp(b));
-    let n = v.len();
-    let median = if n % 2 == 1 {
-        v[n / 2]
+    median_sorted(&v)
+}
+
+fn median_sorted(sorted: &[f64]) -> f64 {
+    let n = sorted.len();
+    if n % 2 == 1 {
+        sorted[n / 2]
     } else {
-        (v[n / 2 - 1] + v[n / 2]) / 2.0
-    };
-    Some((median, v[0], v[n - 1]))
-}
-
-pub fn median(values: &[f64]) -> f64 {
-    spread(values).map_or(f64::NAN, |(m, _, _)| m)
-}
-
-/// "median (min–max)" with `decimals`; the range is omitted for a single run.
-pub fn fmt_spread(values: &[f64], decimals: usize) -> String {
-    match spread(values) {
-        None => "n/a".into(),
-        Some((m, lo, hi)) if values.len() == 1 || lo == hi => format!("{m:.decimals$}"),
-        Some((m, lo, hi)) => format!("{m:.decimals$} ({lo:.decimals$}–{hi:.decimals$})"),
+        (sorted[n / 2 - 1] + sorted[n / 2]) / 2.0
     }
 }
 
-/// Markdown table from a header and rows.
-pub fn markdown_table(header: &[&str], rows: &[Vec<String>]) -> String {
-    let mut out = format!("| {} |\n", header.join(" | "));
-    out.push_str(&format!(
-        "|{}\n",
-        header.iter().map(|_| "---|").collect::<String>()
-    ));
-    for row in rows {
-        out.push_str(&format!("| {} |\n", row.join(" | ")));
+/// Minimum and maximum of the non-NaN values.
+pub fn min_max(values: &[f64]) -> Option<(f64, f64)> {
+    let finite = values.iter().copied().filter(|v| !v.is_nan());
+    finite.fold(None, |acc, v| match acc {
+        None => Some((v, v)),
+        Some((lo, hi)) => Some((lo.min(v), hi.max(v))),
+    })
+}
+
+/// Reads an `f64` that JSON may hold as `null` (serde_json writes NaN and
+/// infinities as `null`) back as NaN.
+pub fn nan_from_null<'de, D: serde::Deserializer<'de>>(d: D) -> Result<f64, D::Error> {
+    use serde::Deserialize;
+    Ok(Option::<f64>::deserialize(d)?.unwrap_or(f64::NAN))
+}
+
+/// Service-level objective a request must meet to count towards goodput.
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct Slo {
+    /// Time to first token, simulated ms.
+    #[serde(deserialize_with = "nan_from_null")]
+    pub ttft_ms: f64,
+    /// Mean time per output token after the first (TPOT), simulated ms.
+    #[serde(deserialize_with = "nan_from_null")]
+    pub tpot_ms: f64,
+}
+
+/// Share of `requests` (TTFT ms, TPOT ms; TPOT NaN for one-token outputs)
+/// meeting `slo`; `failed` requests count as missing it. NaN if there are none.
+pub fn goodput(requests: &[(f64, f64)], failed: usize, slo: &Slo) -> f64 {
+    let total = requests.len() + failed;
+    if total == 0 {
+        return f64::NAN;
     }
-    out
+    let good = requests
+        .iter()
+        .filter(|(ttft, tpot)| *ttft <= slo.ttft_ms && (tpot.is_nan() || *tpot <= slo.tpot_ms))
+        .count();
+    good as f64 / total as f64
 }
 
-/// Machine description for result files: CPU model, cores, kernel.
-pub fn machine() -> String {
-    let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
-    let model = cpuinfo
-        .lines()
-        .find(|l| l.starts_with("model name"))
-        .and_then(|l| l.split(':').nth(1))
-        .map_or("unknown CPU".to_string(), |m| m.trim().to_string());
-    let kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
-    format!("{model}, {} cores, Linux {}", crate::cpu::cores(), kernel.trim())
+/// Median of the per-seed ratios `a / b` with its confidence interval.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct PairedRatio {
+    pub median: f64,
+    pub lo: f64,
+    pub hi: f64,
+    /// Seeds present on both sides with a finite, positive denominator.
+    pub pairs: usize,
+    /// Pairs where a < b.
+    pub below_one: usize,
 }
 
-/// UTC date and time now, `YYYY-MM-DD HH:MM UTC`.
-pub fn now_utc() -> String {
-    let secs = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs());
-    let days = secs / 86_400;
-    let (h, m) = ((secs % 86_400) / 3600, (secs % 3600) / 60);
-    // Civil-from-days (Howard Hinnant's algorithm).
-    let z = days as i64 + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z - era * 146_097;
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let d = doy - (153 * mp + 2) / 5 + 1;
-    let month = if mp < 10 { mp + 3 } else { mp - 9 };
-    let year = yoe + era * 400 + i64::from(month <= 2);
-    format!("{year:04}-{month:02}-{d:02} {h:02}:{m:02} UTC")
+impl PairedRatio {
+    /// `0.81 [0.70, 0.93]`, or the point alone when there is one pair.
+    pub fn display(&self) -> String {
+        if self.pairs < 2 {
+            format!("{:.2}", self.median)
+        } else {
+            format!("{:.2} [{:.2}, {:.2}]", self.median, self.lo, self.hi)
+        }
+    }
 }
 
-/// The opening of every results file: the title, then when, where and how it was measured.
-pub fn report_header(title: &str, command_line: &str) -> String {
-    format!(
-        "# {title}\n\n- date: {}\n- machine: {}\n- command: `{command_line}`\n\n",
-        now_utc(),
-        machine()
+/// Resamples for the bootstrap; the RNG seed is fixed so a report rebuilt
+/// from the same runs prints the same interval.
+pub const BOOTSTRAP_RESAMPLES: usize = 10_000;
+const BOOTSTRAP_SEED: u64 = 0x5eed_0fb0_07ed;
+
+/// Pairs `a` and `b` by seed (`(seed, value)` lists), forms `a / b` for every
+/// seed on both sides where both are finite and `b > 0`, and returns the
+/// median ratio with a 95% percentile-bootstrap interval over seeds.
+pub fn paired_ratio(a: &[(u64, f64)], b: &[(u64, f64)]) -> Option<PairedRatio> {
+    let ratios: Vec<f64> = a
+        .iter()
+        .filter_map(|(seed, x)| {
+            let y = b.iter().find(|(s, _)| s == seed)?.1;
+            (x.is_finite() && y.is_finite() && y > 0.0).then_some(x / y)
+        })
+        .collect();
+    if ratios.is_empty() {
+        return None;
+    }
+    let (lo, hi) = bootstrap_median_interval(&ratios, 0.95, BOOTSTRAP_RESAMPLES, BOOTSTRAP_SEED);
+    Some(PairedRatio {
+        median: median(&ratios),
+        lo,
+        hi,
+        pairs: ratios.len(),
+        below_one: ratios.iter().filter(|r| **r < 1.0).count(),
+    })
+}
+
+/// Percentile-bootstrap interval (two-sided, `confidence` in (0, 1)) of the
+/// median of `values`: resample with replacement `resamples` times, take the
+/// median of each resample, return the (1-c)/2 and (1+c)/2 quantiles of
+/// those medians. A single value gives (value, value).
+pub fn bootstrap_median_interval(values: &[f64], confidence: f64, resamples: usize, seed: u64) -> (f64, f64) {
+    let values: Vec<f64> = values.iter().copied().filter(|v| !v.is_nan()).collect();
+    match values.len() {
+        0 => return (f64::NAN, f64::NAN),
+        1 => return (values[0], values[0]),
+        _ => {}
+    }
+    let mut rng = StdRng::seed_from_u64(seed);
+    let mut sample = vec![0.0; values.len()];
+    let mut medians = Vec::with_capacity(resamples.max(1));
+    for _ in 0..resamples.max(1) {
+        for slot in sample.iter_mut() {
+            *slot = values[rng.random_range(0..values.len())];
+        }
+        sample.sort_by(|a, b| a.total_cmp(b));
+        medians.push(median_sorted(&sample));
+    }
+    medians.sort_by(|a, b| a.total_cmp(b));
+    let tail = (1.0 - confidence.clamp(0.0, 1.0)) / 2.0;
+    (
+        quantile_sorted(&medians, tail),
+        quantile_sorted(&medians, 1.0 - tail),
     )
+}
+
+/// Linear-interpolated quantile `q` (0-1) of sorted, non-empty values.
+fn quantile_sorted(sorted: &[f64], q: f64) -> f64 {
+    let position = q.clamp(0.0, 1.0) * (sorted.len() - 1) as f64;
+    let below = position.floor() as usize;
+    let above = position.ceil() as usize;
+    let weight = position - below as f64;
+    sorted[below] * (1.0 - weight) + sorted[above] * weight
+}
+
+/// How many samples lie at or above the nearest-rank percentile `p` among
+/// `n`: what a tail figure rests on (p99 of 700 requests is the 8th largest).
+pub fn tail_samples(n: usize, p: f64) -> usize {
+    n - ((p / 100.0) * n as f64).ceil().min(n as f64) as usize + usize::from(n > 0)
 }
 
 #[cfg(test)]
@@ -88,10 +189,97 @@ mod tests {
     use super::*;
 
     #[test]
-    fn spread_and_format() {
-        assert_eq!(spread(&[3.0, 1.0, 2.0]), Some((2.0, 1.0, 3.0)));
-        assert_eq!(fmt_spread(&[3.0, 1.0, 2.0], 1), "2.0 (1.0–3.0)");
-        assert_eq!(fmt_spread(&[5.0], 0), "5");
-        assert_eq!(fmt_spread(&[], 0), "n/a");
+    fn percentile_is_nearest_rank_and_skips_nan() {
+        let v: Vec<f64> = (1..=100).map(f64::from).collect();
+        assert_eq!(percentile(&v, 50.0), 50.0);
+        assert_eq!(percentile(&v, 99.0), 99.0);
+        assert_eq!(percentile(&v, 100.0), 100.0);
+        assert_eq!(percentile(&v, 0.0), 1.0);
+        assert_eq!(percentile(&[3.0, f64::NAN, 1.0], 100.0), 3.0);
+        assert!(percentile(&[], 50.0).is_nan());
+        assert!(percentile(&[f64::NAN], 50.0).is_nan());
+    }
+
+    #[test]
+    fn median_odd_even_and_min_max() {
+        assert_eq!(median(&[3.0, 1.0, 2.0]), 2.0);
+        assert_eq!(median(&[4.0, 1.0, 2.0, 3.0]), 2.5);
+        assert!(median(&[]).is_nan());
+        assert_eq!(min_max(&[2.0, f64::NAN, -1.0, 5.0]), Some((-1.0, 5.0)));
+        assert_eq!(min_max(&[]), None);
+    }
+
+    #[test]
+    fn goodput_counts_both_objectives_and_failures() {
+        let slo = Slo {
+            ttft_ms: 100.0,
+            tpot_ms: 10.0,
+        };
+        let requests = [(50.0, 5.0), (150.0, 5.0), (50.0, 20.0), (100.0, f64::NAN)];
+        // Two of four meet both; one failure makes it two of five.
+        assert_eq!(goodput(&requests, 0, &slo), 0.5);
+        assert_eq!(goodput(&requests, 1, &slo), 0.4);
+        assert!(goodput(&[], 0, &slo).is_nan());
+        assert_eq!(goodput(&[], 3, &slo), 0.0);
+    }
+
+    #[test]
+    fn paired_ratio_pairs_by_seed_and_skips_bad_denominators() {
+        let a = [(1, 50.0), (2, 80.0), (3, 30.0), (4, 10.0)];
+        let b = [(2, 100.0), (1, 100.0), (3, 0.0), (5, 1.0)];
+        let r = paired_ratio(&a, &b).unwrap();
+        assert_eq!(r.pairs, 2);
+        assert_eq!(r.median, 0.65);
+        assert_eq!(r.below_one, 2);
+        assert!(r.lo >= 0.5 && r.hi <= 0.8 && r.lo <= r.median && r.median <= r.hi);
+        assert!(paired_ratio(&a, &[(9, 1.0)]).is_none());
+    }
+
+    #[test]
+    fn identical_ratios_give_a_point_interval() {
+        let a: Vec<(u64, f64)> = (0..10).map(|s| (s, 2.0 * (s + 1) as f64)).collect();
+        let b: Vec<(u64, f64)> = (0..10).map(|s| (s, (s + 1) as f64)).collect();
+        let r = paired_ratio(&a, &b).unwrap();
+        assert_eq!((r.median, r.lo, r.hi, r.pairs), (2.0, 2.0, 2.0, 10));
+        assert_eq!(r.display(), "2.00 [2.00, 2.00]");
+    }
+
+    #[test]
+    fn bootstrap_interval_is_reproducible_and_brackets_the_median() {
+        let values: Vec<f64> = (0..15).map(|i| 0.5 + f64::from(i) * 0.05).collect();
+        let first = bootstrap_median_interval(&values, 0.95, 2000, 7);
+        assert_eq!(first, bootstrap_median_interval(&values, 0.95, 2000, 7));
+        let m = median(&values);
+        assert!(first.0 < m && m < first.1, "{first:?} vs {m}");
+        assert!(first.0 >= 0.5 && first.1 <= 1.2);
+        // A wider confidence never gives a narrower interval.
+        let wide = bootstrap_median_interval(&values, 0.99, 2000, 7);
+        assert!(wide.0 <= first.0 && wide.1 >= first.1);
+        assert_eq!(bootstrap_median_interval(&[4.0], 0.95, 100, 1), (4.0, 4.0));
+    }
+
+    #[test]
+    fn bootstrap_interval_covers_a_known_median_most_of_the_time() {
+        // Samples of 15 from a skewed distribution whose median is 1.0: the
+        // 95% interval should cover it in most of 200 independent trials
+        // (percentile bootstrap of a median undercovers a little at n = 15).
+        let mut rng = StdRng::seed_from_u64(99);
+        let mut covered = 0;
+        for trial in 0..200 {
+            let values: Vec<f64> = (0..15).map(|_| (rng.random::<f64>() - 0.5).exp()).collect();
+            let (lo, hi) = bootstrap_median_interval(&values, 0.95, 1000, trial);
+            if lo <= 1.0 && 1.0 <= hi {
+                covered += 1;
+            }
+        }
+        assert!((170..=200).contains(&covered), "covered {covered} of 200");
+    }
+
+    #[test]
+    fn tail_samples_counts_the_values_a_percentile_rests_on() {
+        assert_eq!(tail_samples(700, 99.0), 8);
+        assert_eq!(tail_samples(4951, 99.0), 50);
+        assert_eq!(tail_samples(100, 50.0), 51);
+        assert_eq!(tail_samples(0, 99.0), 0);
     }
 }

@@ -1,0 +1,935 @@
+//! One run of one cell: a fresh simulated fleet, the variant's gateways in
+//! front of it, the workload's plan for one seed, and a record of what it
+//! measured. Records are appended to a JSONL file as they finish, so a long
+//! suite can be stopped and resumed, and every table and plot is rebuilt
+//! from the records alone.
+
+use std::collections::HashSet;
+use std::fs::OpenOptions;
+use std::io::Write as _;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+
+use crate::client::{pooled_client, PooledClient};
+use crate::cpu::CpuTimes;
+use crate::envoy::{Balancer, DprankSettings};
+use crate::fleet::{
+    dprank_counters, smg_front, smg_launch_args, start_envoy, start_envoy_pd, DprankCounters, Front,
+    SimFleet, Tools,
+};
+use crate::loadgen::{imbalance, run_plan, Drain, LoadOptions, RunOutput};
+use crate::stats::{goodput, percentile, Slo};
+use crate::variant::{Dispatch, Front as VariantFront, SimFeatures, Variant};
+use crate::workload::{Shape, Workload};
+
+/// KV cache per rank: the regime's main knob besides the offered load.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "kebab-case")]
+pub enum Kv {
+    /// 10k tokens and 32 sequences per rank: ranks fill and queue.
+    Small,
+    /// 30k tokens and 64 sequences per rank: more room, batches run longer.
+    Large,
+}
+
+impl Kv {
+    pub fn name(self) -> &'static str {
+        match self {
+            Kv::Small => "small",
+            Kv::Large => "large",
+        }
+    }
+
+    pub fn tokens(self) -> u32 {
+        match self {
+            Kv::Small => 10_000,
+            Kv::Large => 30_000,
+        }
+    }
+
+    pub fn max_running(self) -> u32 {
+        match self {
+            Kv::Small => 32,
+            Kv::Large => 64,
+        }
+    }
+
+    pub fn describe(self) -> String {
+        format!(
+            "{} KV tokens and {} running sequences per rank",
+            self.tokens(),
+            self.max_running()
+        )
+    }
+
+    /// The model flags of every simulated worker.
+    pub fn sim_args(self) -> Vec<String> {
+        vec![
+            "--kv-capacity".into(),
+            self.tokens().to_string(),
+            "--max-running".into(),
+            self.max_running().to_string(),
+        ]
+    }
+
+    /// The longest prompt a workload may send: what a rank holds with room
+    /// for the longest output.
+    pub fn max_prompt(self) -> u32 {
+        self.tokens().saturating_sub(MAX_OUTPUT + 16).min(8192)
+    }
+}
+
+/// Longest output any workload asks for.
+pub const MAX_OUTPUT: u32 = 1024;
+
+/// Workers and ranks of the simulated fleets.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FleetShape {
+    /// Regular mode: workers; PD mode: prefill workers and decode workers.
+    pub workers: usize,
+    pub prefill: usize,
+    pub decode: usize,
+    pub dp_size: usize,
+}
+
+impl Default for FleetShape {
+    fn default() -> Self {
+        FleetShape {
+            workers: 2,
+            prefill: 2,
+            decode: 2,
+            dp_size: 4,
+        }
+    }
+}
+
+/// Everything that defines one run.
+#[derive(Debug, Clone)]
+pub struct Cell {
+    /// Which suite the record belongs to (the results file holds several).
+    pub suite: String,
+    pub workload: Workload,
+    pub variant: Variant,
+    pub seed: u64,
+    pub kv: Kv,
+    /// Offered requests per simulated second.
+    pub rate: f64,
+    /// The offered load as a fraction of the measured capacity, when known.
+    pub load: Option<f64>,
+    /// Simulated seconds of arrivals before the measured window: the fleet
+    /// fills up first, so the figures describe a loaded fleet, not an empty one.
+    pub warmup_s: f64,
+    /// Simulated seconds of arrivals that are measured.
+    pub duration_s: f64,
+    pub time_scale: f64,
+    pub fleet: FleetShape,
+    pub slo: Slo,
+}
+
+impl Cell {
+    /// What identifies a finished run in the results file.
+    pub fn key(&self) -> String {
+        format!(
+            "{}|{}|{}|{}|{:.4}|{}|{}+{}|{}",
+            self.suite,
+            self.workload.kind.name(),
+            self.kv.name(),
+            self.variant.name,
+            self.rate,
+            self.seed,
+            self.warmup_s,
+            self.duration_s,
+            self.time_scale
+        )
+    }
+}
+
+/// What one run measured; one JSON line in the results file.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct RunRecord {
+    pub key: String,
+    pub suite: String,
+    pub workload: String,
+    pub kv: String,
+    pub load: Option<f64>,
+    #[serde(deserialize_with = "crate::stats::nan_from_null")]
+    pub rate: f64,
+    #[serde(default)]
+    pub warmup_s: f64,
+    #[serde(deserialize_with = "crate::stats::nan_from_null")]
+    pub duration_s: f64,
+    #[serde(deserialize_with = "crate::stats::nan_from_null")]
+    pub time_scale: f64,
+    pub variant: String,
+    pub seed: u64,
+    pub fleet: String,
+    pub freshness: String,
+    /// Requests sent during the warm-up (not in any figure).
+    #[serde(default)]
+    pub warmup_requests: usize,
+    /// Requests sent in the measured window.
+    pub sent: usize,
+    pub ok: usize,
+    pub errors: usize,
+    pub abandoned: usize,
+    /// Chat turns not sent: they would have started after the turn horizon.
+    #[serde(default)]
+    pub beyond_horizon: usize,
+    pub error_examples: Vec<String>,
+    /// Mean prompt and output tokens asked for (every sent request).
+    #[serde(deserialize_with = "crate::stats::nan_from_null")]
+    pub mean_input_tokens: f64,
+    #[serde(deserialize_with = "crate::stats::nan_from_null")]
+    pub mean_output_tokens: f64,
+    /// Requests sent through each gateway.
+    pub per_gateway: Vec<usize>,
+    /// TTFT of every successful request, simulated ms, in send order.
+    pub ttft_ms: Vec<f32>,
+    #[serde(deserialize_with = "crate::stats::nan_from_null")]
+    pub ttft_p50: f64,
+    #[serde(deserialize_with = "crate::stats::nan_from_null")]
+    pub ttft_p90: f64,
+    #[serde(deserialize_with = "crate::stats::nan_from_null")]
+    pub ttft_p99: f64,
+    #[serde(deserialize_with = "crate::stats::nan_from_null")]
+    pub tpot_p50: f64,
+    #[serde(deserialize_with = "crate::stats::nan_from_null")]
+    pub tpot_p99: f64,
+    #[serde(deserialize_with = "crate::stats::nan_from_null")]
+    pub itl_p50: f64,
+    #[serde(deserialize_with = "crate::stats::nan_from_null")]
+    pub itl_p99: f64,
+    #[serde(deserialize_with = "crate::stats::nan_from_null")]
+    pub e2e_p50: f64,
+    #[serde(deserialize_with = "crate::stats::nan_from_null")]
+    pub e2e_p99: f64,
+    pub slo: Slo,
+    #[serde(deserialize_with = "crate::stats::nan_from_null")]
+    pub goodput: f64,
+    #[serde(deserialize_with = "crate::stats::nan_from_null")]
+    pub throughput_rps: f64,
+    #[serde(deserialize_with = "crate::stats::nan_from_null")]
+    pub output_tokens_per_s: f64,
+    /// Cached / prompt tokens over the responses that report both.
+    pub cache_hit: Option<f64>,
+    /// Rank token imbalance (all ranks; decode ranks in PD mode).
+    pub imbalance: Option<f64>,
+    /// PD: prefill requests per rank, max / mean.
+    pub prefill_spread: Option<f64>,
+    pub served_per_rank: Vec<u64>,
+    /// Load-endpoint requests per worker per simulated second (every router).
+    #[serde(deserialize_with = "crate::stats::nan_from_null")]
+    pub load_polls_per_worker_s: f64,
+    pub cpu_busy: Option<f64>,
+    #[serde(deserialize_with = "crate::stats::nan_from_null")]
+    pub wall_s: f64,
+    pub dprank_counters: Option<String>,
+    pub started: String,
+}
+
+/// Why a cell did not run.
+#[derive(Debug, Clone)]
+pub struct Skipped(pub String);
+
+/// The fleets of one run.
+pub enum Fleets {
+    Regular(SimFleet),
+    Pd { prefill: SimFleet, decode: SimFleet },
+}
+
+impl Fleets {
+    fn all(&self) -> Vec<&SimFleet> {
+        match self {
+            Fleets::Regular(f) => vec![f],
+            Fleets::Pd { prefill, decode } => vec![prefill, decode],
+        }
+    }
+
+    async fn load_polls(&self, client: &PooledClient) -> u64 {
+        let mut total = 0;
+        for f in self.all() {
+            total += f.load_polls(client).await.iter().sum::<u64>();
+        }
+        total
+    }
+
+    fn worker_count(&self) -> usize {
+        self.all().iter().map(|f| f.workers.len()).sum()
+    }
+}
+
+fn listen_args(count: usize, bootstrap: bool) -> Vec<String> {
+    let mut out = Vec::new();
+    for _ in 0..count {
+        out.extend(["--listen".to_string(), "127.0.0.1:0".to_string()]);
+        if bootstrap {
+            out.extend(["--bootstrap-port".to_string(), "0".to_string()]);
+        }
+    }
+    out
+}
+
+/// Starts the simulated fleet(s) of `cell`.
+pub fn start_fleets(
+    tools: &Tools,
+    features: &SimFeatures,
+    cell: &Cell,
+    name: &str,
+) -> Result<Fleets, String> {
+    let common = |dispatch: &str| -> Vec<String> {
+        let mut args = vec![
+            "--dp-size".to_string(),
+            cell.fleet.dp_size.to_string(),
+            "--time-scale".into(),
+            cell.time_scale.to_string(),
+            "--dispatch".into(),
+            dispatch.to_string(),
+            // Requests are not inspected after the run: keep no copies.
+            "--record-limit".into(),
+            "0".into(),
+        ];
+        args.extend(cell.kv.sim_args());
+        if features.cache_report {
+            // The cache-hit column reads usage.prompt_tokens_details, which
+            // SGLang reports only with this flag.
+            args.push("--enable-cache-report".into());
+        }
+        args.extend(cell.variant.sim_args.iter().cloned());
+        args
+    };
+    if cell.variant.is_pd() {
+        let mut prefill_args = listen_args(cell.fleet.prefill, true);
+        prefill_args.extend(common(features.dispatch_arg(Dispatch::RoomModulo)?));
+        prefill_args.extend(["--role".into(), "prefill".into()]);
+        let prefill = SimFleet::spawn(
+            tools,
+            &prefill_args,
+            cell.fleet.prefill,
+            &format!("{name}-prefill"),
+        )?;
+        let mut decode_args = listen_args(cell.fleet.decode, false);
+        decode_args.extend(common(features.dispatch_arg(cell.variant.dispatch)?));
+        decode_args.extend(["--role".into(), "decode".into()]);
+        let decode = SimFleet::spawn(tools, &decode_args, cell.fleet.decode, &format!("{name}-decode"))?;
+        Ok(Fleets::Pd { prefill, decode })
+    } else {
+        let mut args = listen_args(cell.fleet.workers, false);
+        args.extend(common(features.dispatch_arg(cell.variant.dispatch)?));
+        Ok(Fleets::Regular(SimFleet::spawn(
+            tools,
+            &args,
+            cell.fleet.workers,
+            &format!("{name}-sim"),
+        )?))
+    }
+}
+
+/// Starts the variant's gateways (one process each) in front of `fleets`.
+pub async fn start_fronts(
+    tools: &Tools,
+    client: &PooledClient,
+    variant: &Variant,
+    fleets: &Fleets,
+    time_scale: f64,
+    name: &str,
+) -> Result<Vec<Front>, String> {
+    let mut fronts = Vec::new();
+    for g in 0..variant.gateways {
+        let name = if variant.gateways > 1 {
+            format!("{name}-gw{}", g + 1)
+        } else {
+            name.to_string()
+        };
+        let front = match (&variant.front, fleets) {
+            (VariantFront::Envoy(balancer), Fleets::Regular(fleet)) => {
+                start_envoy(tools, client, fleet, balancer, &name).await?
+            }
+            (VariantFront::Dprank { poll, set }, Fleets::Regular(fleet)) => {
+                let settings = DprankSettings {
+                    poll_interval_ms: poll.wall_ms(time_scale),
+                    set: set.clone(),
+                };
+                start_envoy(tools, client, fleet, &Balancer::Dprank(settings), &name).await?
+            }
+            (VariantFront::DprankPd { poll, set }, Fleets::Pd { prefill, decode }) => {
+                let settings = DprankSettings {
+                    poll_interval_ms: poll.wall_ms(time_scale),
+                    set: set.clone(),
+                };
+                start_envoy_pd(tools, client, prefill, decode, &settings, &name).await?
+            }
+            (VariantFront::Smg { .. } | VariantFront::SmgPd { .. }, _) => {
+                let smg = tools.smg.as_ref().ok_or("smg is not installed")?;
+                let (port, mut args) = smg_launch_args()?;
+                args.extend(smg_variant_args(&variant.front, fleets));
+                smg_front(tools, client, smg, &args, port, &name).await?
+            }
+            _ => return Err(format!("variant {} does not fit this fleet", variant.name)),
+        };
+        fronts.push(front);
+    }
+    Ok(fronts)
+}
+
+/// smg's flags for a variant: mode, workers, policies, interval.
+pub fn smg_variant_args(front: &VariantFront, fleets: &Fleets) -> Vec<String> {
+    let mut args: Vec<String> = Vec::new();
+    let interval = |args: &mut Vec<String>, interval_s: &Option<u32>| {
+        if let Some(s) = interval_s {
+            args.extend(["--load-monitor-interval".into(), s.to_string()]);
+        }
+    };
+    match (front, fleets) {
+        (
+            VariantFront::Smg {
+                policy,
+                interval_s,
+                dp_aware,
+                args: extra,
+            },
+            Fleets::Regular(fleet),
+        ) => {
+            args.extend(["--policy".into(), policy.clone()]);
+            if *dp_aware {
+                args.push("--dp-aware".into());
+            }
+            args.push("--worker-urls".into());
+            args.extend(fleet.workers.iter().map(|w| format!("http://{w}")));
+            interval(&mut args, interval_s);
+            args.extend(extra.iter().cloned());
+        }
+        (
+            VariantFront::SmgPd {
+                prefill: prefill_policy,
+                decode: decode_policy,
+                minimum_tokens,
+                interval_s,
+                args: extra,
+            },
+            Fleets::Pd { prefill, decode },
+        ) => {
+            args.push("--pd-disaggregation".into());
+            for (addr, bootstrap) in prefill.workers.iter().zip(&prefill.bootstrap) {
+                args.extend(["--prefill".into(), format!("http://{addr}")]);
+                args.push(bootstrap.map_or("none".to_string(), |p| p.to_string()));
+            }
+            for addr in &decode.workers {
+                args.extend(["--decode".into(), format!("http://{addr}")]);
+            }
+            args.extend([
+                "--policy".into(),
+                prefill_policy.clone(),
+                "--prefill-policy".into(),
+                prefill_policy.clone(),
+                "--decode-policy".into(),
+                decode_policy.clone(),
+            ]);
+            // Never --dp-aware in PD mode: smg then polls no loads.
+            if *minimum_tokens {
+                args.push("--dp-minimum-tokens-scheduler".into());
+            }
+            interval(&mut args, interval_s);
+            args.extend(extra.iter().cloned());
+        }
+        _ => {}
+    }
+    args
+}
+
+/// One finished run: its record and the load samples behind its imbalance.
+pub struct CellRun {
+    pub record: RunRecord,
+    pub samples: Vec<crate::loadgen::LoadSample>,
+}
+
+/// Runs one cell; `Err(Skipped)` when it cannot run here (smg missing, a
+/// variant the simulator build does not support).
+pub async fn run_cell(
+    tools: &Tools,
+    features: &SimFeatures,
+    cell: &Cell,
+    progress: bool,
+) -> Result<Result<CellRun, Skipped>, String> {
+    if cell.variant.uses_smg() && tools.smg.is_none() {
+        return Ok(Err(Skipped(
+            "smg is not installed (DPRANK_WITH_SMG=1 ./scripts/setup.sh installs it)".into(),
+        )));
+    }
+    if let Err(reason) = features.dispatch_arg(cell.variant.dispatch) {
+        return Ok(Err(Skipped(reason)));
+    }
+    let plan = cell.workload.plan(&Shape {
+        rate: cell.rate,
+        duration_s: cell.warmup_s + cell.duration_s,
+        seed: cell.seed,
+        max_prompt: cell.kv.max_prompt(),
+        max_output: MAX_OUTPUT,
+    })?;
+    let started_at = crate::report::now_utc();
+    let wall_start = Instant::now();
+    let client = pooled_client();
+    let name = format!(
+        "{}-{}-{}-s{}",
+        cell.suite,
+        cell.workload.kind.name(),
+        sanitize(&cell.variant.name),
+        cell.seed
+    );
+    let fleets = start_fleets(tools, features, cell, &name)?;
+    let fronts = start_fronts(tools, &client, &cell.variant, &fleets, cell.time_scale, &name).await?;
+    let workers: Vec<_> = fleets
+        .all()
+        .iter()
+        .flat_map(|f| f.workers.iter().copied())
+        .collect();
+    let prefill_served_before = match &fleets {
+        Fleets::Pd { prefill, .. } => Some(prefill.served_per_rank(&client).await),
+        Fleets::Regular(_) => None,
+    };
+    let served_before: Vec<u64> = match &fleets {
+        Fleets::Regular(f) => f.served_per_rank(&client).await,
+        Fleets::Pd { decode, .. } => decode.served_per_rank(&client).await,
+    };
+    let polls_before = fleets.load_polls(&client).await;
+    let options = LoadOptions {
+        gateways: fronts.iter().map(|f| f.url.clone()).collect(),
+        workers,
+        time_scale: cell.time_scale,
+        sample_every: Duration::from_millis(100),
+        request_timeout: Duration::from_secs(600),
+        seed: cell.seed,
+        progress,
+        label: format!(
+            "{} {} s{}",
+            cell.workload.kind.name(),
+            cell.variant.name,
+            cell.seed
+        ),
+        cut_at_s: None,
+        drain: Drain::FirstTokens,
+        turn_horizon_s: Some(cell.warmup_s + cell.duration_s + crate::workload::chat::TAIL_S),
+    };
+    let cpu = CpuTimes::now();
+    let run_start = Instant::now();
+    let output = run_plan(&plan, &options).await?;
+    let run_sim_s = run_start.elapsed().as_secs_f64() * cell.time_scale;
+    let cpu_busy = CpuTimes::now().busy_since(&cpu);
+    // The load samplers' own polls are not a router's.
+    let samples = output.samples.len() as u64 * fleets.worker_count() as u64;
+    let polls = fleets
+        .load_polls(&client)
+        .await
+        .saturating_sub(polls_before)
+        .saturating_sub(samples);
+    let served_after: Vec<u64> = match &fleets {
+        Fleets::Regular(f) => f.served_per_rank(&client).await,
+        Fleets::Pd { decode, .. } => decode.served_per_rank(&client).await,
+    };
+    let prefill_spread = match (&fleets, prefill_served_before) {
+        (Fleets::Pd { prefill, .. }, Some(before)) => {
+            served_spread(&before, &prefill.served_per_rank(&client).await)
+        }
+        _ => None,
+    };
+    let mut counters: Option<DprankCounters> = None;
+    for admin in fronts.iter().filter_map(|f| f.admin) {
+        if let Some(c) = dprank_counters(&client, admin).await {
+            counters.get_or_insert_with(DprankCounters::default).add(&c);
+        }
+    }
+    drop(fronts);
+    let ranks = match &fleets {
+        Fleets::Regular(f) => 0..f.workers.len() * cell.fleet.dp_size,
+        Fleets::Pd { prefill, decode } => {
+            let p = prefill.workers.len() * cell.fleet.dp_size;
+            p..p + decode.workers.len() * cell.fleet.dp_size
+        }
+    };
+    let worker_count = fleets.worker_count();
+    drop(fleets);
+    let counters = counters.filter(|c| c.routed + c.passthrough + c.polls_ok > 0);
+    let record = summarize(
+        cell,
+        &output,
+        Summary {
+            started: started_at,
+            wall_s: wall_start.elapsed().as_secs_f64(),
+            cpu_busy,
+            served_per_rank: served_after
+                .iter()
+                .zip(served_before.iter().chain(std::iter::repeat(&0)))
+                .map(|(a, b)| a.saturating_sub(*b))
+                .collect(),
+            load_polls_per_worker_s: polls as f64 / worker_count.max(1) as f64 / run_sim_s.max(1e-9),
+            imbalance: imbalance(&output.samples, cell.warmup_s, output.arrival_window_s, ranks),
+            prefill_spread,
+            counters,
+        },
+    );
+    Ok(Ok(CellRun {
+        record,
+        samples: output.samples,
+    }))
+}
+
+/// The parts of a record that come from the fleet, not the client.
+pub struct Summary {
+    pub started: String,
+    pub wall_s: f64,
+    pub cpu_busy: Option<f64>,
+    pub served_per_rank: Vec<u64>,
+    pub load_polls_per_worker_s: f64,
+    pub imbalance: Option<f64>,
+    pub prefill_spread: Option<f64>,
+    pub counters: Option<DprankCounters>,
+}
+
+/// Folds a run's request records into its summary record: only requests
+/// sent after the warm-up count.
+pub fn summarize(cell: &Cell, output: &RunOutput, fleet: Summary) -> RunRecord {
+    let measured: Vec<_> = output
+        .records
+        .iter()
+        .filter(|r| r.sent_s >= cell.warmup_s)
+        .collect();
+    let ok: Vec<_> = measured.iter().copied().filter(|r| r.ok()).collect();
+    let errors: Vec<_> = measured.iter().copied().filter(|r| !r.ok()).collect();
+    let ttft: Vec<f64> = ok.iter().filter_map(|r| r.ttft_ms).collect();
+    let tpot: Vec<f64> = ok.iter().map(|r| r.tpot_ms).collect();
+    // End-to-end latency only of answers that were read to the end.
+    let e2e: Vec<f64> = ok.iter().filter(|r| !r.truncated).map(|r| r.e2e_ms).collect();
+    let pairs: Vec<(f64, f64)> = ok.iter().filter_map(|r| Some((r.ttft_ms?, r.tpot_ms))).collect();
+    let (cached, prompt) = ok
+        .iter()
+        .filter_map(|r| Some((r.cached_tokens?, r.prompt_tokens?)))
+        .fold((0u64, 0u64), |(c, p), (rc, rp)| (c + rc, p + rp));
+    let tokens: u64 = ok.iter().map(|r| u64::from(r.tokens)).sum();
+    let span = (output.span_s - cell.warmup_s).max(1e-9);
+    let gaps: Vec<f64> = ok
+        .iter()
+        .flat_map(|r| r.gaps_us.iter().map(|g| f64::from(*g) / 1000.0))
+        .collect();
+    let itl = |p: f64| percentile(&gaps, p);
+    RunRecord {
+        key: cell.key(),
+        suite: cell.suite.clone(),
+        workload: cell.workload.kind.name().into(),
+        kv: cell.kv.name().into(),
+        load: cell.load,
+        rate: cell.rate,
+        warmup_s: cell.warmup_s,
+        duration_s: cell.duration_s,
+        time_scale: cell.time_scale,
+        variant: cell.variant.name.clone(),
+        seed: cell.seed,
+        fleet: if cell.variant.is_pd() {
+            format!(
+                "{} prefill + {} decode x {} ranks",
+                cell.fleet.prefill, cell.fleet.decode, cell.fleet.dp_size
+            )
+        } else {
+            format!("{} workers x {} ranks", cell.fleet.workers, cell.fleet.dp_size)
+        },
+        freshness: cell.variant.freshness(cell.time_scale),
+        warmup_requests: output.records.len() - measured.len(),
+        sent: measured.len(),
+        ok: ok.len(),
+        errors: errors.len(),
+        abandoned: output.abandoned,
+        beyond_horizon: output.beyond_horizon,
+        error_examples: errors.iter().filter_map(|r| r.error.clone()).take(3).collect(),
+        mean_input_tokens: mean(measured.iter().map(|r| f64::from(r.input_tokens))),
+        mean_output_tokens: mean(measured.iter().map(|r| f64::from(r.output_tokens))),
+        per_gateway: (0..cell.variant.gateways)
+            .map(|g| measured.iter().filter(|r| r.gateway == g).count())
+            .collect(),
+        ttft_ms: ttft
+            .iter()
+            .map(|v| ((v * 100.0).round() / 100.0) as f32)
+            .collect(),
+        ttft_p50: percentile(&ttft, 50.0),
+        ttft_p90: percentile(&ttft, 90.0),
+        ttft_p99: percentile(&ttft, 99.0),
+        tpot_p50: percentile(&tpot, 50.0),
+        tpot_p99: percentile(&tpot, 99.0),
+        itl_p50: itl(50.0),
+        itl_p99: itl(99.0),
+        e2e_p50: percentile(&e2e, 50.0),
+        e2e_p99: percentile(&e2e, 99.0),
+        slo: cell.slo,
+        goodput: goodput(&pairs, errors.len(), &cell.slo),
+        throughput_rps: ok.len() as f64 / span,
+        output_tokens_per_s: tokens as f64 / span,
+        cache_hit: (prompt > 0).then(|| cached as f64 / prompt as f64),
+        imbalance: fleet.imbalance,
+        prefill_spread: fleet.prefill_spread,
+        served_per_rank: fleet.served_per_rank,
+        load_polls_per_worker_s: fleet.load_polls_per_worker_s,
+        cpu_busy: fleet.cpu_busy,
+        wall_s: fleet.wall_s,
+        dprank_counters: fleet.counters.map(|c| c.summary()),
+        started: fleet.started,
+    }
+}
+
+fn mean(values: impl Iterator<Item = f64>) -> f64 {
+    let (sum, n) = values.fold((0.0, 0usize), |(s, n), v| (s + v, n + 1));
+    if n == 0 {
+        f64::NAN
+    } else {
+        sum / n as f64
+    }
+}
+
+/// Max / mean of the per-rank differences `after - before`.
+fn served_spread(before: &[u64], after: &[u64]) -> Option<f64> {
+    if before.len() != after.len() || after.is_empty() {
+        return None;
+    }
+    let counts: Vec<f64> = after
+        .iter()
+        .zip(before)
+        .map(|(a, b)| a.saturating_sub(*b) as f64)
+        .collect();
+    let mean = counts.iter().sum::<f64>() / counts.len() as f64;
+    let max = counts.iter().copied().fold(0.0, f64::max);
+    (mean > 0.0).then(|| max / mean)
+}
+
+/// A variant spec as a file-name part.
+fn sanitize(name: &str) -> String {
+    name.chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || c == '-' {
+                c
+            } else {
+                '_'
+            }
+        })
+        .collect()
+}
+
+/// The JSONL file records go to.
+pub struct ResultsFile {
+    pub path: PathBuf,
+}
+
+impl ResultsFile {
+    pub fn new(path: &Path) -> ResultsFile {
+        ResultsFile {
+            path: path.to_path_buf(),
+        }
+    }
+
+    /// Every record in the file (none if it does not exist); lines that do
+    /// not parse are reported and skipped.
+    pub fn load(&self) -> Result<Vec<RunRecord>, String> {
+        let text = match std::fs::read_to_string(&self.path) {
+            Ok(text) => text,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+            Err(e) => return Err(format!("cannot read {}: {e}", self.path.display())),
+        };
+        let mut out = Vec::new();
+        for (i, line) in text.lines().enumerate() {
+            if line.trim().is_empty() {
+                continue;
+            }
+            match serde_json::from_str::<RunRecord>(line) {
+                Ok(record) => out.push(record),
+                Err(e) => eprintln!(
+                    "{}:{}: skipped, not a run record: {e}",
+                    self.path.display(),
+                    i + 1
+                ),
+            }
+        }
+        Ok(out)
+    }
+
+    pub fn done_keys(&self) -> Result<HashSet<String>, String> {
+        Ok(self.load()?.into_iter().map(|r| r.key).collect())
+    }
+
+    pub fn append(&self, record: &RunRecord) -> Result<(), String> {
+        if let Some(dir) = self.path.parent() {
+            std::fs::create_dir_all(dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
+        }
+        let mut line = serde_json::to_string(record).map_err(|e| format!("cannot encode a record: {e}"))?;
+        line.push('\n');
+        OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&self.path)
+            .and_then(|mut f| f.write_all(line.as_bytes()))
+            .map_err(|e| format!("cannot append to {}: {e}", self.path.display()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::loadgen::RequestRecord;
+    use crate::workload::WorkloadKind;
+
+    fn cell() -> Cell {
+        Cell {
+            suite: "t".into(),
+            workload: Workload::new(WorkloadKind::NoPrefix),
+            variant: Variant::parse("dprank").unwrap(),
+            seed: 3,
+            kv: Kv::Small,
+            rate: 10.0,
+            load: Some(0.85),
+            warmup_s: 0.0,
+            duration_s: 30.0,
+            time_scale: 5.0,
+            fleet: FleetShape::default(),
+            slo: Slo {
+                ttft_ms: 1000.0,
+                tpot_ms: 60.0,
+            },
+        }
+    }
+
+    fn request(ttft: Option<f64>, tpot: f64, error: Option<&str>) -> RequestRecord {
+        RequestRecord {
+            sent_s: 0.0,
+            end_s: 10.0,
+            gateway: 0,
+            input_tokens: 100,
+            output_tokens: 10,
+            ttft_ms: ttft,
+            tpot_ms: tpot,
+            e2e_ms: 500.0,
+            tokens: 10,
+            prompt_tokens: Some(100),
+            cached_tokens: Some(25),
+            error: error.map(str::to_string),
+            truncated: false,
+            session: None,
+            gaps_us: vec![30_000],
+        }
+    }
+
+    #[test]
+    fn summary_counts_goodput_errors_and_cache_hits() {
+        let output = RunOutput {
+            records: vec![
+                request(Some(100.0), 30.0, None),
+                request(Some(2000.0), 30.0, None),
+                request(Some(100.0), 90.0, None),
+                request(None, f64::NAN, Some("HTTP 500")),
+            ],
+            abandoned: 0,
+            beyond_horizon: 0,
+            samples: Vec::new(),
+            arrival_window_s: 5.0,
+            span_s: 10.0,
+        };
+        let fleet = Summary {
+            started: "now".into(),
+            wall_s: 1.0,
+            cpu_busy: None,
+            served_per_rank: vec![],
+            load_polls_per_worker_s: 1.0,
+            imbalance: None,
+            prefill_spread: None,
+            counters: None,
+        };
+        let r = summarize(&cell(), &output, fleet);
+        assert_eq!((r.sent, r.ok, r.errors), (4, 3, 1));
+        assert_eq!(r.goodput, 0.25);
+        assert_eq!(r.cache_hit, Some(0.25));
+        assert_eq!(r.ttft_p99, 2000.0);
+        assert_eq!(r.throughput_rps, 0.3);
+        assert_eq!(r.error_examples, vec!["HTTP 500"]);
+        assert!(r.freshness.contains("200 ms wall"));
+    }
+
+    #[test]
+    fn warm_up_requests_are_sent_but_not_counted() {
+        let mut early = request(Some(5000.0), 30.0, None);
+        early.sent_s = 1.0;
+        let mut late = request(Some(100.0), 30.0, None);
+        late.sent_s = 12.0;
+        let output = RunOutput {
+            records: vec![early, late],
+            abandoned: 0,
+            beyond_horizon: 0,
+            samples: Vec::new(),
+            arrival_window_s: 20.0,
+            span_s: 20.0,
+        };
+        let fleet = Summary {
+            started: "now".into(),
+            wall_s: 1.0,
+            cpu_busy: None,
+            served_per_rank: vec![],
+            load_polls_per_worker_s: 1.0,
+            imbalance: None,
+            prefill_spread: None,
+            counters: None,
+        };
+        let cell = Cell {
+            warmup_s: 10.0,
+            ..cell()
+        };
+        let r = summarize(&cell, &output, fleet);
+        assert_eq!((r.sent, r.warmup_requests, r.ttft_p99), (1, 1, 100.0));
+        assert_eq!(r.throughput_rps, 0.1);
+        assert_eq!(r.itl_p50, 30.0);
+    }
+
+    #[test]
+    fn records_round_trip_through_the_results_file() {
+        let dir = std::env::temp_dir().join(format!("dprank-results-{}", std::process::id()));
+        let file = ResultsFile::new(&dir.join("runs.jsonl"));
+        assert!(file.load().unwrap().is_empty());
+        let output = RunOutput {
+            records: vec![request(Some(10.0), 5.0, None)],
+            abandoned: 0,
+            beyond_horizon: 0,
+            samples: Vec::new(),
+            arrival_window_s: 1.0,
+            span_s: 1.0,
+        };
+        let fleet = Summary {
+            started: "now".into(),
+            wall_s: 1.0,
+            cpu_busy: Some(0.5),
+            served_per_rank: vec![1, 2],
+            load_polls_per_worker_s: 0.0,
+            imbalance: Some(1.2),
+            prefill_spread: None,
+            counters: None,
+        };
+        let record = summarize(&cell(), &output, fleet);
+        file.append(&record).unwrap();
+        file.append(&record).unwrap();
+        std::fs::write(
+            &file.path,
+            std::fs::read_to_string(&file.path).unwrap() + "garbage\n",
+        )
+        .unwrap();
+        let loaded = file.load().unwrap();
+        assert_eq!(loaded.len(), 2);
+        assert_eq!(loaded[0].imbalance, Some(1.2));
+        assert!(file.done_keys().unwrap().contains(&cell().key()));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn served_spread_is_max_over_mean() {
+        assert_eq!(served_spread(&[0, 0], &[3, 1]), Some(1.5));
+        assert_eq!(served_spread(&[0], &[0]), None);
+        assert_eq!(served_spread(&[0], &[1, 2]), None);
+    }
+
+    #[test]
+    fn prompts_fit_the_kv() {
+        assert_eq!(Kv::Small.max_prompt(), 8192);
+        assert!(Kv::Small.max_prompt() + MAX_OUTPUT <= Kv::Small.tokens());
+    }
+}

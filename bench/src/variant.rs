@@ -1,0 +1,559 @@
+//! Variants: how requests reach the simulated ranks. A variant is written as
+//! a spec, `base[:key=value]...`, or as an alias that expands to one, so new
+//! variants (another poll interval, four gateways, a filter setting) need no
+//! code: `dprank:gw=4`, `dprank:poll=400`, `dprank:set.cost_estimate="words"`,
+//! `smg:policy=least_load:gw=2`.
+//!
+//! Every variant runs on a fresh fleet of the same simulated workers; what
+//! differs is the front (Envoy with or without dprank, smg), the workers' own
+//! rank choice for requests that name no rank (`--dispatch`), and how many
+//! gateways share the fleet.
+
+use std::path::Path;
+use std::process::Command;
+
+use serde_json::{Map, Value};
+
+use crate::envoy::Balancer;
+
+/// The workers' own choice of rank for a request that names none.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Dispatch {
+    /// SGLang's default in-server controller.
+    RoundRobin,
+    /// SGLang's `--load-balance-method total_tokens`: the rank with the
+    /// fewest tokens.
+    InServer,
+    /// The simulator's fleet-wide exact chooser (the bound).
+    Oracle,
+    /// `bootstrap_room % dp_size` (SGLang prefill servers, PD).
+    RoomModulo,
+}
+
+/// dprank's poll interval, in simulated or wall milliseconds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Poll {
+    SimMs(u64),
+    WallMs(u64),
+}
+
+impl Poll {
+    /// The interval to configure (wall ms) at `time_scale`, no shorter than
+    /// the filter's minimum.
+    pub fn wall_ms(self, time_scale: f64) -> u64 {
+        let ms = match self {
+            Poll::SimMs(ms) => (ms as f64 / time_scale).round() as u64,
+            Poll::WallMs(ms) => ms,
+        };
+        ms.max(dprank::config::MIN_POLL_INTERVAL_MS)
+    }
+
+    pub fn sim_ms(self, time_scale: f64) -> f64 {
+        self.wall_ms(time_scale) as f64 * time_scale
+    }
+}
+
+/// dprank's default poll interval (`poll_interval_ms` 1000) as the variant
+/// reads it: one simulated second, as on a real fleet.
+pub const DPRANK_DEFAULT_POLL: Poll = Poll::SimMs(1000);
+/// smg's default `--load-monitor-interval`, wall seconds.
+pub const SMG_DEFAULT_INTERVAL_S: u32 = 10;
+
+#[derive(Debug, Clone, PartialEq)]
+pub enum Front {
+    /// Envoy without dprank: its cluster balancer over workers.
+    Envoy(Balancer),
+    /// Envoy + dprank (envoy/dprank.yaml), filter keys overridden by `set`.
+    Dprank { poll: Poll, set: Map<String, Value> },
+    /// `smg launch [--dp-aware] --policy P`.
+    Smg {
+        policy: String,
+        interval_s: Option<u32>,
+        /// With `--dp-aware` smg picks the rank; without, it picks the
+        /// worker and the worker's own controller picks the rank.
+        dp_aware: bool,
+        args: Vec<String>,
+    },
+    /// Envoy + dprank in PD mode (envoy/pd.yaml).
+    DprankPd { poll: Poll, set: Map<String, Value> },
+    /// `smg launch --pd-disaggregation [--dp-minimum-tokens-scheduler]`.
+    SmgPd {
+        prefill: String,
+        decode: String,
+        minimum_tokens: bool,
+        interval_s: Option<u32>,
+        args: Vec<String>,
+    },
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct Variant {
+    /// The spec as written (tables show it).
+    pub name: String,
+    pub front: Front,
+    pub dispatch: Dispatch,
+    /// Gateways sharing the fleet (separate processes).
+    pub gateways: usize,
+    /// Extra simulator flags for this variant.
+    pub sim_args: Vec<String>,
+}
+
+/// Built-in variants: name, expansion, what it is.
+pub const ALIASES: [(&str, &str, &str); 15] = [
+    ("rr", "rr", "Envoy round robin over workers, each worker round robin over its ranks (SGLang's default controller)"),
+    ("in-server", "in-server", "SGLang's own balancer: each worker sends a request to its rank with the fewest tokens (`--load-balance-method total_tokens`), Envoy least_request over workers"),
+    ("oracle", "oracle", "the bound: the simulator's fleet-wide exact chooser (every rank of every worker, reservations and caches known at once), behind Envoy round robin"),
+    ("dprank", "dprank", "Envoy + dprank, shipped configuration, polling every simulated second"),
+    ("smg-cache-aware", "smg:policy=cache_aware", "smg --dp-aware --policy cache_aware (smg's default policy)"),
+    ("smg-least-load", "smg:policy=least_load", "smg --dp-aware --policy least_load"),
+    ("smg-power-of-two", "smg:policy=power_of_two", "smg --dp-aware --policy power_of_two"),
+    ("smg-prefix-hash", "smg:policy=prefix_hash", "smg --dp-aware --policy prefix_hash"),
+    ("smg-round-robin", "smg:policy=round_robin", "smg --dp-aware --policy round_robin (the earlier benchmarks' smg)"),
+    ("smg-workers-least-load", "smg:policy=least_load:dp-aware=off:dispatch=in-server:interval=1", "smg --policy least_load without --dp-aware: smg picks the worker from polled loads (--load-monitor-interval 1, its freshest) and each worker's own minimum-tokens controller picks the rank"),
+    ("dprank-pd", "dprank-pd", "Envoy + dprank in PD mode, polling every simulated second"),
+    ("old-rule", "old-rule", "smg --pd-disaggregation without --dp-minimum-tokens-scheduler: no rank injected, prefill rank = bootstrap_room % dp_size"),
+    ("smg-pd-cache-aware", "smg-pd:policy=cache_aware", "smg --pd-disaggregation --dp-minimum-tokens-scheduler, cache_aware worker policy (default)"),
+    ("smg-pd-least-load", "smg-pd:policy=least_load", "the same with --prefill-policy/--decode-policy least_load"),
+    ("smg-pd-power-of-two", "smg-pd:policy=power_of_two", "the same with power_of_two"),
+];
+
+impl Variant {
+    /// Parses a spec or alias.
+    pub fn parse(spec: &str) -> Result<Variant, String> {
+        let spec = spec.trim();
+        let mut parts = spec.split(':');
+        let head = parts.next().unwrap_or_default();
+        let expanded = ALIASES
+            .iter()
+            .find(|(alias, _, _)| *alias == head)
+            .map_or(head, |(_, expansion, _)| expansion);
+        let mut tokens: Vec<&str> = expanded.split(':').collect();
+        tokens.extend(parts);
+        let base = tokens[0];
+        let mut variant = Variant {
+            name: spec.to_string(),
+            front: match base {
+                "rr" | "oracle" => Front::Envoy(Balancer::RoundRobin),
+                "in-server" => Front::Envoy(Balancer::LeastRequest),
+                "dprank" => Front::Dprank {
+                    poll: DPRANK_DEFAULT_POLL,
+                    set: Map::new(),
+                },
+                "dprank-pd" => Front::DprankPd {
+                    poll: DPRANK_DEFAULT_POLL,
+                    set: Map::new(),
+                },
+                "smg" => Front::Smg {
+                    policy: "cache_aware".into(),
+                    interval_s: None,
+                    dp_aware: true,
+                    args: Vec::new(),
+                },
+                "old-rule" | "smg-pd" => Front::SmgPd {
+                    prefill: if base == "old-rule" { "round_robin" } else { "cache_aware" }.into(),
+                    decode: if base == "old-rule" { "round_robin" } else { "cache_aware" }.into(),
+                    minimum_tokens: base == "smg-pd",
+                    interval_s: None,
+                    args: Vec::new(),
+                },
+                other => {
+                    return Err(format!(
+                        "unknown variant `{other}`; bases: rr, in-server, oracle, dprank, smg, dprank-pd, old-rule, smg-pd; aliases: {}",
+                        ALIASES.map(|a| a.0).join(", ")
+                    ))
+                }
+            },
+            dispatch: match base {
+                "in-server" => Dispatch::InServer,
+                "oracle" => Dispatch::Oracle,
+                _ => Dispatch::RoundRobin,
+            },
+            gateways: 1,
+            sim_args: Vec::new(),
+        };
+        for token in &tokens[1..] {
+            variant
+                .apply(token)
+                .map_err(|e| format!("variant `{spec}`: {e}"))?;
+        }
+        Ok(variant)
+    }
+
+    fn apply(&mut self, token: &str) -> Result<(), String> {
+        let (key, value) = match token.split_once('=') {
+            Some((k, v)) => (k, Some(v)),
+            None => (token, None),
+        };
+        let need = |what: &str| value.ok_or_else(|| format!("`{key}` needs a value ({what})"));
+        if key == "gw" {
+            self.gateways = need("gateways")?
+                .parse::<usize>()
+                .ok()
+                .filter(|n| (1..=32).contains(n))
+                .ok_or("`gw` must be 1..=32")?;
+            return Ok(());
+        }
+        if let Some(flag) = key.strip_prefix("sim.") {
+            self.sim_args.push(format!("--{flag}"));
+            self.sim_args.extend(value.map(str::to_string));
+            return Ok(());
+        }
+        match &mut self.front {
+            Front::Dprank { poll, set } | Front::DprankPd { poll, set } => match key {
+                "poll" => *poll = Poll::SimMs(parse_ms(need("simulated ms")?)?),
+                "poll-wall" => *poll = Poll::WallMs(parse_ms(need("wall ms")?)?),
+                _ if key.starts_with("set.") => {
+                    let raw = need("a JSON value")?;
+                    let parsed: Value = serde_json::from_str(raw).unwrap_or_else(|_| Value::String(raw.to_string()));
+                    set.insert(key["set.".len()..].to_string(), parsed);
+                }
+                _ => return Err(format!("unknown key `{key}` (dprank keys: gw, poll, poll-wall, set.<filter key>, sim.<flag>)")),
+            },
+            Front::Smg {
+                policy,
+                interval_s,
+                dp_aware,
+                args,
+            } => match key {
+                "policy" => *policy = need("an smg policy")?.to_string(),
+                "interval" => *interval_s = Some(parse_seconds(need("whole wall seconds")?)?),
+                "dp-aware" => {
+                    *dp_aware = match need("on or off")? {
+                        "on" => true,
+                        "off" => false,
+                        other => return Err(format!("`dp-aware` is on or off, not `{other}`")),
+                    }
+                }
+                "dispatch" => {
+                    self.dispatch = match need("the workers' own rank choice")? {
+                        "in-server" => Dispatch::InServer,
+                        "round-robin" => Dispatch::RoundRobin,
+                        other => return Err(format!("`dispatch` is in-server or round-robin, not `{other}`")),
+                    }
+                }
+                _ if key.starts_with("arg.") => {
+                    args.push(format!("--{}", &key["arg.".len()..]));
+                    args.extend(value.map(str::to_string));
+                }
+                _ => {
+                    return Err(format!(
+                        "unknown key `{key}` (smg keys: gw, policy, interval, dp-aware, dispatch, arg.<flag>, sim.<flag>)"
+                    ))
+                }
+            },
+            Front::SmgPd {
+                prefill,
+                decode,
+                interval_s,
+                args,
+                ..
+            } => match key {
+                "policy" => {
+                    *prefill = need("an smg policy")?.to_string();
+                    *decode = prefill.clone();
+                }
+                "prefill" => *prefill = need("an smg policy")?.to_string(),
+                "decode" => *decode = need("an smg policy")?.to_string(),
+                "interval" => *interval_s = Some(parse_seconds(need("whole wall seconds")?)?),
+                _ if key.starts_with("arg.") => {
+                    args.push(format!("--{}", &key["arg.".len()..]));
+                    args.extend(value.map(str::to_string));
+                }
+                _ => {
+                    return Err(format!(
+                        "unknown key `{key}` (smg PD keys: gw, policy, prefill, decode, interval, arg.<flag>, sim.<flag>)"
+                    ))
+                }
+            },
+            Front::Envoy(_) => return Err(format!("unknown key `{key}` (keys: gw, sim.<flag>)")),
+        }
+        Ok(())
+    }
+
+    /// Whether the variant runs on a prefill/decode fleet.
+    pub fn is_pd(&self) -> bool {
+        matches!(self.front, Front::DprankPd { .. } | Front::SmgPd { .. })
+    }
+
+    pub fn uses_smg(&self) -> bool {
+        matches!(self.front, Front::Smg { .. } | Front::SmgPd { .. })
+    }
+
+    /// What information the router acts on and how fresh it is, at `time_scale`.
+    pub fn freshness(&self, time_scale: f64) -> String {
+        let smg_interval = |interval: Option<u32>| {
+            let s = interval.unwrap_or(SMG_DEFAULT_INTERVAL_S);
+            let default = if interval.is_none() { ", its default" } else { "" };
+            format!(
+                "{s} s wall{default} = {} s simulated",
+                fmt_num(f64::from(s) * time_scale)
+            )
+        };
+        match &self.front {
+            Front::Envoy(_) => match self.dispatch {
+                Dispatch::InServer => {
+                    "each worker's DP controller: its ranks' published loads (re-read every 20 ms) + the requests it sent since"
+                        .into()
+                }
+                Dispatch::Oracle => "exact, instantaneous, fleet-wide".into(),
+                _ => "none (round robin)".into(),
+            },
+            Front::Dprank { poll, .. } | Front::DprankPd { poll, .. } => format!(
+                "polled loads every {} ms simulated ({} ms wall) + own estimates of requests since",
+                fmt_num(poll.sim_ms(time_scale)),
+                poll.wall_ms(time_scale)
+            ),
+            Front::Smg {
+                policy,
+                interval_s,
+                dp_aware: false,
+                ..
+            } => {
+                let rank = match self.dispatch {
+                    Dispatch::InServer => "each worker's own minimum-tokens choice of rank",
+                    _ => "each worker's own round robin over ranks",
+                };
+                match policy.as_str() {
+                    "least_load" | "power_of_two" => {
+                        format!("smg: worker loads polled every {}; {rank}", smg_interval(*interval_s))
+                    }
+                    _ => format!("smg: own in-flight counts per worker; {rank}"),
+                }
+            }
+            // With --dp-aware smg 1.13 polls no loads whatever the policy
+            // and interval (measured; the load-polls column shows it).
+            Front::Smg { policy, .. } => match policy.as_str() {
+                "round_robin" | "random" => "none".into(),
+                "cache_aware" | "prefix_hash" | "consistent_hashing" => {
+                    "own in-flight request counts + request text (no load polling with --dp-aware)".into()
+                }
+                _ => "own in-flight request counts (no load polling with --dp-aware)".into(),
+            },
+            Front::SmgPd {
+                minimum_tokens,
+                interval_s,
+                ..
+            } => {
+                if *minimum_tokens {
+                    format!("polled num_used_tokens every {} + 1.3 x words per pick", smg_interval(*interval_s))
+                } else {
+                    "none (prefill rank = bootstrap_room % dp_size)".into()
+                }
+            }
+        }
+    }
+
+    /// A sentence for result files.
+    pub fn describe(&self) -> String {
+        let alias = ALIASES.iter().find(|(a, _, _)| *a == self.name).map(|a| a.2);
+        let base = match alias {
+            Some(text) => text.to_string(),
+            None => format!("{:?}", self.front),
+        };
+        let mut out = base;
+        if self.gateways > 1 {
+            out.push_str(&format!("; {} gateways share the fleet", self.gateways));
+        }
+        if !self.sim_args.is_empty() {
+            out.push_str(&format!("; simulator flags `{}`", self.sim_args.join(" ")));
+        }
+        out
+    }
+}
+
+fn parse_ms(text: &str) -> Result<u64, String> {
+    text.parse::<u64>()
+        .ok()
+        .filter(|ms| *ms > 0)
+        .ok_or_else(|| format!("`{text}` is not a positive number of ms"))
+}
+
+fn parse_seconds(text: &str) -> Result<u32, String> {
+    text.parse::<u32>()
+        .ok()
+        .filter(|s| *s >= 1)
+        .ok_or_else(|| format!("`{text}` is not a whole number of seconds >= 1 (smg's interval)"))
+}
+
+fn fmt_num(v: f64) -> String {
+    if (v - v.round()).abs() < 1e-9 {
+        format!("{}", v.round() as i64)
+    } else {
+        format!("{v:.1}")
+    }
+}
+
+/// What the simulator binary supports, read from its `--help`, so variants
+/// that need newer simulator behaviour are skipped (with a reason) on older
+/// builds instead of failing.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct SimFeatures {
+    pub dispatch: Vec<String>,
+    pub prefix_cache: bool,
+    /// `--enable-cache-report`: cached tokens in OpenAI usage (SGLang's flag).
+    pub cache_report: bool,
+}
+
+impl SimFeatures {
+    pub fn detect(sim: &Path) -> Result<SimFeatures, String> {
+        let output = Command::new(sim)
+            .arg("--help")
+            .output()
+            .map_err(|e| format!("cannot run {} --help: {e}", sim.display()))?;
+        Ok(SimFeatures::from_help(&String::from_utf8_lossy(&output.stdout)))
+    }
+
+    pub fn from_help(help: &str) -> SimFeatures {
+        let known = [
+            "round_robin",
+            "minimum_tokens",
+            "total_tokens",
+            "total_requests",
+            "room_modulo",
+            "oracle",
+        ];
+        SimFeatures {
+            dispatch: known
+                .iter()
+                .filter(|d| {
+                    help.contains(&format!("- {d}:"))
+                        || help.contains(&format!("{d}|"))
+                        || help.contains(&format!("|{d}"))
+                })
+                .map(|d| d.to_string())
+                .collect(),
+            prefix_cache: help.contains("--prefix-cache"),
+            cache_report: help.contains("--enable-cache-report"),
+        }
+    }
+
+    /// The `--dispatch` value for `d`, or why this simulator cannot run it.
+    pub fn dispatch_arg(&self, d: Dispatch) -> Result<&'static str, String> {
+        let has = |name: &str| self.dispatch.iter().any(|x| x == name);
+        match d {
+            Dispatch::RoundRobin => Ok("round_robin"),
+            Dispatch::RoomModulo => Ok("room_modulo"),
+            // Older simulator builds call it `minimum_tokens`.
+            Dispatch::InServer if has("total_tokens") => Ok("total_tokens"),
+            Dispatch::InServer if has("minimum_tokens") => Ok("minimum_tokens"),
+            Dispatch::InServer => Err("the simulator has no minimum-tokens dispatch".into()),
+            Dispatch::Oracle if has("oracle") => Ok("oracle"),
+            Dispatch::Oracle => {
+                Err("this simulator build has no `--dispatch oracle` (the fleet-wide chooser)".into())
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn aliases_expand_and_keys_apply() {
+        let v = Variant::parse("smg-least-load:gw=2:interval=1").unwrap();
+        assert_eq!(v.name, "smg-least-load:gw=2:interval=1");
+        assert_eq!(v.gateways, 2);
+        assert_eq!(
+            v.front,
+            Front::Smg {
+                policy: "least_load".into(),
+                interval_s: Some(1),
+                dp_aware: true,
+                args: vec![]
+            }
+        );
+        let w = Variant::parse("smg-workers-least-load").unwrap();
+        assert!(matches!(w.front, Front::Smg { dp_aware: false, .. }));
+        assert_eq!(w.dispatch, Dispatch::InServer);
+        assert!(
+            w.freshness(5.0).contains("1 s wall = 5 s simulated"),
+            "{}",
+            w.freshness(5.0)
+        );
+        let d = Variant::parse(
+            r#"dprank:poll=400:set.cost_estimate="words":set.prefix_affinity=false:sim.lockstep"#,
+        )
+        .unwrap();
+        match &d.front {
+            Front::Dprank { poll, set } => {
+                assert_eq!(*poll, Poll::SimMs(400));
+                assert_eq!(set["cost_estimate"], "words");
+                assert_eq!(set["prefix_affinity"], false);
+            }
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(d.sim_args, vec!["--lockstep"]);
+        assert_eq!(Variant::parse("in-server").unwrap().dispatch, Dispatch::InServer);
+        assert_eq!(Variant::parse("oracle").unwrap().dispatch, Dispatch::Oracle);
+        let pd = Variant::parse("smg-pd:prefill=least_load:interval=1").unwrap();
+        assert!(pd.is_pd() && pd.uses_smg());
+        let old = Variant::parse("old-rule").unwrap();
+        assert!(matches!(
+            old.front,
+            Front::SmgPd {
+                minimum_tokens: false,
+                ..
+            }
+        ));
+    }
+
+    #[test]
+    fn every_alias_parses() {
+        for (alias, _, _) in ALIASES {
+            let v = Variant::parse(alias).unwrap();
+            assert_eq!(v.name, alias);
+            assert!(!v.describe().is_empty() && !v.freshness(5.0).is_empty());
+        }
+    }
+
+    #[test]
+    fn bad_specs_say_what_is_wrong() {
+        for (spec, needle) in [
+            ("nope", "unknown variant"),
+            ("dprank:poll=0", "positive"),
+            ("dprank:gw=0", "1..=32"),
+            ("smg:interval=0", "seconds"),
+            ("rr:poll=5", "unknown key"),
+            ("dprank:gw", "needs a value"),
+            ("smg:dp-aware=maybe", "on or off"),
+            ("smg:dispatch=oracle", "in-server or round-robin"),
+        ] {
+            let err = Variant::parse(spec).unwrap_err();
+            assert!(err.contains(needle), "{spec}: {err}");
+        }
+    }
+
+    #[test]
+    fn poll_intervals_convert_between_wall_and_simulated_time() {
+        assert_eq!(Poll::SimMs(1000).wall_ms(5.0), 200);
+        assert_eq!(Poll::SimMs(1000).wall_ms(20.0), 100); // the filter's floor
+        assert_eq!(Poll::WallMs(1000).sim_ms(5.0), 5000.0);
+        let v = Variant::parse("dprank").unwrap();
+        assert!(
+            v.freshness(5.0).contains("1000 ms simulated (200 ms wall)"),
+            "{}",
+            v.freshness(5.0)
+        );
+        let s = Variant::parse("smg-pd-least-load").unwrap();
+        assert!(
+            s.freshness(5.0)
+                .contains("10 s wall, its default = 50 s simulated"),
+            "{}",
+            s.freshness(5.0)
+        );
+    }
+
+    #[test]
+    fn features_come_from_the_help_text() {
+        let old = SimFeatures::from_help("          - round_robin:    x\n          - minimum_tokens: y\n");
+        assert_eq!(old.dispatch_arg(Dispatch::InServer), Ok("minimum_tokens"));
+        assert!(old.dispatch_arg(Dispatch::Oracle).is_err());
+        let new = SimFeatures::from_help(
+            "--dispatch round_robin|total_tokens|total_requests|room_modulo|oracle\n--prefix-cache on|off",
+        );
+        assert_eq!(new.dispatch_arg(Dispatch::InServer), Ok("total_tokens"));
+        assert_eq!(new.dispatch_arg(Dispatch::Oracle), Ok("oracle"));
+        assert!(new.prefix_cache && !new.cache_report && !old.prefix_cache);
+    }
+}
