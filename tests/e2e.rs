@@ -45,5 +45,7 @@ mod input_matrix;
 #[path = "e2e/security.rs"]
 mod security;
 
+#[path = "e2e/header.rs"]
+mod header;
 #[path = "e2e/health.rs"]
 mod health;

@@ -2,9 +2,11 @@
 //! `request.rs` applies the decision. Regular mode is here; PD mode in
 //! `pd.rs`; every local answer in `replies.rs`.
 
+mod by_header;
 mod pd;
 mod replies;
 
+pub use by_header::{cost_from_length, route_by_headers};
 pub use pd::{mark_unreachable, prefill_health, prefill_not_sent, prefill_outcome, PdRouted};
 pub use replies::Reply;
 
@@ -14,8 +16,10 @@ use crate::health::{self, Health};
 use crate::host::Host;
 use crate::metrics;
 use crate::scheduler::{self, Candidate, Constraint, Context, Pool};
-use crate::state::{Ticket, WorkerState};
-use crate::store::{self, IfMissing};
+use crate::state::Ticket;
+use crate::store::cache::StateCache;
+use std::borrow::Cow;
+use std::rc::Rc;
 
 /// Why a request went through untouched (also the suffix of its counter).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -60,15 +64,15 @@ pub struct Chosen {
     pub worker: usize,
     pub rank: Option<u32>,
     /// Value for the route header (`ip:port`).
-    pub endpoint: String,
+    pub endpoint: Rc<str>,
 }
 
 impl Chosen {
-    fn new(config: &Config, worker: usize, rank: Option<u32>) -> Chosen {
+    fn new(cache: &StateCache, worker: usize, rank: Option<u32>) -> Chosen {
         Chosen {
             worker,
             rank,
-            endpoint: config.worker(worker).map(|w| w.endpoint()).unwrap_or_default(),
+            endpoint: cache.endpoint(worker),
         }
     }
 }
@@ -85,17 +89,22 @@ pub struct Routed {
     /// The health record listed nothing when the request was routed: its
     /// success needs no write.
     pub health_was_clean: bool,
+    /// When it was routed (the clock the choice read).
+    pub routed_at_ms: u64,
 }
 
 /// The route header's value: the chosen worker, then its alternates
 /// (`override_host` takes the next one at each retry).
-pub fn route_value(to: &Chosen, alternates: &[Chosen]) -> String {
-    let mut value = to.endpoint.clone();
+pub fn route_value<'a>(to: &'a Chosen, alternates: &[Chosen]) -> Cow<'a, str> {
+    if alternates.is_empty() {
+        return Cow::Borrowed(&to.endpoint);
+    }
+    let mut value = String::from(&*to.endpoint);
     for alt in alternates {
         value.push(',');
         value.push_str(&alt.endpoint);
     }
-    value
+    Cow::Owned(value)
 }
 
 #[derive(Debug, PartialEq, Eq)]
@@ -157,35 +166,36 @@ fn client_rank(config: &Config, body: &JsonObject) -> Option<u32> {
     })
 }
 
-/// The routed pool (`prefill: false`) or PD's prefill pool, with their states.
-fn pool<'a>(config: &'a Config, states: &'a [Option<WorkerState>], prefill: bool) -> Pool<'a> {
+/// The routed pool (`prefill: false`) or PD's prefill pool, with their
+/// states as last read into `cache`.
+fn pool<'a>(config: &'a Config, cache: &'a StateCache, prefill: bool) -> Pool<'a> {
     let (workers, offset) = match (prefill, config.pd()) {
         (true, Some(pd)) => (pd.prefill.as_slice(), config.prefill_offset()),
         _ => (config.routed(), 0),
     };
     Pool {
         workers,
-        states: states.get(offset..offset + workers.len()).unwrap_or_default(),
+        states: cache
+            .states()
+            .get(offset..offset + workers.len())
+            .unwrap_or_default(),
+        loads: cache.loads(),
         offset,
     }
 }
 
 /// What a choice sees besides the pool: the health record and, for this
 /// request, whether it may probe a worker or rank past its cooldown.
-pub(crate) struct Sight {
-    pub health: Health,
+pub(crate) struct Sight<'h> {
+    pub health: &'h Health,
     pub now_ms: u64,
     pub admit_probing: bool,
 }
 
-impl Sight {
-    /// Reads the health record if the configuration needs it.
-    pub(crate) fn read(config: &Config, host: &dyn Host, tie_breaker: u64) -> Sight {
-        let health = if config.reads_health() {
-            store::read_health(config, host)
-        } else {
-            Health::default()
-        };
+impl<'h> Sight<'h> {
+    /// What this request sees of `health` (the record as last read into the
+    /// VM's cache; empty if the configuration reads none), and the clock.
+    pub(crate) fn new(config: &Config, host: &dyn Host, health: &'h Health, tie_breaker: u64) -> Sight<'h> {
         let now_ms = host.now_ms();
         let admit_probing = config
             .passive_health
@@ -204,7 +214,7 @@ impl Sight {
             stale_after_ms: config.stale_after_ms,
             constraint,
             tie_breaker,
-            health: &self.health,
+            health: self.health,
             admit_probing: self.admit_probing,
         }
     }
@@ -273,6 +283,7 @@ fn choose(
 fn alternates(
     config: &Config,
     host: &dyn Host,
+    cache: &StateCache,
     sight: &Sight,
     pool: &Pool,
     chosen: &Candidate,
@@ -287,38 +298,47 @@ fn alternates(
     }
     found
         .iter()
-        .map(|c| Chosen::new(config, c.worker, Some(c.rank)))
+        .map(|c| Chosen::new(cache, c.worker, Some(c.rank)))
         .collect()
 }
 
 /// Adds a routed request's estimate to its rank and counts the route.
-fn account(config: &Config, host: &dyn Host, worker: usize, rank: u32, cost: u64) -> Option<Ticket> {
-    let ticket = store::update_worker(config, host, worker, IfMissing::Skip, |state| {
-        state.add(worker, rank, cost)
-    });
+fn account(
+    config: &Config,
+    host: &dyn Host,
+    cache: &mut StateCache,
+    worker: usize,
+    rank: u32,
+    cost: u64,
+) -> Option<Ticket> {
+    let ticket = cache.add_estimate(config, host, worker, rank, cost);
     if ticket.is_none() {
         host.count(metrics::ACCOUNTING_SKIPPED, 1);
     }
-    if let Some(w) = config.worker(worker) {
-        host.count(&metrics::routed(&w.name, rank), 1);
-    }
+    host.count(cache.routed_name(worker, rank), 1);
     ticket
 }
 
-/// Gives back a routed request's estimate when its stream ends.
-pub fn release(config: &Config, host: &dyn Host, ticket: &Ticket) {
-    store::update_worker(config, host, ticket.worker, IfMissing::Skip, |state| {
-        state.release(ticket);
-        Some(())
-    });
+/// Gives back a routed request's estimate when its stream ends; `config` is
+/// the one it was routed with.
+pub fn release(config: &Rc<Config>, host: &dyn Host, cache: &mut StateCache, ticket: &Ticket) {
+    cache.release(config, host, ticket);
 }
 
-/// Decides where a request with this body goes. `pin` is the test-only pin
-/// header (already None unless the config enables it). `tie_breaker` varies
-/// per request so equal loads spread.
-pub fn route(config: &Config, host: &dyn Host, body: &[u8], pin: Option<&str>, tie_breaker: u64) -> Decision {
+/// Decides where a request with this body goes. `cache` is this VM's copy
+/// of the workers' states and health record (read here). `pin` is the test-only pin header
+/// (already None unless the config enables it). `tie_breaker` varies per
+/// request so equal loads spread.
+pub fn route(
+    config: &Rc<Config>,
+    host: &dyn Host,
+    cache: &mut StateCache,
+    body: &[u8],
+    pin: Option<&str>,
+    tie_breaker: u64,
+) -> Decision {
     if let Some(pd) = config.pd() {
-        return pd::route_pd(config, pd, host, body, pin, tie_breaker);
+        return pd::route_pd(config, pd, host, cache, body, pin, tie_breaker);
     }
     if body.is_empty() {
         // A chunked or HTTP/2 request whose body turned out empty.
@@ -340,9 +360,9 @@ pub fn route(config: &Config, host: &dyn Host, body: &[u8], pin: Option<&str>, t
         .keep_client_rank
         .then(|| client_rank(config, &object))
         .flatten();
-    let states = store::read_worker_states(config, host);
-    let pool = pool(config, &states, false);
-    let sight = Sight::read(config, host, tie_breaker);
+    cache.refresh(config, host);
+    let pool = pool(config, cache, false);
+    let sight = Sight::new(config, host, cache.health(), tie_breaker);
     let constraint = Constraint {
         only_rank: trusted_rank,
         pin,
@@ -357,18 +377,21 @@ pub fn route(config: &Config, host: &dyn Host, body: &[u8], pin: Option<&str>, t
         return pass_or_reject(config, host, reason, neutralised);
     };
     let Candidate { worker, rank, .. } = chosen;
+    let alternates = alternates(config, host, cache, &sight, &pool, &chosen);
+    let (health_was_clean, routed_at_ms) = (sight.health.entries.is_empty(), sight.now_ms);
     let cost = object.estimated_tokens(config.cost_estimate);
-    let ticket = account(config, host, worker, rank, cost);
+    let ticket = account(config, host, cache, worker, rank, cost);
     let body = trusted_rank.is_none().then(|| {
         let set = [(config.rank_field.as_str(), rank.to_string())];
         object.rewritten(&set, &rank_names)
     });
     Decision::Route(Routed {
-        to: Chosen::new(config, worker, Some(rank)),
-        alternates: alternates(config, host, &sight, &pool, &chosen),
+        to: Chosen::new(cache, worker, Some(rank)),
+        alternates,
         body,
         ticket,
-        health_was_clean: sight.health.entries.is_empty(),
+        health_was_clean,
+        routed_at_ms,
     })
 }
 
