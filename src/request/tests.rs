@@ -343,8 +343,8 @@ fn successes_on_a_healthy_fleet_write_nothing_and_client_errors_never_count() {
     routed_and_ended(&c, &h, 200, "via_upstream", "127.0.0.1:2", 1);
     assert_eq!(
         h.host_calls("property") - properties,
-        3,
-        "attempts, code details, status: not the upstream"
+        2,
+        "attempts and status: not the code details, not the upstream"
     );
     // Routing reads the states and the health record, and writes the estimate
     // (under the cas it read) and its release (after a read: this VM wrote
@@ -598,7 +598,7 @@ fn header_mode_routes_encoded_bodies_it_does_not_need_to_read() {
 /// VM's cache. Before this count was kept (commit 539df31) a body-mode
 /// request made 17 calls (4 header reads and a removal, 4 shared-data reads)
 /// and a passed-through GET 3; passive health and retry alternates (issue
-/// 14) add 4: the health record's read and three properties at the end.
+/// 14) add 3: the health record's read and two properties at the end.
 #[test]
 fn host_calls_per_request() {
     let count = |extra: &str, headers: &[(&str, &str)], body: &[u8]| {
@@ -632,23 +632,23 @@ fn host_calls_per_request() {
     // Headers read 1; states read 2 and the health record 1, estimate
     // written 1 (its cas is the one read), released 2 (read + write); clock
     // 1; counter 1; body read 1 and replaced 1; route header (with its
-    // alternate) and content-length set 2; at the end, the attempts, the
-    // code details and the status 3.
-    assert_eq!(count("", &post, body), 16);
+    // alternate) and content-length set 2; at the end, the attempts and the
+    // status 2.
+    assert_eq!(count("", &post, body), 15);
     // Without passive health or alternates: no health record, no properties.
     let plain = r#","passive_health":{"enabled":false},"retry_alternates":0"#;
     assert_eq!(count(plain, &post, body), 12);
-    // Alternates alone: the same three properties (only the attempts count).
-    assert_eq!(count(r#","passive_health":{"enabled":false}"#, &post, body), 15);
+    // Alternates alone: the attempts, to count retries.
+    assert_eq!(count(r#","passive_health":{"enabled":false}"#, &post, body), 13);
     // Header mode: no body calls; route header and two rank headers set.
-    assert_eq!(count(r#","rank_transport":"header""#, &post, body), 15);
+    assert_eq!(count(r#","rank_transport":"header""#, &post, body), 14);
     assert_eq!(
         count(
             r#","rank_transport":"header","rank_headers":["x-data-parallel-rank"]"#,
             &post,
             body
         ),
-        14
+        13
     );
     // Passed through: headers read 1, counter 1.
     assert_eq!(count("", &[(":method", "GET"), (":path", "/health")], b""), 2);
