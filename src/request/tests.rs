@@ -653,3 +653,62 @@ fn host_calls_per_request() {
     // Passed through: headers read 1, counter 1.
     assert_eq!(count("", &[(":method", "GET"), (":path", "/health")], b""), 2);
 }
+
+#[test]
+fn header_mode_ejects_probes_retries_and_attributes_like_body_mode() {
+    let (c, h) = fleet(r#","rank_transport":"header","passive_health":{"probe_share":1.0}"#);
+    // One VM: its cached health record must follow what its own requests wrote.
+    let routing = Rc::new(Routing::new(c.clone(), 0));
+    let ended = |code: u64, details: &str, upstream: &str, attempts: u64| {
+        let mut r = Request::new(routing.clone());
+        post(&h, "/generate", br#"{"text":"x"}"#, &[]);
+        assert_eq!(r.on_request_headers(&h, false), Action::Continue);
+        let route = h.header("x-dprank-endpoint").unwrap_or_default();
+        let rank = h.header("x-data-parallel-rank").unwrap_or_default();
+        h.finish_request(code, details, Some(upstream), attempts);
+        r.on_done(&h);
+        (route, rank)
+    };
+    // b's rank 2 is the least loaded; a has a rank 2 too, so it is b's alternate.
+    assert_eq!(
+        ended(200, "via_upstream", "127.0.0.1:2", 1),
+        ("127.0.0.1:2,127.0.0.1:1".into(), "2".into())
+    );
+    // b answers 500s: the rank in the header is the rank that failed.
+    for _ in 0..5 {
+        ended(500, "via_upstream", "127.0.0.1:2", 1);
+    }
+    assert_eq!(h.counter("dprank.ejections.b"), 1);
+    assert_eq!(h.counter("dprank.rank_ejections.b"), 1);
+    // b is out: a's least-loaded rank, with no alternate.
+    assert_eq!(
+        ended(200, "via_upstream", "127.0.0.1:1", 1),
+        ("127.0.0.1:1".into(), "1".into())
+    );
+    // After the cooldown b is probed (share 1.0), answers, and is back.
+    h.now.set(h.now.get() + 10_000);
+    crate::router::testing::poll(&c, &h, 0, &[100, 50, 100, 100]);
+    crate::router::testing::poll(&c, &h, 1, &[100, 100, 20, 100]);
+    let (probe, _) = ended(200, "via_upstream", "127.0.0.1:2", 1);
+    assert!(probe.starts_with("127.0.0.1:2"), "{probe}");
+    assert_eq!(
+        ended(200, "via_upstream", "127.0.0.1:2", 1).0,
+        "127.0.0.1:2,127.0.0.1:1"
+    );
+    assert_eq!(h.gauge_value("dprank.health.b"), Some(0));
+    // b refuses; Envoy's retry lands on a with the same rank headers.
+    let refused = "upstream_reset_before_response_started{connection_failure}";
+    ended(200, "via_upstream", "127.0.0.1:1", 2);
+    assert_eq!(h.counter("dprank.retry.to_alternate"), 1);
+    assert_eq!(h.counter("dprank.failures.b"), 5 + 1);
+    assert_eq!(h.counter("dprank.failures.a"), 0);
+    // Both refuse and nothing is in rotation: header mode passes to the
+    // fallback policy (no rank header), whose pick still counts.
+    for _ in 0..5 {
+        ended(503, refused, "127.0.0.1:1", 3);
+    }
+    let (route, rank) = ended(503, refused, "127.0.0.1:1", 1);
+    assert_eq!((route.as_str(), rank.as_str()), ("", ""));
+    assert_eq!(h.counter("dprank.passthrough.none_in_rotation"), 1);
+    assert_eq!(h.counter("dprank.failures.a"), 5 + 1);
+}
