@@ -118,10 +118,11 @@ impl DprankGateway {
         let mut request = Request::new(self.routing.clone());
         request.on_request_headers(&self.host, false);
         request.on_request_body(&self.host, body.len(), true);
-        let chosen = self
-            .host
-            .header(&self.config.route_header)
-            .and_then(|endpoint| self.workers.get(&endpoint).copied());
+        // The route header lists the chosen worker, then its retry alternates.
+        let chosen = self.host.header(&self.config.route_header).and_then(|value| {
+            let endpoint = value.split(',').next().unwrap_or_default();
+            self.workers.get(endpoint).copied()
+        });
         let placement = match chosen {
             Some(worker) => Placement {
                 worker,
@@ -236,4 +237,53 @@ pub fn mix(x: u64) -> u64 {
     z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
     z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
     z ^ (z >> 31)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn loads(tokens: &[u64]) -> Vec<u8> {
+        let entries: Vec<String> = tokens
+            .iter()
+            .enumerate()
+            .map(|(rank, t)| format!(r#"{{"dp_rank":{rank},"num_total_tokens":{t}}}"#))
+            .collect();
+        format!(
+            r#"{{"loads":[{}],"dp_rank_count":{}}}"#,
+            entries.join(","),
+            tokens.len()
+        )
+        .into_bytes()
+    }
+
+    /// dprank's own choice is the placement, not the fallback's: the route
+    /// header also lists retry alternates after the chosen worker.
+    #[test]
+    fn dprank_places_on_the_chosen_worker_and_rank() {
+        let config = Config::from_json(
+            br#"{"workers":[{"address":"127.0.0.1:1"},{"address":"127.0.0.1:2"}],"prefix_affinity":false}"#,
+        )
+        .unwrap();
+        assert!(config.retry_alternates > 0, "the case this test is about");
+        let mut gateway = DprankGateway::new(config, 1, 1_000_000);
+        let mut t = 0.0;
+        while gateway.host.counter("dprank.poll_ok.127.0.0.1:2") == 0 && t < 5.0 {
+            for call in gateway.tick(t) {
+                let tokens: &[u64] = if call.worker == 0 { &[50, 60] } else { &[70, 5] };
+                gateway.poll_answer(t, call, &loads(tokens));
+            }
+            t += 0.05;
+        }
+        for _ in 0..3 {
+            let (placement, _) = gateway.route(t, "/generate", br#"{"text":"hi"}"#);
+            assert_eq!(
+                placement,
+                Placement {
+                    worker: 1,
+                    rank: Some(1)
+                }
+            );
+        }
+    }
 }
