@@ -121,7 +121,7 @@ impl DprankGateway {
         let chosen = self
             .host
             .header(&self.config.route_header)
-            .and_then(|endpoint| self.workers.get(&endpoint).copied());
+            .and_then(|value| first_endpoint(&value).and_then(|e| self.workers.get(e)).copied());
         let placement = match chosen {
             Some(worker) => Placement {
                 worker,
@@ -151,6 +151,12 @@ impl DprankGateway {
         self.set_time(t_s);
         request.on_done(&self.host);
     }
+}
+
+/// The worker a route header names first: Envoy's `override_host` sends
+/// there, the alternates after it only serve retries.
+fn first_endpoint(value: &str) -> Option<&str> {
+    value.split(',').next().map(str::trim).filter(|e| !e.is_empty())
 }
 
 /// The rank dprank wrote into the body.
@@ -236,4 +242,39 @@ pub fn mix(x: u64) -> u64 {
     z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
     z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
     z ^ (z >> 31)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_route_header_sends_to_its_first_endpoint() {
+        assert_eq!(first_endpoint("10.0.0.2:30000,10.0.0.1:30000"), Some("10.0.0.2:30000"));
+        assert_eq!(first_endpoint("10.0.0.2:30000"), Some("10.0.0.2:30000"));
+        assert_eq!(first_endpoint(""), None);
+    }
+
+    #[test]
+    fn a_gateway_routes_where_dprank_chose_not_by_its_fallback() {
+        let config = crate::offline::driver::dprank_config(
+            &crate::variant::Variant::parse("dprank").unwrap(),
+            2,
+        )
+        .unwrap();
+        let mut g = DprankGateway::new(config, 0, 1_000_000);
+        let loads = |waiting: u64| {
+            serde_json::json!({"loads": [{"dp_rank": 0, "num_total_tokens": waiting, "num_waiting_reqs": 0}]})
+                .to_string()
+        };
+        for call in g.tick(0.0) {
+            let body = if call.worker == 1 { loads(0) } else { loads(50_000) };
+            g.poll_answer(0.001, call, body.as_bytes());
+        }
+        let body = br#"{"text":"hello","sampling_params":{"max_new_tokens":4}}"#;
+        for i in 0..4 {
+            let (placement, _) = g.route(0.01 + f64::from(i) * 0.001, "/generate", body);
+            assert_eq!((placement.worker, placement.rank), (1, Some(0)), "request {i}");
+        }
+    }
 }
