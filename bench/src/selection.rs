@@ -135,6 +135,8 @@ pub fn selection(args: &SelectionArgs, command_line: &str) -> Result<(), String>
             tie_breaker,
             health: &health,
             admit_probing: false,
+            pick: config.pick,
+            gateways: config.gateways,
             affinity: None,
         };
         fn pool<'a>(workers: &'a [Worker], states: &'a [Option<WorkerState>]) -> Pool<'a> {

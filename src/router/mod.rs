@@ -211,6 +211,8 @@ impl Sight {
             health: &self.health,
             admit_probing: self.admit_probing,
             affinity: None,
+            pick: config.pick,
+            gateways: config.gateways,
         }
     }
 

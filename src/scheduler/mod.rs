@@ -12,16 +12,18 @@
 //! candidate list.
 
 mod fresh;
+mod headroom;
 mod healthy;
 mod kv;
 mod least_cost;
 mod load;
 mod only_rank;
+mod peers;
 mod pinned;
 mod prefix;
 mod queue;
 
-use crate::config::Worker;
+use crate::config::{Pick, Worker};
 use crate::health::Health;
 use crate::prefix::Affinity;
 use crate::state::WorkerState;
@@ -34,13 +36,20 @@ const FILTERS: &[&dyn Filter] = &[
     &pinned::Pinned,
 ];
 /// Scorers: each adds its cost to every candidate left. Load only
-/// (`prefix_affinity: false`, and PD's decode pool):
-const LOAD_SCORERS: &[&dyn Scorer] = &[&load::Load];
+/// (`prefix_affinity: false`, and PD's decode pool), then, with `gateways`
+/// > 1, the other gateways' likely requests since the poll:
+const LOAD_SCORERS: &[&dyn Scorer] = &[&load::Load, &peers::Peers];
 /// Prefix affinity: the work queued ahead, the request's own uncached
 /// prefill, the rank's load and the KV it lacks (weighted, `config/prefix.rs`).
-const PREFIX_SCORERS: &[&dyn Scorer] = &[&queue::Queue, &prefix::Prefix, &load::Load, &kv::Kv];
-/// The picker: takes one candidate from those left.
-type ThePicker = least_cost::LeastCost;
+const PREFIX_SCORERS: &[&dyn Scorer] = &[
+    &queue::Queue,
+    &prefix::Prefix,
+    &load::Load,
+    &kv::Kv,
+    &peers::Peers,
+];
+// The picker takes one candidate from those left, as `pick` says:
+// `least_cost`, or `headroom` among the few cheapest (`choose`).
 
 /// A (worker, rank) a request could be sent to, with its cost (for now, the
 /// rank's effective tokens).
@@ -85,6 +94,10 @@ pub struct Context<'a> {
     pub admit_probing: bool,
     /// Prefix affinity for this request and pool (None: load only).
     pub affinity: Option<&'a Affinity<'a>>,
+    /// The picker in force.
+    pub pick: Pick,
+    /// Gateways sharing the fleet (`peers`).
+    pub gateways: u32,
 }
 
 /// One worker as the steps see it.
@@ -146,7 +159,14 @@ fn run_steps(ctx: &Context, view: &WorkerView, slots: &mut Vec<Option<u64>>) -> 
 /// `Config::all_workers` index. The constraint is strict: a pin that names
 /// no candidate leaves none (the router then retries without it).
 pub fn choose(pool: &Pool, ctx: &Context) -> Option<Candidate> {
-    let mut picker = ThePicker::new(ctx);
+    match ctx.pick {
+        Pick::LeastCost => choose_by::<least_cost::LeastCost>(pool, ctx),
+        Pick::Headroom { .. } => choose_by::<headroom::Headroom>(pool, ctx),
+    }
+}
+
+fn choose_by<P: Picker>(pool: &Pool, ctx: &Context) -> Option<Candidate> {
+    let mut picker = P::new(ctx);
     let mut slots: Vec<Option<u64>> = Vec::new();
     for (index, (worker, state)) in pool.workers.iter().zip(pool.states).enumerate() {
         let Some(state) = state else { continue };
@@ -235,6 +255,8 @@ pub(crate) mod testing {
             health: &crate::health::NO_HEALTH,
             admit_probing: false,
             affinity: None,
+            pick: Pick::LeastCost,
+            gateways: 1,
         }
     }
 

@@ -250,18 +250,19 @@ mod tests {
 
     #[test]
     fn the_route_header_sends_to_its_first_endpoint() {
-        assert_eq!(first_endpoint("10.0.0.2:30000,10.0.0.1:30000"), Some("10.0.0.2:30000"));
+        assert_eq!(
+            first_endpoint("10.0.0.2:30000,10.0.0.1:30000"),
+            Some("10.0.0.2:30000")
+        );
         assert_eq!(first_endpoint("10.0.0.2:30000"), Some("10.0.0.2:30000"));
         assert_eq!(first_endpoint(""), None);
     }
 
     #[test]
     fn a_gateway_routes_where_dprank_chose_not_by_its_fallback() {
-        let config = crate::offline::driver::dprank_config(
-            &crate::variant::Variant::parse("dprank").unwrap(),
-            2,
-        )
-        .unwrap();
+        let config =
+            crate::offline::driver::dprank_config(&crate::variant::Variant::parse("dprank").unwrap(), 2)
+                .unwrap();
         let mut g = DprankGateway::new(config, 0, 1_000_000);
         let loads = |waiting: u64| {
             serde_json::json!({"loads": [{"dp_rank": 0, "num_total_tokens": waiting, "num_waiting_reqs": 0}]})
