@@ -14,6 +14,7 @@
 mod fresh;
 mod headroom;
 mod healthy;
+mod home;
 mod kv;
 mod least_cost;
 mod load;
@@ -40,13 +41,16 @@ const FILTERS: &[&dyn Filter] = &[
 /// > 1, the other gateways' likely requests since the poll:
 const LOAD_SCORERS: &[&dyn Scorer] = &[&load::Load, &peers::Peers];
 /// Prefix affinity: the work queued ahead, the request's own uncached
-/// prefill, the rank's load and the KV it lacks (weighted, `config/prefix.rs`).
+/// prefill, the rank's load and the KV it lacks (weighted, `config/prefix.rs`);
+/// with `gateways` > 1, the others' likely requests and a lean shared by
+/// every gateway toward the same ranks for a prompt (`home`).
 const PREFIX_SCORERS: &[&dyn Scorer] = &[
     &queue::Queue,
     &prefix::Prefix,
     &load::Load,
     &kv::Kv,
     &peers::Peers,
+    &home::Home,
 ];
 // The picker takes one candidate from those left, as `pick` says:
 // `least_cost`, or `headroom` among the few cheapest (`choose`).
