@@ -3,12 +3,12 @@ CARGO ?= cargo
 WASM := target/wasm32-wasip1/release/dprank.wasm
 export ENVOY_BIN ?= $(CURDIR)/.venv/bin/envoy
 RUFF ?= $(CURDIR)/.venv/bin/ruff
-PY_SOURCES := scripts docker
+PY_SOURCES := scripts docker tests
 
 VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' Cargo.toml | head -n 1)
 IMAGE ?= dprank-wasm:$(VERSION)
 
-.PHONY: help setup build wasm tools test demo bench bench-pd bench-quick bench-full image lint clean
+.PHONY: help setup build wasm noop-wasm tools test demo bench bench-pd bench-quick bench-full image lint clean
 
 help:
 	@echo "make demo   - one seeded trace through Envoy round robin, then Envoy + dprank, side by side"
@@ -30,6 +30,10 @@ build: wasm tools
 wasm:
 	$(CARGO) build --release --target wasm32-wasip1 -p dprank
 
+# The overhead benchmark's floor: a no-op wasm filter (bench/noop-filter), built on its own.
+noop-wasm:
+	$(CARGO) build --release --target wasm32-wasip1 --manifest-path bench/noop-filter/Cargo.toml --target-dir target
+
 tools:
 	$(CARGO) build --release -p dprank-sim -p dprank-bench
 
@@ -37,6 +41,8 @@ lint: setup
 	$(CARGO) fmt --all -- --check
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
 	$(CARGO) clippy --target wasm32-wasip1 -p dprank -- -D warnings
+	$(CARGO) fmt --manifest-path bench/noop-filter/Cargo.toml -- --check
+	$(CARGO) clippy --target wasm32-wasip1 --manifest-path bench/noop-filter/Cargo.toml --target-dir target -- -D warnings
 	$(RUFF) check $(PY_SOURCES)
 	$(RUFF) format --check $(PY_SOURCES)
 
@@ -47,7 +53,7 @@ test: setup wasm tools lint
 demo: setup wasm tools
 	./scripts/demo.sh
 
-bench: setup wasm tools
+bench: setup wasm noop-wasm tools
 	DPRANK_WITH_SMG=1 ./scripts/setup.sh
 	./target/release/dprank-bench bench
 
@@ -55,11 +61,11 @@ bench-pd: setup wasm tools
 	DPRANK_WITH_SMG=1 ./scripts/setup.sh
 	./target/release/dprank-bench pd
 
-bench-quick: setup wasm tools
+bench-quick: setup wasm noop-wasm tools
 	DPRANK_WITH_SMG=1 ./scripts/setup.sh
 	./target/release/dprank-bench quick
 
-bench-full: setup wasm tools
+bench-full: setup wasm noop-wasm tools
 	DPRANK_WITH_SMG=1 ./scripts/setup.sh
 	./target/release/dprank-bench full
 

@@ -20,6 +20,13 @@ if [ "$(.venv/bin/ruff --version 2>/dev/null)" != "ruff $RUFF_VERSION" ]; then
   .venv/bin/pip install --quiet --disable-pip-version-check "ruff==$RUFF_VERSION"
 fi
 
+# The end-to-end tests drive header mode with the OpenAI Python client
+# (tests/e2e/header_mode/openai_client.py), pinned like ruff.
+OPENAI_VERSION=3.57.0
+if ! .venv/bin/python -c "import openai, sys; sys.exit(openai.__version__ != '$OPENAI_VERSION')" 2>/dev/null; then
+  .venv/bin/pip install --quiet --disable-pip-version-check "openai==$OPENAI_VERSION"
+fi
+
 # The demo's and the benchmarks' plots: a font for their text.
 if [ ! -e /usr/share/fonts/truetype/dejavu/DejaVuSans.ttf ] && command -v apt-get >/dev/null; then
   (apt-get install -y -q fonts-dejavu-core >/dev/null 2>&1 \

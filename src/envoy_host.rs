@@ -2,12 +2,24 @@
 //! Result or an Option here: the SDK's trait defaults panic on unexpected
 //! statuses, and a panic kills the VM for its thread.
 
-use crate::host::{Callout, Host, SharedSetError};
+use crate::host::{Callout, HeaderMap, Host, SharedSetError};
 use proxy_wasm::hostcalls;
 use proxy_wasm::types::{BufferType, MapType, MetricType, Status};
 use std::cell::RefCell;
 use std::collections::HashMap;
 use std::time::{Duration, UNIX_EPOCH};
+
+#[link(wasm_import_module = "env")]
+extern "C" {
+    /// The ABI call behind the SDK's `get_map`, declared with plain integers:
+    /// the SDK's wrapper panics on a status it does not expect and turns
+    /// every header into two owned strings (`request_headers` below).
+    fn proxy_get_header_map_pairs(
+        map_type: u32,
+        return_map_data: *mut *mut u8,
+        return_map_size: *mut usize,
+    ) -> u32;
+}
 
 thread_local! {
     /// Metric ids by name: each VM (one per thread) defines its own.
@@ -102,10 +114,19 @@ impl Host for EnvoyHost {
             .unwrap_or_default()
     }
 
-    fn request_header(&self, name: &str) -> Option<String> {
-        hostcalls::get_map_value(MapType::HttpRequestHeaders, name)
-            .ok()
-            .flatten()
+    fn request_headers(&self) -> HeaderMap {
+        let mut data: *mut u8 = std::ptr::null_mut();
+        let mut size: usize = 0;
+        // SAFETY: the host writes a buffer it allocated through the SDK's
+        // `proxy_on_memory_allocate` (a Vec of exactly `size` bytes, as the
+        // SDK's own `get_map` assumes) and hands its ownership to us.
+        let status =
+            unsafe { proxy_get_header_map_pairs(MapType::HttpRequestHeaders as u32, &mut data, &mut size) };
+        if status != Status::Ok as u32 || data.is_null() {
+            return HeaderMap::default();
+        }
+        // SAFETY: see above; the Vec frees the buffer when the map is dropped.
+        HeaderMap::from_serialized(unsafe { Vec::from_raw_parts(data, size, size) })
     }
 
     fn set_request_header(&self, name: &str, value: &str) {

@@ -48,6 +48,7 @@
 pub mod observe;
 
 use crate::config::PassiveHealth;
+use crate::scheduler::{Slot, REMOVED};
 use serde::{Deserialize, Serialize};
 use std::net::SocketAddr;
 
@@ -288,13 +289,7 @@ impl Health {
 
     /// For the scheduler: false when `worker` may not be chosen at all;
     /// otherwise clears the slots of its ranks that may not be.
-    pub fn admit(
-        &self,
-        worker: SocketAddr,
-        now_ms: u64,
-        admit_probing: bool,
-        ranks: &mut [Option<u64>],
-    ) -> bool {
+    pub fn admit(&self, worker: SocketAddr, now_ms: u64, admit_probing: bool, ranks: &mut [Slot]) -> bool {
         if self.envoy_unhealthy.contains(&worker) {
             return false;
         }
@@ -306,7 +301,7 @@ impl Health {
                 None => return false,
                 Some(rank) => {
                     if let Some(slot) = ranks.get_mut(rank as usize) {
-                        *slot = None;
+                        *slot = REMOVED;
                     }
                 }
             }

@@ -4,6 +4,8 @@
 //! method is one host call, so counting calls on the in-memory host counts
 //! them in Envoy too.
 
+pub use crate::headers::HeaderMap;
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum SharedSetError {
     /// Someone else wrote the key since we read it.
@@ -50,7 +52,8 @@ pub trait Host {
     fn callout_body(&self, size: usize) -> Vec<u8>;
 
     // The current request (HTTP context callbacks only).
-    fn request_header(&self, name: &str) -> Option<String>;
+    /// Every request header in one call (empty when the host has none to give).
+    fn request_headers(&self) -> HeaderMap;
     fn set_request_header(&self, name: &str, value: &str);
     fn remove_request_header(&self, name: &str);
     /// The first `size` bytes of the buffered request body.

@@ -16,6 +16,7 @@ pub mod config;
 pub mod discovery;
 pub mod envoy_host;
 pub mod filter;
+pub mod headers;
 pub mod health;
 pub mod host;
 pub mod load;

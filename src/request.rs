@@ -1,18 +1,21 @@
 //! One request's life in the filter, as plain Rust behind the `Host` trait:
 //! one method per Envoy callback, each returning what Envoy should do next.
 //! It strips the headers only dprank may set, decides which requests to
-//! route, buffers the body, applies the router's decision (route header,
+//! route, buffers the body (body mode) or routes at once from the headers
+//! (header mode), applies the router's decision (route and rank headers,
 //! body and `content-length`, local replies), runs PD mode's prefill leg and
 //! holds the decode response until it is done, and gives every estimate back
-//! when the request ends. `filter.rs` only translates callbacks to it.
+//! and reports how it went to passive health when the request ends.
+//! `filter.rs` only translates callbacks to it.
 
-use crate::config::Config;
+use crate::config::{Config, Transport};
 use crate::discovery::Membership;
 use crate::health::observe::{self, Watch};
-use crate::host::{Callout, Host};
+use crate::host::{Callout, HeaderMap, Host};
 use crate::poller::POLL_DESTINATION_HEADER;
-use crate::router::{self, route_value, Decision, PassReason, PdRouted, Reply};
+use crate::router::{self, route_value, Chosen, Decision, PassReason, PdRouted, Reply, Routed};
 use crate::state::{PrefillTicket, Ticket};
+use crate::store::cache::StateCache;
 use std::cell::{Cell, RefCell};
 use std::rc::Rc;
 
@@ -27,10 +30,11 @@ pub enum Action {
 /// Client headers the prefill leg carries too (auth and tracing).
 const PREFILL_FORWARDED_HEADERS: [&str; 4] = ["authorization", "x-request-id", "traceparent", "tracestate"];
 
-/// What every request of one VM shares: the configuration in force and the
-/// tie-break sequence.
+/// What every request of one VM shares: the configuration in force, the
+/// decoded worker states and health record, and the tie-break sequence.
 pub struct Routing {
     membership: RefCell<Membership>,
+    states: RefCell<StateCache>,
     tie_breaks: Cell<u64>,
 }
 
@@ -39,6 +43,7 @@ impl Routing {
     pub fn new(config: Rc<Config>, seed: u64) -> Routing {
         Routing {
             membership: RefCell::new(Membership::new(config)),
+            states: RefCell::new(StateCache::default()),
             tie_breaks: Cell::new(seed),
         }
     }
@@ -111,20 +116,28 @@ impl Request {
     }
 
     pub fn on_request_headers(&mut self, host: &dyn Host, end_of_stream: bool) -> Action {
-        let config = &self.config;
-        // Routing headers are the filter's alone: a client value would steer traffic.
-        host.remove_request_header(&config.route_header);
+        let config = self.config.clone();
+        let headers = host.request_headers();
+        // Routing and rank headers are the filter's alone: a client value would steer traffic.
+        remove_client_headers(&config, host, &headers);
         if let Some(pin_header) = &config.pin_header {
-            self.pin = host.request_header(pin_header);
-            host.remove_request_header(pin_header);
+            self.pin = headers.get(pin_header).map(str::to_string);
         }
-        if let Some(reason) = pass_reason(config, host, end_of_stream) {
+        if let Some(reason) = pass_reason(&config, &headers, end_of_stream) {
             router::pass_early(host, reason);
             return Action::Continue;
         }
-        self.will_route = true;
-        self.had_content_length = host.request_header("content-length").is_some();
-        Action::Pause
+        match &config.transport {
+            Transport::Body => {
+                self.will_route = true;
+                self.had_content_length = headers.contains("content-length");
+                Action::Pause
+            }
+            Transport::Header(settings) => {
+                let cost = router::cost_from_length(&config, settings, headers.content_length());
+                self.route_by_headers(host, cost)
+            }
+        }
     }
 
     pub fn on_request_body(&mut self, host: &dyn Host, body_size: usize, end_of_stream: bool) -> Action {
@@ -153,7 +166,13 @@ impl Request {
         };
         if let Some(ticket) = self.prefill_ticket.take() {
             let charge = self.prefill_charge.take();
-            router::release(&self.config, host, &ticket, charge.as_ref());
+            router::release(
+                &self.config,
+                host,
+                &mut self.routing.states.borrow_mut(),
+                &ticket,
+                charge.as_ref(),
+            );
         }
         let status = host.callout_status();
         let body = host.callout_body(body_size);
@@ -204,7 +223,7 @@ impl Request {
     /// Takes the request's prefill off its rank's queue, once.
     fn prefill_over(&mut self, host: &dyn Host) {
         if let Some(charge) = self.prefill_charge.take() {
-            router::prefill_started(&self.config, host, &charge);
+            router::prefill_started(&self.config, host, &mut self.routing.states.borrow_mut(), &charge);
         }
     }
 
@@ -219,26 +238,61 @@ impl Request {
             .flatten()
         {
             let with = charge.take_if(|c| c.worker == ticket.worker);
-            router::release(&self.config, host, &ticket, with.as_ref());
+            router::release(
+                &self.config,
+                host,
+                &mut self.routing.states.borrow_mut(),
+                &ticket,
+                with.as_ref(),
+            );
         }
         if let Some(charge) = charge {
-            router::prefill_started(&self.config, host, &charge);
+            router::prefill_started(&self.config, host, &mut self.routing.states.borrow_mut(), &charge);
         }
         if let Some(watch) = self.watch.take() {
             observe::request_ended(&self.config, host, &watch);
         }
     }
 
-    /// Remembers where the request went, when its end can tell something.
-    fn watch(&mut self, host: &dyn Host, hosts: Vec<std::net::SocketAddr>, rank: Option<u32>, clean: bool) {
+    /// Remembers where the request went (`to` first, then its alternates)
+    /// and when, if its end can tell something.
+    fn watch<'c>(
+        &mut self,
+        to: impl Iterator<Item = &'c Chosen>,
+        rank: Option<u32>,
+        clean: bool,
+        at_ms: u64,
+    ) {
         if self.config.passive_health.is_some() || self.config.retry_alternates > 0 {
             self.watch = Some(Watch {
-                hosts,
+                hosts: addresses(&self.config, to),
                 rank,
-                routed_at_ms: host.now_ms(),
+                routed_at_ms: at_ms,
                 health_was_clean: clean,
             });
         }
+    }
+
+    /// Watches a request the cluster's fallback policy sends: its answer
+    /// still tells about the host it picks.
+    fn watch_fallback(&mut self, host: &dyn Host) {
+        if self.config.passive_health.is_some() {
+            self.watch(std::iter::empty(), None, false, host.now_ms());
+        }
+    }
+
+    /// Applies a routed decision's headers and watch (either transport).
+    fn apply_routed(&mut self, host: &dyn Host, routed: &Routed) {
+        host.set_request_header(
+            &self.config.route_header,
+            &route_value(&routed.to, &routed.alternates),
+        );
+        self.watch(
+            std::iter::once(&routed.to).chain(&routed.alternates),
+            routed.to.rank,
+            routed.health_was_clean,
+            routed.routed_at_ms,
+        );
     }
 
     /// Routes the whole buffered body and applies the decision.
@@ -247,20 +301,22 @@ impl Request {
         self.config = self.routing.current(host);
         let body = host.request_body(self.body_size).unwrap_or_default();
         let tie_breaker = self.routing.next_tie_breaker();
-        match router::route(&self.config, host, &body, self.pin.as_deref(), tie_breaker) {
+        let decision = router::route(
+            &self.config,
+            host,
+            &mut self.routing.states.borrow_mut(),
+            &body,
+            self.pin.as_deref(),
+            tie_breaker,
+        );
+        match decision {
             Decision::Route(routed) => {
-                let value = route_value(&routed.to, &routed.alternates);
-                host.set_request_header(&self.config.route_header, &value);
+                self.apply_routed(host, &routed);
                 if let Some(new_body) = &routed.body {
                     self.replace_body(host, new_body);
                 }
                 self.ticket = routed.ticket;
                 self.prefill_charge = routed.prefill;
-                let hosts = addresses(
-                    &self.config,
-                    std::iter::once(&routed.to).chain(&routed.alternates),
-                );
-                self.watch(host, hosts, routed.to.rank, routed.health_was_clean);
                 Action::Continue
             }
             Decision::Pd(pd) => self.start_pd(host, pd),
@@ -268,8 +324,7 @@ impl Request {
                 if let Some(new_body) = &new_body {
                     self.replace_body(host, new_body);
                 }
-                // The fallback policy picks the host; its answer still tells.
-                self.watch(host, Vec::new(), None, false);
+                self.watch_fallback(host);
                 Action::Continue
             }
             Decision::Reject(reply) => {
@@ -279,10 +334,50 @@ impl Request {
         }
     }
 
+    /// Header mode: routes on what the headers tell and lets the body stream
+    /// through untouched.
+    fn route_by_headers(&mut self, host: &dyn Host, cost: u64) -> Action {
+        self.config = self.routing.current(host);
+        let tie_breaker = self.routing.next_tie_breaker();
+        let decision = router::route_by_headers(
+            &self.config,
+            host,
+            &mut self.routing.states.borrow_mut(),
+            cost,
+            self.pin.as_deref(),
+            tie_breaker,
+        );
+        match decision {
+            Decision::Route(routed) => {
+                // The alternates have the same rank: the rank headers hold for every retry.
+                self.apply_routed(host, &routed);
+                if let (Some(settings), Some(rank)) = (self.config.header_transport(), routed.to.rank) {
+                    let mut digits = itoa::Buffer::new();
+                    let rank = digits.format(rank);
+                    for name in &settings.rank_headers {
+                        host.set_request_header(name, rank);
+                    }
+                }
+                self.ticket = routed.ticket;
+                Action::Continue
+            }
+            Decision::Reject(reply) => {
+                reply.send(host);
+                Action::Pause
+            }
+            Decision::PassThrough { .. } => {
+                self.watch_fallback(host);
+                Action::Continue
+            }
+            // Header mode never builds a PD decision (validation refuses PD with it).
+            Decision::Pd(_) => Action::Continue,
+        }
+    }
+
     /// Envoy does not correct `content-length` after a body change: dprank does.
     fn replace_body(&self, host: &dyn Host, body: &[u8]) {
         if host.replace_request_body(self.body_size, body) && self.had_content_length {
-            host.set_request_header("content-length", &body.len().to_string());
+            host.set_request_header("content-length", itoa::Buffer::new().format(body.len()));
         }
     }
 
@@ -304,9 +399,13 @@ impl Request {
             );
         }
         self.replace_body(host, &pd.decode_body);
-        let hosts = addresses(&self.config, pd.decode.iter().chain(&pd.decode_alternates));
         let rank = pd.decode.as_ref().and_then(|d| d.rank);
-        self.watch(host, hosts, rank, pd.health_was_clean);
+        self.watch(
+            pd.decode.iter().chain(&pd.decode_alternates),
+            rank,
+            pd.health_was_clean,
+            pd.routed_at_ms,
+        );
         Action::Continue
     }
 
@@ -315,20 +414,21 @@ impl Request {
         let Some(settings) = self.config.pd() else {
             return false;
         };
-        let path = host.request_header(":path").unwrap_or_default();
-        let forwarded: Vec<(&str, String)> = PREFILL_FORWARDED_HEADERS
+        let client = host.request_headers();
+        let path = client.get(":path").unwrap_or_default();
+        let forwarded: Vec<(&str, &str)> = PREFILL_FORWARDED_HEADERS
             .iter()
-            .filter_map(|h| host.request_header(h).map(|v| (*h, v)))
+            .filter_map(|h| client.get(h).map(|v| (*h, v)))
             .collect();
-        let endpoint = pd.prefill.endpoint.as_str();
+        let endpoint: &str = &pd.prefill.endpoint;
         let mut headers = vec![
             (":method", "POST"),
-            (":path", path.as_str()),
+            (":path", path),
             (":authority", endpoint),
             (POLL_DESTINATION_HEADER, endpoint),
             ("content-type", "application/json"),
         ];
-        headers.extend(forwarded.iter().map(|(k, v)| (*k, v.as_str())));
+        headers.extend(forwarded);
         let call = Callout {
             cluster: &settings.cluster,
             headers: &headers,
@@ -352,30 +452,37 @@ impl Request {
 }
 
 /// The addresses of chosen workers (`Config::all_workers` indices).
-fn addresses<'a>(
-    config: &Config,
-    chosen: impl Iterator<Item = &'a router::Chosen>,
-) -> Vec<std::net::SocketAddr> {
+fn addresses<'a>(config: &Config, chosen: impl Iterator<Item = &'a Chosen>) -> Vec<std::net::SocketAddr> {
     chosen
         .filter_map(|c| config.worker(c.worker).map(|w| w.address))
         .collect()
 }
 
+/// Removes the client headers only dprank may set (`Config::removed_headers`),
+/// those present only: a removal is a host call.
+fn remove_client_headers(config: &Config, host: &dyn Host, headers: &HeaderMap) {
+    for (name, _) in headers.iter() {
+        if let Some(removed) = config.removed_headers.iter().find(|r| r.as_bytes() == name) {
+            host.remove_request_header(removed);
+        }
+    }
+}
+
 /// Why a request is not routed, as far as its headers tell.
-fn pass_reason(config: &Config, host: &dyn Host, end_of_stream: bool) -> Option<PassReason> {
-    if host.request_header(":method").as_deref() != Some("POST") {
+fn pass_reason(config: &Config, headers: &HeaderMap, end_of_stream: bool) -> Option<PassReason> {
+    let header_mode = config.header_transport().is_some();
+    if headers.get_bytes(":method") != Some(b"POST") {
         Some(PassReason::Method)
-    } else if !host
-        .request_header(":path")
-        .is_some_and(|p| config.routes_path(&p))
-    {
+    } else if !headers.get(":path").is_some_and(|p| config.routes_path(p)) {
         Some(PassReason::Path)
-    } else if host
-        .request_header("content-encoding")
-        .is_some_and(|e| !e.eq_ignore_ascii_case("identity"))
+    } else if !header_mode
+        && headers
+            .get_bytes("content-encoding")
+            .is_some_and(|e| !e.eq_ignore_ascii_case(b"identity"))
     {
+        // The body would have to be decompressed; header mode never reads it.
         Some(PassReason::Encoded)
-    } else if end_of_stream {
+    } else if end_of_stream || headers.content_length() == Some(0) {
         Some(PassReason::EmptyBody)
     } else {
         None

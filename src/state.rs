@@ -80,29 +80,6 @@ impl WorkerState {
         Some(polled.saturating_add(pending))
     }
 
-    /// Adds every rank's effective tokens to `costs` (one slot per rank) and
-    /// clears the slots of ranks without a polled figure: one pass per pending
-    /// bucket instead of one per rank and bucket (selection walks every rank
-    /// of the fleet per request).
-    pub fn add_effective_tokens(&self, costs: &mut [Option<u64>]) {
-        for (cost, polled) in costs.iter_mut().zip(&self.tokens) {
-            *cost = match (*cost, *polled) {
-                (Some(c), p) if p != UNKNOWN => Some(c.saturating_add(p)),
-                _ => None,
-            };
-        }
-        for cost in costs.iter_mut().skip(self.tokens.len()) {
-            *cost = None;
-        }
-        for bucket in &self.pending {
-            for (cost, pending) in costs.iter_mut().zip(&bucket.tokens) {
-                if let Some(c) = cost {
-                    *c = c.saturating_add(*pending);
-                }
-            }
-        }
-    }
-
     /// Whether the sizes are within what dprank ever writes (a decoded value
     /// from elsewhere is refused).
     pub fn within_limits(&self) -> bool {
@@ -270,23 +247,6 @@ mod tests {
         assert_eq!(t.seq, seq);
         w.apply_snapshot(seq, 2000, &[Some(5)]);
         assert_eq!(w.effective_tokens(0), Some(35), "the poll may have missed it");
-    }
-
-    #[test]
-    fn bulk_effective_tokens_equal_effective_tokens_per_rank() {
-        let mut w = WorkerState::default();
-        let seq = w.begin_poll();
-        w.apply_snapshot(seq, 1, &[Some(3), None, Some(u64::MAX - 1)]);
-        w.add(0, 0, 4).unwrap();
-        w.add(0, 2, 9).unwrap();
-        w.begin_poll();
-        w.add(0, 0, 1).unwrap();
-        let each: Vec<Option<u64>> = (0..3).map(|r| w.effective_tokens(r)).collect();
-        let mut bulk = vec![Some(0); 4];
-        w.add_effective_tokens(&mut bulk);
-        assert_eq!(&bulk[..3], each.as_slice());
-        assert_eq!(bulk[3], None, "a rank the report does not list");
-        assert_eq!(each, vec![Some(8), None, Some(u64::MAX)]);
     }
 
     #[test]

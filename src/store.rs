@@ -32,9 +32,16 @@ use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use std::net::SocketAddr;
 
+pub mod cache;
+
 /// How many times a read-modify-write on shared data is retried when another
 /// thread wrote in between.
 pub const CAS_ATTEMPTS: usize = 16;
+
+thread_local! {
+    /// The encoding buffer of read-modify-writes, reused (one VM per thread).
+    static ENCODED: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
+}
 
 /// The names of the keys of one configuration's shared data.
 pub struct Keys<'a> {
@@ -255,6 +262,15 @@ pub fn decode_view<'a, R: RecordView<'a>>(bytes: &'a [u8]) -> Option<R> {
     (rest.is_empty() && record.within_limits()).then_some(record)
 }
 
+/// `encode` into a reused buffer; the bytes, or None if encoding failed.
+pub fn encode_into<'b, R: Record>(record: &R, buffer: &'b mut Vec<u8>) -> Option<&'b [u8]> {
+    let mut out = std::mem::take(buffer);
+    out.clear();
+    out.extend_from_slice(&R::TAG);
+    *buffer = postcard::to_extend(record, out).ok()?;
+    Some(buffer.as_slice())
+}
+
 /// What `encode` wrote; None for anything else (the caller starts afresh).
 pub fn decode<R: Record>(bytes: &[u8]) -> Option<R> {
     let body = bytes.strip_prefix(&R::TAG)?;
@@ -275,7 +291,12 @@ pub fn update<T: Record, R>(
         let current = host.shared_get(key);
         let value = current.as_ref().and_then(|(bytes, _)| decode(bytes));
         let (new, result) = update(value)?;
-        match host.shared_set(key, &encode(&new), current.map(|(_, cas)| cas)) {
+        let cas = current.map(|(_, cas)| cas);
+        let written = ENCODED.with_borrow_mut(|buffer| match encode_into(&new, buffer) {
+            Some(bytes) => host.shared_set(key, bytes, cas),
+            None => Err(SharedSetError::Failed),
+        });
+        match written {
             Ok(()) => return Some(result),
             Err(SharedSetError::CasMismatch) => continue,
             Err(SharedSetError::Failed) => return None,

@@ -346,6 +346,39 @@ impl Connection {
         }
         Ok(start.elapsed())
     }
+
+    /// POSTs a streamed request and reads the response as it comes; returns
+    /// when its first and its last body bytes arrived, from the send.
+    pub async fn post_streamed(&mut self, path: &str, body: Bytes) -> Result<(Duration, Duration), String> {
+        let request = Request::post(path)
+            .header("host", &self.authority)
+            .header("content-type", "application/json")
+            .body(Full::new(body))
+            .map_err(|e| format!("bad request: {e}"))?;
+        let start = Instant::now();
+        self.sender
+            .ready()
+            .await
+            .map_err(|e| format!("connection: {e}"))?;
+        let response = self
+            .sender
+            .send_request(request)
+            .await
+            .map_err(|e| format!("transport: {e}"))?;
+        if !response.status().is_success() {
+            return Err(format!("HTTP {}", response.status().as_u16()));
+        }
+        let mut body = response.into_body();
+        let (mut first, mut last) = (None, Duration::ZERO);
+        while let Some(frame) = body.frame().await {
+            let frame = frame.map_err(|e| format!("body: {e}"))?;
+            if frame.data_ref().is_some_and(|d| !d.is_empty()) {
+                last = start.elapsed();
+                first.get_or_insert(last);
+            }
+        }
+        Ok((first.unwrap_or(last), last))
+    }
 }
 
 #[cfg(test)]

@@ -14,6 +14,10 @@ pub enum Balancer {
     RoundRobin,
     /// Wasm filter removed, fallback policy least_request over workers.
     LeastRequest,
+    /// dprank's filter replaced by the no-op filter (bench/noop-filter) at
+    /// the same place with the same settings: the floor of a wasm filter.
+    /// `buffer`: hold the request until its body is whole, read it once.
+    Noop { buffer: bool },
 }
 
 /// What the benchmark changes in dprank's shipped configuration.
@@ -146,6 +150,40 @@ fn rewrite_filter(
     Ok(())
 }
 
+/// Makes the wasm filter the no-op one (`wasm`), in mode `pass` or
+/// `buffer`; everything else about the filter stays as shipped.
+fn noop_filter(lines: &mut [String], wasm: &Path, buffer: bool) -> Result<(), String> {
+    let (start, end) = list_item_range(lines, "envoy.filters.http.wasm")?;
+    let mut renamed = 0;
+    for line in lines[start..end].iter_mut() {
+        let trimmed = line.trim();
+        let indent = indent_of(line);
+        if trimmed.contains("filename:") {
+            *line = format!("{:indent$}local: {{ filename: {} }}", "", wasm.display());
+        } else if trimmed == "name: dprank" || trimmed == "root_id: dprank" || trimmed == "vm_id: dprank" {
+            *line = line.replace("dprank", "noop");
+            renamed += 1;
+        }
+    }
+    if renamed != 3 {
+        return Err("envoy template: the wasm filter's name, root_id and vm_id are not `dprank`".into());
+    }
+    let value = (start..end)
+        .find(|i| lines[*i].trim() == "value: |")
+        .ok_or("envoy template: no filter configuration `value: |`")?;
+    let value_end = block_end(lines, value);
+    let indent = indent_of(&lines[value]) + 2;
+    let mode = if buffer { "buffer" } else { "pass" };
+    for (i, line) in lines[value + 1..value_end].iter_mut().enumerate() {
+        *line = if i == 0 {
+            format!("{:indent$}{mode}", "")
+        } else {
+            String::new()
+        };
+    }
+    Ok(())
+}
+
 fn join_lines(lines: &[String]) -> String {
     let mut out = lines.join("\n");
     out.push('\n');
@@ -196,6 +234,7 @@ pub fn render(
             let (start, end) = list_item_range(&lines, "envoy.filters.http.wasm")?;
             lines.drain(start..end);
         }
+        Balancer::Noop { buffer } => noop_filter(&mut lines, wasm, *buffer)?,
     }
     Ok(join_lines(&lines))
 }
@@ -321,6 +360,26 @@ mod tests {
         )
         .unwrap();
         assert!(lr.contains("least_request.v3.LeastRequest") && !lr.contains("RoundRobin"));
+    }
+
+    #[test]
+    fn noop_variants_swap_the_filter_and_keep_its_settings() {
+        for (buffer, mode) in [(false, "pass"), (true, "buffer")] {
+            let out = render(
+                &template(),
+                &PORTS,
+                &workers(),
+                &Balancer::Noop { buffer },
+                Path::new("/x/noop.wasm"),
+            )
+            .unwrap();
+            assert!(out.contains("filename: /x/noop.wasm") && !out.contains("dprank.wasm"));
+            assert!(out.contains("root_id: noop") && out.contains("vm_id: noop"));
+            assert!(out.contains(&format!("\n                    {mode}\n")), "{out}");
+            assert!(!out.contains("\"workers\""), "the dprank configuration is gone");
+            assert!(out.contains("allow_on_headers_stop_iteration: true") && out.contains("FAIL_RELOAD"));
+            assert!(out.contains("per_connection_buffer_limit_bytes"));
+        }
     }
 
     #[test]

@@ -17,6 +17,8 @@ pub struct Tools {
     pub envoy: PathBuf,
     pub smg: Option<PathBuf>,
     pub wasm: PathBuf,
+    /// The overhead benchmark's no-op filter (`make noop-wasm`), if built.
+    pub noop_wasm: PathBuf,
     pub logs: PathBuf,
 }
 
@@ -33,6 +35,7 @@ impl Tools {
             .unwrap_or_else(|| root.join(".venv/bin/envoy"));
         let smg = Some(root.join(".venv/bin/smg")).filter(|p| p.exists());
         let wasm = root.join("target/wasm32-wasip1/release/dprank.wasm");
+        let noop_wasm = root.join("target/wasm32-wasip1/release/noop_filter.wasm");
         for (what, path, how) in [
             ("dprank-sim", &sim, "cargo build --release -p dprank-sim"),
             ("envoy", &envoy, "./scripts/setup.sh"),
@@ -50,6 +53,7 @@ impl Tools {
             envoy,
             smg,
             wasm,
+            noop_wasm,
             logs,
         })
     }
@@ -77,6 +81,11 @@ pub struct SimFleet {
 }
 
 impl SimFleet {
+    /// The simulator process's id.
+    pub fn pid(&self) -> u32 {
+        self._process.pid()
+    }
+
     pub fn start(tools: &Tools, options: &SimOptions, name: &str) -> Result<SimFleet, String> {
         let mut args = Vec::new();
         for _ in 0..options.workers {
@@ -210,6 +219,13 @@ pub struct Front {
     pub admin: Option<u16>,
 }
 
+impl Front {
+    /// The router process's id.
+    pub fn pid(&self) -> u32 {
+        self._process.pid()
+    }
+}
+
 /// dprank's own counters from one Envoy's admin `/stats`.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct DprankCounters {
@@ -284,10 +300,20 @@ pub async fn start_envoy(
         listener: free_port()?,
         admin: free_port()?,
     };
-    let yaml = render(&template, &ports, &fleet.workers, balancer, &tools.wasm)?;
+    let wasm = match balancer {
+        Balancer::Noop { .. } if !tools.noop_wasm.exists() => {
+            return Err(format!(
+                "{} not found (run `make noop-wasm`)",
+                tools.noop_wasm.display()
+            ))
+        }
+        Balancer::Noop { .. } => &tools.noop_wasm,
+        _ => &tools.wasm,
+    };
+    let yaml = render(&template, &ports, &fleet.workers, balancer, wasm)?;
     let polled: &[&SimFleet] = match balancer {
         Balancer::Dprank { .. } => &[fleet],
-        Balancer::RoundRobin | Balancer::LeastRequest => &[],
+        Balancer::RoundRobin | Balancer::LeastRequest | Balancer::Noop { .. } => &[],
     };
     launch_envoy(tools, client, &yaml, &ports, polled, name).await
 }

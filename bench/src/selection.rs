@@ -11,9 +11,12 @@ use clap::Args;
 use dprank::body::JsonObject;
 use dprank::config::{Config, Worker};
 use dprank::health::Health;
-use dprank::scheduler::{choose, Constraint, Context, Pool};
-use dprank::state::WorkerState;
-use dprank::store;
+use dprank::host::{Callout, HeaderMap, Host, SharedSetError};
+use dprank::scheduler::{alternates, choose, Constraint, Context, Loads, Pool};
+use dprank::state::{Ticket, WorkerState};
+use dprank::store::{self, cache::StateCache, IfMissing};
+use std::cell::{Cell, RefCell};
+use std::rc::Rc;
 
 mod prefix;
 
@@ -85,6 +88,120 @@ pub(crate) fn time_ns<F: FnMut() -> u64>(batches: usize, mut f: F) -> Timing {
     }
 }
 
+/// Shared data in process memory, the rest of the host inert: what the
+/// filter's per-request path costs natively, each shared-data read still a
+/// map lookup and a copy of the value as in Envoy (where it is also a host
+/// call, which costs more than the copy).
+#[derive(Default)]
+struct MemoryHost {
+    shared: RefCell<hashbrown::HashMap<String, (Vec<u8>, u32)>>,
+    next_cas: Cell<u32>,
+}
+
+impl Host for MemoryHost {
+    fn now_ms(&self) -> u64 {
+        1_500
+    }
+    fn random_u64(&self) -> u64 {
+        4
+    }
+    fn shared_get(&self, key: &str) -> Option<(Vec<u8>, u32)> {
+        self.shared.borrow().get(key).cloned()
+    }
+    fn shared_set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), SharedSetError> {
+        let mut shared = self.shared.borrow_mut();
+        let current = shared.get(key).map(|(_, c)| *c);
+        if cas.is_some() && cas != current {
+            return Err(SharedSetError::CasMismatch);
+        }
+        self.next_cas.set(self.next_cas.get().wrapping_add(1));
+        match shared.get_mut(key) {
+            Some(entry) => {
+                entry.0.clear();
+                entry.0.extend_from_slice(value);
+                entry.1 = self.next_cas.get();
+            }
+            None => {
+                shared.insert(key.to_string(), (value.to_vec(), self.next_cas.get()));
+            }
+        }
+        Ok(())
+    }
+    fn count(&self, _metric: &str, _delta: u64) {}
+    fn gauge(&self, _metric: &str, _value: u64) {}
+    fn http_call(&self, _call: &Callout) -> Result<u32, String> {
+        Err("no callouts".into())
+    }
+    fn callout_status(&self) -> Option<u32> {
+        None
+    }
+    fn callout_body(&self, _size: usize) -> Vec<u8> {
+        Vec::new()
+    }
+    fn request_headers(&self) -> HeaderMap {
+        HeaderMap::default()
+    }
+    fn set_request_header(&self, _name: &str, _value: &str) {}
+    fn remove_request_header(&self, _name: &str) {}
+    fn request_body(&self, _size: usize) -> Option<Vec<u8>> {
+        None
+    }
+    fn replace_request_body(&self, _old_size: usize, _body: &[u8]) -> bool {
+        false
+    }
+    fn send_response(&self, _status: u32, _headers: &[(&str, &str)], _body: &[u8]) {}
+    fn resume_response(&self) {}
+    fn property(&self, _path: &[&str]) -> Option<Vec<u8>> {
+        None
+    }
+}
+
+/// What the filter does per request around the choice, states read through
+/// `host`: refresh this VM's cache (one read per worker and one of the
+/// health record, decoding only what changed), choose, find the retry
+/// alternates, write the estimate; and give back the estimate of the
+/// request before (its end). Returns the chosen cost.
+fn filter_request(
+    config: &Rc<Config>,
+    host: &MemoryHost,
+    cache: &mut StateCache,
+    previous: &mut Option<Ticket>,
+    tie_breaker: u64,
+) -> u64 {
+    if let Some(ticket) = previous.take() {
+        store::update_worker(config, host, ticket.worker, IfMissing::Skip, |s| {
+            s.release(&ticket);
+            Some(())
+        });
+    }
+    cache.refresh(config, host);
+    let pool = Pool {
+        workers: config.routed(),
+        states: cache.states(),
+        loads: cache.loads(),
+        offset: 0,
+    };
+    let ctx = Context {
+        now_ms: 1_500,
+        stale_after_ms: config.stale_after_ms,
+        constraint: Constraint::default(),
+        tie_breaker,
+        health: cache.health(),
+        admit_probing: false,
+        pick: config.pick,
+        gateways: config.gateways,
+        affinity: None,
+    };
+    let Some(choice) = choose(&pool, &ctx) else {
+        return 0;
+    };
+    black_box(alternates(&pool, &ctx, &choice, config.retry_alternates as usize));
+    *previous = cache.write(config, host, choice.worker, |s| {
+        s.add(choice.worker, choice.rank, 100)
+    });
+    choice.cost
+}
+
 /// A fleet of `ranks` ranks: the config, and each worker's state after a poll
 /// plus a few requests sent since (so the pending estimates are walked too).
 fn fleet(ranks: usize) -> Result<(Config, Vec<Option<WorkerState>>), String> {
@@ -123,6 +240,7 @@ pub fn selection(args: &SelectionArgs, command_line: &str) -> Result<(), String>
     let mut rows = Vec::new();
     let mut at_4096 = f64::NAN;
     let mut at_4096_min = f64::NAN;
+    let mut with_read_4096 = f64::NAN;
     for ranks in TOTAL_RANKS {
         let (config, states) = fleet(ranks)?;
         let workers = config.routed();
@@ -139,24 +257,26 @@ pub fn selection(args: &SelectionArgs, command_line: &str) -> Result<(), String>
             gateways: config.gateways,
             affinity: None,
         };
-        fn pool<'a>(workers: &'a [Worker], states: &'a [Option<WorkerState>]) -> Pool<'a> {
+        fn pool<'a>(workers: &'a [Worker], states: &'a [Option<WorkerState>], loads: &'a Loads) -> Pool<'a> {
             Pool {
                 workers,
                 states,
+                loads,
                 offset: 0,
             }
         }
+        let loads = Loads::of(&states);
         let mut tie = 0u64;
         let select = time_ns(args.batches, || {
             tie = tie.wrapping_add(1);
-            choose(&pool(workers, &states), &ctx(tie)).map_or(0, |c| c.cost)
+            choose(&pool(workers, &states, &loads), &ctx(tie)).map_or(0, |c| c.cost)
         });
         // Reference: the same choice in one pass over the states through
         // their public API, without materialising the candidates (ties to
         // the first); how far the selection step itself could come down.
         let one_pass = time_ns(args.batches, || {
             let mut best: Option<u64> = None;
-            for (worker, state) in workers.iter().zip(&states) {
+            for (index, (worker, state)) in workers.iter().zip(&states).enumerate() {
                 let Some(state) = state
                     .as_ref()
                     .filter(|s| s.is_fresh(1_500, config.stale_after_ms))
@@ -166,23 +286,22 @@ pub fn selection(args: &SelectionArgs, command_line: &str) -> Result<(), String>
                 let ranks = worker
                     .dp_size
                     .map_or(state.ranks(), |dp| state.ranks().min(dp as usize));
-                for rank in 0..ranks {
-                    if let Some(load) = state.effective_tokens(rank) {
-                        if best.is_none_or(|b| load < b) {
-                            best = Some(load);
-                        }
+                for &load in loads.worker(index).iter().take(ranks) {
+                    if load != dprank::scheduler::REMOVED && best.is_none_or(|b| load < b) {
+                        best = Some(load);
                     }
                 }
             }
             best.unwrap_or(0)
         });
-        // What the filter does per request around the choice: decode every
-        // worker's state from shared data, then re-encode the chosen one.
+        // What the filter did per request around the choice before its
+        // cache: decode every worker's state, choose, re-encode the chosen one.
         let encoded: Vec<Vec<u8>> = states.iter().flatten().map(store::encode).collect();
-        let full = time_ns(args.batches, || {
+        let uncached = time_ns(args.batches, || {
             tie = tie.wrapping_add(1);
             let decoded: Vec<Option<WorkerState>> = encoded.iter().map(|b| store::decode(b)).collect();
-            let Some(choice) = choose(&pool(workers, &decoded), &ctx(tie)) else {
+            let loads = Loads::of(&decoded);
+            let Some(choice) = choose(&pool(workers, &decoded, &loads), &ctx(tie)) else {
                 return 0;
             };
             let mut state = decoded
@@ -193,9 +312,26 @@ pub fn selection(args: &SelectionArgs, command_line: &str) -> Result<(), String>
             state.add(choice.worker, choice.rank, 100);
             store::encode(&state).len() as u64
         });
+        // What it does now, through a host: the VM's cache, the choice, the
+        // estimate's write, and the release of the request before. Each
+        // request changes one or two states, which the next decodes again
+        // (the steady state under load).
+        let config = Rc::new(config.clone());
+        let host = MemoryHost::default();
+        let keys = store::Keys::of(&config);
+        for (w, bytes) in config.routed().iter().zip(&encoded) {
+            let _ = host.shared_set(&keys.worker(&w.address), bytes, None);
+        }
+        let mut cache = StateCache::default();
+        let mut previous = None;
+        let cached = time_ns(args.batches, || {
+            tie = tie.wrapping_add(1);
+            filter_request(&config, &host, &mut cache, &mut previous, tie)
+        });
         if ranks == 4096 {
             at_4096 = select.median;
             at_4096_min = select.min;
+            with_read_4096 = cached.median;
         }
         rows.push(vec![
             ranks.to_string(),
@@ -203,7 +339,8 @@ pub fn selection(args: &SelectionArgs, command_line: &str) -> Result<(), String>
             select.cell(),
             format!("{:.2}", select.median / ranks as f64),
             one_pass.cell(),
-            full.cell(),
+            uncached.cell(),
+            cached.cell(),
         ]);
     }
     let table = markdown_table(
@@ -213,7 +350,8 @@ pub fn selection(args: &SelectionArgs, command_line: &str) -> Result<(), String>
             "scheduler::choose, ns",
             "ns per rank",
             "reference: one pass, no candidate list, ns",
-            "per request in the filter: decode every state + choose + add + encode, ns",
+            "before the cache: decode every state + choose + add + encode, ns",
+            "per request in the filter: read every state and the health record through the host (cache: decode the changed one) + choose + alternates + write the estimate, ns",
         ],
         &rows,
     );
@@ -257,9 +395,10 @@ pub fn selection(args: &SelectionArgs, command_line: &str) -> Result<(), String>
     let (prefix_table, prefix_cost) = prefix::rows(args.batches)?;
     println!("\n{table}\n{body_table}\n{prefix_table}");
     let verdict = format!(
-        "Selection at 4096 ranks: **{:.1} us** per call, median (target < 10 us); fastest batch {:.1} us.",
+        "Selection at 4096 ranks: **{:.1} us** per call, median (target < 10 us); fastest batch {:.1} us. With the state and health reads, the alternates and the estimate's write: **{:.1} us**.",
         at_4096 / 1000.0,
-        at_4096_min / 1000.0
+        at_4096_min / 1000.0,
+        with_read_4096 / 1000.0
     );
     let verdict = format!(
         "{verdict}\nPrefix affinity, 16 KB prompt, one worker of 8 ranks: **{:.1} us** to hash and score, median (target <= 10 us); fastest batch {:.1} us.",
@@ -269,7 +408,7 @@ pub fn selection(args: &SelectionArgs, command_line: &str) -> Result<(), String>
     println!("{verdict}");
 
     let mut md = report_header("dprank selection cost (host micro-benchmark)", command_line);
-    let _ = writeln!(md, "ns per call over {} timed batches of ~2 ms each: the median batch, and in brackets the fastest batch (the machine is shared with other work; the fastest batch is the cost without interference), native release build of the `dprank` crate (inside Envoy the same code runs as wasm in V8). Fleets of workers with 8 ranks each; every worker's state holds a polled snapshot and three pending estimates, as between two polls. Columns: the selection step the target is about (`scheduler::choose`: filters, the load scorer and the least-cost picker); a hand-written one-pass reference through the same public `WorkerState` API, ties to the first (a floor for the step as the state is laid out now); and what the filter does per request around it (`store::read_worker_states` decodes every worker's shared-data bytes, then the choice, then `add` + `store::encode` of the chosen worker's state), without the host calls themselves. Bodies are `/generate` requests of the given size; `with_fields` splices `routed_dp_rank` in.\n", args.batches);
+    let _ = writeln!(md, "ns per call over {} timed batches of ~2 ms each: the median batch, and in brackets the fastest batch (the machine is shared with other work; the fastest batch is the cost without interference), native release build of the `dprank` crate (inside Envoy the same code runs as wasm in V8). Fleets of workers with 8 ranks each; every worker's state holds a polled snapshot and three pending estimates, as between two polls. Columns: the selection step (`scheduler::choose`: filters, the load scorer and the least-cost picker, over the loads each VM derives once per state change); a hand-written one-pass reference over the same loads, ties to the first (a floor for the step as the data is laid out); what the filter did per request before its cache (decode every worker's shared-data bytes, choose, `add` + `encode` the chosen state), without host calls; and what it does now with the state read included: `StateCache::refresh` reads every worker's state and the health record through a host that keeps shared data in a hash map (one lookup and one copy of the value per key, as a shared-data read copies it in Envoy) and decodes the one or two that changed, then the choice, its retry alternates (`scheduler::alternates`, the default 2, a second pass over the workers for the chosen rank), the estimate's write (`add_estimate`, one compare-and-swap) and the release of the previous request's estimate. Inside Envoy each of those reads is also a host call, which costs more than the copy and is not in these figures. Bodies are `/generate` requests of the given size; `with_fields` splices `routed_dp_rank` in.\n", args.batches);
     md.push_str(&table);
     md.push('\n');
     md.push_str(&body_table);

@@ -18,12 +18,18 @@
 //!   a PD field name whose default clashes with a given one.
 //! - what is given is taken as written (intervals, rank field, headers), the
 //!   default stale limit is 3 x the poll interval, and PD-only keys are
-//!   refused outside PD mode.
+//!   refused outside PD mode;
+//! - header mode (`rank_transport: header`) is never accepted with what
+//!   needs the body (PD, `keep_client_rank`, `cost_estimate: words`); its
+//!   rank headers are lowercase, distinct and none of the filter's own; and
+//!   every rank or bootstrap header servers read, the route, pin and rank
+//!   headers among them, is removed from clients.
 #![no_main]
 
 use arbitrary::{Result, Unstructured};
 use dprank::body::JsonObject;
-use dprank::config::{Config, ConfigError, MAX_DP_SIZE, MIN_POLL_INTERVAL_MS};
+use dprank::config::{Config, ConfigError, CostEstimate, Transport, MAX_DP_SIZE, MIN_POLL_INTERVAL_MS};
+use dprank::headers::CLIENT_RANK_HEADERS;
 use libfuzzer_sys::fuzz_target;
 use serde_json::{json, Map, Value};
 
@@ -82,6 +88,17 @@ fn check_accepted(c: &Config) {
     }
     for name in names {
         assert!(splices(name), "accepted rank field name {name:?} does not splice into valid JSON");
+    }
+    let removed = |name: &str| c.removed_headers.iter().any(|r| r == name);
+    assert!(removed(&c.route_header) && c.pin_header.as_deref().is_none_or(removed));
+    assert!(CLIENT_RANK_HEADERS.iter().all(|h| removed(h)), "{:?}", c.removed_headers);
+    if let Transport::Header(h) = &c.transport {
+        assert!(c.pd().is_none() && !c.keep_client_rank && c.cost_estimate != CostEstimate::Words);
+        assert!(!h.rank_headers.is_empty() && h.cost_without_length >= 1);
+        for (i, name) in h.rank_headers.iter().enumerate() {
+            assert!(is_header_name(name) && removed(name), "rank header {name:?}");
+            assert!(*name != c.route_header && c.pin_header.as_ref() != Some(name) && !h.rank_headers[..i].contains(name));
+        }
     }
 }
 
@@ -308,6 +325,7 @@ fn generate(u: &mut Unstructured) -> Result<Map<String, Value>> {
         ("naming", &["current", "legacy"][..], &["old"][..]),
         ("cost_estimate", &["bytes", "words", "one"][..], &["tokens"][..]),
         ("fail_mode", &["open", "closed"][..], &["half"][..]),
+        ("rank_transport", &["body", "header", "header"][..], &["headers", "Body"][..]),
     ] {
         if key_fits(&mut g, key)? {
             if let Some(v) = g.maybe(|g| g.text(good, bad))? {
@@ -329,6 +347,26 @@ fn generate(u: &mut Unstructured) -> Result<Map<String, Value>> {
         Ok(Value::Array(paths))
     })? {
         c.insert("paths".into(), v);
+    }
+    // Header mode's keys, refused in body mode: mostly with it.
+    let header_mode = c.get("rank_transport") == Some(&json!("header"));
+    if header_mode || g.bad()? {
+        if let Some(v) = g.maybe(|g| {
+            let n = if g.bad()? { g.u.int_in_range(0..=3)? } else { g.u.int_in_range(1..=2)? };
+            let mut names = Vec::new();
+            for _ in 0..n {
+                names.push(g.text(
+                    &["x-data-parallel-rank", "x-override-routed-dp-rank", "x-rank"],
+                    &[&BAD_HEADERS[..], &HEADERS[..]].concat(),
+                )?);
+            }
+            Ok(Value::Array(names))
+        })? {
+            c.insert("rank_headers".into(), v);
+        }
+        if let Some(v) = g.maybe(|g| g.ms())? {
+            c.insert("cost_without_length".into(), v);
+        }
     }
     if g.bad()? && g.u.ratio(1, 10)? {
         c.insert("poll_intervall_ms".into(), json!(1000));
@@ -358,6 +396,21 @@ fn check_taken_as_written(given: &Map<String, Value>, c: &Config) {
     }
     if let Some(v) = txt("pin_header") {
         assert_eq!(c.pin_header.as_deref(), Some(v));
+    }
+    let header_only = ["rank_headers", "cost_without_length"];
+    if let Transport::Header(h) = &c.transport {
+        if let Some(v) = num("cost_without_length") {
+            assert_eq!(h.cost_without_length, v);
+        }
+        if let Some(list) = given.get("rank_headers").and_then(Value::as_array) {
+            let names: Vec<&str> = list.iter().filter_map(Value::as_str).collect();
+            assert_eq!(h.rank_headers, names);
+        }
+    } else {
+        assert_ne!(txt("rank_transport"), Some("header"));
+        for k in header_only {
+            assert!(given.get(k).is_none_or(Value::is_null), "`{k}` accepted in body mode");
+        }
     }
     let pd_only = ["prefill_cluster", "prefill_timeout_ms", "prefill_rank_field", "decode_rank_field", "decode_prefill_rank_field"];
     if c.pd().is_none() {

@@ -1,7 +1,7 @@
 //! The configuration as users write it: serde structs, every field optional
 //! so that validation (`validate.rs`) can name what is missing or wrong.
 
-use super::{CostEstimate, FailMode, LoadEndpoint, Naming, PickRule, QueueMeasure};
+use super::{CostEstimate, FailMode, LoadEndpoint, Naming, PickRule, QueueMeasure, RankTransport};
 use serde::Deserialize;
 
 #[derive(Debug, Default, Deserialize)]
@@ -91,6 +91,15 @@ pub struct ConfigJson {
     pub envoy_health: Option<DiscoveryJson>,
     #[serde(default)]
     pub retry_alternates: Option<u32>,
+    /// `body` (default) or `header`: where the chosen rank is written.
+    #[serde(default)]
+    pub rank_transport: Option<RankTransport>,
+    /// Header mode: the headers the chosen rank is written to.
+    #[serde(default)]
+    pub rank_headers: Option<Vec<String>>,
+    /// Header mode: tokens counted for a request without `content-length`.
+    #[serde(default)]
+    pub cost_without_length: Option<u64>,
 }
 
 #[derive(Debug, Default, Deserialize)]

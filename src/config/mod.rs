@@ -5,11 +5,15 @@
 pub mod gateways;
 mod json;
 pub mod prefix;
+mod transport;
 mod validate;
 
 pub use gateways::{Pick, PickRule};
 pub use json::{ConfigJson, DiscoveryJson, PassiveHealthJson, WorkerJson};
 pub use prefix::{Prefix, QueueMeasure};
+pub use transport::{
+    HeaderTransport, RankTransport, Transport, DEFAULT_COST_WITHOUT_LENGTH, DEFAULT_RANK_HEADERS,
+};
 pub use validate::default_worker_name;
 
 use serde::{Deserialize, Serialize};
@@ -217,6 +221,12 @@ pub struct Config {
     /// How many other workers with the chosen rank the route header names
     /// after the chosen one, for Envoy's retries.
     pub retry_alternates: u32,
+    /// Where the chosen rank travels: the JSON body or request headers.
+    pub transport: Transport,
+    /// Client request headers removed from every request: the route header,
+    /// the pin header, every rank and bootstrap header (derived, not configured).
+    #[serde(skip)]
+    pub removed_headers: Vec<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -236,6 +246,14 @@ impl Config {
     /// The effective configuration as one line of JSON (the start-up log).
     pub fn to_json(&self) -> String {
         serde_json::to_string(self).unwrap_or_default()
+    }
+
+    /// Header mode's settings, if the rank travels in headers.
+    pub fn header_transport(&self) -> Option<&HeaderTransport> {
+        match &self.transport {
+            Transport::Header(h) => Some(h),
+            Transport::Body => None,
+        }
     }
 
     /// Every rank field name a client could use to pick a rank itself.

@@ -40,6 +40,19 @@ fn minimal_config_gets_documented_defaults() {
     );
     assert_eq!(c.envoy_health, None);
     assert_eq!(c.retry_alternates, 2);
+    assert_eq!(c.transport, Transport::Body);
+    assert_eq!(
+        c.removed_headers,
+        [
+            "x-dprank-endpoint",
+            "x-data-parallel-rank",
+            "x-override-routed-dp-rank",
+            "x-override-disagg-prefill-dp-rank",
+            "x-override-bootstrap-host",
+            "x-override-bootstrap-port",
+            "x-override-bootstrap-room"
+        ]
+    );
 }
 
 #[test]
@@ -517,4 +530,96 @@ fn prefix_keys_are_checked_and_refused_when_affinity_is_off() {
         key_of(with(r#""prefix_affinity":false,"prefix_load_weight":0.5"#)),
         "prefix_load_weight"
     );
+}
+
+fn regular(extra: &str) -> Result<Config, ConfigError> {
+    parse(&format!(r#"{{"workers":[{{"address":"127.0.0.1:1"}}]{extra}}}"#))
+}
+
+#[test]
+fn header_transport_defaults_to_both_rank_headers() {
+    let c = regular(r#","rank_transport":"header""#).unwrap();
+    let h = c.header_transport().unwrap();
+    assert_eq!(h.rank_headers, DEFAULT_RANK_HEADERS);
+    assert_eq!(h.cost_without_length, DEFAULT_COST_WITHOUT_LENGTH);
+    let c = regular(
+        r#","rank_transport":"header","rank_headers":["x-my-rank"],"cost_without_length":7,"pin_header":"x-pin""#,
+    )
+    .unwrap();
+    let h = c.header_transport().unwrap();
+    assert_eq!(
+        (h.rank_headers.as_slice(), h.cost_without_length),
+        (&["x-my-rank".to_string()][..], 7)
+    );
+    assert!(
+        ["x-dprank-endpoint", "x-pin", "x-data-parallel-rank", "x-my-rank"]
+            .iter()
+            .all(|n| c.removed_headers.iter().any(|r| r == n)),
+        "a configured rank header is removed from clients too: {:?}",
+        c.removed_headers
+    );
+    let v: serde_json::Value = serde_json::from_str(&c.to_json()).unwrap();
+    assert_eq!(v["transport"]["header"]["rank_headers"][0], "x-my-rank");
+    assert!(v.get("removed_headers").is_none());
+}
+
+#[test]
+fn header_transport_refuses_what_needs_the_body() {
+    let cases = [
+        (
+            r#","rank_transport":"header","keep_client_rank":true"#,
+            "keep_client_rank",
+        ),
+        (
+            r#","rank_transport":"header","cost_estimate":"words""#,
+            "cost_estimate",
+        ),
+        (r#","rank_transport":"header","rank_headers":[]"#, "rank_headers"),
+        (
+            r#","rank_transport":"header","rank_headers":["X-Rank"]"#,
+            "rank_headers",
+        ),
+        (
+            r#","rank_transport":"header","rank_headers":["a","a"]"#,
+            "rank_headers",
+        ),
+        (
+            r#","rank_transport":"header","rank_headers":["x-dprank-endpoint"]"#,
+            "rank_headers",
+        ),
+        (
+            r#","rank_transport":"header","cost_without_length":0"#,
+            "cost_without_length",
+        ),
+        (r#","rank_headers":["x-a"]"#, "rank_headers"),
+        (
+            r#","rank_transport":"body","cost_without_length":5"#,
+            "cost_without_length",
+        ),
+    ];
+    for (extra, key) in cases {
+        assert_eq!(key_of(regular(extra)), key, "{extra}");
+    }
+    assert_eq!(
+        key_of(pd(r#","rank_transport":"header""#)),
+        "rank_transport",
+        "PD's prefill leg carries the body"
+    );
+    assert!(regular(r#","rank_transport":"header","cost_estimate":"one""#).is_ok());
+    assert!(regular(r#","rank_transport":"body","keep_client_rank":true"#).is_ok());
+}
+
+#[test]
+fn header_transport_turns_prefix_affinity_off_and_refuses_it() {
+    let c = regular(r#","rank_transport":"header""#).unwrap();
+    assert_eq!(c.prefix, None, "off by default: the prompt is never read");
+    assert_eq!(
+        key_of(regular(r#","rank_transport":"header","prefix_affinity":true"#)),
+        "prefix_affinity"
+    );
+    assert_eq!(
+        key_of(regular(r#","rank_transport":"header","prefix_ttl_ms":5000"#)),
+        "prefix_ttl_ms"
+    );
+    assert!(regular(r#","rank_transport":"header","prefix_affinity":false"#).is_ok());
 }

@@ -2,7 +2,9 @@
 //! it validates out of the JSON and returns it checked, or an error naming
 //! the key at fault.
 
+use super::transport::{transport, TransportInput};
 use super::*;
+use crate::headers::CLIENT_RANK_HEADERS;
 
 fn invalid(key: impl Into<String>, reason: impl Into<String>) -> ConfigError {
     ConfigError::Invalid {
@@ -38,6 +40,22 @@ impl TryFrom<ConfigJson> for Config {
                 format!("must be 0..={MAX_RETRY_ALTERNATES}, got {retry_alternates}"),
             ));
         }
+        let keep_client_rank = json.keep_client_rank.unwrap_or(false);
+        let cost_estimate = json.cost_estimate.unwrap_or(CostEstimate::Bytes);
+        let taken: Vec<&str> = [Some(route_header.as_str()), pin_header.as_deref()]
+            .into_iter()
+            .flatten()
+            .collect();
+        let transport = transport(TransportInput {
+            rank_transport: json.rank_transport,
+            rank_headers: json.rank_headers,
+            cost_without_length: json.cost_without_length,
+            mode: &mode,
+            keep_client_rank,
+            cost_estimate,
+            taken: &taken,
+        })?;
+        let removed_headers = removed_headers(&taken, &transport);
         Ok(Config {
             mode,
             poll_cluster: non_empty("poll_cluster", json.poll_cluster, DEFAULT_POLL_CLUSTER)?,
@@ -47,10 +65,10 @@ impl TryFrom<ConfigJson> for Config {
             stale_after_ms,
             load_endpoint: json.load_endpoint.unwrap_or(LoadEndpoint::Auto),
             rank_field,
-            cost_estimate: json.cost_estimate.unwrap_or(CostEstimate::Bytes),
+            cost_estimate,
             fail_mode: json.fail_mode.unwrap_or(FailMode::Open),
             paths,
-            keep_client_rank: json.keep_client_rank.unwrap_or(false),
+            keep_client_rank,
             pin_header,
             state_key: state_key(json.state_key)?,
             poll_loads: json.poll_loads.unwrap_or(true),
@@ -60,6 +78,8 @@ impl TryFrom<ConfigJson> for Config {
             passive_health: passive_health(json.passive_health.unwrap_or_default())?,
             envoy_health,
             retry_alternates,
+            transport,
+            removed_headers,
         })
     }
 }
@@ -134,6 +154,26 @@ fn envoy_health(json: Option<DiscoveryJson>, mode: &Mode) -> Result<Option<Disco
         cluster: json.cluster,
         admin_cluster,
     }))
+}
+
+/// Every client header no request keeps: the filter's own (route, pin), the
+/// rank and bootstrap headers servers read, and the configured rank headers.
+fn removed_headers(own: &[&str], transport: &Transport) -> Vec<String> {
+    let configured = match transport {
+        Transport::Header(h) => h.rank_headers.as_slice(),
+        Transport::Body => &[],
+    };
+    let mut names: Vec<String> = own.iter().map(|h| h.to_string()).collect();
+    for name in CLIENT_RANK_HEADERS
+        .iter()
+        .copied()
+        .chain(configured.iter().map(String::as_str))
+    {
+        if !names.iter().any(|n| n == name) {
+            names.push(name.to_string());
+        }
+    }
+    names
 }
 
 /// Which of the three modes the worker keys describe; exactly one must fit.
@@ -473,7 +513,7 @@ fn state_key(key: Option<String>) -> Result<String, ConfigError> {
     Ok(key)
 }
 
-fn is_header_name(name: &str) -> bool {
+pub(super) fn is_header_name(name: &str) -> bool {
     !name.is_empty()
         && name
             .bytes()

@@ -33,6 +33,11 @@ fn text_property(host: &dyn Host, path: &[&str]) -> Option<String> {
     host.property(path).and_then(|b| String::from_utf8(b).ok())
 }
 
+/// The host of the last attempt.
+fn upstream_property(host: &dyn Host) -> Option<SocketAddr> {
+    text_property(host, &["upstream", "address"]).and_then(|a| a.parse().ok())
+}
+
 /// Counts where a retried request ended: on a listed alternate, or on a
 /// host the fallback policy picked after every listed one failed.
 fn count_retries(host: &dyn Host, finished: &Finished, hosts: &[SocketAddr]) {
@@ -48,45 +53,61 @@ fn count_retries(host: &dyn Host, finished: &Finished, hosts: &[SocketAddr]) {
 
 /// The request ended: counts its retries and applies its outcomes to the
 /// health record (when passive health is on). Envoy's properties are read
-/// lazily: a request answered at the first attempt on a healthy fleet costs
-/// three reads (attempts, code details, status) and nothing else.
+/// lazily: a request answered at the first attempt costs one read (the
+/// attempts) with passive health off; with it on, two (and the status) when
+/// the record was clean and the status is below 500 and not 429 (a success,
+/// or Envoy's own answer: neither is written), else three (and the code
+/// details); the upstream address only after a retry or when something is
+/// written.
 pub fn request_ended(config: &Config, host: &dyn Host, watch: &Watch) {
     let attempts = u64_property(host, &["upstream", "request_attempt_count"])
         .unwrap_or(1)
         .max(1);
+    if config.passive_health.is_none() {
+        if attempts > 1 {
+            let finished = Finished {
+                upstream: upstream_property(host),
+                attempts: Some(attempts),
+                ..Finished::default()
+            };
+            count_retries(host, &finished, &watch.hosts);
+        }
+        return;
+    }
+    let status = u64_property(host, &["response", "code"]).filter(|c| *c != 0);
+    // Below 500 and not 429 is a worker's success or Envoy's own answer
+    // (which says nothing): on a clean record neither is written.
+    let plain = status.is_some_and(|c| c < 500 && c != 429);
+    if attempts == 1 && plain && watch.health_was_clean {
+        return;
+    }
     let details = text_property(host, &["response", "code_details"]);
     // The status only matters for the worker's own answers.
-    let code = match details.as_deref() {
-        Some("via_upstream") => u64_property(host, &["response", "code"]).filter(|c| *c != 0),
-        _ => None,
-    };
-    let passive = config.passive_health.is_some();
+    let code = status.filter(|_| details.as_deref() == Some("via_upstream"));
     let last = classify(code, details.as_deref());
     let tells = match last {
         Outcome::Neutral => false,
         Outcome::Success => !watch.health_was_clean,
         Outcome::Failure | Outcome::Unreachable => true,
     };
-    if attempts == 1 && !(passive && tells) {
+    if attempts == 1 && !tells {
         return;
     }
     let finished = Finished {
         code,
         details,
-        upstream: text_property(host, &["upstream", "address"]).and_then(|a| a.parse().ok()),
+        upstream: upstream_property(host),
         attempts: Some(attempts),
     };
     count_retries(host, &finished, &watch.hosts);
-    if passive {
-        let observed = outcomes(&finished, &watch.hosts, watch.rank);
-        record(
-            config,
-            host,
-            &observed,
-            watch.routed_at_ms,
-            watch.health_was_clean,
-        );
-    }
+    let observed = outcomes(&finished, &watch.hosts, watch.rank);
+    record(
+        config,
+        host,
+        &observed,
+        watch.routed_at_ms,
+        watch.health_was_clean,
+    );
 }
 
 /// Applies `observed` (outcomes of one request routed at `routed_at_ms`) to

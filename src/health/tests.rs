@@ -39,7 +39,7 @@ fn fail(h: &mut Health, t: Target, n: u32, at: u64) -> Option<Change> {
 }
 
 fn admitted(h: &Health, port: u16, now: u64, probing: bool) -> bool {
-    h.admit(addr(port), now, probing, &mut [Some(0); 4])
+    h.admit(addr(port), now, probing, &mut [0; 4])
 }
 
 #[test]
@@ -175,13 +175,13 @@ fn a_failing_rank_leaves_alone_while_the_worker_stays() {
         h.observe(&policy(), rank(1, 2), Outcome::Failure, i, i);
         h.observe(&policy(), worker(1), Outcome::Success, i, i);
     }
-    let mut slots = [Some(0); 4];
+    let mut slots = [0; 4];
     assert!(h.admit(addr(1), 10, false, &mut slots));
-    assert_eq!(slots, [Some(0), Some(0), None, Some(0)]);
+    assert_eq!(slots, [0, 0, REMOVED, 0]);
     assert_eq!(h.standing(addr(1), 10), Standing::InRotation);
-    let mut slots = [Some(0); 4];
+    let mut slots = [0; 4];
     assert!(h.admit(addr(1), 1010, true, &mut slots), "rank 2 may be probed");
-    assert_eq!(slots, [Some(0); 4]);
+    assert_eq!(slots, [0; 4]);
 }
 
 #[test]

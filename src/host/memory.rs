@@ -209,9 +209,9 @@ impl Host for MemoryHost {
         let body = &self.callout.borrow().1;
         body.get(..size.min(body.len())).unwrap_or_default().to_vec()
     }
-    fn request_header(&self, name: &str) -> Option<String> {
-        self.record("request_header");
-        self.header(name)
+    fn request_headers(&self) -> HeaderMap {
+        self.record("request_headers");
+        HeaderMap::from_pairs(&self.request_headers.borrow())
     }
     fn set_request_header(&self, name: &str, value: &str) {
         self.record("set_request_header");

@@ -128,15 +128,13 @@ impl<'a> Affinity<'a> {
 
     /// Adds `uncached_weight` x the prompt tokens each rank of pool worker
     /// `worker` is thought not to hold to its slot.
-    pub fn add_uncached(&self, worker: usize, costs: &mut [Option<u64>]) {
+    pub fn add_uncached(&self, worker: usize, costs: &mut [crate::scheduler::Slot]) {
         let total = self.prompt.tokens();
         let weight = self.settings.uncached_weight;
         self.with_cached(worker, |cached| {
             for (rank, cost) in costs.iter_mut().enumerate() {
-                if let Some(c) = cost {
-                    let held = cached.get(rank).copied().unwrap_or(0);
-                    *c = c.saturating_add(weighted(total.saturating_sub(held), weight));
-                }
+                let held = cached.get(rank).copied().unwrap_or(0);
+                crate::scheduler::add_cost(cost, weighted(total.saturating_sub(held), weight));
             }
         });
     }

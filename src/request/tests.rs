@@ -169,7 +169,7 @@ fn a_reset_stream_gives_its_estimate_back() {
 }
 
 /// A PD request through its headers and body: the prefill leg is in flight.
-fn pd_request(extra: &str) -> (Config, FakeHost, Request) {
+fn pd_request(extra: &str) -> (Rc<Config>, FakeHost, Request) {
     let (c, h) = pd_fleet(extra);
     let mut r = request(&c);
     let client = [
@@ -343,12 +343,13 @@ fn successes_on_a_healthy_fleet_write_nothing_and_client_errors_never_count() {
     routed_and_ended(&c, &h, 200, "via_upstream", "127.0.0.1:2", 1);
     assert_eq!(
         h.host_calls("property") - properties,
-        3,
-        "attempts, code details, status: not the upstream"
+        2,
+        "attempts and status: not the code details, not the upstream"
     );
     // Routing reads the states and the health record, and writes the estimate
-    // and its release; the end reads nothing more.
-    assert_eq!(h.host_calls("shared_get") - gets, 2 + 1 + 1 + 1);
+    // (under the cas it read) and its release (after a read: this VM wrote
+    // last); the end reads nothing more.
+    assert_eq!(h.host_calls("shared_get") - gets, 2 + 1 + 1);
     assert_eq!(h.host_calls("shared_set") - sets, 2);
     for _ in 0..20 {
         routed_and_ended(&c, &h, 400, "via_upstream", "127.0.0.1:2", 1);
@@ -437,6 +438,125 @@ fn with_every_worker_out_of_rotation_requests_pass_through_until_a_poll_reaches_
     }
 }
 
+/// Rank and bootstrap headers a client might send, in the casing HTTP/1 allows
+/// (Envoy hands them over lowercase).
+const CLIENT_RANK: [(&str, &str); 6] = [
+    ("x-data-parallel-rank", "3"),
+    ("x-override-routed-dp-rank", "3"),
+    ("x-override-disagg-prefill-dp-rank", "3"),
+    ("x-override-bootstrap-host", "10.9.9.9"),
+    ("x-override-bootstrap-port", "1"),
+    ("x-override-bootstrap-room", "7"),
+];
+
+#[test]
+fn client_rank_headers_are_removed_from_routed_and_passed_requests_in_body_mode() {
+    let (c, h) = fleet("");
+    for (path, body, routed) in [
+        ("/generate", &br#"{"text":"x"}"#[..], true),
+        ("/generate", &b"not json"[..], false),
+        ("/health", &br#"{"text":"x"}"#[..], false),
+    ] {
+        let mut r = request(&c);
+        post(&h, path, body, &CLIENT_RANK);
+        send(&mut r, &h);
+        for (name, _) in CLIENT_RANK {
+            assert_eq!(h.header(name), None, "{path} {name}");
+        }
+        assert_eq!(h.header("x-dprank-endpoint").is_some(), routed, "{path}");
+        r.on_done(&h);
+    }
+}
+
+#[test]
+fn header_mode_routes_at_the_headers_and_never_touches_the_body() {
+    let (c, h) = fleet(r#","rank_transport":"header","pin_header":"x-pin""#);
+    let mut r = request(&c);
+    let body = br#"{"model":"m","messages":[{"role":"user","content":"hello"}],"routed_dp_rank":0}"#;
+    let mut client = CLIENT_RANK.to_vec();
+    client.push(("x-dprank-endpoint", "10.9.9.9:1"));
+    post(&h, "/v1/chat/completions", body, &client);
+    assert_eq!(
+        r.on_request_headers(&h, false),
+        Action::Continue,
+        "decided at the headers"
+    );
+    assert_eq!(r.on_request_body(&h, body.len(), true), Action::Continue);
+    // b, then a (which has rank 2 too) for Envoy's retries: the rank headers
+    // hold for whichever serves it.
+    assert_eq!(
+        h.header("x-dprank-endpoint").as_deref(),
+        Some("127.0.0.1:2,127.0.0.1:1")
+    );
+    assert_eq!(h.header("x-data-parallel-rank").as_deref(), Some("2"));
+    assert_eq!(h.header("x-override-routed-dp-rank").as_deref(), Some("2"));
+    for name in [
+        "x-override-disagg-prefill-dp-rank",
+        "x-override-bootstrap-host",
+        "x-override-bootstrap-port",
+        "x-override-bootstrap-room",
+    ] {
+        assert_eq!(h.header(name), None, "{name}");
+    }
+    assert_eq!(h.request_body.borrow().as_slice(), body, "byte for byte");
+    assert_eq!(h.header("content-length"), Some(body.len().to_string()));
+    assert_eq!(
+        (h.host_calls("request_body"), h.host_calls("replace_request_body")),
+        (0, 0)
+    );
+    assert_eq!(h.counter("dprank.routed.b.rank_2"), 1);
+    assert_eq!(
+        pending(&c, &h),
+        (body.len() as u64).div_ceil(4),
+        "content-length / 4"
+    );
+    r.on_done(&h);
+    assert_eq!(pending(&c, &h), 0);
+}
+
+#[test]
+fn header_mode_counts_a_request_without_length_at_the_configured_default() {
+    let (c, h) = fleet(r#","rank_transport":"header","cost_without_length":300,"rank_headers":["x-rank"]"#);
+    let mut r = request(&c);
+    h.start_request(&[(":method", "POST"), (":path", "/generate")], b"{}");
+    assert_eq!(r.on_request_headers(&h, false), Action::Continue);
+    assert_eq!(pending(&c, &h), 300);
+    assert_eq!(h.header("x-rank").as_deref(), Some("2"));
+    assert_eq!(
+        h.header("x-data-parallel-rank"),
+        None,
+        "only the configured headers are set"
+    );
+    r.on_done(&h);
+    // An empty body is not routed, whatever the mode.
+    let mut r = request(&c);
+    post(&h, "/generate", b"", &[]);
+    assert_eq!(r.on_request_headers(&h, false), Action::Continue);
+    assert_eq!(h.counter("dprank.passthrough.empty_body"), 1);
+    assert_eq!(h.header("x-rank"), None);
+}
+
+#[test]
+fn header_mode_without_fresh_data_passes_or_refuses_at_the_headers() {
+    for (fail_mode, expected) in [("open", Action::Continue), ("closed", Action::Pause)] {
+        let c = crate::router::testing::config(&format!(
+            r#","rank_transport":"header","fail_mode":"{fail_mode}""#
+        ));
+        let h = FakeHost::default();
+        let mut r = request(&c);
+        post(&h, "/generate", br#"{"text":"x"}"#, &CLIENT_RANK);
+        assert_eq!(r.on_request_headers(&h, false), expected, "{fail_mode}");
+        assert_eq!(
+            h.header("x-data-parallel-rank"),
+            None,
+            "{fail_mode}: the server picks"
+        );
+        assert_eq!(h.header("x-dprank-endpoint"), None);
+        let replies = reply_status(&h);
+        assert_eq!(replies, if fail_mode == "open" { vec![] } else { vec![503] });
+    }
+}
+
 #[test]
 fn about_the_probe_share_of_requests_go_to_a_worker_past_its_cooldown() {
     let (c, h) = fleet("");
@@ -448,7 +568,7 @@ fn about_the_probe_share_of_requests_go_to_a_worker_past_its_cooldown() {
     crate::router::testing::poll(&c, &h, 1, &[100, 100, 20, 100]);
     // b is probing and the least loaded; 429 answers leave it probing. One
     // VM's requests share its tie-break sequence, which draws the probes.
-    let routing = Rc::new(Routing::new(Rc::new(c.clone()), 7));
+    let routing = Rc::new(Routing::new(c.clone(), 7));
     let to_b = (0..2000)
         .filter(|_| {
             let mut r = Request::new(routing.clone());
@@ -461,4 +581,139 @@ fn about_the_probe_share_of_requests_go_to_a_worker_past_its_cooldown() {
         })
         .count();
     assert!((60..=140).contains(&to_b), "{to_b} of 2000 at a 5% probe share");
+}
+
+#[test]
+fn header_mode_routes_encoded_bodies_it_does_not_need_to_read() {
+    let (c, h) = fleet(r#","rank_transport":"header""#);
+    let mut r = request(&c);
+    post(&h, "/generate", b"\x1f\x8b gzip", &[("content-encoding", "gzip")]);
+    assert_eq!(r.on_request_headers(&h, false), Action::Continue);
+    assert_eq!(h.header("x-data-parallel-rank").as_deref(), Some("2"));
+}
+
+/// Host calls one request costs, callbacks from headers to log, where
+/// Envoy answered with the chosen worker's 200. The routed cases are the
+/// second request of a VM on a 2-worker fleet, so both states are in the
+/// VM's cache. Before this count was kept (commit 539df31) a body-mode
+/// request made 17 calls (4 header reads and a removal, 4 shared-data reads)
+/// and a passed-through GET 3; passive health and retry alternates (issue
+/// 14) add 3: the health record's read and two properties at the end.
+#[test]
+fn host_calls_per_request() {
+    let count = |extra: &str, headers: &[(&str, &str)], body: &[u8]| {
+        let (c, h) = fleet(extra);
+        let routing = Rc::new(Routing::new(c.clone(), 0));
+        let mut calls = Vec::new();
+        for _ in 0..2 {
+            let mut r = Request::new(routing.clone());
+            h.start_request(headers, body);
+            let before = h.total_host_calls();
+            send(&mut r, &h);
+            let routed = h.header(":method").as_deref() == Some("POST");
+            let route = h.header("x-dprank-endpoint");
+            assert_eq!(route.is_some(), routed, "{extra}");
+            r.on_response_headers(&h);
+            r.on_response_body(&h);
+            let upstream = route.as_deref().and_then(|r| r.split(',').next());
+            h.finish_request(200, "via_upstream", upstream, 1);
+            r.on_done(&h);
+            calls.push(h.total_host_calls() - before);
+        }
+        calls[1]
+    };
+    let body = br#"{"text":"hello there"}"#;
+    let length = body.len().to_string();
+    let post = [
+        (":method", "POST"),
+        (":path", "/generate"),
+        ("content-length", length.as_str()),
+    ];
+    // Headers read 1; states read 2 and the health record 1, estimate
+    // written 1 (its cas is the one read), released 2 (read + write); clock
+    // 1; counter 1; body read 1 and replaced 1; route header (with its
+    // alternate) and content-length set 2; at the end, the attempts and the
+    // status 2.
+    let load_only = r#","prefix_affinity":false"#;
+    assert_eq!(count(load_only, &post, body), 15);
+    // Prefix affinity (the default) adds 3 here: a prefix-index read, the
+    // chosen worker's index written, and one more clock read.
+    assert_eq!(count("", &post, body), 18);
+    // Without passive health or alternates: no health record, no properties.
+    let plain = r#","prefix_affinity":false,"passive_health":{"enabled":false},"retry_alternates":0"#;
+    assert_eq!(count(plain, &post, body), 12);
+    // Alternates alone: the attempts, to count retries.
+    let alternates = r#","prefix_affinity":false,"passive_health":{"enabled":false}"#;
+    assert_eq!(count(alternates, &post, body), 13);
+    // Header mode: no body calls; route header and two rank headers set.
+    assert_eq!(count(r#","rank_transport":"header""#, &post, body), 14);
+    assert_eq!(
+        count(
+            r#","rank_transport":"header","rank_headers":["x-data-parallel-rank"]"#,
+            &post,
+            body
+        ),
+        13
+    );
+    // Passed through: headers read 1, counter 1.
+    assert_eq!(count("", &[(":method", "GET"), (":path", "/health")], b""), 2);
+}
+
+#[test]
+fn header_mode_ejects_probes_retries_and_attributes_like_body_mode() {
+    let (c, h) = fleet(r#","rank_transport":"header","passive_health":{"probe_share":1.0}"#);
+    // One VM: its cached health record must follow what its own requests wrote.
+    let routing = Rc::new(Routing::new(c.clone(), 0));
+    let ended = |code: u64, details: &str, upstream: &str, attempts: u64| {
+        let mut r = Request::new(routing.clone());
+        post(&h, "/generate", br#"{"text":"x"}"#, &[]);
+        assert_eq!(r.on_request_headers(&h, false), Action::Continue);
+        let route = h.header("x-dprank-endpoint").unwrap_or_default();
+        let rank = h.header("x-data-parallel-rank").unwrap_or_default();
+        h.finish_request(code, details, Some(upstream), attempts);
+        r.on_done(&h);
+        (route, rank)
+    };
+    // b's rank 2 is the least loaded; a has a rank 2 too, so it is b's alternate.
+    assert_eq!(
+        ended(200, "via_upstream", "127.0.0.1:2", 1),
+        ("127.0.0.1:2,127.0.0.1:1".into(), "2".into())
+    );
+    // b answers 500s: the rank in the header is the rank that failed.
+    for _ in 0..5 {
+        ended(500, "via_upstream", "127.0.0.1:2", 1);
+    }
+    assert_eq!(h.counter("dprank.ejections.b"), 1);
+    assert_eq!(h.counter("dprank.rank_ejections.b"), 1);
+    // b is out: a's least-loaded rank, with no alternate.
+    assert_eq!(
+        ended(200, "via_upstream", "127.0.0.1:1", 1),
+        ("127.0.0.1:1".into(), "1".into())
+    );
+    // After the cooldown b is probed (share 1.0), answers, and is back.
+    h.now.set(h.now.get() + 10_000);
+    crate::router::testing::poll(&c, &h, 0, &[100, 50, 100, 100]);
+    crate::router::testing::poll(&c, &h, 1, &[100, 100, 20, 100]);
+    let (probe, _) = ended(200, "via_upstream", "127.0.0.1:2", 1);
+    assert!(probe.starts_with("127.0.0.1:2"), "{probe}");
+    assert_eq!(
+        ended(200, "via_upstream", "127.0.0.1:2", 1).0,
+        "127.0.0.1:2,127.0.0.1:1"
+    );
+    assert_eq!(h.gauge_value("dprank.health.b"), Some(0));
+    // b refuses; Envoy's retry lands on a with the same rank headers.
+    let refused = "upstream_reset_before_response_started{connection_failure}";
+    ended(200, "via_upstream", "127.0.0.1:1", 2);
+    assert_eq!(h.counter("dprank.retry.to_alternate"), 1);
+    assert_eq!(h.counter("dprank.failures.b"), 5 + 1);
+    assert_eq!(h.counter("dprank.failures.a"), 0);
+    // Both refuse and nothing is in rotation: header mode passes to the
+    // fallback policy (no rank header), whose pick still counts.
+    for _ in 0..5 {
+        ended(503, refused, "127.0.0.1:1", 3);
+    }
+    let (route, rank) = ended(503, refused, "127.0.0.1:1", 1);
+    assert_eq!((route.as_str(), rank.as_str()), ("", ""));
+    assert_eq!(h.counter("dprank.passthrough.none_in_rotation"), 1);
+    assert_eq!(h.counter("dprank.failures.a"), 5 + 1);
 }

@@ -8,6 +8,11 @@ use crate::host::memory::{MemoryHost, SharedData};
 use crate::prefix::index::IndexView;
 use crate::store::{decode_view, read_worker_states, Keys};
 
+/// Routes with a fresh copy of the states, as a VM that has not routed before.
+fn route(c: &Rc<Config>, h: &dyn Host, body: &[u8], pin: Option<&str>, tie_breaker: u64) -> Decision {
+    super::route(c, h, &mut StateCache::default(), body, pin, tie_breaker)
+}
+
 fn routed(d: Decision) -> Routed {
     match d {
         Decision::Route(r) => r,
@@ -16,7 +21,7 @@ fn routed(d: Decision) -> Routed {
 }
 
 /// Two workers of four ranks, every rank polled at 100 tokens.
-fn equal_fleet(extra: &str) -> (Config, FakeHost) {
+fn equal_fleet(extra: &str) -> (Rc<Config>, FakeHost) {
     let c = config(extra);
     let h = FakeHost::default();
     h.now.set(1_000_000);
@@ -39,12 +44,12 @@ fn place(r: &Routed) -> (usize, u32) {
 }
 
 /// The request answers at once: first byte, then the end.
-fn finish(c: &Config, h: &dyn Host, r: &Routed) {
+fn finish(c: &Rc<Config>, h: &dyn Host, r: &Routed) {
     if let Some(p) = &r.prefill {
-        prefill_started(c, h, p);
+        prefill_started(c, h, &mut StateCache::default(), p);
     }
     if let Some(t) = &r.ticket {
-        release(c, h, t, None);
+        release(c, h, &mut StateCache::default(), t, None);
     }
 }
 
@@ -203,7 +208,7 @@ fn the_prefill_charge_leaves_at_the_first_byte_and_the_estimate_at_the_end() {
     };
     assert_eq!((queued(&h).tokens, queued(&h).requests), (p.tokens, 1));
     assert!(p.tokens > 900 && p.streamed);
-    prefill_started(&c, &h, &p);
+    prefill_started(&c, &h, &mut StateCache::default(), &p);
     assert_eq!((queued(&h).tokens, queued(&h).requests), (0, 0));
     let states = read_worker_states(&c, &h);
     assert!(states[r.to.worker].as_ref().unwrap().pending_total() > 0);
@@ -227,10 +232,22 @@ fn pd_chooses_the_prefill_rank_by_prefix_and_the_decode_rank_by_load() {
     let first = pd(1);
     let prefill = (first.prefill.worker, first.prefill.rank);
     if let Some(p) = &first.prefill_charge {
-        prefill_started(&c, &h, p);
+        prefill_started(&c, &h, &mut StateCache::default(), p);
     }
-    release(&c, &h, first.prefill_ticket.as_ref().unwrap(), None);
-    release(&c, &h, first.decode_ticket.as_ref().unwrap(), None);
+    release(
+        &c,
+        &h,
+        &mut StateCache::default(),
+        first.prefill_ticket.as_ref().unwrap(),
+        None,
+    );
+    release(
+        &c,
+        &h,
+        &mut StateCache::default(),
+        first.decode_ticket.as_ref().unwrap(),
+        None,
+    );
     assert_eq!(
         first.decode.as_ref().map(|d| (d.worker, d.rank)),
         Some((1, Some(1)))
@@ -239,10 +256,22 @@ fn pd_chooses_the_prefill_rank_by_prefix_and_the_decode_rank_by_load() {
         let next = pd(tie);
         assert_eq!((next.prefill.worker, next.prefill.rank), prefill, "tie {tie}");
         assert!(next.decode_ticket.is_some());
-        release(&c, &h, next.prefill_ticket.as_ref().unwrap(), None);
-        release(&c, &h, next.decode_ticket.as_ref().unwrap(), None);
+        release(
+            &c,
+            &h,
+            &mut StateCache::default(),
+            next.prefill_ticket.as_ref().unwrap(),
+            None,
+        );
+        release(
+            &c,
+            &h,
+            &mut StateCache::default(),
+            next.decode_ticket.as_ref().unwrap(),
+            None,
+        );
         if let Some(p) = &next.prefill_charge {
-            prefill_started(&c, &h, p);
+            prefill_started(&c, &h, &mut StateCache::default(), p);
         }
     }
     // Only the prefill pool keeps an index.
@@ -263,8 +292,10 @@ fn vms_on_two_threads_share_one_index_without_losing_a_write() {
     let routes: Vec<Vec<(usize, u32)>> = std::thread::scope(|s| {
         let handles: Vec<_> = (0..2)
             .map(|thread| {
-                let (c, shared) = (&c, shared.clone());
+                let shared = shared.clone();
                 s.spawn(move || {
+                    // Each thread is a VM with its own copy of the configuration.
+                    let c = &config(r#","prefix_block_bytes":64"#);
                     let h = MemoryHost::with_shared(shared);
                     h.now.set(1_000_000);
                     (0..150)

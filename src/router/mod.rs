@@ -2,9 +2,11 @@
 //! `request.rs` applies the decision. Regular mode is here; PD mode in
 //! `pd.rs`; every local answer in `replies.rs`.
 
+mod by_header;
 mod pd;
 mod replies;
 
+pub use by_header::{cost_from_length, route_by_headers};
 pub use pd::{mark_unreachable, prefill_health, prefill_not_sent, prefill_outcome, PdRouted};
 pub use replies::Reply;
 
@@ -15,8 +17,10 @@ use crate::host::Host;
 use crate::metrics;
 use crate::prefix::{Affinity, PromptBlocks};
 use crate::scheduler::{self, Candidate, Constraint, Context, Pool};
-use crate::state::{Charge, PrefillTicket, Ticket, WorkerState};
-use crate::store::{self, IfMissing};
+use crate::state::{Charge, PrefillTicket, Ticket};
+use crate::store::cache::StateCache;
+use std::borrow::Cow;
+use std::rc::Rc;
 
 /// Why a request went through untouched (also the suffix of its counter).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -61,15 +65,15 @@ pub struct Chosen {
     pub worker: usize,
     pub rank: Option<u32>,
     /// Value for the route header (`ip:port`).
-    pub endpoint: String,
+    pub endpoint: Rc<str>,
 }
 
 impl Chosen {
-    fn new(config: &Config, worker: usize, rank: Option<u32>) -> Chosen {
+    fn new(cache: &StateCache, worker: usize, rank: Option<u32>) -> Chosen {
         Chosen {
             worker,
             rank,
-            endpoint: config.worker(worker).map(|w| w.endpoint()).unwrap_or_default(),
+            endpoint: cache.endpoint(worker),
         }
     }
 }
@@ -86,6 +90,8 @@ pub struct Routed {
     /// The health record listed nothing when the request was routed: its
     /// success needs no write.
     pub health_was_clean: bool,
+    /// When it was routed (the clock the choice read).
+    pub routed_at_ms: u64,
     /// Prefix affinity: the prefill charged to the rank, to take back at
     /// the first response byte (or the end).
     pub prefill: Option<PrefillTicket>,
@@ -93,13 +99,16 @@ pub struct Routed {
 
 /// The route header's value: the chosen worker, then its alternates
 /// (`override_host` takes the next one at each retry).
-pub fn route_value(to: &Chosen, alternates: &[Chosen]) -> String {
-    let mut value = to.endpoint.clone();
+pub fn route_value<'a>(to: &'a Chosen, alternates: &[Chosen]) -> Cow<'a, str> {
+    if alternates.is_empty() {
+        return Cow::Borrowed(&to.endpoint);
+    }
+    let mut value = String::from(&*to.endpoint);
     for alt in alternates {
         value.push(',');
         value.push_str(&alt.endpoint);
     }
-    value
+    Cow::Owned(value)
 }
 
 #[derive(Debug, PartialEq, Eq)]
@@ -161,35 +170,36 @@ fn client_rank(config: &Config, body: &JsonObject) -> Option<u32> {
     })
 }
 
-/// The routed pool (`prefill: false`) or PD's prefill pool, with their states.
-fn pool<'a>(config: &'a Config, states: &'a [Option<WorkerState>], prefill: bool) -> Pool<'a> {
+/// The routed pool (`prefill: false`) or PD's prefill pool, with their
+/// states as last read into `cache`.
+fn pool<'a>(config: &'a Config, cache: &'a StateCache, prefill: bool) -> Pool<'a> {
     let (workers, offset) = match (prefill, config.pd()) {
         (true, Some(pd)) => (pd.prefill.as_slice(), config.prefill_offset()),
         _ => (config.routed(), 0),
     };
     Pool {
         workers,
-        states: states.get(offset..offset + workers.len()).unwrap_or_default(),
+        states: cache
+            .states()
+            .get(offset..offset + workers.len())
+            .unwrap_or_default(),
+        loads: cache.loads(),
         offset,
     }
 }
 
 /// What a choice sees besides the pool: the health record and, for this
 /// request, whether it may probe a worker or rank past its cooldown.
-pub(crate) struct Sight {
-    pub health: Health,
+pub(crate) struct Sight<'h> {
+    pub health: &'h Health,
     pub now_ms: u64,
     pub admit_probing: bool,
 }
 
-impl Sight {
-    /// Reads the health record if the configuration needs it.
-    pub(crate) fn read(config: &Config, host: &dyn Host, tie_breaker: u64) -> Sight {
-        let health = if config.reads_health() {
-            store::read_health(config, host)
-        } else {
-            Health::default()
-        };
+impl<'h> Sight<'h> {
+    /// What this request sees of `health` (the record as last read into the
+    /// VM's cache; empty if the configuration reads none), and the clock.
+    pub(crate) fn new(config: &Config, host: &dyn Host, health: &'h Health, tie_breaker: u64) -> Sight<'h> {
         let now_ms = host.now_ms();
         let admit_probing = config
             .passive_health
@@ -208,7 +218,7 @@ impl Sight {
             stale_after_ms: config.stale_after_ms,
             constraint,
             tie_breaker,
-            health: &self.health,
+            health: self.health,
             admit_probing: self.admit_probing,
             affinity: None,
             pick: config.pick,
@@ -288,6 +298,7 @@ fn choose(
 fn alternates(
     config: &Config,
     host: &dyn Host,
+    cache: &StateCache,
     sight: &Sight,
     pool: &Pool,
     chosen: &Candidate,
@@ -302,7 +313,7 @@ fn alternates(
     }
     found
         .iter()
-        .map(|c| Chosen::new(config, c.worker, Some(c.rank)))
+        .map(|c| Chosen::new(cache, c.worker, Some(c.rank)))
         .collect()
 }
 
@@ -374,16 +385,17 @@ impl Prefill {
 }
 
 /// Adds a routed request's estimate (and, under prefix affinity, its
-/// prefill) to its rank and counts the route.
+/// prefill, in the same write) to its rank and counts the route.
 fn account(
     config: &Config,
     host: &dyn Host,
+    cache: &mut StateCache,
     worker: usize,
     rank: u32,
     cost: u64,
     prefill: Option<Prefill>,
 ) -> (Option<Ticket>, Option<PrefillTicket>) {
-    let tickets = store::update_worker(config, host, worker, IfMissing::Skip, |state| {
+    let tickets = cache.write(config, host, worker, |state| {
         let ticket = state.add(worker, rank, cost)?;
         let prefill = prefill
             .as_ref()
@@ -393,42 +405,42 @@ fn account(
     if tickets.is_none() {
         host.count(metrics::ACCOUNTING_SKIPPED, 1);
     }
-    if let Some(w) = config.worker(worker) {
-        host.count(&metrics::routed(&w.name, rank), 1);
-    }
+    host.count(cache.routed_name(worker, rank), 1);
     tickets.map_or((None, None), |(t, p)| (Some(t), p))
 }
 
 /// Records the routed prompt in the chosen worker's prefix index.
-fn record(
-    affinity: Option<&Affinity>,
-    states: &[Option<WorkerState>],
-    pool: &Pool,
-    worker: usize,
-    rank: u32,
-) {
+fn record(affinity: Option<&Affinity>, cache: &StateCache, pool_offset: usize, worker: usize, rank: u32) {
     if let Some(a) = affinity {
-        let capacity = states
+        let capacity = cache
+            .states()
             .get(worker)
             .and_then(Option::as_ref)
             .and_then(|s| s.prefill.capacity(rank as usize));
-        a.record(worker - pool.offset, rank, capacity);
+        a.record(worker - pool_offset, rank, capacity);
     }
 }
 
 /// Under prefix affinity, the request's prefill is over: its first response
-/// byte came (streamed), or it ended.
-pub fn prefill_started(config: &Config, host: &dyn Host, ticket: &PrefillTicket) {
-    store::update_worker(config, host, ticket.worker, IfMissing::Skip, |state| {
+/// byte came (streamed), or it ended. `config` is the one it was routed with.
+pub fn prefill_started(config: &Rc<Config>, host: &dyn Host, cache: &mut StateCache, ticket: &PrefillTicket) {
+    cache.write_as_routed(config, host, ticket.worker, |state| {
         state.prefill_started(ticket);
         Some(())
     });
 }
 
 /// Gives back a routed request's estimate when its stream ends (and, under
-/// prefix affinity, its prefill charge when no response byte came first).
-pub fn release(config: &Config, host: &dyn Host, ticket: &Ticket, prefill: Option<&PrefillTicket>) {
-    store::update_worker(config, host, ticket.worker, IfMissing::Skip, |state| {
+/// prefix affinity, its prefill charge when no response byte came first);
+/// `config` is the one it was routed with.
+pub fn release(
+    config: &Rc<Config>,
+    host: &dyn Host,
+    cache: &mut StateCache,
+    ticket: &Ticket,
+    prefill: Option<&PrefillTicket>,
+) {
+    cache.write_as_routed(config, host, ticket.worker, |state| {
         state.release(ticket);
         if let Some(prefill) = prefill {
             state.prefill_started(prefill);
@@ -437,12 +449,20 @@ pub fn release(config: &Config, host: &dyn Host, ticket: &Ticket, prefill: Optio
     });
 }
 
-/// Decides where a request with this body goes. `pin` is the test-only pin
-/// header (already None unless the config enables it). `tie_breaker` varies
-/// per request so equal loads spread.
-pub fn route(config: &Config, host: &dyn Host, body: &[u8], pin: Option<&str>, tie_breaker: u64) -> Decision {
+/// Decides where a request with this body goes. `cache` is this VM's copy
+/// of the workers' states and health record (read here). `pin` is the test-only pin header
+/// (already None unless the config enables it). `tie_breaker` varies per
+/// request so equal loads spread.
+pub fn route(
+    config: &Rc<Config>,
+    host: &dyn Host,
+    cache: &mut StateCache,
+    body: &[u8],
+    pin: Option<&str>,
+    tie_breaker: u64,
+) -> Decision {
     if let Some(pd) = config.pd() {
-        return pd::route_pd(config, pd, host, body, pin, tie_breaker);
+        return pd::route_pd(config, pd, host, cache, body, pin, tie_breaker);
     }
     if body.is_empty() {
         // A chunked or HTTP/2 request whose body turned out empty.
@@ -464,9 +484,9 @@ pub fn route(config: &Config, host: &dyn Host, body: &[u8], pin: Option<&str>, t
         .keep_client_rank
         .then(|| client_rank(config, &object))
         .flatten();
-    let states = store::read_worker_states(config, host);
-    let pool = pool(config, &states, false);
-    let sight = Sight::read(config, host, tie_breaker);
+    cache.refresh(config, host);
+    let pool = pool(config, cache, false);
+    let sight = Sight::new(config, host, cache.health(), tie_breaker);
     let constraint = Constraint {
         only_rank: trusted_rank,
         pin,
@@ -491,20 +511,24 @@ pub fn route(config: &Config, host: &dyn Host, body: &[u8], pin: Option<&str>, t
         return pass_or_reject(config, host, reason, neutralised);
     };
     let Candidate { worker, rank, .. } = chosen;
+    let alternates = alternates(config, host, cache, &sight, &pool, &chosen);
+    let (health_was_clean, routed_at_ms, offset) =
+        (sight.health.entries.is_empty(), sight.now_ms, pool.offset);
     let cost = estimated_tokens(config, &object, affinity.as_ref());
-    let prefill = Prefill::of(affinity.as_ref(), worker - pool.offset, rank);
-    let (ticket, prefill) = account(config, host, worker, rank, cost, prefill);
-    record(affinity.as_ref(), &states, &pool, worker, rank);
+    let prefill = Prefill::of(affinity.as_ref(), worker - offset, rank);
+    let (ticket, prefill) = account(config, host, cache, worker, rank, cost, prefill);
+    record(affinity.as_ref(), cache, offset, worker, rank);
     let body = trusted_rank.is_none().then(|| {
         let set = [(config.rank_field.as_str(), rank.to_string())];
         object.rewritten(&set, &rank_names)
     });
     Decision::Route(Routed {
-        to: Chosen::new(config, worker, Some(rank)),
-        alternates: alternates(config, host, &sight, &pool, &chosen),
+        to: Chosen::new(cache, worker, Some(rank)),
+        alternates,
         body,
         ticket,
-        health_was_clean: sight.health.entries.is_empty(),
+        health_was_clean,
+        routed_at_ms,
         prefill,
     })
 }

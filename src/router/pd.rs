@@ -14,7 +14,9 @@ use crate::host::Host;
 use crate::metrics::{self, PerWorker};
 use crate::scheduler::Constraint;
 use crate::state::{PrefillTicket, Ticket};
+use crate::store::cache::StateCache;
 use crate::store::{self, IfMissing};
+use std::rc::Rc;
 
 #[derive(Debug, PartialEq, Eq)]
 pub struct PdRouted {
@@ -25,6 +27,8 @@ pub struct PdRouted {
     pub decode_alternates: Vec<Chosen>,
     /// The health record listed nothing when the request was routed.
     pub health_was_clean: bool,
+    /// When it was routed (the clock the choice read).
+    pub routed_at_ms: u64,
     pub prefill_body: Vec<u8>,
     pub decode_body: Vec<u8>,
     pub prefill_ticket: Option<Ticket>,
@@ -48,9 +52,10 @@ fn split_pin(pin: Option<&str>) -> (Option<&str>, Option<&str>) {
 /// Picks a prefill and a decode (worker, rank) and writes the bootstrap
 /// fields both sides need to meet.
 pub(super) fn route_pd(
-    config: &Config,
+    config: &Rc<Config>,
     pd: &Pd,
     host: &dyn Host,
+    cache: &mut StateCache,
     body: &[u8],
     pin: Option<&str>,
     tie_breaker: u64,
@@ -61,18 +66,18 @@ pub(super) fn route_pd(
         Ok(o) => o,
     };
     let (prefill_pin, decode_pin) = split_pin(pin);
-    let states = store::read_worker_states(config, host);
-    let sight = Sight::read(config, host, tie_breaker);
+    cache.refresh(config, host);
+    let sight = Sight::new(config, host, cache.health(), tie_breaker);
     // The prefill rank is chosen by prefix and load, the decode rank by load.
-    let prefill_pool = pool(config, &states, true);
-    let affinity = affinity(config, host, &object, prefill_pool.offset);
+    let prefill_offset = pool(config, cache, true).offset;
+    let affinity = affinity(config, host, &object, prefill_offset);
     let pick = |prefill, pin| {
         let constraint = Constraint { only_rank: None, pin };
         choose(
             config,
             host,
             &sight,
-            &pool(config, &states, prefill),
+            &pool(config, cache, prefill),
             constraint,
             tie_breaker,
             if prefill { affinity.as_ref() } else { None },
@@ -80,8 +85,9 @@ pub(super) fn route_pd(
     };
     let (p, d) = (pick(true, prefill_pin), pick(false, decode_pin));
     let decode_alternates = d
-        .map(|d| alternates(config, host, &sight, &pool(config, &states, false), &d))
+        .map(|d| alternates(config, host, cache, &sight, &pool(config, cache, false), &d))
         .unwrap_or_default();
+    let (health_was_clean, routed_at_ms) = (sight.health.entries.is_empty(), sight.now_ms);
     if p.is_none() {
         host.count(metrics::NO_FRESH_PREFILL_DATA, 1);
     }
@@ -99,14 +105,14 @@ pub(super) fn route_pd(
     let cost = super::estimated_tokens(config, &object, affinity.as_ref());
     let (prefill_ticket, prefill_charge) = match p {
         Some(c) => {
-            let charge = Prefill::of(affinity.as_ref(), c.worker - prefill_pool.offset, c.rank);
-            let tickets = account(config, host, c.worker, c.rank, cost, charge);
-            record(affinity.as_ref(), &states, &prefill_pool, c.worker, c.rank);
+            let charge = Prefill::of(affinity.as_ref(), c.worker - prefill_offset, c.rank);
+            let tickets = account(config, host, cache, c.worker, c.rank, cost, charge);
+            record(affinity.as_ref(), cache, prefill_offset, c.worker, c.rank);
             tickets
         }
         None => (None, None),
     };
-    let decode_ticket = d.and_then(|c| account(config, host, c.worker, c.rank, cost, None).0);
+    let decode_ticket = d.and_then(|c| account(config, host, cache, c.worker, c.rank, cost, None).0);
 
     let bootstrap = bootstrap_fields(
         &object,
@@ -118,10 +124,11 @@ pub(super) fn route_pd(
     let neutralise = pd.field_names();
     let body_for = |fields| object.rewritten(&pd_body_fields(&bootstrap, fields, ranks), &neutralise);
     Decision::Pd(PdRouted {
-        prefill: Chosen::new(config, prefill_index, ranks.0),
-        decode: d.map(|c| Chosen::new(config, c.worker, Some(c.rank))),
+        prefill: Chosen::new(cache, prefill_index, ranks.0),
+        decode: d.map(|c| Chosen::new(cache, c.worker, Some(c.rank))),
         decode_alternates,
-        health_was_clean: sight.health.entries.is_empty(),
+        health_was_clean,
+        routed_at_ms,
         prefill_body: body_for(&pd.prefill_body_fields),
         decode_body: body_for(&pd.decode_body_fields),
         prefill_ticket,

@@ -4,16 +4,17 @@ use crate::config::Config;
 use crate::host::fake::FakeHost;
 use crate::host::Host;
 use crate::store::{self, IfMissing};
+use std::rc::Rc;
 
 /// Two workers `a` (127.0.0.1:1) and `b` (127.0.0.1:2), plus `extra` keys.
-pub fn config(extra: &str) -> Config {
-    Config::from_json(
+pub fn config(extra: &str) -> Rc<Config> {
+    Rc::new(Config::from_json(
         format!(
             r#"{{"workers":[{{"address":"127.0.0.1:1","name":"a"}},{{"address":"127.0.0.1:2","name":"b"}}]{extra}}}"#
         )
         .as_bytes(),
     )
-    .unwrap()
+    .unwrap())
 }
 
 /// Installs a snapshot for worker `i` as the poller would.
@@ -28,7 +29,7 @@ pub fn poll(config: &Config, host: &FakeHost, i: usize, tokens: &[u64]) {
 }
 
 /// `config(extra)` at t = 10 s with a: [100, 50, 100, 100], b: [100, 100, 20, 100].
-pub fn fleet(extra: &str) -> (Config, FakeHost) {
+pub fn fleet(extra: &str) -> (Rc<Config>, FakeHost) {
     let c = config(extra);
     let h = FakeHost::default();
     h.now.set(10_000);
@@ -39,7 +40,7 @@ pub fn fleet(extra: &str) -> (Config, FakeHost) {
 
 /// PD: prefill p0 (10.0.0.1:30000, bootstrap port 8998) and p1, decode d0 and
 /// d1; the lowest ranks are d1/1 and p0/1.
-pub fn pd_fleet(extra: &str) -> (Config, FakeHost) {
+pub fn pd_fleet(extra: &str) -> (Rc<Config>, FakeHost) {
     let c = Config::from_json(
         format!(
             r#"{{"prefill_workers":[{{"address":"10.0.0.1:30000","name":"p0","bootstrap_port":8998}},{{"address":"10.0.0.2:30000","name":"p1"}}],
@@ -48,6 +49,7 @@ pub fn pd_fleet(extra: &str) -> (Config, FakeHost) {
         .as_bytes(),
     )
     .unwrap();
+    let c = Rc::new(c);
     let h = FakeHost::default();
     h.now.set(10_000);
     poll(&c, &h, 0, &[50, 50]); // d0

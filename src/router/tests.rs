@@ -1,6 +1,7 @@
 use super::testing::*;
 use super::*;
 use crate::host::fake::FakeHost;
+use crate::store::cache::StateCache;
 use crate::store::read_worker_states;
 
 fn routed(d: Decision) -> Routed {
@@ -13,9 +14,16 @@ fn routed(d: Decision) -> Routed {
 #[test]
 fn routes_to_the_joint_minimum_and_injects_the_rank() {
     let (c, h) = fleet("");
-    let r = routed(route(&c, &h, br#"{"text":"hi"}"#, None, 0));
+    let r = routed(route(
+        &c,
+        &h,
+        &mut StateCache::default(),
+        br#"{"text":"hi"}"#,
+        None,
+        0,
+    ));
     assert_eq!(
-        (r.to.worker, r.to.rank, r.to.endpoint.as_str()),
+        (r.to.worker, r.to.rank, r.to.endpoint.as_ref()),
         (1, Some(2), "127.0.0.1:2")
     );
     assert_eq!(r.body.unwrap(), br#"{"routed_dp_rank":2,"text":"hi"}"#);
@@ -28,7 +36,14 @@ fn estimates_spread_a_burst_between_polls() {
     let prompt = format!(r#"{{"text":"{}"}}"#, "x".repeat(4 * 40)); // 40 tokens
     let picks: Vec<(usize, Option<u32>)> = (0..3)
         .map(|i| {
-            let r = routed(route(&c, &h, prompt.as_bytes(), None, i));
+            let r = routed(route(
+                &c,
+                &h,
+                &mut StateCache::default(),
+                prompt.as_bytes(),
+                None,
+                i,
+            ));
             (r.to.worker, r.to.rank)
         })
         .collect();
@@ -42,13 +57,14 @@ fn ended_requests_give_their_estimate_back() {
     let r = routed(route(
         &c,
         &h,
+        &mut StateCache::default(),
         br#"{"text":"a long prompt indeed, long"}"#,
         None,
         0,
     ));
     let states = read_worker_states(&c, &h);
     assert!(states[1].as_ref().unwrap().pending_total() > 0);
-    release(&c, &h, &r.ticket.unwrap(), None);
+    release(&c, &h, &mut StateCache::default(), &r.ticket.unwrap(), None);
     let states = read_worker_states(&c, &h);
     assert_eq!(states[1].as_ref().unwrap().pending_total(), 0);
 }
@@ -57,10 +73,24 @@ fn ended_requests_give_their_estimate_back() {
 fn accounting_survives_concurrent_writers() {
     let (c, h) = fleet("");
     h.conflicts.set(3);
-    let r = routed(route(&c, &h, br#"{"text":"hi"}"#, None, 0));
+    let r = routed(route(
+        &c,
+        &h,
+        &mut StateCache::default(),
+        br#"{"text":"hi"}"#,
+        None,
+        0,
+    ));
     assert!(r.ticket.is_some());
     h.conflicts.set(1000);
-    let r = routed(route(&c, &h, br#"{"text":"hi"}"#, None, 0));
+    let r = routed(route(
+        &c,
+        &h,
+        &mut StateCache::default(),
+        br#"{"text":"hi"}"#,
+        None,
+        0,
+    ));
     assert!(r.ticket.is_none(), "routing goes on without accounting");
     assert_eq!(h.counter("dprank.accounting_skipped"), 1);
 }
@@ -71,6 +101,7 @@ fn client_rank_fields_are_overwritten_by_default() {
     let r = routed(route(
         &c,
         &h,
+        &mut StateCache::default(),
         br#"{"data_parallel_rank":0,"routed_dp_rank":3,"text":"x"}"#,
         None,
         0,
@@ -84,10 +115,24 @@ fn client_rank_fields_are_overwritten_by_default() {
 #[test]
 fn trusted_client_rank_keeps_the_body_and_picks_the_worker() {
     let (c, h) = fleet(r#","keep_client_rank":true"#);
-    let r = routed(route(&c, &h, br#"{"routed_dp_rank":1,"text":"x"}"#, None, 0));
+    let r = routed(route(
+        &c,
+        &h,
+        &mut StateCache::default(),
+        br#"{"routed_dp_rank":1,"text":"x"}"#,
+        None,
+        0,
+    ));
     assert_eq!((r.to.worker, r.to.rank, r.body), (0, Some(1), None));
     // Not an integer: ignored, routed normally.
-    let r = routed(route(&c, &h, br#"{"routed_dp_rank":"1","text":"x"}"#, None, 0));
+    let r = routed(route(
+        &c,
+        &h,
+        &mut StateCache::default(),
+        br#"{"routed_dp_rank":"1","text":"x"}"#,
+        None,
+        0,
+    ));
     assert_eq!((r.to.worker, r.to.rank), (1, Some(2)));
 }
 
@@ -96,13 +141,20 @@ fn no_fresh_data_passes_through_and_neutralises_client_ranks() {
     let c = config("");
     let h = FakeHost::default();
     assert_eq!(
-        route(&c, &h, br#"{"text":"x"}"#, None, 0),
+        route(&c, &h, &mut StateCache::default(), br#"{"text":"x"}"#, None, 0),
         Decision::PassThrough {
             reason: PassReason::NoFreshData,
             body: None
         }
     );
-    let d = route(&c, &h, br#"{"routed_dp_rank":1,"text":"x"}"#, None, 0);
+    let d = route(
+        &c,
+        &h,
+        &mut StateCache::default(),
+        br#"{"routed_dp_rank":1,"text":"x"}"#,
+        None,
+        0,
+    );
     assert_eq!(
         d,
         Decision::PassThrough {
@@ -118,7 +170,7 @@ fn stale_data_counts_as_none() {
     let (c, h) = fleet("");
     h.now.set(10_000 + c.stale_after_ms + 1);
     assert!(matches!(
-        route(&c, &h, b"{}", None, 0),
+        route(&c, &h, &mut StateCache::default(), b"{}", None, 0),
         Decision::PassThrough { .. }
     ));
 }
@@ -127,7 +179,7 @@ fn stale_data_counts_as_none() {
 fn fail_closed_rejects_with_json_errors() {
     let c = config(r#","fail_mode":"closed""#);
     let h = FakeHost::default();
-    match route(&c, &h, b"{}", None, 0) {
+    match route(&c, &h, &mut StateCache::default(), b"{}", None, 0) {
         Decision::Reject(Reply { status, body }) => {
             assert_eq!(status, 503);
             let v: serde_json::Value = serde_json::from_str(&body).unwrap();
@@ -136,7 +188,7 @@ fn fail_closed_rejects_with_json_errors() {
         other => panic!("{other:?}"),
     }
     assert!(matches!(
-        route(&c, &h, b"[1]", None, 0),
+        route(&c, &h, &mut StateCache::default(), b"[1]", None, 0),
         Decision::Reject(Reply { status: 400, .. })
     ));
     assert_eq!(h.counter("dprank.rejected.not_object"), 1);
@@ -150,7 +202,7 @@ fn bad_bodies_pass_through_in_open_mode() {
         (b"[]", PassReason::NotObject),
     ] {
         assert_eq!(
-            route(&c, &h, body, None, 0),
+            route(&c, &h, &mut StateCache::default(), body, None, 0),
             Decision::PassThrough { reason, body: None }
         );
     }
@@ -160,9 +212,9 @@ fn bad_bodies_pass_through_in_open_mode() {
 #[test]
 fn pin_header_overrides_when_it_names_a_candidate() {
     let (c, h) = fleet(r#","pin_header":"x-dprank-pin""#);
-    let r = routed(route(&c, &h, b"{}", Some("a/3"), 0));
+    let r = routed(route(&c, &h, &mut StateCache::default(), b"{}", Some("a/3"), 0));
     assert_eq!((r.to.worker, r.to.rank), (0, Some(3)));
-    let r = routed(route(&c, &h, b"{}", Some("a/9"), 0));
+    let r = routed(route(&c, &h, &mut StateCache::default(), b"{}", Some("a/9"), 0));
     assert_eq!((r.to.worker, r.to.rank), (1, Some(2)));
     assert_eq!(h.counter("dprank.pin_ignored"), 1);
 }
@@ -170,14 +222,28 @@ fn pin_header_overrides_when_it_names_a_candidate() {
 #[test]
 fn legacy_naming_injects_data_parallel_rank() {
     let (c, h) = fleet(r#","naming":"legacy""#);
-    let r = routed(route(&c, &h, br#"{"prompt":"x"}"#, None, 0));
+    let r = routed(route(
+        &c,
+        &h,
+        &mut StateCache::default(),
+        br#"{"prompt":"x"}"#,
+        None,
+        0,
+    ));
     assert_eq!(r.body.unwrap(), br#"{"data_parallel_rank":2,"prompt":"x"}"#);
 }
 
 #[test]
 fn a_trusted_rank_nobody_has_is_told_apart_from_no_data() {
     let (c, h) = fleet(r#","keep_client_rank":true"#);
-    let d = route(&c, &h, br#"{"routed_dp_rank":7}"#, None, 0);
+    let d = route(
+        &c,
+        &h,
+        &mut StateCache::default(),
+        br#"{"routed_dp_rank":7}"#,
+        None,
+        0,
+    );
     assert_eq!(
         d,
         Decision::PassThrough {
@@ -188,7 +254,14 @@ fn a_trusted_rank_nobody_has_is_told_apart_from_no_data() {
     assert_eq!(h.counter("dprank.passthrough.client_rank_unavailable"), 1);
     let (c, h) = fleet(r#","keep_client_rank":true,"fail_mode":"closed""#);
     assert!(matches!(
-        route(&c, &h, br#"{"routed_dp_rank":7}"#, None, 0),
+        route(
+            &c,
+            &h,
+            &mut StateCache::default(),
+            br#"{"routed_dp_rank":7}"#,
+            None,
+            0
+        ),
         Decision::Reject(Reply { status: 400, .. })
     ));
 }
@@ -197,7 +270,7 @@ fn a_trusted_rank_nobody_has_is_told_apart_from_no_data() {
 fn an_empty_body_passes_through_as_empty() {
     let (c, h) = fleet(r#","fail_mode":"closed""#);
     assert_eq!(
-        route(&c, &h, b"", None, 0),
+        route(&c, &h, &mut StateCache::default(), b"", None, 0),
         Decision::PassThrough {
             reason: PassReason::EmptyBody,
             body: None
@@ -211,12 +284,12 @@ fn unreadable_bodies_naming_a_rank_are_refused_unless_clients_are_trusted() {
     let (c, h) = fleet("");
     let nan = br#"{"text":"x","routed_dp_rank":3,"temperature":NaN}"#;
     assert!(matches!(
-        route(&c, &h, nan, None, 0),
+        route(&c, &h, &mut StateCache::default(), nan, None, 0),
         Decision::Reject(Reply { status: 400, .. })
     ));
     assert_eq!(h.counter("dprank.rejected.unreadable_rank"), 1);
     assert!(matches!(
-        route(&c, &h, b"text=hi", None, 0),
+        route(&c, &h, &mut StateCache::default(), b"text=hi", None, 0),
         Decision::PassThrough {
             reason: PassReason::NotJson,
             ..
@@ -224,7 +297,7 @@ fn unreadable_bodies_naming_a_rank_are_refused_unless_clients_are_trusted() {
     ));
     let (c, h) = fleet(r#","keep_client_rank":true"#);
     assert!(matches!(
-        route(&c, &h, nan, None, 0),
+        route(&c, &h, &mut StateCache::default(), nan, None, 0),
         Decision::PassThrough {
             reason: PassReason::NotJson,
             ..

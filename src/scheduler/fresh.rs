@@ -2,12 +2,12 @@
 //! that were never polled, or that are out of rotation (a request to them
 //! failed to connect).
 
-use super::{Context, Filter, WorkerView};
+use super::{Context, Filter, Slot, WorkerView};
 
 pub struct Fresh;
 
 impl Filter for Fresh {
-    fn filter(&self, ctx: &Context, worker: &WorkerView, _ranks: &mut [Option<u64>]) -> bool {
+    fn filter(&self, ctx: &Context, worker: &WorkerView, _ranks: &mut [Slot]) -> bool {
         worker.state.is_fresh(ctx.now_ms, ctx.stale_after_ms)
     }
 }

@@ -6,7 +6,7 @@
 //! minima while a clearly cheaper candidate still takes nearly every request.
 
 use super::least_cost::mix;
-use super::{Candidate, Context, Picker};
+use super::{Candidate, Context, Picker, Slot, REMOVED};
 use crate::config::gateways::MAX_CHOICES;
 use crate::config::Pick;
 
@@ -44,9 +44,9 @@ impl Picker for Headroom {
         }
     }
 
-    fn offer(&mut self, worker: usize, costs: &[Option<u64>]) {
-        for (rank, cost) in costs.iter().enumerate() {
-            if let Some(cost) = *cost {
+    fn offer(&mut self, worker: usize, costs: &[Slot]) {
+        for (rank, &cost) in costs.iter().enumerate() {
+            if cost != REMOVED {
                 self.consider(worker, rank as u32, cost);
             }
         }
@@ -126,7 +126,7 @@ mod tests {
     use super::*;
     use std::collections::HashMap;
 
-    fn draws(choices: u32, offers: &[(usize, &[Option<u64>])], n: u64) -> HashMap<(usize, u32), u64> {
+    fn draws(choices: u32, offers: &[(usize, &[Slot])], n: u64) -> HashMap<(usize, u32), u64> {
         let mut picks = HashMap::new();
         for t in 0..n {
             let mut p = Headroom::new(&Context {
@@ -146,11 +146,7 @@ mod tests {
     #[test]
     fn draws_among_the_cheapest_in_proportion_to_headroom() {
         // Costs 10, 20 and 40 (the reference): weights 30 and 20, never 40 or 90.
-        let picks = draws(
-            2,
-            &[(0, &[Some(40), Some(10)]), (1, &[Some(90), None, Some(20)])],
-            5000,
-        );
+        let picks = draws(2, &[(0, &[40, 10]), (1, &[90, REMOVED, 20])], 5000);
         assert_eq!(picks.len(), 2, "{picks:?}");
         let (a, b) = (picks[&(0, 1)], picks[&(1, 2)]);
         assert!((2700..3300).contains(&a) && a + b == 5000, "about 3:2: {picks:?}");
@@ -159,17 +155,17 @@ mod tests {
     #[test]
     fn a_clearly_cheaper_candidate_takes_nearly_everything() {
         // Weights 1001, 1 and 1 below the reference 1001; the fourth is never drawn.
-        let picks = draws(3, &[(0, &[Some(0), Some(1000), Some(1000), Some(1001)])], 2000);
+        let picks = draws(3, &[(0, &[0, 1000, 1000, 1001])], 2000);
         assert!(picks[&(0, 0)] >= 1980, "{picks:?}");
         assert!(!picks.contains_key(&(0, 3)), "{picks:?}");
     }
 
     #[test]
     fn equal_costs_spread_and_few_candidates_still_pick() {
-        let picks = draws(2, &[(0, &[Some(5); 4])], 4000);
+        let picks = draws(2, &[(0, &[5; 4])], 4000);
         assert_eq!(picks.len(), 4, "ties ordered per request: {picks:?}");
         assert!(picks.values().all(|n| *n > 700), "{picks:?}");
-        assert_eq!(draws(4, &[(2, &[None, Some(7)])], 10).get(&(2, 1)), Some(&10));
+        assert_eq!(draws(4, &[(2, &[REMOVED, 7])], 10).get(&(2, 1)), Some(&10));
         let none = Headroom::new(&Context {
             pick: Pick::Headroom { choices: 2 },
             ..ctx(Constraint::default())
@@ -179,7 +175,7 @@ mod tests {
 
     #[test]
     fn deterministic_for_a_tie_breaker() {
-        let offers: &[(usize, &[Option<u64>])] = &[(0, &[Some(3), Some(4), Some(6)])];
+        let offers: &[(usize, &[Slot])] = &[(0, &[3, 4, 6])];
         assert_eq!(draws(2, offers, 1), draws(2, offers, 1));
     }
 }

@@ -2,12 +2,17 @@
 //! passive health ejected, and clears ejected ranks (`health.rs`). A worker
 //! or rank past its cooldown stays only for the requests that may probe it.
 
-use super::{Context, Filter, WorkerView};
+use super::{Context, Filter, Slot, WorkerView};
 
 pub struct Healthy;
 
 impl Filter for Healthy {
-    fn filter(&self, ctx: &Context, worker: &WorkerView, ranks: &mut [Option<u64>]) -> bool {
+    /// A healthy fleet's record is empty: nothing to check per worker.
+    fn applies(&self, ctx: &Context) -> bool {
+        !ctx.health.is_empty()
+    }
+
+    fn filter(&self, ctx: &Context, worker: &WorkerView, ranks: &mut [Slot]) -> bool {
         ctx.health
             .admit(worker.worker.address, ctx.now_ms, ctx.admit_probing, ranks)
     }
@@ -16,7 +21,7 @@ impl Filter for Healthy {
 #[cfg(test)]
 mod tests {
     use super::super::testing::*;
-    use super::super::{Constraint, Context};
+    use super::super::{Constraint, Context, REMOVED};
     use super::*;
     use crate::health::{Health, Outcome, Target};
 
@@ -38,14 +43,19 @@ mod tests {
             };
             health.observe(&policy, r1, Outcome::Failure, 500, 500);
         }
+        assert!(
+            !Healthy.applies(&ctx(Constraint::default())),
+            "an empty record: not run at all"
+        );
         let ctx = Context {
             health: &health,
             ..ctx(Constraint::default())
         };
+        assert!(Healthy.applies(&ctx));
         assert_eq!(run_filter(&Healthy, &ctx, 0, &a, &s), None, "a is ejected");
         assert_eq!(
             run_filter(&Healthy, &ctx, 1, &b, &s),
-            Some(vec![Some(0), None, Some(0)]),
+            Some(vec![0, REMOVED, 0]),
             "only b's rank 1 is"
         );
         // Past the cooldown (1000 ms from 500): only probes see them.
@@ -55,8 +65,8 @@ mod tests {
             admit_probing: true,
             ..later
         };
-        assert_eq!(run_filter(&Healthy, &probe, 0, &a, &s), Some(vec![Some(0); 3]));
-        assert_eq!(run_filter(&Healthy, &probe, 1, &b, &s), Some(vec![Some(0); 3]));
+        assert_eq!(run_filter(&Healthy, &probe, 0, &a, &s), Some(vec![0; 3]));
+        assert_eq!(run_filter(&Healthy, &probe, 1, &b, &s), Some(vec![0; 3]));
 
         let mut envoy = Health::default();
         envoy.envoy_unhealthy.push(b.address);

@@ -6,7 +6,7 @@
 //! its own; a rank this gateway's index says holds the prompt pays less.
 
 use super::least_cost::mix;
-use super::{Context, Scorer, WorkerView};
+use super::{add_cost, Context, Scorer, Slot, WorkerView};
 use std::net::{IpAddr, SocketAddr};
 
 /// The share's resolution: a rank pays `uncached x h / SHARES`, `h` in 0..SHARES.
@@ -15,7 +15,7 @@ const SHARES: u64 = 1024;
 pub struct Home;
 
 impl Scorer for Home {
-    fn score(&self, ctx: &Context, worker: &WorkerView, costs: &mut [Option<u64>]) {
+    fn score(&self, ctx: &Context, worker: &WorkerView, costs: &mut [Slot]) {
         let Some(affinity) = ctx.affinity else { return };
         if ctx.gateways <= 1 {
             return;
@@ -26,11 +26,9 @@ impl Scorer for Home {
         let total = affinity.prompt.tokens();
         let seed = u64::from(*head) ^ endpoint_key(&worker.worker.address);
         for (rank, cost) in costs.iter_mut().enumerate() {
-            if let Some(c) = cost {
-                let uncached = total.saturating_sub(affinity.cached(worker.index, rank));
-                let share = mix(seed, rank as u64 + 1) % SHARES;
-                *c = c.saturating_add(uncached.saturating_mul(share) / SHARES);
-            }
+            let uncached = total.saturating_sub(affinity.cached(worker.index, rank));
+            let share = mix(seed, rank as u64 + 1) % SHARES;
+            add_cost(cost, uncached.saturating_mul(share) / SHARES);
         }
     }
 }
@@ -51,14 +49,14 @@ fn endpoint_key(address: &SocketAddr) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::super::testing::*;
-    use super::super::{Constraint, WorkerView};
+    use super::super::{Constraint, Loads, WorkerView};
     use super::*;
     use crate::body::JsonObject;
     use crate::config::Config;
     use crate::host::fake::FakeHost;
     use crate::prefix::{Affinity, PromptBlocks};
 
-    fn scored(gateways: u32, text: &str, port: u16) -> Vec<Option<u64>> {
+    fn scored(gateways: u32, text: &str, port: u16) -> Vec<Slot> {
         let config = Config::from_json(br#"{"workers":[{"address":"127.0.0.1:1","name":"a"}]}"#).unwrap();
         let settings = config.prefix.clone().unwrap();
         let h = FakeHost::default();
@@ -68,17 +66,19 @@ mod tests {
         let affinity = Affinity::new(&config, &settings, &h, 0, prompt, true, 0);
         let w = worker("a", port, None);
         let s = state(&[0; 8], 1000);
+        let loads = Loads::of(std::slice::from_ref(&Some(s.clone())));
         let view = WorkerView {
             index: 0,
             worker: &w,
             state: &s,
+            loads: loads.worker(0),
         };
         let ctx = Context {
             affinity: Some(&affinity),
             gateways,
             ..ctx(Constraint::default())
         };
-        let mut costs = vec![Some(0); 8];
+        let mut costs = vec![0; 8];
         Home.score(&ctx, &view, &mut costs);
         costs
     }
@@ -88,14 +88,14 @@ mod tests {
         let long = "x".repeat(4000);
         let a = scored(4, &long, 1);
         assert_eq!(a, scored(4, &long, 1), "the same on every gateway");
-        let top = a.iter().flatten().max().copied().unwrap_or(0);
+        let top = a.iter().max().copied().unwrap_or(0);
         assert!(top > 0 && top <= 1000, "at most the uncached tokens: {a:?}");
         assert!(
-            a.iter().flatten().collect::<std::collections::HashSet<_>>().len() > 4,
+            a.iter().collect::<std::collections::HashSet<_>>().len() > 4,
             "ranks differ: {a:?}"
         );
         assert_ne!(a, scored(4, &"y".repeat(4000), 1), "another prompt, another lean");
         assert_ne!(a, scored(4, &long, 2), "another worker, another lean");
-        assert_eq!(scored(1, &long, 1), vec![Some(0); 8], "one gateway: nothing");
+        assert_eq!(scored(1, &long, 1), vec![0; 8], "one gateway: nothing");
     }
 }

@@ -4,13 +4,13 @@
 //! requests sent since the poll). A full rank admits a request only as
 //! running ones finish, which its queued prefill does not show.
 
-use super::{Context, Scorer, WorkerView};
+use super::{add_cost, Context, Scorer, Slot, WorkerView};
 use crate::prefix::affinity::weighted;
 
 pub struct Kv;
 
 impl Scorer for Kv {
-    fn score(&self, ctx: &Context, worker: &WorkerView, costs: &mut [Option<u64>]) {
+    fn score(&self, ctx: &Context, worker: &WorkerView, costs: &mut [Slot]) {
         let Some(affinity) = ctx.affinity else {
             return;
         };
@@ -21,11 +21,8 @@ impl Scorer for Kv {
         let state = worker.state;
         let prompt = affinity.prompt.tokens();
         for (rank, cost) in costs.iter_mut().enumerate() {
-            let (Some(c), Some(capacity), Some(used)) = (
-                cost.as_mut(),
-                state.prefill.capacity(rank),
-                state.prefill.used(rank),
-            ) else {
+            let (Some(capacity), Some(used)) = (state.prefill.capacity(rank), state.prefill.used(rank))
+            else {
                 continue;
             };
             let free = capacity
@@ -34,7 +31,7 @@ impl Scorer for Kv {
             let need = prompt
                 .saturating_sub(affinity.cached(worker.index, rank))
                 .saturating_add(affinity.output);
-            *c = c.saturating_add(weighted(need.saturating_sub(free), weight));
+            add_cost(cost, weighted(need.saturating_sub(free), weight));
         }
     }
 }
@@ -75,15 +72,16 @@ mod tests {
             index: 0,
             worker: &w,
             state: &s,
+            loads: &[],
         };
         let ctx = Context {
             affinity: Some(&affinity),
             ..ctx(Constraint::default())
         };
-        let mut costs = vec![Some(1), Some(1), Some(1)];
+        let mut costs = vec![1, 1, 1];
         Kv.score(&ctx, &view, &mut costs);
         // Rank 0: needs 300, 100 free. Rank 1: 900 - 650 sent since = 250 free.
         // Rank 2 reports no capacity: not judged.
-        assert_eq!(costs, vec![Some(1 + 2 * 200), Some(1 + 2 * 50), Some(1)]);
+        assert_eq!(costs, vec![1 + 2 * 200, 1 + 2 * 50, 1]);
     }
 }

@@ -2,7 +2,7 @@
 //! Among equal costs the pick is uniform for a given tie breaker (reservoir
 //! sampling), so equal loads spread instead of all landing on rank 0.
 
-use super::{Candidate, Context, Picker};
+use super::{Candidate, Context, Picker, Slot, REMOVED};
 
 /// The least cost offered so far, ties sampled uniformly.
 pub struct LeastCost {
@@ -24,9 +24,10 @@ impl Picker for LeastCost {
         }
     }
 
-    fn offer(&mut self, worker: usize, costs: &[Option<u64>]) {
-        for (rank, cost) in costs.iter().enumerate() {
-            if let Some(cost) = *cost {
+    fn offer(&mut self, worker: usize, costs: &[Slot]) {
+        for (rank, &cost) in costs.iter().enumerate() {
+            // Most candidates cost more than the pick so far: one comparison.
+            if cost <= self.cost && cost != REMOVED {
                 self.consider(worker, rank, cost);
             }
         }
@@ -89,8 +90,8 @@ mod tests {
     #[test]
     fn workers_are_offered_slot_by_slot() {
         let mut picker = LeastCost::new(&ctx(Constraint::default()));
-        picker.offer(0, &[Some(5), None, Some(7)]);
-        picker.offer(3, &[None, Some(2)]);
+        picker.offer(0, &[5, REMOVED, 7]);
+        picker.offer(3, &[REMOVED, 2]);
         picker.offer(4, &[]);
         assert_eq!(picker.pick(), Some(c(3, 1, 2)));
         assert_eq!(LeastCost::new(&ctx(Constraint::default())).pick(), None);

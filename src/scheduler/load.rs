@@ -1,25 +1,27 @@
 //! Scorer `load`: adds each rank's effective tokens (the last polled figure
-//! plus the estimates of requests the poll has not seen yet); a rank the
-//! report gave no usable figure for is removed. Under prefix affinity the
-//! tokens are weighted by `prefix_load_weight`.
+//! plus the estimates of requests the poll has not seen yet, as derived in
+//! `Loads`); a rank the report gave no usable figure for is removed. Under
+//! prefix affinity the tokens are weighted by `prefix_load_weight`.
 
-use super::{Context, Scorer, WorkerView};
+#[cfg(test)]
+use super::MAX_COST;
+use super::{add_cost, Context, Scorer, Slot, WorkerView, REMOVED};
 use crate::prefix::affinity::weighted;
 
 pub struct Load;
 
 impl Scorer for Load {
-    fn score(&self, ctx: &Context, worker: &WorkerView, costs: &mut [Option<u64>]) {
-        let Some(affinity) = ctx.affinity else {
-            worker.state.add_effective_tokens(costs);
-            return;
-        };
-        let weight = affinity.settings.load_weight;
-        for (rank, cost) in costs.iter_mut().enumerate() {
-            *cost = match (*cost, worker.state.effective_tokens(rank)) {
-                (Some(c), Some(tokens)) => Some(c.saturating_add(weighted(tokens, weight))),
-                _ => None,
-            };
+    fn score(&self, ctx: &Context, worker: &WorkerView, costs: &mut [Slot]) {
+        let weight = ctx.affinity.map_or(1.0, |a| a.settings.load_weight);
+        for (cost, load) in costs.iter_mut().zip(worker.loads) {
+            if *load == REMOVED {
+                *cost = REMOVED;
+            } else {
+                add_cost(cost, weighted(*load, weight));
+            }
+        }
+        if let Some(unlisted) = costs.get_mut(worker.loads.len()..) {
+            unlisted.fill(REMOVED);
         }
     }
 }
@@ -34,12 +36,14 @@ mod tests {
     use crate::prefix::{Affinity, PromptBlocks};
     use crate::state::WorkerState;
 
-    fn score(state: &WorkerState, mut costs: Vec<Option<u64>>) -> Vec<Option<u64>> {
+    fn score(state: &WorkerState, mut costs: Vec<Slot>) -> Vec<Slot> {
         let w = worker("a", 1, None);
+        let loads = super::super::Loads::of(std::slice::from_ref(&Some(state.clone())));
         let view = WorkerView {
             index: 0,
             worker: &w,
             state,
+            loads: loads.worker(0),
         };
         Load.score(&ctx(Constraint::default()), &view, &mut costs);
         costs
@@ -49,11 +53,21 @@ mod tests {
     fn adds_polled_tokens_and_pending_estimates() {
         let mut s = state(&[5, 6], 1000);
         s.add(0, 0, 10);
-        assert_eq!(score(&s, vec![Some(0), Some(0)]), vec![Some(15), Some(6)]);
+        assert_eq!(score(&s, vec![0, 0]), vec![15, 6]);
         assert_eq!(
-            score(&s, vec![Some(1), None]),
-            vec![Some(16), None],
+            score(&s, vec![1, REMOVED]),
+            vec![16, REMOVED],
             "removed stays removed"
+        );
+        assert_eq!(
+            score(&s, vec![0, 0, 0]),
+            vec![15, 6, REMOVED],
+            "a rank the state does not list"
+        );
+        assert_eq!(
+            score(&s, vec![MAX_COST, 0]),
+            vec![MAX_COST, 6],
+            "costs saturate below REMOVED"
         );
     }
 
@@ -62,7 +76,7 @@ mod tests {
         let mut s = WorkerState::default();
         let seq = s.begin_poll();
         s.apply_snapshot(seq, 1, &[None, Some(4)]);
-        assert_eq!(score(&s, vec![Some(0); 2]), vec![None, Some(4)]);
+        assert_eq!(score(&s, vec![0; 2]), vec![REMOVED, 4]);
     }
 
     #[test]
@@ -75,17 +89,19 @@ mod tests {
         let affinity = Affinity::new(&config, &settings, &h, 0, PromptBlocks::default(), true, 0);
         let w = worker("a", 1, None);
         let s = state(&[100, 7, 0], 1000);
+        let loads = super::super::Loads::of(std::slice::from_ref(&Some(s.clone())));
         let view = WorkerView {
             index: 0,
             worker: &w,
             state: &s,
+            loads: loads.worker(0),
         };
         let ctx = Context {
             affinity: Some(&affinity),
             ..ctx(Constraint::default())
         };
-        let mut costs = vec![Some(3), Some(3), None];
+        let mut costs = vec![3, 3, REMOVED];
         Load.score(&ctx, &view, &mut costs);
-        assert_eq!(costs, vec![Some(53), Some(7), None]);
+        assert_eq!(costs, vec![53, 7, REMOVED]);
     }
 }

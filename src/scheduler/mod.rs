@@ -6,7 +6,7 @@
 //!
 //! Candidates are every rank a worker's last report listed (below its
 //! configured `dp_size`, if any). Steps work one worker at a time on a slice
-//! with one cost slot per rank (`None` = removed), and the picker is offered
+//! with one cost slot per rank (`REMOVED` = removed), and the picker is offered
 //! each worker's slots as soon as they are scored: a fleet of thousands of
 //! ranks costs one call per worker and step, a tight loop per rank, and no
 //! candidate list.
@@ -18,11 +18,14 @@ mod home;
 mod kv;
 mod least_cost;
 mod load;
+mod loads;
 mod only_rank;
 mod peers;
 mod pinned;
 mod prefix;
 mod queue;
+
+pub use loads::Loads;
 
 use crate::config::{Pick, Worker};
 use crate::health::Health;
@@ -55,6 +58,21 @@ const PREFIX_SCORERS: &[&dyn Scorer] = &[
 // The picker takes one candidate from those left, as `pick` says:
 // `least_cost`, or `headroom` among the few cheapest (`choose`).
 
+/// A candidate's cost slot: its cost so far, or [`REMOVED`].
+pub type Slot = u64;
+/// The slot of a candidate a step removed. Costs saturate just below it.
+pub const REMOVED: Slot = u64::MAX;
+/// The highest cost a candidate can carry.
+pub const MAX_COST: Slot = u64::MAX - 1;
+
+/// Adds `extra` to a candidate's cost (saturating at `MAX_COST`); a removed
+/// candidate stays removed.
+pub fn add_cost(slot: &mut Slot, extra: u64) {
+    if *slot != REMOVED {
+        *slot = slot.saturating_add(extra).min(MAX_COST);
+    }
+}
+
 /// A (worker, rank) a request could be sent to, with its cost (for now, the
 /// rank's effective tokens).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -71,6 +89,9 @@ pub struct Pool<'a> {
     pub workers: &'a [Worker],
     /// One per worker (None: no state yet).
     pub states: &'a [Option<WorkerState>],
+    /// The loads derived from the states, indexed like `Config::all_workers`
+    /// (`workers[0]` is at `offset`).
+    pub loads: &'a Loads,
     /// Index of `workers[0]` in `Config::all_workers`.
     pub offset: usize,
 }
@@ -100,7 +121,7 @@ pub struct Context<'a> {
     pub affinity: Option<&'a Affinity<'a>>,
     /// The picker in force.
     pub pick: Pick,
-    /// Gateways sharing the fleet (`peers`).
+    /// Gateways sharing the fleet (`peers`, `home`).
     pub gateways: u32,
 }
 
@@ -111,23 +132,32 @@ pub struct WorkerView<'a> {
     pub index: usize,
     pub worker: &'a Worker,
     pub state: &'a WorkerState,
+    /// Effective tokens per rank its state lists (`Loads`; `REMOVED` for a
+    /// rank without a usable figure).
+    pub loads: &'a [Slot],
 }
 
 pub trait Filter {
+    /// Whether the filter can remove anything for this request; checked once
+    /// per choice, so a filter with nothing to do costs nothing per worker.
+    fn applies(&self, _ctx: &Context) -> bool {
+        true
+    }
     /// Clears the slots of ranks that may not be chosen; false drops the
     /// whole worker (the cheap way to remove every rank).
-    fn filter(&self, ctx: &Context, worker: &WorkerView, ranks: &mut [Option<u64>]) -> bool;
+    fn filter(&self, ctx: &Context, worker: &WorkerView, ranks: &mut [Slot]) -> bool;
 }
 
 pub trait Scorer {
-    /// Adds this step's cost to every slot left; a rank it cannot score is cleared.
-    fn score(&self, ctx: &Context, worker: &WorkerView, costs: &mut [Option<u64>]);
+    /// Adds this step's cost to every slot left (saturating at `MAX_COST`); a
+    /// rank it cannot score is set to `REMOVED`.
+    fn score(&self, ctx: &Context, worker: &WorkerView, costs: &mut [Slot]);
 }
 
 pub trait Picker {
     fn new(ctx: &Context) -> Self;
     /// Offers one worker's candidates: its pool index and one slot per rank.
-    fn offer(&mut self, worker: usize, costs: &[Option<u64>]);
+    fn offer(&mut self, worker: usize, costs: &[Slot]);
     /// The candidate taken among all those offered.
     fn pick(self) -> Option<Candidate>;
 }
@@ -140,12 +170,49 @@ fn offered_ranks(worker: &Worker, state: &WorkerState) -> usize {
         .map_or(state.ranks(), |dp| state.ranks().min(dp as usize))
 }
 
-/// Runs the filters and scorers on one worker: its cost slots, one per rank
-/// (None: removed), or None when a filter dropped the whole worker.
-fn run_steps(ctx: &Context, view: &WorkerView, slots: &mut Vec<Option<u64>>) -> bool {
+thread_local! {
+    /// The cost slots of the worker being scored, reused across choices (each
+    /// VM is one thread).
+    static SLOTS: std::cell::RefCell<Vec<Slot>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// The filters that can remove anything for `ctx` (`Filter::applies`),
+/// decided once per choice.
+type ActiveFilters = [Option<&'static dyn Filter>; FILTERS.len()];
+
+fn active_filters(ctx: &Context) -> ActiveFilters {
+    let mut active: ActiveFilters = [None; FILTERS.len()];
+    for (slot, filter) in active.iter_mut().zip(FILTERS) {
+        *slot = filter.applies(ctx).then_some(*filter);
+    }
+    active
+}
+
+/// The pool's workers that have a state, as the steps see them.
+fn views<'a>(pool: &'a Pool) -> impl Iterator<Item = WorkerView<'a>> {
+    let states = pool.workers.iter().zip(pool.states).enumerate();
+    states.filter_map(|(index, (worker, state))| {
+        Some(WorkerView {
+            index,
+            worker,
+            state: state.as_ref()?,
+            loads: pool.loads.worker(index + pool.offset),
+        })
+    })
+}
+
+/// Runs the filters and scorers on one worker, leaving its cost slots (one
+/// per rank, `REMOVED`: removed) in `slots`; false when a filter dropped the
+/// whole worker.
+fn run_steps(ctx: &Context, filters: &ActiveFilters, view: &WorkerView, slots: &mut Vec<Slot>) -> bool {
+    let mut ranks = offered_ranks(view.worker, view.state);
+    if let Some(only) = ctx.constraint.only_rank {
+        // The slots past the one rank allowed would only be removed.
+        ranks = ranks.min(only as usize + 1);
+    }
     slots.clear();
-    slots.resize(offered_ranks(view.worker, view.state), Some(0));
-    if !FILTERS.iter().all(|f| f.filter(ctx, view, slots)) {
+    slots.resize(ranks, 0);
+    if !filters.iter().flatten().all(|f| f.filter(ctx, view, slots)) {
         return false;
     }
     let scorers = if ctx.affinity.is_some() {
@@ -170,15 +237,15 @@ pub fn choose(pool: &Pool, ctx: &Context) -> Option<Candidate> {
 }
 
 fn choose_by<P: Picker>(pool: &Pool, ctx: &Context) -> Option<Candidate> {
+    let filters = active_filters(ctx);
     let mut picker = P::new(ctx);
-    let mut slots: Vec<Option<u64>> = Vec::new();
-    for (index, (worker, state)) in pool.workers.iter().zip(pool.states).enumerate() {
-        let Some(state) = state else { continue };
-        let view = WorkerView { index, worker, state };
-        if run_steps(ctx, &view, &mut slots) {
-            picker.offer(index, &slots);
+    SLOTS.with_borrow_mut(|slots| {
+        for view in views(pool) {
+            if run_steps(ctx, &filters, &view, slots) {
+                picker.offer(view.index, slots);
+            }
         }
-    }
+    });
     let chosen = picker.pick()?;
     Some(Candidate {
         worker: chosen.worker + pool.offset,
@@ -204,25 +271,23 @@ pub fn alternates(pool: &Pool, ctx: &Context, chosen: &Candidate, max: usize) ->
         admit_probing: false,
         ..*ctx
     };
+    let filters = active_filters(&strict);
     let mut found = Vec::new();
-    let mut slots: Vec<Option<u64>> = Vec::new();
-    for (index, (worker, state)) in pool.workers.iter().zip(pool.states).enumerate() {
-        let Some(state) = state else { continue };
-        if index + pool.offset == chosen.worker {
-            continue;
+    SLOTS.with_borrow_mut(|slots| {
+        for view in views(pool) {
+            let worker = view.index + pool.offset;
+            if worker == chosen.worker || !run_steps(&strict, &filters, &view, slots) {
+                continue;
+            }
+            if let Some(&cost) = slots.get(chosen.rank as usize).filter(|c| **c != REMOVED) {
+                found.push(Candidate {
+                    worker,
+                    rank: chosen.rank,
+                    cost,
+                });
+            }
         }
-        let view = WorkerView { index, worker, state };
-        if !run_steps(&strict, &view, &mut slots) {
-            continue;
-        }
-        if let Some(Some(cost)) = slots.get(chosen.rank as usize) {
-            found.push(Candidate {
-                worker: index + pool.offset,
-                rank: chosen.rank,
-                cost: *cost,
-            });
-        }
-    }
+    });
     found.sort_by_key(|c| (c.cost, c.worker));
     found.truncate(max);
     found
@@ -274,6 +339,13 @@ pub(crate) mod testing {
         }
     }
 
+    /// The loads of a pool whose first worker sits at `offset`.
+    pub fn loads_at(offset: usize, states: &[Option<WorkerState>]) -> Loads {
+        let mut all = vec![None; offset];
+        all.extend_from_slice(states);
+        Loads::of(&all)
+    }
+
     /// Runs one filter on a worker with `ranks` slots; None if it dropped the worker.
     pub fn run_filter(
         f: &dyn Filter,
@@ -281,9 +353,15 @@ pub(crate) mod testing {
         index: usize,
         worker: &Worker,
         state: &WorkerState,
-    ) -> Option<Vec<Option<u64>>> {
-        let mut ranks = vec![Some(0); state.ranks()];
-        let view = WorkerView { index, worker, state };
+    ) -> Option<Vec<Slot>> {
+        let mut ranks = vec![0; state.ranks()];
+        let loads = Loads::of(std::slice::from_ref(&Some(state.clone())));
+        let view = WorkerView {
+            index,
+            worker,
+            state,
+            loads: loads.worker(0),
+        };
         f.filter(ctx, &view, &mut ranks).then_some(ranks)
     }
 }
@@ -301,32 +379,42 @@ mod tests {
     fn the_pipeline_picks_the_joint_minimum_of_fresh_ranks_across_workers() {
         let workers = [worker("a", 1, None), worker("b", 2, None), worker("c", 3, None)];
         let states = [Some(state(&[50, 40], 1000)), Some(state(&[1], 0)), None];
-        let pool = |states| Pool {
-            workers: &workers,
-            states,
-            offset: 3,
-        };
+        let none: [Option<WorkerState>; 3] = [None, None, None];
+        let (loads, no_loads) = (loads_at(3, &states), loads_at(3, &none));
+        fn pool<'a>(workers: &'a [Worker], states: &'a [Option<WorkerState>], loads: &'a Loads) -> Pool<'a> {
+            Pool {
+                workers,
+                states,
+                loads,
+                offset: 3,
+            }
+        }
         let at = |now_ms| Context {
             now_ms,
             ..ctx(Constraint::default())
         };
         assert_eq!(
-            choose(&pool(&states), &at(1000)),
+            choose(&pool(&workers, &states, &loads), &at(1000)),
             Some(c(4, 0, 1)),
             "the joint minimum"
         );
-        assert_eq!(choose(&pool(&states), &at(3500)), Some(c(3, 1, 40)), "b is stale");
-        let none: [Option<WorkerState>; 3] = [None, None, None];
-        assert_eq!(choose(&pool(&none), &at(1000)), None);
+        assert_eq!(
+            choose(&pool(&workers, &states, &loads), &at(3500)),
+            Some(c(3, 1, 40)),
+            "b is stale"
+        );
+        assert_eq!(choose(&pool(&workers, &none, &no_loads), &at(1000)), None);
     }
 
     #[test]
     fn configured_dp_size_caps_the_offered_ranks() {
         let workers = [worker("a", 1, Some(2))];
         let states = [Some(state(&[5, 6, 0, 0], 1000))];
+        let loads = Loads::of(&states);
         let pool = Pool {
             workers: &workers,
             states: &states,
+            loads: &loads,
             offset: 0,
         };
         assert_eq!(choose(&pool, &ctx(Constraint::default())), Some(c(0, 0, 5)));
@@ -336,9 +424,11 @@ mod tests {
     fn constraints_are_strict() {
         let workers = [worker("a", 1, None), worker("b", 2, None)];
         let states = [Some(state(&[9, 1], 1000)), Some(state(&[5, 7], 1000))];
+        let loads = Loads::of(&states);
         let pool = Pool {
             workers: &workers,
             states: &states,
+            loads: &loads,
             offset: 0,
         };
         let only = |rank| {
@@ -379,9 +469,11 @@ mod tests {
             Some(state(&[50, 50, 50, 1], 1000)),  // f: cheapest, but ejected
             Some(state(&[50, 50, 50, 0], 1000)),  // g: reports 4 ranks, dp_size 2
         ];
+        let loads = loads_at(10, &states);
         let pool = Pool {
             workers: &workers,
             states: &states,
+            loads: &loads,
             offset: 10,
         };
         let policy = policy();

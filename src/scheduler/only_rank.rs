@@ -1,19 +1,23 @@
 //! Filter `only_rank`: with a rank in the constraint (a trusted client's own
 //! rank field), keeps only that rank of each worker; without, keeps all.
 
-use super::{Context, Filter, WorkerView};
+use super::{Context, Filter, Slot, WorkerView, REMOVED};
 
 pub struct OnlyRank;
 
 impl Filter for OnlyRank {
-    fn filter(&self, ctx: &Context, _worker: &WorkerView, ranks: &mut [Option<u64>]) -> bool {
+    fn applies(&self, ctx: &Context) -> bool {
+        ctx.constraint.only_rank.is_some()
+    }
+
+    fn filter(&self, ctx: &Context, _worker: &WorkerView, ranks: &mut [Slot]) -> bool {
         let Some(only) = ctx.constraint.only_rank else {
             return true;
         };
         let Some(kept) = ranks.get(only as usize).copied() else {
             return false;
         };
-        ranks.fill(None);
+        ranks.fill(REMOVED);
         if let Some(slot) = ranks.get_mut(only as usize) {
             *slot = kept;
         }
@@ -32,13 +36,13 @@ mod tests {
         let w = worker("a", 1, None);
         let s = state(&[1, 1, 1], 1000);
         let all = run_filter(&OnlyRank, &ctx(Constraint::default()), 0, &w, &s);
-        assert_eq!(all, Some(vec![Some(0); 3]));
+        assert_eq!(all, Some(vec![0; 3]));
         let only = |rank| Constraint {
             only_rank: Some(rank),
             pin: None,
         };
         let one = run_filter(&OnlyRank, &ctx(only(1)), 0, &w, &s);
-        assert_eq!(one, Some(vec![None, Some(0), None]));
+        assert_eq!(one, Some(vec![REMOVED, 0, REMOVED]));
         assert_eq!(
             run_filter(&OnlyRank, &ctx(only(3)), 0, &w, &s),
             None,

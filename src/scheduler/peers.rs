@@ -5,31 +5,33 @@
 //! poll is about `gateways` times this gateway's. Without it every gateway
 //! keeps sending to the stale minimum until its next poll.
 
-use super::{Context, Scorer, WorkerView};
+use super::{add_cost, Context, Scorer, Slot, WorkerView};
 use crate::prefix::affinity::weighted;
 
 pub struct Peers;
 
 impl Scorer for Peers {
-    fn score(&self, ctx: &Context, worker: &WorkerView, costs: &mut [Option<u64>]) {
+    fn score(&self, ctx: &Context, worker: &WorkerView, costs: &mut [Slot]) {
         let others = u64::from(ctx.gateways.saturating_sub(1));
         if others == 0 {
             return;
         }
         let settings = ctx.affinity.map(|a| a.settings);
         for (rank, cost) in costs.iter_mut().enumerate() {
-            let Some(c) = cost else { continue };
             let pending = worker.state.pending_tokens(rank).saturating_mul(others);
-            *c = match settings {
-                None => c.saturating_add(pending),
+            let extra = match settings {
+                None => pending,
                 Some(s) => {
                     // The queue scorer's own-requests-since-poll share, and the load's.
                     let since = worker.state.prefill.since_poll(rank);
-                    c.saturating_add(since.tokens.saturating_mul(others))
+                    since
+                        .tokens
+                        .saturating_mul(others)
                         .saturating_add(weighted(since.requests.saturating_mul(others), s.wait_weight))
                         .saturating_add(weighted(pending, s.load_weight))
                 }
             };
+            add_cost(cost, extra);
         }
     }
 }
@@ -37,7 +39,7 @@ impl Scorer for Peers {
 #[cfg(test)]
 mod tests {
     use super::super::testing::*;
-    use super::super::{Constraint, WorkerView};
+    use super::super::{Constraint, Loads, WorkerView, REMOVED};
     use super::*;
 
     #[test]
@@ -45,22 +47,24 @@ mod tests {
         let w = worker("a", 1, None);
         let mut s = state(&[100, 100], 1000);
         s.add(0, 0, 10);
+        let loads = Loads::of(std::slice::from_ref(&Some(s.clone())));
         let view = WorkerView {
             index: 0,
             worker: &w,
             state: &s,
+            loads: loads.worker(0),
         };
         let score = |gateways| {
             let ctx = Context {
                 gateways,
                 ..ctx(Constraint::default())
             };
-            let mut costs = vec![Some(1), Some(1), None];
+            let mut costs = vec![1, 1, REMOVED];
             Peers.score(&ctx, &view, &mut costs);
             costs
         };
-        assert_eq!(score(1), vec![Some(1), Some(1), None], "alone: nothing");
-        assert_eq!(score(4), vec![Some(31), Some(1), None], "three others send alike");
-        assert_eq!(score(0), vec![Some(1), Some(1), None]);
+        assert_eq!(score(1), vec![1, 1, REMOVED], "alone: nothing");
+        assert_eq!(score(4), vec![31, 1, REMOVED], "three others send alike");
+        assert_eq!(score(0), vec![1, 1, REMOVED]);
     }
 }

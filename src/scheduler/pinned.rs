@@ -2,12 +2,16 @@
 //! in the constraint, keeps only that (worker, rank). The router treats a pin
 //! as a preference: when nothing is left it chooses again without the pin.
 
-use super::{Context, Filter, WorkerView};
+use super::{Context, Filter, Slot, WorkerView, REMOVED};
 
 pub struct Pinned;
 
 impl Filter for Pinned {
-    fn filter(&self, ctx: &Context, worker: &WorkerView, ranks: &mut [Option<u64>]) -> bool {
+    fn applies(&self, ctx: &Context) -> bool {
+        ctx.constraint.pin.is_some()
+    }
+
+    fn filter(&self, ctx: &Context, worker: &WorkerView, ranks: &mut [Slot]) -> bool {
         let Some(pin) = ctx.constraint.pin else {
             return true;
         };
@@ -21,7 +25,7 @@ impl Filter for Pinned {
         let Some(kept) = rank.and_then(|r| ranks.get(r).copied()) else {
             return false;
         };
-        ranks.fill(None);
+        ranks.fill(REMOVED);
         if let Some(slot) = rank.and_then(|r| ranks.get_mut(r)) {
             *slot = kept;
         }
@@ -47,7 +51,7 @@ mod tests {
         };
         assert_eq!(
             run_filter(&Pinned, &pin("b/3"), 1, &b, &s),
-            Some(vec![None, None, None, Some(0)])
+            Some(vec![REMOVED, REMOVED, REMOVED, 0])
         );
         assert_eq!(
             run_filter(&Pinned, &pin("b/3"), 0, &a, &s),

@@ -2,12 +2,12 @@
 //! prompt tokens the rank is thought not to hold in cache: the request's
 //! own prefill there. The worker's index is read here, once per request.
 
-use super::{Context, Scorer, WorkerView};
+use super::{Context, Scorer, Slot, WorkerView};
 
 pub struct Prefix;
 
 impl Scorer for Prefix {
-    fn score(&self, ctx: &Context, worker: &WorkerView, costs: &mut [Option<u64>]) {
+    fn score(&self, ctx: &Context, worker: &WorkerView, costs: &mut [Slot]) {
         if let Some(affinity) = ctx.affinity {
             affinity.add_uncached(worker.index, costs);
         }
@@ -17,7 +17,7 @@ impl Scorer for Prefix {
 #[cfg(test)]
 mod tests {
     use super::super::testing::*;
-    use super::super::Constraint;
+    use super::super::{Constraint, REMOVED};
     use super::*;
     use crate::body::JsonObject;
     use crate::config::Config;
@@ -45,12 +45,13 @@ mod tests {
             index: 0,
             worker: &w,
             state: &s,
+            loads: &[],
         };
         let with = Context {
             affinity: Some(&affinity),
             ..ctx(Constraint::default())
         };
-        let mut costs = vec![Some(5), Some(5), None];
+        let mut costs = vec![5, 5, REMOVED];
         let reads = h.host_calls("shared_get");
         Prefix.score(&with, &view, &mut costs);
         Prefix.score(&with, &view, &mut costs);
@@ -60,9 +61,9 @@ mod tests {
             "one read per worker and request"
         );
         // 256 bytes = 64 tokens, all held by rank 1: x2, twice.
-        assert_eq!(costs, vec![Some(5 + 2 * 2 * 64), Some(5), None]);
-        let mut without = vec![Some(5)];
+        assert_eq!(costs, vec![5 + 2 * 2 * 64, 5, REMOVED]);
+        let mut without = vec![5];
         Prefix.score(&ctx(Constraint::default()), &view, &mut without);
-        assert_eq!(without, vec![Some(5)], "no affinity, no cost");
+        assert_eq!(without, vec![5], "no affinity, no cost");
     }
 }

@@ -2,24 +2,25 @@
 //! of the request, measured as `prefix_queue` says (`state/prefill.rs`):
 //! its uncached prompt tokens, plus `prefix_wait_weight` per queued request.
 
-use super::{Context, Scorer, WorkerView};
+use super::{add_cost, Context, Scorer, Slot, WorkerView};
 use crate::prefix::affinity::weighted;
 
 pub struct Queue;
 
 impl Scorer for Queue {
-    fn score(&self, ctx: &Context, worker: &WorkerView, costs: &mut [Option<u64>]) {
+    fn score(&self, ctx: &Context, worker: &WorkerView, costs: &mut [Slot]) {
         let Some(affinity) = ctx.affinity else {
             return;
         };
         let (measure, per_request) = (affinity.settings.queue, affinity.settings.wait_weight);
         for (rank, cost) in costs.iter_mut().enumerate() {
-            if let Some(c) = cost {
-                let queued = worker.state.prefill.queued(rank, measure);
-                *c = c
-                    .saturating_add(queued.tokens)
-                    .saturating_add(weighted(queued.requests, per_request));
-            }
+            let queued = worker.state.prefill.queued(rank, measure);
+            add_cost(
+                cost,
+                queued
+                    .tokens
+                    .saturating_add(weighted(queued.requests, per_request)),
+            );
         }
     }
 }
@@ -64,13 +65,14 @@ mod tests {
             index: 0,
             worker: &w,
             state: &s,
+            loads: &[],
         };
         let ctx = Context {
             affinity: Some(&affinity),
             ..ctx(Constraint::default())
         };
-        let mut costs = vec![Some(1), Some(1)];
+        let mut costs = vec![1, 1];
         Queue.score(&ctx, &view, &mut costs);
-        assert_eq!(costs, vec![Some(301), Some(81)]);
+        assert_eq!(costs, vec![301, 81]);
     }
 }

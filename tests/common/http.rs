@@ -148,13 +148,23 @@ impl Client {
 /// after the head are ignored: a server may answer and close before the body
 /// is complete (413).
 pub fn raw_exchange(addr: SocketAddr, head: &str, parts: &[&[u8]], pause: Duration) -> Reply {
+    raw_exchange_bytes(addr, head.as_bytes(), parts, pause)
+}
+
+/// [`raw_exchange`] with a head that may hold bytes that are not UTF-8.
+pub fn raw_exchange_bytes(addr: SocketAddr, head: &[u8], parts: &[&[u8]], pause: Duration) -> Reply {
     let mut stream = TcpStream::connect(addr).expect("connect to Envoy");
     stream
         .set_read_timeout(Some(Duration::from_secs(60)))
         .expect("set read timeout");
     stream.set_nodelay(true).expect("set nodelay");
-    let head = format!("{}\r\nconnection: close\r\n\r\n", head.trim_end());
-    stream.write_all(head.as_bytes()).expect("write head");
+    let end = head
+        .iter()
+        .rposition(|b| !b.is_ascii_whitespace())
+        .map_or(0, |i| i + 1);
+    let mut head = head[..end].to_vec();
+    head.extend_from_slice(b"\r\nconnection: close\r\n\r\n");
+    stream.write_all(&head).expect("write head");
     for (i, part) in parts.iter().enumerate() {
         if i > 0 && !pause.is_zero() {
             std::thread::sleep(pause);

@@ -2,7 +2,8 @@
 //! request at once while reporting idle ranks (passive health), load reports
 //! whose ranks make no sense, hosts Envoy itself reports unhealthy
 //! (`envoy_health`), and retries after a worker dies in a fleet of
-//! different sizes (the alternates in the route header).
+//! different sizes (the alternates in the route header), with the rank in
+//! the body or in headers.
 
 use crate::common::faulty::{fronted_sim, LoadAnswer};
 use crate::common::process::{cluster_mut, free_port, lb_endpoints, yaml_of, EnvoyProcess, Launch};
@@ -356,7 +357,20 @@ fn hosts_envoy_reports_unhealthy_are_not_chosen() {
 
 #[test]
 fn retries_after_a_worker_dies_carry_a_rank_the_next_worker_has() {
-    let scenario = Scenario::load("retry_alternates");
+    retries_land_where_the_rank_is("retry_alternates");
+}
+
+/// The same in header mode: Envoy's retries re-send dprank's rank headers,
+/// so the alternates must have that rank just as when it is in the body.
+#[test]
+fn retries_in_header_mode_carry_a_rank_the_next_worker_has() {
+    retries_land_where_the_rank_is("header_retry_alternates");
+}
+
+/// Workers of 4, 2 and 4 ranks; the first dies, then the third (see the
+/// scenario's README).
+fn retries_land_where_the_rank_is(scenario: &str) {
+    let scenario = Scenario::load(scenario);
     let dir = TestDir::new(&scenario.name);
     let a = Sim::start(&dir, "worker_a", 4, &["--instant"]);
     let b = Sim::start(&dir, "worker_b", 2, &["--instant"]);

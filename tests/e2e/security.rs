@@ -3,7 +3,7 @@
 //! when the filter has no data to route with, keep the pin header when it is
 //! configured; and the filter calling anything but its configured clusters.
 
-use crate::common::http::raw_exchange;
+use crate::common::http::{raw_exchange, raw_exchange_bytes};
 use crate::common::raw::h2_exchange;
 use crate::common::{EnvoyOptions, Reply, Sim, TestDir, World};
 use serde_json::{json, Value};
@@ -344,4 +344,113 @@ fn a_client_rank_in_a_body_only_python_parses_is_not_passed_on() {
         );
     }
     assert_eq!(world.envoy.stat("rejected.unreadable_rank"), 4);
+}
+
+/// Rank and bootstrap headers SGLang and vLLM read (docs/rank-headers.md), as
+/// a client might send them: mixed case, one given twice.
+const CLIENT_RANK_HEADERS: [(&str, &str); 7] = [
+    ("X-Data-Parallel-Rank", "3"),
+    ("x-data-parallel-rank", "2"),
+    ("X-Override-Routed-Dp-Rank", "3"),
+    ("x-override-disagg-prefill-dp-rank", "3"),
+    ("X-OVERRIDE-BOOTSTRAP-HOST", "10.9.9.9"),
+    ("x-override-bootstrap-port", "1"),
+    ("x-override-bootstrap-room", "7"),
+];
+
+/// Asserts a recorded request carries none of the client rank headers.
+fn assert_no_client_rank_header(recorded: &crate::common::sim::Recorded, what: &str) {
+    for (name, _) in CLIENT_RANK_HEADERS {
+        assert_eq!(
+            recorded.header(&name.to_ascii_lowercase()),
+            None,
+            "{what}: {name} reached the worker"
+        );
+    }
+}
+
+/// Body mode: a client cannot pick its rank (or its PD bootstrap) through
+/// the headers servers read, on routed requests and on those the filter
+/// passes through, over HTTP/1.1 in any casing and over HTTP/2.
+#[test]
+fn client_rank_and_bootstrap_headers_never_reach_a_worker() {
+    let world = World::start("security", 2, &["--instant"], &loads(), EnvoyOptions::default());
+    let cases: [(&str, &[u8], &str, bool); 4] = [
+        ("/generate", br#"{"text":"routed"}"#, "", true),
+        (
+            "/v1/chat/completions",
+            br#"{"messages":[{"role":"user","content":"hi"}]}"#,
+            "",
+            true,
+        ),
+        ("/generate", b"not json", "", false),
+        ("/generate", b"\x1f\x8b", "content-encoding: gzip\r\n", false),
+    ];
+    for (path, body, extra, routed) in cases {
+        let mut head = format!(
+            "POST {path} HTTP/1.1\r\nhost: dprank\r\ncontent-type: application/json\r\n{extra}content-length: {}\r\n",
+            body.len()
+        );
+        for (name, value) in CLIENT_RANK_HEADERS {
+            head.push_str(&format!("{name}: {value}\r\n"));
+        }
+        let reply = raw_exchange(world.envoy.listener, &head, &[body], Duration::ZERO);
+        let what = format!("{path} {:?}", String::from_utf8_lossy(body));
+        let recorded = world.sim_of(&reply).last_request();
+        assert_no_client_rank_header(&recorded, &what);
+        if routed {
+            assert_eq!(world.served_by(&reply), ("worker_a".to_string(), 1), "{what}");
+        }
+    }
+    let mut headers = vec![("content-type", "application/json")];
+    let lowercase: Vec<(String, &str)> = CLIENT_RANK_HEADERS
+        .iter()
+        .map(|(k, v)| (k.to_ascii_lowercase(), *v))
+        .collect();
+    headers.extend(lowercase.iter().map(|(k, v)| (k.as_str(), *v)));
+    let reply = h2_exchange(
+        world.envoy.listener,
+        "POST",
+        "/generate",
+        &headers,
+        &[br#"{"text":"h2"}"#],
+        &[],
+    );
+    assert_eq!(world.served_by(&reply), ("worker_a".to_string(), 1));
+    assert_no_client_rank_header(&world.sim_of(&reply).last_request(), "HTTP/2");
+    assert_eq!(world.envoy.stat("passthrough.not_json"), 1);
+    assert_eq!(world.envoy.stat("passthrough.content_encoding"), 1);
+}
+
+/// A header value that is not UTF-8 (HTTP/1.1 allows such bytes) in a
+/// header the filter reads is handled like any other value, never a panic.
+#[test]
+fn header_values_that_are_not_utf8_are_routed_or_passed_like_others() {
+    let world = World::start("security", 2, &["--instant"], &loads(), EnvoyOptions::default());
+    let body = br#"{"text":"latin-1"}"#;
+    for (extra, routed) in [
+        (&b"x-note: caf\xe9\r\n"[..], true),
+        (&b"content-encoding: caf\xe9\r\n"[..], false),
+        (&b"x-data-parallel-rank: \xff\r\n"[..], true),
+    ] {
+        let mut head = format!(
+            "POST /generate HTTP/1.1\r\nhost: dprank\r\ncontent-type: application/json\r\ncontent-length: {}\r\n",
+            body.len()
+        )
+        .into_bytes();
+        head.extend_from_slice(extra);
+        let reply = raw_exchange_bytes(world.envoy.listener, &head, &[body], Duration::ZERO);
+        let what = String::from_utf8_lossy(extra).into_owned();
+        assert!(reply.header("x-sim-worker").is_some(), "{what}: {reply:?}");
+        assert_eq!(
+            world
+                .sim_of(&reply)
+                .last_request()
+                .header("x-dprank-endpoint")
+                .is_some(),
+            routed,
+            "{what}"
+        );
+        assert_no_client_rank_header(&world.sim_of(&reply).last_request(), &what);
+    }
 }

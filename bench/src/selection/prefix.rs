@@ -9,7 +9,7 @@ use dprank::config::Config;
 use dprank::host::memory::MemoryHost;
 use dprank::prefix::index::IndexRecord;
 use dprank::prefix::{Affinity, PromptBlocks};
-use dprank::scheduler::{choose, Constraint, Context, Pool};
+use dprank::scheduler::{choose, Constraint, Context, Loads, Pool};
 use dprank::state::WorkerState;
 use dprank::store::{self, Keys};
 
@@ -124,9 +124,11 @@ pub fn rows(batches: usize) -> Result<(String, Timing), String> {
         let (config, host) = fleet(workers, &prompt)?;
         let settings = config.prefix.clone().ok_or("no prefix settings")?;
         let states = store::read_worker_states(&config, &host);
+        let loads = Loads::of(&states);
         let pool = Pool {
             workers: config.routed(),
             states: &states,
+            loads: &loads,
             offset: 0,
         };
         let mut tie = 0u64;

@@ -2,6 +2,7 @@ use super::super::testing::*;
 use super::super::{route, Decision};
 use super::*;
 use crate::host::fake::FakeHost;
+use crate::store::cache::StateCache;
 use crate::store::read_worker_states;
 
 fn pd(d: Decision) -> PdRouted {
@@ -14,14 +15,21 @@ fn pd(d: Decision) -> PdRouted {
 #[test]
 fn pd_picks_both_pools_and_writes_matching_bootstrap_fields() {
     let (c, h) = pd_fleet("");
-    let r = pd(route(&c, &h, br#"{"text":"hello","stream":true}"#, None, 0));
+    let r = pd(route(
+        &c,
+        &h,
+        &mut StateCache::default(),
+        br#"{"text":"hello","stream":true}"#,
+        None,
+        0,
+    ));
     assert_eq!(
-        (r.prefill.worker, r.prefill.rank, r.prefill.endpoint.as_str()),
+        (r.prefill.worker, r.prefill.rank, r.prefill.endpoint.as_ref()),
         (2, Some(1), "10.0.0.1:30000")
     );
     let decode = r.decode.unwrap();
     assert_eq!(
-        (decode.worker, decode.rank, decode.endpoint.as_str()),
+        (decode.worker, decode.rank, decode.endpoint.as_ref()),
         (1, Some(1), "10.0.1.2:30000")
     );
     let (p, d) = (json(&r.prefill_body), json(&r.decode_body));
@@ -52,7 +60,14 @@ fn pd_picks_both_pools_and_writes_matching_bootstrap_fields() {
 #[test]
 fn pd_legacy_naming_sends_both_ranks_on_both_bodies() {
     let (c, h) = pd_fleet(r#","naming":"legacy""#);
-    let r = pd(route(&c, &h, br#"{"text":"hello"}"#, None, 0));
+    let r = pd(route(
+        &c,
+        &h,
+        &mut StateCache::default(),
+        br#"{"text":"hello"}"#,
+        None,
+        0,
+    ));
     for body in [&r.prefill_body, &r.decode_body] {
         let v = json(body);
         assert_eq!(
@@ -66,7 +81,14 @@ fn pd_legacy_naming_sends_both_ranks_on_both_bodies() {
 #[test]
 fn pd_batched_text_gets_one_room_per_prompt() {
     let (c, h) = pd_fleet("");
-    let r = pd(route(&c, &h, br#"{"text":["a","b","c"]}"#, None, 0));
+    let r = pd(route(
+        &c,
+        &h,
+        &mut StateCache::default(),
+        br#"{"text":["a","b","c"]}"#,
+        None,
+        0,
+    ));
     let (p, d) = (json(&r.prefill_body), json(&r.decode_body));
     assert_eq!(
         p["bootstrap_host"],
@@ -81,15 +103,31 @@ fn pd_batched_text_gets_one_room_per_prompt() {
 
 #[test]
 fn pd_without_prefill_data_rotates_and_lets_the_prefill_server_pick_its_rank() {
-    let c = Config::from_json(
-        br#"{"prefill_workers":[{"address":"10.0.0.1:1"},{"address":"10.0.0.2:1"}],"decode_workers":[{"address":"10.0.1.1:1"}]}"#,
-    )
-    .unwrap();
+    let c = std::rc::Rc::new(
+        Config::from_json(
+            br#"{"prefill_workers":[{"address":"10.0.0.1:1"},{"address":"10.0.0.2:1"}],"decode_workers":[{"address":"10.0.1.1:1"}]}"#,
+        )
+        .unwrap(),
+    );
     let h = FakeHost::default();
     h.now.set(10_000);
     poll(&c, &h, 0, &[3, 1]);
-    let a = pd(route(&c, &h, br#"{"text":"x","routed_dp_rank":5}"#, None, 0));
-    let b = pd(route(&c, &h, br#"{"text":"x"}"#, None, 1));
+    let a = pd(route(
+        &c,
+        &h,
+        &mut StateCache::default(),
+        br#"{"text":"x","routed_dp_rank":5}"#,
+        None,
+        0,
+    ));
+    let b = pd(route(
+        &c,
+        &h,
+        &mut StateCache::default(),
+        br#"{"text":"x"}"#,
+        None,
+        1,
+    ));
     assert_ne!(a.prefill.worker, b.prefill.worker);
     assert_eq!(a.prefill.rank, None);
     let p = json(&a.prefill_body);
@@ -111,11 +149,11 @@ fn pd_without_prefill_data_rotates_and_lets_the_prefill_server_pick_its_rank() {
 fn pd_rejects_bodies_it_cannot_extend() {
     let (c, h) = pd_fleet("");
     assert!(matches!(
-        route(&c, &h, b"not json", None, 0),
+        route(&c, &h, &mut StateCache::default(), b"not json", None, 0),
         Decision::Reject(Reply { status: 400, .. })
     ));
     assert!(matches!(
-        route(&c, &h, b"[1]", None, 0),
+        route(&c, &h, &mut StateCache::default(), b"[1]", None, 0),
         Decision::Reject(Reply { status: 400, .. })
     ));
 }
@@ -123,7 +161,14 @@ fn pd_rejects_bodies_it_cannot_extend() {
 #[test]
 fn pd_pin_names_both_sides() {
     let (c, h) = pd_fleet(r#","pin_header":"x-pin""#);
-    let r = pd(route(&c, &h, b"{}", Some("p1/0, d0/1"), 0));
+    let r = pd(route(
+        &c,
+        &h,
+        &mut StateCache::default(),
+        b"{}",
+        Some("p1/0, d0/1"),
+        0,
+    ));
     assert_eq!((r.prefill.worker, r.prefill.rank), (3, Some(0)));
     assert_eq!(r.decode.map(|d| (d.worker, d.rank)), Some((0, Some(1))));
 }
@@ -158,7 +203,12 @@ fn prefill_outcomes() {
     assert!(!fresh(&h), "Envoy's own 503 means unreachable");
     // The dead prefill worker gets no more traffic.
     for i in 0..4 {
-        assert_eq!(pd(route(&c, &h, b"{}", None, i)).prefill.worker, 3);
+        assert_eq!(
+            pd(route(&c, &h, &mut StateCache::default(), b"{}", None, i))
+                .prefill
+                .worker,
+            3
+        );
     }
     assert_eq!(h.counter("dprank.prefill_failed.p0"), 4);
 }

@@ -1,0 +1,77 @@
+//! Header mode (`rank_transport: header`): the choice made from the request
+//! headers alone, before any body byte has arrived. The cost is what the
+//! request lifecycle estimated from `content-length`.
+
+use super::{account, alternates, choose, pass_or_reject, pool, Chosen, Decision, Routed, Sight};
+use crate::config::{Config, CostEstimate, HeaderTransport};
+use crate::host::Host;
+use crate::scheduler::{Candidate, Constraint};
+use crate::store::cache::StateCache;
+use std::rc::Rc;
+
+/// Tokens a request adds to its rank, from its `content-length` alone:
+/// length / 4 (`cost_estimate: bytes`, JSON syntax included), 1 per request
+/// (`one`), or the configured default when the length is not known.
+pub fn cost_from_length(config: &Config, settings: &HeaderTransport, content_length: Option<u64>) -> u64 {
+    match (config.cost_estimate, content_length) {
+        (CostEstimate::One, _) => 1,
+        (_, Some(length)) => length.div_ceil(4).max(1),
+        (_, None) => settings.cost_without_length,
+    }
+}
+
+/// Decides where a request goes without its body. `cache` is this VM's copy
+/// of the workers' states and health record (read here); `pin` the
+/// test-only pin header; `cost` the tokens the request adds to its rank
+/// until a poll counts it. Alternates get the chosen rank as in body mode:
+/// the rank headers travel unchanged with every retry.
+pub fn route_by_headers(
+    config: &Rc<Config>,
+    host: &dyn Host,
+    cache: &mut StateCache,
+    cost: u64,
+    pin: Option<&str>,
+    tie_breaker: u64,
+) -> Decision {
+    cache.refresh(config, host);
+    let pool = pool(config, cache, false);
+    let sight = Sight::new(config, host, cache.health(), tie_breaker);
+    let constraint = Constraint { only_rank: None, pin };
+    let Some(chosen) = choose(config, host, &sight, &pool, constraint, tie_breaker, None) else {
+        let reason = sight.no_candidate_reason(config, &pool, Constraint::default());
+        return pass_or_reject(config, host, reason, None);
+    };
+    let alternates = alternates(config, host, cache, &sight, &pool, &chosen);
+    let (health_was_clean, routed_at_ms) = (sight.health.entries.is_empty(), sight.now_ms);
+    let Candidate { worker, rank, .. } = chosen;
+    let (ticket, _) = account(config, host, cache, worker, rank, cost, None);
+    Decision::Route(Routed {
+        to: Chosen::new(cache, worker, Some(rank)),
+        alternates,
+        body: None,
+        ticket,
+        health_was_clean,
+        routed_at_ms,
+        prefill: None,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::router::testing::config;
+
+    #[test]
+    fn cost_comes_from_the_length_or_the_default() {
+        let c = config(r#","rank_transport":"header","cost_without_length":77"#);
+        let h = c.header_transport().unwrap();
+        assert_eq!(cost_from_length(&c, h, Some(4001)), 1001);
+        assert_eq!(cost_from_length(&c, h, Some(1)), 1);
+        assert_eq!(cost_from_length(&c, h, None), 77);
+        let one = config(r#","rank_transport":"header","cost_estimate":"one""#);
+        assert_eq!(
+            cost_from_length(&one, one.header_transport().unwrap(), Some(4001)),
+            1
+        );
+    }
+}

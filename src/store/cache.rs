@@ -1,0 +1,510 @@
+//! Each VM's decoded copy of the workers' shared states and of the health
+//! record, and what it needs per request without allocating: the keys, the
+//! route header values and the routed counters' names of the configuration
+//! in force.
+//!
+//! Every routing decision reads every worker's state (one shared-data read
+//! each: proxy-wasm has no multi-key read and no way to learn a key's cas
+//! without its value), but decodes only the states whose bytes changed since
+//! this VM last read or wrote them. Under load a request changes one or two
+//! workers (its estimate, another's release), so the rest of the fleet is not
+//! decoded again, and this VM's own writes are never decoded back. The cas
+//! read with a state also lets an estimate be written, or given back, in one
+//! call when nobody wrote the worker in between. The health record is read
+//! the same way: one read per request, decoded only when another request
+//! ended badly (or the poller changed it) since.
+
+use super::{decode, encode_into, update_worker, IfMissing, Keys};
+use crate::config::Config;
+use crate::health::{Health, NO_HEALTH};
+use crate::host::Host;
+use crate::metrics;
+use crate::scheduler::Loads;
+use crate::state::WorkerState;
+use std::rc::Rc;
+
+/// What the cache keeps per worker besides its decoded state.
+#[derive(Default)]
+struct Entry {
+    key: String,
+    endpoint: Rc<str>,
+    /// cas of the state as read; None: absent, or written by this VM since.
+    cas: Option<u32>,
+    /// Bytes that decode to the cached state (empty: not known). A read that
+    /// returns them again under a new cas (this VM's own write, or an
+    /// identical one) needs no decoding.
+    encoding: Vec<u8>,
+    /// `routed.<worker>.rank_<r>` names, filled as ranks are routed to.
+    routed_names: Vec<String>,
+}
+
+#[derive(Default)]
+pub struct StateCache {
+    /// The configuration the entries follow.
+    config: Option<Rc<Config>>,
+    entries: Vec<Entry>,
+    /// The decoded states, indexed like `Config::all_workers`.
+    states: Vec<Option<WorkerState>>,
+    /// Effective tokens per rank, derived from `states` when they change.
+    loads: Loads,
+    /// Encoding buffer, reused.
+    encoded: Vec<u8>,
+    /// `<p>.health`, when the configuration reads it.
+    health: HealthCopy,
+}
+
+/// The health record as last read.
+#[derive(Default)]
+struct HealthCopy {
+    /// Empty when the configuration reads no health.
+    key: String,
+    /// cas of the record as read; None: absent.
+    cas: Option<u32>,
+    record: Health,
+}
+
+impl StateCache {
+    /// Follows `config` (rebuilding the per-worker tables when it changed)
+    /// and reads every worker's state and the health record, decoding only
+    /// those that changed.
+    pub fn refresh(&mut self, config: &Rc<Config>, host: &dyn Host) {
+        if !self.config.as_ref().is_some_and(|c| Rc::ptr_eq(c, config)) {
+            self.follow(config);
+        }
+        self.refresh_health(host);
+        let mut relayout = false;
+        for (index, (entry, state)) in self.entries.iter_mut().zip(&mut self.states).enumerate() {
+            let changed = match host.shared_get(&entry.key) {
+                Some((_, read)) if entry.cas == Some(read) => false,
+                Some((bytes, read)) => {
+                    entry.cas = Some(read);
+                    if bytes == entry.encoding {
+                        false
+                    } else {
+                        *state = decode(&bytes);
+                        entry.encoding = if state.is_some() { bytes } else { Vec::new() };
+                        true
+                    }
+                }
+                None => {
+                    entry.cas = None;
+                    entry.encoding.clear();
+                    state.take().is_some()
+                }
+            };
+            if changed && !relayout {
+                relayout = !self.loads.update(index, state.as_ref());
+            }
+        }
+        if relayout {
+            self.loads.rebuild(&self.states);
+        }
+    }
+
+    fn refresh_health(&mut self, host: &dyn Host) {
+        let copy = &mut self.health;
+        if copy.key.is_empty() {
+            return;
+        }
+        match host.shared_get(&copy.key) {
+            Some((_, read)) if copy.cas == Some(read) => {}
+            Some((bytes, read)) => {
+                copy.cas = Some(read);
+                copy.record = decode(&bytes).unwrap_or_default();
+            }
+            None => {
+                copy.cas = None;
+                copy.record = Health::default();
+            }
+        }
+    }
+
+    fn follow(&mut self, config: &Rc<Config>) {
+        let keys = Keys::of(config);
+        self.health = HealthCopy {
+            key: if config.reads_health() {
+                keys.health()
+            } else {
+                String::new()
+            },
+            ..HealthCopy::default()
+        };
+        self.entries = config
+            .all_workers()
+            .map(|w| Entry {
+                key: keys.worker(&w.address),
+                endpoint: Rc::from(w.endpoint()),
+                ..Entry::default()
+            })
+            .collect();
+        self.states = vec![None; self.entries.len()];
+        self.loads = Loads::of(&self.states);
+        self.config = Some(config.clone());
+    }
+
+    /// The states as last read, indexed like `Config::all_workers`.
+    pub fn states(&self) -> &[Option<WorkerState>] {
+        &self.states
+    }
+
+    /// The health record as last read (empty when the configuration reads none).
+    pub fn health(&self) -> &Health {
+        if self.health.key.is_empty() {
+            &NO_HEALTH
+        } else {
+            &self.health.record
+        }
+    }
+
+    /// The loads derived from the states, indexed like them.
+    pub fn loads(&self) -> &Loads {
+        &self.loads
+    }
+
+    /// The route header value (`ip:port`) of worker `index`.
+    pub fn endpoint(&self, index: usize) -> Rc<str> {
+        self.entries
+            .get(index)
+            .map_or_else(|| Rc::from(""), |e| e.endpoint.clone())
+    }
+
+    /// The name of the counter of requests routed to (`worker`, `rank`).
+    pub fn routed_name(&mut self, worker: usize, rank: u32) -> &str {
+        let name = self
+            .config
+            .as_ref()
+            .and_then(|c| c.worker(worker))
+            .map_or("", |w| w.name.as_str());
+        let Some(names) = self.entries.get_mut(worker).map(|e| &mut e.routed_names) else {
+            return "";
+        };
+        while names.len() <= rank as usize {
+            names.push(metrics::routed(name, names.len() as u32));
+        }
+        names.get(rank as usize).map_or("", String::as_str)
+    }
+
+    /// Changes worker `index`'s state with `change` (None: nothing to
+    /// write) and writes it: one write when nobody wrote the state since it
+    /// was read, else a read-modify-write. `change` may run twice (on the
+    /// cached copy, then on a fresh read), so it only changes the state.
+    /// None when the worker has no state, `change` declined, or the write
+    /// failed.
+    pub fn write<T>(
+        &mut self,
+        config: &Config,
+        host: &dyn Host,
+        index: usize,
+        mut change: impl FnMut(&mut WorkerState) -> Option<T>,
+    ) -> Option<T> {
+        let mut out = None;
+        let written = self.write_cached(host, index, |state| {
+            out = change(state);
+            out.is_some()
+        });
+        match written {
+            Some(true) => out,
+            Some(false) => None,
+            None => update_worker(config, host, index, IfMissing::Skip, change),
+        }
+    }
+
+    /// `write` for a request routed earlier (giving back its estimate, its
+    /// prefill charge): `config` is the one it was routed with, whose
+    /// indices may differ from the cache's after a membership change. When
+    /// this VM wrote the state last, its cas is read first so that the write
+    /// is still a single one.
+    pub fn write_as_routed<T>(
+        &mut self,
+        config: &Rc<Config>,
+        host: &dyn Host,
+        index: usize,
+        mut change: impl FnMut(&mut WorkerState) -> Option<T>,
+    ) -> Option<T> {
+        if self.config.as_ref().is_some_and(|c| Rc::ptr_eq(c, config)) {
+            self.reread_if_own(host, index);
+            let mut out = None;
+            let written = self.write_cached(host, index, |state| {
+                out = change(state);
+                out.is_some()
+            });
+            match written {
+                Some(true) => return out,
+                Some(false) => return None,
+                None => {}
+            }
+        }
+        update_worker(config, host, index, IfMissing::Skip, change)
+    }
+
+    /// When worker `index`'s cas is unknown because this VM wrote last,
+    /// reads it: if the stored bytes are still the ones written, the cached
+    /// state is current under that cas.
+    fn reread_if_own(&mut self, host: &dyn Host, index: usize) {
+        let Some(entry) = self.entries.get_mut(index) else {
+            return;
+        };
+        if entry.cas.is_some() || entry.encoding.is_empty() {
+            return;
+        }
+        if let Some((bytes, cas)) = host.shared_get(&entry.key) {
+            if bytes == entry.encoding {
+                entry.cas = Some(cas);
+            }
+        }
+    }
+
+    /// Changes worker `index`'s cached state with `change` and writes it
+    /// under the cas it was read with. None when that could not be tried or
+    /// another thread wrote first (the cached copy is then dropped: the
+    /// caller falls back to a read-modify-write); else whether `change`
+    /// changed anything (false: nothing written).
+    fn write_cached(
+        &mut self,
+        host: &dyn Host,
+        index: usize,
+        change: impl FnOnce(&mut WorkerState) -> bool,
+    ) -> Option<bool> {
+        let (Some(entry), Some(Some(state))) = (self.entries.get_mut(index), self.states.get_mut(index))
+        else {
+            return None;
+        };
+        let cas = entry.cas?;
+        if !change(state) {
+            return Some(false);
+        }
+        let bytes = encode_into(&*state, &mut self.encoded);
+        let written = bytes.is_some_and(|b| host.shared_set(&entry.key, b, Some(cas)).is_ok());
+        if !written {
+            self.forget(index);
+            return None;
+        }
+        // The new cas is unknown until the next read, which finds these bytes.
+        entry.cas = None;
+        entry.encoding.clear();
+        entry.encoding.extend_from_slice(&self.encoded);
+        if !self
+            .loads
+            .update(index, self.states.get(index).and_then(Option::as_ref))
+        {
+            self.loads.rebuild(&self.states);
+        }
+        Some(true)
+    }
+
+    /// Drops worker `index`'s cached state (the next read decodes it).
+    fn forget(&mut self, index: usize) {
+        if let (Some(entry), Some(state)) = (self.entries.get_mut(index), self.states.get_mut(index)) {
+            entry.cas = None;
+            entry.encoding.clear();
+            *state = None;
+            if !self.loads.update(index, None) {
+                self.loads.rebuild(&self.states);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::host::fake::FakeHost;
+    use crate::router::testing::{fleet, poll};
+
+    fn shared_reads(h: &FakeHost) -> u64 {
+        h.host_calls("shared_get")
+    }
+
+    #[test]
+    fn states_are_decoded_only_when_their_cas_changed() {
+        let (c, h) = fleet("");
+        let c = Rc::new(c);
+        let mut cache = StateCache::default();
+        cache.refresh(&c, &h);
+        let first = cache.states().to_vec();
+        assert!(first.iter().all(Option::is_some));
+        let reads = shared_reads(&h);
+        cache.refresh(&c, &h);
+        assert_eq!(
+            shared_reads(&h) - reads,
+            2 + 1,
+            "one read per worker and one of the health record, every time"
+        );
+        assert_eq!(cache.states(), first.as_slice());
+        // Another thread writes worker 1: only its state changes.
+        poll(&c, &h, 1, &[7, 7, 7, 7]);
+        cache.refresh(&c, &h);
+        assert_eq!(cache.states()[0], first[0]);
+        assert_eq!(cache.states()[1].as_ref().unwrap().polled_tokens(0), Some(7));
+        assert_eq!(
+            cache.loads(),
+            &Loads::of(cache.states()),
+            "loads follow the states"
+        );
+        // A key emptied (a worker that left) reads as no state.
+        h.shared_set(&Keys::of(&c).worker(&c.routed()[0].address), b"", None)
+            .unwrap();
+        cache.refresh(&c, &h);
+        assert_eq!(cache.states()[0], None);
+        assert_eq!(cache.loads(), &Loads::of(cache.states()));
+    }
+
+    #[test]
+    fn the_health_record_is_read_with_the_states_and_follows_its_writes() {
+        let (c, h) = fleet("");
+        let mut cache = StateCache::default();
+        cache.refresh(&c, &h);
+        assert!(cache.health().is_empty(), "never written: reads as empty");
+        let b = c.routed()[1].address;
+        crate::store::update_health(&c, &h, |health| {
+            health.envoy_unhealthy.push(b);
+            Some(())
+        });
+        cache.refresh(&c, &h);
+        assert_eq!(cache.health().envoy_unhealthy, [b]);
+        cache.refresh(&c, &h);
+        assert_eq!(
+            cache.health().envoy_unhealthy,
+            [b],
+            "unchanged under the same cas"
+        );
+        crate::store::update_health(&c, &h, |health| {
+            health.envoy_unhealthy.clear();
+            Some(())
+        });
+        cache.refresh(&c, &h);
+        assert!(cache.health().is_empty());
+        // A configuration without passive or Envoy health reads no record.
+        let (off, h) = fleet(r#","passive_health":{"enabled":false}"#);
+        crate::store::update_health(&off, &h, |health| {
+            health.envoy_unhealthy.push(b);
+            Some(())
+        });
+        let mut cache = StateCache::default();
+        cache.refresh(&off, &h);
+        let reads = shared_reads(&h);
+        cache.refresh(&off, &h);
+        assert_eq!(shared_reads(&h) - reads, 2, "the states only");
+        assert!(cache.health().is_empty());
+    }
+
+    #[test]
+    fn an_estimate_is_one_write_unless_someone_wrote_in_between() {
+        let (c, h) = fleet("");
+        let c = Rc::new(c);
+        let mut cache = StateCache::default();
+        cache.refresh(&c, &h);
+        let (reads, writes) = (shared_reads(&h), h.host_calls("shared_set"));
+        let ticket = cache.write(&c, &h, 1, |s| s.add(1, 2, 30)).unwrap();
+        assert_eq!(
+            (shared_reads(&h) - reads, h.host_calls("shared_set") - writes),
+            (0, 1)
+        );
+        assert_eq!(ticket.cost, 30);
+        cache.refresh(&c, &h);
+        assert_eq!(cache.states()[1].as_ref().unwrap().effective_tokens(2), Some(50));
+
+        // Written by another thread since the read: read-modify-write, nothing lost.
+        poll(&c, &h, 1, &[100, 100, 20, 100]);
+        cache.write(&c, &h, 1, |s| s.add(1, 2, 5)).unwrap();
+        cache.refresh(&c, &h);
+        let state = cache.states()[1].clone().unwrap();
+        assert_eq!(
+            state.effective_tokens(2),
+            Some(20 + 5),
+            "the newer poll covers the first estimate"
+        );
+        assert_eq!(cache.write(&c, &h, 1, |s| s.add(1, 9, 5)), None, "no such rank");
+    }
+
+    #[test]
+    fn a_release_is_one_write_when_the_state_was_read_since() {
+        let (c, h) = fleet("");
+        let c = Rc::new(c);
+        let mut cache = StateCache::default();
+        cache.refresh(&c, &h);
+        let ticket = cache.write(&c, &h, 1, |s| s.add(1, 2, 30)).unwrap();
+        cache.refresh(&c, &h); // another request of this VM read it since
+        let (reads, writes) = (shared_reads(&h), h.host_calls("shared_set"));
+        cache.write_as_routed(&c, &h, ticket.worker, |s| {
+            s.release(&ticket);
+            Some(())
+        });
+        assert_eq!(
+            (shared_reads(&h) - reads, h.host_calls("shared_set") - writes),
+            (0, 1)
+        );
+        cache.refresh(&c, &h);
+        assert_eq!(cache.states()[1].as_ref().unwrap().pending_total(), 0);
+
+        // Not read since its own write: read-modify-write.
+        let ticket = cache.write(&c, &h, 1, |s| s.add(1, 2, 30)).unwrap();
+        let reads = shared_reads(&h);
+        cache.write_as_routed(&c, &h, ticket.worker, |s| {
+            s.release(&ticket);
+            Some(())
+        });
+        assert_eq!(shared_reads(&h) - reads, 1);
+        // Routed with another configuration (a membership change): by its own indices.
+        let ticket = cache.write(&c, &h, 1, |s| s.add(1, 2, 30)).unwrap();
+        cache.refresh(&c, &h);
+        let older = Rc::new((*c).clone());
+        cache.write_as_routed(&older, &h, ticket.worker, |s| {
+            s.release(&ticket);
+            Some(())
+        });
+        cache.refresh(&c, &h);
+        assert_eq!(cache.states()[1].as_ref().unwrap().pending_total(), 0);
+    }
+
+    /// The cache's view is always what a fresh read of shared data decodes to.
+    fn assert_current(cache: &StateCache, c: &Config, h: &FakeHost) {
+        assert_eq!(cache.states(), crate::store::read_worker_states(c, h).as_slice());
+        assert_eq!(cache.loads(), &Loads::of(cache.states()));
+    }
+
+    #[test]
+    fn own_writes_and_other_threads_writes_interleave_consistently() {
+        let (c, h) = fleet("");
+        let c = Rc::new(c);
+        let (mut mine, mut other) = (StateCache::default(), StateCache::default());
+        mine.refresh(&c, &h);
+        other.refresh(&c, &h);
+        let a = mine.write(&c, &h, 1, |s| s.add(1, 2, 10)).unwrap();
+        assert_current(&mine, &c, &h);
+        let b = other.write(&c, &h, 1, |s| s.add(1, 2, 20)).unwrap(); // stale cas: read-modify-write
+        other.refresh(&c, &h);
+        mine.refresh(&c, &h);
+        assert_current(&mine, &c, &h);
+        assert_eq!(mine.states()[1].as_ref().unwrap().effective_tokens(2), Some(50));
+        mine.write_as_routed(&c, &h, a.worker, |s| {
+            s.release(&a);
+            Some(())
+        });
+        other.write_as_routed(&c, &h, b.worker, |s| {
+            s.release(&b);
+            Some(())
+        }); // its cas is stale again: read-modify-write
+        for cache in [&mut mine, &mut other] {
+            cache.refresh(&c, &h);
+            assert_current(cache, &c, &h);
+            assert_eq!(cache.states()[1].as_ref().unwrap().effective_tokens(2), Some(20));
+        }
+    }
+
+    #[test]
+    fn a_new_configuration_gets_new_tables() {
+        let (c, h) = fleet("");
+        let c = Rc::new(c);
+        let mut cache = StateCache::default();
+        cache.refresh(&c, &h);
+        assert_eq!(&*cache.endpoint(1), "127.0.0.1:2");
+        assert_eq!(cache.routed_name(1, 3), "dprank.routed.b.rank_3");
+        let one =
+            Rc::new(Config::from_json(br#"{"workers":[{"address":"127.0.0.1:2","name":"z"}]}"#).unwrap());
+        cache.refresh(&one, &h);
+        assert_eq!(cache.states().len(), 1);
+        assert_eq!(cache.routed_name(0, 0), "dprank.routed.z.rank_0");
+        assert_eq!(&*cache.endpoint(5), "");
+    }
+}
