@@ -56,8 +56,11 @@ impl RootContext for DprankRoot {
             log::error!("cannot set the tick period; load polling is off");
         }
         let mut poller = Poller::new(EnvoyHost.now_ms());
-        // Threads start their tie-break sequences apart, so they don't break ties alike.
-        let seed = poller.vm_id(&config, &EnvoyHost).wrapping_mul(0x9E37_79B9);
+        // Threads start their tie-break sequences apart, so they don't break
+        // ties alike; the random part sets other Envoys apart too, whose VM
+        // counters start at 1 like ours (the headroom picker's draws would
+        // otherwise be the same on every gateway).
+        let seed = poller.vm_id(&config, &EnvoyHost).wrapping_mul(0x9E37_79B9) ^ EnvoyHost.random_u64();
         self.poller = Some(poller);
         self.routing = Some(Rc::new(Routing::new(Rc::new(config), seed)));
         true

@@ -188,6 +188,8 @@ fn filter_request(
         tie_breaker,
         health: cache.health(),
         admit_probing: false,
+        pick: config.pick,
+        gateways: config.gateways,
         affinity: None,
     };
     let Some(choice) = choose(&pool, &ctx) else {
@@ -251,6 +253,8 @@ pub fn selection(args: &SelectionArgs, command_line: &str) -> Result<(), String>
             tie_breaker,
             health: &health,
             admit_probing: false,
+            pick: config.pick,
+            gateways: config.gateways,
             affinity: None,
         };
         fn pool<'a>(workers: &'a [Worker], states: &'a [Option<WorkerState>], loads: &'a Loads) -> Pool<'a> {

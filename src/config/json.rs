@@ -1,7 +1,7 @@
 //! The configuration as users write it: serde structs, every field optional
 //! so that validation (`validate.rs`) can name what is missing or wrong.
 
-use super::{CostEstimate, FailMode, LoadEndpoint, Naming, QueueMeasure, RankTransport};
+use super::{CostEstimate, FailMode, LoadEndpoint, Naming, PickRule, QueueMeasure, RankTransport};
 use serde::Deserialize;
 
 #[derive(Debug, Default, Deserialize)]
@@ -77,6 +77,13 @@ pub struct ConfigJson {
     pub prefix_kv_weight: Option<f64>,
     #[serde(default)]
     pub prefix_queue: Option<QueueMeasure>,
+    /// Several gateways: how many, the picker and its choices (`config/gateways.rs`).
+    #[serde(default)]
+    pub gateways: Option<u32>,
+    #[serde(default)]
+    pub pick: Option<PickRule>,
+    #[serde(default)]
+    pub pick_choices: Option<u32>,
     #[serde(default)]
     pub passive_health: Option<PassiveHealthJson>,
     /// Listed workers: respect the host health Envoy has for this cluster.

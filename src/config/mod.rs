@@ -2,11 +2,13 @@
 //! named steps (`validate.rs`) into the runtime [`Config`]. Every error names
 //! the key at fault.
 
+pub mod gateways;
 mod json;
 pub mod prefix;
 mod transport;
 mod validate;
 
+pub use gateways::{Pick, PickRule};
 pub use json::{ConfigJson, DiscoveryJson, PassiveHealthJson, WorkerJson};
 pub use prefix::{Prefix, QueueMeasure};
 pub use transport::{
@@ -206,6 +208,10 @@ pub struct Config {
     pub poll_loads: bool,
     /// Prefix affinity (None: `prefix_affinity: false`, load only).
     pub prefix: Option<Prefix>,
+    /// How many gateways share these workers (`config/gateways.rs`).
+    pub gateways: u32,
+    /// How the scheduler's picker takes one candidate (`config/gateways.rs`).
+    pub pick: Pick,
     /// Passive health; None = off.
     pub passive_health: Option<PassiveHealth>,
     /// Listed workers: the cluster whose host health (from the admin API)

@@ -19,6 +19,7 @@ impl TryFrom<ConfigJson> for Config {
     fn try_from(mut json: ConfigJson) -> Result<Self, Self::Error> {
         let naming = json.naming.unwrap_or(Naming::Current);
         let prefix = prefix::settings(&json)?;
+        let (gateways, pick) = (super::gateways::gateways(&json)?, super::gateways::pick(&json)?);
         let mode = mode(&mut json, naming)?;
         let (poll_interval_ms, poll_timeout_ms, stale_after_ms) = poll_timing(&json)?;
         let rank_field = field_name(
@@ -72,6 +73,8 @@ impl TryFrom<ConfigJson> for Config {
             state_key: state_key(json.state_key)?,
             poll_loads: json.poll_loads.unwrap_or(true),
             prefix,
+            gateways,
+            pick,
             passive_health: passive_health(json.passive_health.unwrap_or_default())?,
             envoy_health,
             retry_alternates,

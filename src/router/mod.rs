@@ -221,6 +221,8 @@ impl<'h> Sight<'h> {
             health: self.health,
             admit_probing: self.admit_probing,
             affinity: None,
+            pick: config.pick,
+            gateways: config.gateways,
         }
     }
 

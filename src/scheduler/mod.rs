@@ -12,19 +12,22 @@
 //! candidate list.
 
 mod fresh;
+mod headroom;
 mod healthy;
+mod home;
 mod kv;
 mod least_cost;
 mod load;
 mod loads;
 mod only_rank;
+mod peers;
 mod pinned;
 mod prefix;
 mod queue;
 
 pub use loads::Loads;
 
-use crate::config::Worker;
+use crate::config::{Pick, Worker};
 use crate::health::Health;
 use crate::prefix::Affinity;
 use crate::state::WorkerState;
@@ -37,13 +40,23 @@ const FILTERS: &[&dyn Filter] = &[
     &pinned::Pinned,
 ];
 /// Scorers: each adds its cost to every candidate left. Load only
-/// (`prefix_affinity: false`, and PD's decode pool):
-const LOAD_SCORERS: &[&dyn Scorer] = &[&load::Load];
+/// (`prefix_affinity: false`, and PD's decode pool), then, with `gateways`
+/// > 1, the other gateways' likely requests since the poll:
+const LOAD_SCORERS: &[&dyn Scorer] = &[&load::Load, &peers::Peers];
 /// Prefix affinity: the work queued ahead, the request's own uncached
-/// prefill, the rank's load and the KV it lacks (weighted, `config/prefix.rs`).
-const PREFIX_SCORERS: &[&dyn Scorer] = &[&queue::Queue, &prefix::Prefix, &load::Load, &kv::Kv];
-/// The picker: takes one candidate from those left.
-type ThePicker = least_cost::LeastCost;
+/// prefill, the rank's load and the KV it lacks (weighted, `config/prefix.rs`);
+/// with `gateways` > 1, the others' likely requests and a lean shared by
+/// every gateway toward the same ranks for a prompt (`home`).
+const PREFIX_SCORERS: &[&dyn Scorer] = &[
+    &queue::Queue,
+    &prefix::Prefix,
+    &load::Load,
+    &kv::Kv,
+    &peers::Peers,
+    &home::Home,
+];
+// The picker takes one candidate from those left, as `pick` says:
+// `least_cost`, or `headroom` among the few cheapest (`choose`).
 
 /// A candidate's cost slot: its cost so far, or [`REMOVED`].
 pub type Slot = u64;
@@ -106,6 +119,10 @@ pub struct Context<'a> {
     pub admit_probing: bool,
     /// Prefix affinity for this request and pool (None: load only).
     pub affinity: Option<&'a Affinity<'a>>,
+    /// The picker in force.
+    pub pick: Pick,
+    /// Gateways sharing the fleet (`peers`, `home`).
+    pub gateways: u32,
 }
 
 /// One worker as the steps see it.
@@ -213,8 +230,15 @@ fn run_steps(ctx: &Context, filters: &ActiveFilters, view: &WorkerView, slots: &
 /// `Config::all_workers` index. The constraint is strict: a pin that names
 /// no candidate leaves none (the router then retries without it).
 pub fn choose(pool: &Pool, ctx: &Context) -> Option<Candidate> {
+    match ctx.pick {
+        Pick::LeastCost => choose_by::<least_cost::LeastCost>(pool, ctx),
+        Pick::Headroom { .. } => choose_by::<headroom::Headroom>(pool, ctx),
+    }
+}
+
+fn choose_by<P: Picker>(pool: &Pool, ctx: &Context) -> Option<Candidate> {
     let filters = active_filters(ctx);
-    let mut picker = ThePicker::new(ctx);
+    let mut picker = P::new(ctx);
     SLOTS.with_borrow_mut(|slots| {
         for view in views(pool) {
             if run_steps(ctx, &filters, &view, slots) {
@@ -300,6 +324,8 @@ pub(crate) mod testing {
             health: &crate::health::NO_HEALTH,
             admit_probing: false,
             affinity: None,
+            pick: Pick::LeastCost,
+            gateways: 1,
         }
     }
 

@@ -360,6 +360,15 @@ impl PrefillState {
         }
     }
 
+    /// This gateway's requests on `rank` routed since the last poll left
+    /// (what no snapshot has counted yet).
+    pub fn since_poll(&self, rank: usize) -> Queued {
+        self.uncovered
+            .iter()
+            .map(|b| b.streamed.get(rank).plus(b.other.get(rank)))
+            .fold(Queued::default(), Queued::plus)
+    }
+
     /// Checks each rank's reported hit rate against what the index
     /// expected of the prompts routed there, then ages the counters by
     /// `elapsed_ms`. Returns, per rank that reported much less than

@@ -118,11 +118,10 @@ impl DprankGateway {
         let mut request = Request::new(self.routing.clone());
         request.on_request_headers(&self.host, false);
         request.on_request_body(&self.host, body.len(), true);
-        // The route header lists the chosen worker, then its retry alternates.
-        let chosen = self.host.header(&self.config.route_header).and_then(|value| {
-            let endpoint = value.split(',').next().unwrap_or_default();
-            self.workers.get(endpoint).copied()
-        });
+        let chosen = self
+            .host
+            .header(&self.config.route_header)
+            .and_then(|value| first_endpoint(&value).and_then(|e| self.workers.get(e)).copied());
         let placement = match chosen {
             Some(worker) => Placement {
                 worker,
@@ -152,6 +151,12 @@ impl DprankGateway {
         self.set_time(t_s);
         request.on_done(&self.host);
     }
+}
+
+/// The worker a route header names first: Envoy's `override_host` sends
+/// there, the alternates after it only serve retries.
+fn first_endpoint(value: &str) -> Option<&str> {
+    value.split(',').next().map(str::trim).filter(|e| !e.is_empty())
 }
 
 /// The rank dprank wrote into the body.
@@ -243,47 +248,34 @@ pub fn mix(x: u64) -> u64 {
 mod tests {
     use super::*;
 
-    fn loads(tokens: &[u64]) -> Vec<u8> {
-        let entries: Vec<String> = tokens
-            .iter()
-            .enumerate()
-            .map(|(rank, t)| format!(r#"{{"dp_rank":{rank},"num_total_tokens":{t}}}"#))
-            .collect();
-        format!(
-            r#"{{"loads":[{}],"dp_rank_count":{}}}"#,
-            entries.join(","),
-            tokens.len()
-        )
-        .into_bytes()
+    #[test]
+    fn the_route_header_sends_to_its_first_endpoint() {
+        assert_eq!(
+            first_endpoint("10.0.0.2:30000,10.0.0.1:30000"),
+            Some("10.0.0.2:30000")
+        );
+        assert_eq!(first_endpoint("10.0.0.2:30000"), Some("10.0.0.2:30000"));
+        assert_eq!(first_endpoint(""), None);
     }
 
-    /// dprank's own choice is the placement, not the fallback's: the route
-    /// header also lists retry alternates after the chosen worker.
     #[test]
-    fn dprank_places_on_the_chosen_worker_and_rank() {
-        let config = Config::from_json(
-            br#"{"workers":[{"address":"127.0.0.1:1"},{"address":"127.0.0.1:2"}],"prefix_affinity":false}"#,
-        )
-        .unwrap();
-        assert!(config.retry_alternates > 0, "the case this test is about");
-        let mut gateway = DprankGateway::new(config, 1, 1_000_000);
-        let mut t = 0.0;
-        while gateway.host.counter("dprank.poll_ok.127.0.0.1:2") == 0 && t < 5.0 {
-            for call in gateway.tick(t) {
-                let tokens: &[u64] = if call.worker == 0 { &[50, 60] } else { &[70, 5] };
-                gateway.poll_answer(t, call, &loads(tokens));
-            }
-            t += 0.05;
+    fn a_gateway_routes_where_dprank_chose_not_by_its_fallback() {
+        let config =
+            crate::offline::driver::dprank_config(&crate::variant::Variant::parse("dprank").unwrap(), 2)
+                .unwrap();
+        let mut g = DprankGateway::new(config, 0, 1_000_000);
+        let loads = |waiting: u64| {
+            serde_json::json!({"loads": [{"dp_rank": 0, "num_total_tokens": waiting, "num_waiting_reqs": 0}]})
+                .to_string()
+        };
+        for call in g.tick(0.0) {
+            let body = if call.worker == 1 { loads(0) } else { loads(50_000) };
+            g.poll_answer(0.001, call, body.as_bytes());
         }
-        for _ in 0..3 {
-            let (placement, _) = gateway.route(t, "/generate", br#"{"text":"hi"}"#);
-            assert_eq!(
-                placement,
-                Placement {
-                    worker: 1,
-                    rank: Some(1)
-                }
-            );
+        let body = br#"{"text":"hello","sampling_params":{"max_new_tokens":4}}"#;
+        for i in 0..4 {
+            let (placement, _) = g.route(0.01 + f64::from(i) * 0.001, "/generate", body);
+            assert_eq!((placement.worker, placement.rank), (1, Some(0)), "request {i}");
         }
     }
 }

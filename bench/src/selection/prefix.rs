@@ -142,6 +142,8 @@ pub fn rows(batches: usize) -> Result<(String, Timing), String> {
                 tie_breaker: tie,
                 health: &dprank::health::NO_HEALTH,
                 admit_probing: false,
+                pick: config.pick,
+                gateways: config.gateways,
                 affinity: Some(&affinity),
             };
             choose(&pool, &ctx).map_or(0, |c| c.cost)
