@@ -34,8 +34,20 @@ impl CpuTimes {
     }
 }
 
+/// Cores this process may run on (fewer than the machine's once it pinned itself).
 pub fn cores() -> usize {
     std::thread::available_parallelism().map_or(1, |n| n.get())
+}
+
+/// The machine's online cores, whatever this process is pinned to: what
+/// reports name, and what `/proc/stat`'s busy share is a share of.
+pub fn machine_cores() -> usize {
+    // SAFETY: sysconf has no preconditions.
+    let online = unsafe { libc::sysconf(libc::_SC_NPROCESSORS_ONLN) };
+    usize::try_from(online)
+        .ok()
+        .filter(|n| *n > 0)
+        .unwrap_or_else(cores)
 }
 
 /// CPU seconds (user + system, every thread) process `pid` has used so far.
@@ -77,4 +89,15 @@ pub fn pin_threads(pid: u32, cpus: &[usize]) -> bool {
         all &= done == 0;
     }
     all
+}
+
+#[cfg(test)]
+mod core_count_tests {
+    use super::*;
+
+    #[test]
+    fn the_machine_has_at_least_the_cores_this_process_may_use() {
+        assert!(machine_cores() >= cores());
+        assert!(cores() >= 1);
+    }
 }

@@ -40,7 +40,11 @@ pub fn machine() -> String {
         .and_then(|l| l.split(':').nth(1))
         .map_or("unknown CPU".to_string(), |m| m.trim().to_string());
     let kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
-    format!("{model}, {} cores, Linux {}", crate::cpu::cores(), kernel.trim())
+    format!(
+        "{model}, {} cores, Linux {}",
+        crate::cpu::machine_cores(),
+        kernel.trim()
+    )
 }
 
 /// UTC date and time now, `YYYY-MM-DD HH:MM UTC`.
@@ -241,7 +245,7 @@ pub fn group_notes(g: &Group) -> String {
             "- CPU busy during runs: median {:.0} %, max {:.0} % of {} cores (load generator, simulator and gateways share them).",
             median(&busy) * 100.0,
             percentile(&busy, 100.0) * 100.0,
-            crate::cpu::cores()
+            crate::cpu::machine_cores()
         );
     }
     let errors: Vec<&String> = all.iter().flat_map(|r| r.error_examples.iter()).take(3).collect();
