@@ -427,13 +427,7 @@ pub async fn run_plan(plan: &Plan, options: &LoadOptions) -> Result<RunOutput, S
             collect(done, &progress, &mut results);
         }
     }
-    let last_arrival = plan
-        .requests
-        .last()
-        .map(|r| r.at_s)
-        .into_iter()
-        .chain(plan.sessions.iter().map(|s| s.start_s))
-        .fold(0.0, f64::max);
+    let last_arrival = plan.last_arrival_s();
     match cut {
         Some(cut_s) => {
             let deadline = ctx.wall(cut_s);

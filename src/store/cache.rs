@@ -197,14 +197,8 @@ impl StateCache {
         index: usize,
         mut change: impl FnMut(&mut WorkerState) -> Option<T>,
     ) -> Option<T> {
-        let mut out = None;
-        let written = self.write_cached(host, index, |state| {
-            out = change(state);
-            out.is_some()
-        });
-        match written {
-            Some(true) => out,
-            Some(false) => None,
+        match self.write_cached(host, index, &mut change) {
+            Some(out) => out,
             None => update_worker(config, host, index, IfMissing::Skip, change),
         }
     }
@@ -223,15 +217,8 @@ impl StateCache {
     ) -> Option<T> {
         if self.config.as_ref().is_some_and(|c| Rc::ptr_eq(c, config)) {
             self.reread_if_own(host, index);
-            let mut out = None;
-            let written = self.write_cached(host, index, |state| {
-                out = change(state);
-                out.is_some()
-            });
-            match written {
-                Some(true) => return out,
-                Some(false) => return None,
-                None => {}
+            if let Some(out) = self.write_cached(host, index, &mut change) {
+                return out;
             }
         }
         update_worker(config, host, index, IfMissing::Skip, change)
@@ -257,22 +244,22 @@ impl StateCache {
     /// Changes worker `index`'s cached state with `change` and writes it
     /// under the cas it was read with. None when that could not be tried or
     /// another thread wrote first (the cached copy is then dropped: the
-    /// caller falls back to a read-modify-write); else whether `change`
-    /// changed anything (false: nothing written).
-    fn write_cached(
+    /// caller falls back to a read-modify-write); else what `change`
+    /// returned (None: it declined, nothing written).
+    fn write_cached<T>(
         &mut self,
         host: &dyn Host,
         index: usize,
-        change: impl FnOnce(&mut WorkerState) -> bool,
-    ) -> Option<bool> {
+        change: impl FnOnce(&mut WorkerState) -> Option<T>,
+    ) -> Option<Option<T>> {
         let (Some(entry), Some(Some(state))) = (self.entries.get_mut(index), self.states.get_mut(index))
         else {
             return None;
         };
         let cas = entry.cas?;
-        if !change(state) {
-            return Some(false);
-        }
+        let Some(out) = change(state) else {
+            return Some(None);
+        };
         let bytes = encode_into(&*state, &mut self.encoded);
         let written = bytes.is_some_and(|b| host.shared_set(&entry.key, b, Some(cas)).is_ok());
         if !written {
@@ -289,7 +276,7 @@ impl StateCache {
         {
             self.loads.rebuild(&self.states);
         }
-        Some(true)
+        Some(Some(out))
     }
 
     /// Drops worker `index`'s cached state (the next read decodes it).

@@ -417,13 +417,7 @@ pub fn run(plan: &Plan, spec: &RunSpec) -> Result<(RunOutput, Option<String>), S
             .map_err(|e| format!("cannot write {}: {e}", path.display()))?;
     }
     records.sort_by(|a, b| a.sent_s.total_cmp(&b.sent_s));
-    let last_arrival = plan
-        .requests
-        .last()
-        .map(|r| r.at_s)
-        .into_iter()
-        .chain(plan.sessions.iter().map(|s| s.start_s))
-        .fold(0.0, f64::max);
+    let last_arrival = plan.last_arrival_s();
     let span_s = records.iter().map(|r| r.end_s).fold(0.0, f64::max);
     let retractions = fleet.retractions().len();
     let counters = Some(match counter_summary(&fronts) {

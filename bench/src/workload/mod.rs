@@ -135,6 +135,13 @@ impl Plan {
     pub fn request_count(&self) -> usize {
         self.requests.len() + self.sessions.iter().map(|s| s.turns.len()).sum::<usize>()
     }
+
+    /// When the last open-loop request arrives or the last session starts.
+    pub fn last_arrival_s(&self) -> f64 {
+        let last_request = self.requests.last().map(|r| r.at_s);
+        let starts = self.sessions.iter().map(|s| s.start_s);
+        last_request.into_iter().chain(starts).fold(0.0, f64::max)
+    }
 }
 
 /// The arrival rate, length and bounds of one plan.
