@@ -23,12 +23,16 @@
 //!   needs the body (PD, `keep_client_rank`, `cost_estimate: words`); its
 //!   rank headers are lowercase, distinct and none of the filter's own; and
 //!   every rank or bootstrap header servers read, the route, pin and rank
-//!   headers among them, is removed from clients.
+//!   headers among them, is removed from clients;
+//! - gateways, retry alternates and the picker are taken as written
+//!   (`pick_choices` only with `pick: headroom`); prefix affinity is on by
+//!   default in body mode and never in header mode, its tuning keys refused
+//!   without it; passive health is on unless `enabled: false`.
 #![no_main]
 
 use arbitrary::{Result, Unstructured};
 use dprank::body::JsonObject;
-use dprank::config::{Config, ConfigError, CostEstimate, Transport, MAX_DP_SIZE, MIN_POLL_INTERVAL_MS};
+use dprank::config::{Config, ConfigError, CostEstimate, Pick, Transport, MAX_DP_SIZE, MIN_POLL_INTERVAL_MS};
 use dprank::headers::CLIENT_RANK_HEADERS;
 use libfuzzer_sys::fuzz_target;
 use serde_json::{json, Map, Value};
@@ -194,6 +198,16 @@ impl<'a> Gen<'_, 'a> {
         self.pick(&good, &bad, |u| Ok(json!(u.arbitrary::<String>()?)))
     }
 
+    fn flag(&mut self) -> Result<Value> {
+        self.pick(&[json!(true), json!(false)], &[json!("true"), Value::Null], |_| Ok(json!(0)))
+    }
+
+    fn number(&mut self, good: &[u64], bad: &[u64]) -> Result<Value> {
+        let good: Vec<Value> = good.iter().map(|n| json!(n)).collect();
+        let bad: Vec<Value> = bad.iter().map(|n| json!(n)).chain([json!(-1), json!("2"), json!(1.5), Value::Null]).collect();
+        self.pick(&good, &bad, |u| Ok(json!(u.arbitrary::<u64>()?)))
+    }
+
     fn maybe(&mut self, f: impl FnOnce(&mut Self) -> Result<Value>) -> Result<Option<Value>> {
         Ok(if self.u.ratio(1, 3)? { Some(f(self)?) } else { None })
     }
@@ -334,7 +348,7 @@ fn generate(u: &mut Unstructured) -> Result<Map<String, Value>> {
         }
     }
     for key in ["keep_client_rank", "poll_loads"] {
-        if let Some(v) = g.maybe(|g| g.pick(&[json!(true), json!(false)], &[json!("true"), Value::Null], |_| Ok(json!(0))))? {
+        if let Some(v) = g.maybe(|g| g.flag())? {
             c.insert(key.into(), v);
         }
     }
@@ -367,6 +381,64 @@ fn generate(u: &mut Unstructured) -> Result<Map<String, Value>> {
         if let Some(v) = g.maybe(|g| g.ms())? {
             c.insert("cost_without_length".into(), v);
         }
+    }
+    // Numbers with a range: gateways, retry alternates, pick choices.
+    for (key, good, bad) in [
+        ("gateways", &[1, 2, 4, 8, 1024][..], &[0, 1025][..]),
+        ("retry_alternates", &[0, 1, 2, 16][..], &[17][..]),
+        ("pick_choices", &[2, 4, 16][..], &[0, 1, 17][..]),
+    ] {
+        if let Some(v) = g.maybe(|g| g.number(good, bad))? {
+            c.insert(key.into(), v);
+        }
+    }
+    if let Some(v) = g.maybe(|g| g.text(&["least_cost", "headroom"], &["Headroom", "random"]))? {
+        c.insert("pick".into(), v);
+    }
+    // Prefix affinity and its tuning keys (refused when affinity is off).
+    if let Some(v) = g.maybe(|g| g.flag())? {
+        c.insert("prefix_affinity".into(), v);
+    }
+    for (key, good, bad) in [
+        ("prefix_block_bytes", &[64, 512, 4096][..], &[0, 1, u64::from(u32::MAX) + 1][..]),
+        ("prefix_capacity_tokens", &[1, 10_000, 400_000][..], &[0, u64::MAX][..]),
+        ("prefix_ttl_ms", &[1000, 600_000][..], &[0, u64::MAX][..]),
+    ] {
+        if g.u.ratio(1, 6)? {
+            let v = g.number(good, bad)?;
+            c.insert(key.into(), v);
+        }
+    }
+    for key in ["prefix_uncached_weight", "prefix_load_weight", "prefix_wait_weight", "prefix_kv_weight"] {
+        if g.u.ratio(1, 8)? {
+            let v = g.pick(&[json!(0.0), json!(1), json!(4.5)], &[json!(-1.0), json!(1e300), json!("1")], |u| Ok(json!(u.arbitrary::<f64>()?)))?;
+            c.insert(key.into(), v);
+        }
+    }
+    if g.u.ratio(1, 8)? {
+        let v = g.text(&["max", "polled"], &["Max", "sum"])?;
+        c.insert("prefix_queue".into(), v);
+    }
+    if let Some(v) = g.maybe(|g| {
+        let mut h = Map::new();
+        if let Some(v) = g.maybe(|g| g.flag())? {
+            h.insert("enabled".into(), v);
+        }
+        if let Some(v) = g.maybe(|g| g.number(&[1, 3, 1000], &[0, 1001]))? {
+            h.insert("consecutive_failures".into(), v);
+        }
+        if let Some(v) = g.maybe(|g| g.ms())? {
+            h.insert("cooldown_ms".into(), v);
+        }
+        if let Some(v) = g.maybe(|g| g.ms())? {
+            h.insert("max_cooldown_ms".into(), v);
+        }
+        if let Some(v) = g.maybe(|g| g.pick(&[json!(0.05), json!(1.0)], &[json!(0.0), json!(1.5), json!(-0.1)], |u| Ok(json!(u.arbitrary::<f64>()?))))? {
+            h.insert("probe_share".into(), v);
+        }
+        Ok(Value::Object(h))
+    })? {
+        c.insert("passive_health".into(), v);
     }
     if g.bad()? && g.u.ratio(1, 10)? {
         c.insert("poll_intervall_ms".into(), json!(1000));
@@ -410,6 +482,66 @@ fn check_taken_as_written(given: &Map<String, Value>, c: &Config) {
         assert_ne!(txt("rank_transport"), Some("header"));
         for k in header_only {
             assert!(given.get(k).is_none_or(Value::is_null), "`{k}` accepted in body mode");
+        }
+    }
+    // Scale-out and retries: taken as written.
+    assert_eq!(u64::from(c.gateways), num("gateways").unwrap_or(1));
+    if let Some(v) = num("retry_alternates") {
+        assert_eq!(u64::from(c.retry_alternates), v);
+    }
+    match c.pick {
+        Pick::LeastCost => {
+            assert_ne!(txt("pick"), Some("headroom"));
+            assert!(given.get("pick_choices").is_none_or(Value::is_null), "`pick_choices` accepted without headroom");
+        }
+        Pick::Headroom { choices } => {
+            assert_eq!(txt("pick"), Some("headroom"));
+            assert_eq!(u64::from(choices), num("pick_choices").unwrap_or(2));
+        }
+    }
+    // Prefix affinity: on by default in body mode, never in header mode;
+    // its tuning keys only with it, taken as written.
+    let header = matches!(c.transport, Transport::Header(_));
+    let affinity = given.get("prefix_affinity").and_then(Value::as_bool);
+    match &c.prefix {
+        None => {
+            assert!(header || affinity == Some(false), "affinity off in body mode without asking");
+            let tuning = given.keys().filter(|k| k.starts_with("prefix_") && *k != "prefix_affinity");
+            for k in tuning {
+                assert!(given.get(k).is_none_or(Value::is_null), "`{k}` accepted with affinity off");
+            }
+        }
+        Some(p) => {
+            assert!(!header, "affinity on in header mode");
+            assert_ne!(affinity, Some(false));
+            if let Some(v) = num("prefix_block_bytes") {
+                assert_eq!(u64::from(p.block_bytes), v);
+            }
+            if let Some(v) = num("prefix_ttl_ms") {
+                assert_eq!(p.ttl_ms, v);
+            }
+            if let Some(v) = num("prefix_capacity_tokens") {
+                assert_eq!(p.capacity_tokens, Some(v));
+            }
+            if let Some(v) = given.get("prefix_uncached_weight").and_then(Value::as_f64) {
+                assert_eq!(p.uncached_weight, v);
+            }
+        }
+    }
+    // Passive health: on unless `enabled: false`; its numbers as written.
+    let health = given.get("passive_health");
+    let field = |k: &str| health.and_then(|h| h.get(k));
+    match &c.passive_health {
+        None => assert_eq!(field("enabled"), Some(&json!(false))),
+        Some(h) => {
+            assert_ne!(field("enabled"), Some(&json!(false)));
+            if let Some(v) = field("consecutive_failures").and_then(Value::as_u64) {
+                assert_eq!(u64::from(h.consecutive_failures), v);
+            }
+            if let Some(v) = field("cooldown_ms").and_then(Value::as_u64) {
+                assert_eq!(h.cooldown_ms, v);
+            }
+            assert!(h.probe_share > 0.0 && h.probe_share <= 1.0 && h.cooldown_ms <= h.max_cooldown_ms);
         }
     }
     let pd_only = ["prefill_cluster", "prefill_timeout_ms", "prefill_rank_field", "decode_rank_field", "decode_prefill_rank_field"];
