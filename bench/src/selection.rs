@@ -42,6 +42,13 @@ impl SelectionArgs {
     }
 }
 
+/// The request rate of the `state_refresh_ms` column, per VM: the host's
+/// clock moves 1 ms every this many requests.
+const REQUESTS_PER_MS: u64 = 10;
+/// `state_refresh_ms` in that column: every state is read every
+/// `REFRESH_MS * REQUESTS_PER_MS` requests.
+const REFRESH_MS: u64 = 100;
+
 /// Ranks per worker in the synthetic fleets (one 8-GPU node each).
 pub(crate) const RANKS_PER_WORKER: usize = 8;
 const TOTAL_RANKS: [usize; 4] = [8, 64, 512, 4096];
@@ -96,11 +103,13 @@ pub(crate) fn time_ns<F: FnMut() -> u64>(batches: usize, mut f: F) -> Timing {
 struct MemoryHost {
     shared: RefCell<hashbrown::HashMap<String, (Vec<u8>, u32)>>,
     next_cas: Cell<u32>,
+    /// Requests served so far, for a clock that moves with them (0: still).
+    requests: Cell<u64>,
 }
 
 impl Host for MemoryHost {
     fn now_ms(&self) -> u64 {
-        1_500
+        1_500 + self.requests.get() / REQUESTS_PER_MS
     }
     fn random_u64(&self) -> u64 {
         4
@@ -241,6 +250,7 @@ pub fn selection(args: &SelectionArgs, command_line: &str) -> Result<(), String>
     let mut at_4096 = f64::NAN;
     let mut at_4096_min = f64::NAN;
     let mut with_read_4096 = f64::NAN;
+    let mut lazy_4096 = f64::NAN;
     for ranks in TOTAL_RANKS {
         let (config, states) = fleet(ranks)?;
         let workers = config.routed();
@@ -328,10 +338,23 @@ pub fn selection(args: &SelectionArgs, command_line: &str) -> Result<(), String>
             tie = tie.wrapping_add(1);
             filter_request(&config, &host, &mut cache, &mut previous, tie)
         });
+        // The same with `state_refresh_ms`: each request reads the states
+        // this VM wrote, and every state once per `REFRESH_MS`.
+        let mut lazy_config = (*config).clone();
+        lazy_config.state_refresh_ms = REFRESH_MS;
+        let lazy_config = Rc::new(lazy_config);
+        let mut lazy_cache = StateCache::default();
+        let mut lazy_previous = None;
+        let lazy = time_ns(args.batches, || {
+            tie = tie.wrapping_add(1);
+            host.requests.set(host.requests.get() + 1);
+            filter_request(&lazy_config, &host, &mut lazy_cache, &mut lazy_previous, tie)
+        });
         if ranks == 4096 {
             at_4096 = select.median;
             at_4096_min = select.min;
             with_read_4096 = cached.median;
+            lazy_4096 = lazy.median;
         }
         rows.push(vec![
             ranks.to_string(),
@@ -341,6 +364,7 @@ pub fn selection(args: &SelectionArgs, command_line: &str) -> Result<(), String>
             one_pass.cell(),
             uncached.cell(),
             cached.cell(),
+            lazy.cell(),
         ]);
     }
     let table = markdown_table(
@@ -352,6 +376,7 @@ pub fn selection(args: &SelectionArgs, command_line: &str) -> Result<(), String>
             "reference: one pass, no candidate list, ns",
             "before the cache: decode every state + choose + add + encode, ns",
             "per request in the filter: read every state and the health record through the host (cache: decode the changed one) + choose + alternates + write the estimate, ns",
+            &format!("the same with `state_refresh_ms: {REFRESH_MS}` at {REQUESTS_PER_MS} requests per ms per VM (every state read once per {} requests, else only those this VM wrote), ns", REFRESH_MS * REQUESTS_PER_MS),
         ],
         &rows,
     );
@@ -395,10 +420,11 @@ pub fn selection(args: &SelectionArgs, command_line: &str) -> Result<(), String>
     let (prefix_table, prefix_cost) = prefix::rows(args.batches)?;
     println!("\n{table}\n{body_table}\n{prefix_table}");
     let verdict = format!(
-        "Selection at 4096 ranks: **{:.1} us** per call, median (target < 10 us); fastest batch {:.1} us. With the state and health reads, the alternates and the estimate's write: **{:.1} us**.",
+        "Selection at 4096 ranks: **{:.1} us** per call, median (target < 10 us); fastest batch {:.1} us. With the state and health reads, the alternates and the estimate's write: **{:.1} us**; with `state_refresh_ms: {REFRESH_MS}`: **{:.1} us**.",
         at_4096 / 1000.0,
         at_4096_min / 1000.0,
-        with_read_4096 / 1000.0
+        with_read_4096 / 1000.0,
+        lazy_4096 / 1000.0
     );
     let verdict = format!(
         "{verdict}\nPrefix affinity, 16 KB prompt, one worker of 8 ranks: **{:.1} us** to hash and score, median (target <= 10 us); fastest batch {:.1} us.",
@@ -408,7 +434,7 @@ pub fn selection(args: &SelectionArgs, command_line: &str) -> Result<(), String>
     println!("{verdict}");
 
     let mut md = report_header("dprank selection cost (host micro-benchmark)", command_line);
-    let _ = writeln!(md, "ns per call over {} timed batches of ~2 ms each: the median batch, and in brackets the fastest batch (the machine is shared with other work; the fastest batch is the cost without interference), native release build of the `dprank` crate (inside Envoy the same code runs as wasm in V8). Fleets of workers with 8 ranks each; every worker's state holds a polled snapshot and three pending estimates, as between two polls. Columns: the selection step (`scheduler::choose`: filters, the load scorer and the least-cost picker, over the loads each VM derives once per state change); a hand-written one-pass reference over the same loads, ties to the first (a floor for the step as the data is laid out); what the filter did per request before its cache (decode every worker's shared-data bytes, choose, `add` + `encode` the chosen state), without host calls; and what it does now with the state read included: `StateCache::refresh` reads every worker's state and the health record through a host that keeps shared data in a hash map (one lookup and one copy of the value per key, as a shared-data read copies it in Envoy) and decodes the one or two that changed, then the choice, its retry alternates (`scheduler::alternates`, the default 2, a second pass over the workers for the chosen rank), the estimate's write (`StateCache::write`, one compare-and-swap) and the release of the previous request's estimate. Inside Envoy each of those reads is also a host call, which costs more than the copy and is not in these figures. Bodies are `/generate` requests of the given size; `with_fields` splices `routed_dp_rank` in.\n", args.batches);
+    let _ = writeln!(md, "ns per call over {} timed batches of ~2 ms each: the median batch, and in brackets the fastest batch (the machine is shared with other work; the fastest batch is the cost without interference), native release build of the `dprank` crate (inside Envoy the same code runs as wasm in V8). Fleets of workers with 8 ranks each; every worker's state holds a polled snapshot and three pending estimates, as between two polls. Columns: the selection step (`scheduler::choose`: filters, the load scorer and the least-cost picker, over the loads each VM derives once per state change); a hand-written one-pass reference over the same loads, ties to the first (a floor for the step as the data is laid out); what the filter did per request before its cache (decode every worker's shared-data bytes, choose, `add` + `encode` the chosen state), without host calls; and what it does now with the state read included: `StateCache::refresh` reads every worker's state and the health record through a host that keeps shared data in a hash map (one lookup and one copy of the value per key, as a shared-data read copies it in Envoy) and decodes the one or two that changed, then the choice, its retry alternates (`scheduler::alternates`, the default 2, a second pass over the workers for the chosen rank), the estimate's write (`StateCache::write`, one compare-and-swap) and the release of the previous request's estimate. Inside Envoy each of those reads is also a host call, which costs more than the copy and is not in these figures. The last column is the same request with the opt-in `state_refresh_ms` ({REFRESH_MS} ms), the host's clock moving 1 ms every {REQUESTS_PER_MS} requests: each request reads the health record and the states this VM wrote since its last read, and every state once per {} requests; the other threads' estimates are then seen up to {REFRESH_MS} ms late (README, configuration). Bodies are `/generate` requests of the given size; `with_fields` splices `routed_dp_rank` in.\n", args.batches, REFRESH_MS * REQUESTS_PER_MS);
     md.push_str(&table);
     md.push('\n');
     md.push_str(&body_table);

@@ -91,6 +91,10 @@ pub struct ConfigJson {
     pub envoy_health: Option<DiscoveryJson>,
     #[serde(default)]
     pub retry_alternates: Option<u32>,
+    /// How often a VM re-reads the states of workers it is not writing (0:
+    /// every request).
+    #[serde(default)]
+    pub state_refresh_ms: Option<u64>,
     /// `body` (default) or `header`: where the chosen rank is written.
     #[serde(default)]
     pub rank_transport: Option<RankTransport>,

@@ -221,6 +221,12 @@ pub struct Config {
     /// How many other workers with the chosen rank the route header names
     /// after the chosen one, for Envoy's retries.
     pub retry_alternates: u32,
+    /// 0: every request reads every worker's state. N: a VM reads them all at
+    /// most every N ms, and in between only those whose cas it does not know
+    /// (after its own write, or a failed compare-and-swap); the chosen
+    /// worker's state is still written by compare-and-swap against the
+    /// latest, so only other VMs' estimates are seen up to N ms late.
+    pub state_refresh_ms: u64,
     /// Where the chosen rank travels: the JSON body or request headers.
     pub transport: Transport,
     /// Client request headers removed from every request: the route header,

@@ -40,6 +40,7 @@ fn minimal_config_gets_documented_defaults() {
     );
     assert_eq!(c.envoy_health, None);
     assert_eq!(c.retry_alternates, 2);
+    assert_eq!(c.state_refresh_ms, 0, "every request reads every state");
     assert_eq!(c.transport, Transport::Body);
     assert_eq!(
         c.removed_headers,
@@ -110,6 +111,7 @@ fn bad_health_and_retry_keys_are_named() {
             "passive_health.probe_share",
         ),
         (r#""retry_alternates":17"#, "retry_alternates"),
+        (r#""state_refresh_ms":1001"#, "state_refresh_ms"),
         (r#""envoy_health":{"cluster":""}"#, "envoy_health"),
     ] {
         assert_eq!(key_of(with(extra)), key, "{extra}");

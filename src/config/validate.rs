@@ -40,6 +40,15 @@ impl TryFrom<ConfigJson> for Config {
                 format!("must be 0..={MAX_RETRY_ALTERNATES}, got {retry_alternates}"),
             ));
         }
+        let state_refresh_ms = json.state_refresh_ms.unwrap_or(0);
+        if state_refresh_ms > poll_interval_ms {
+            // Longer, and a VM could miss whole polls: snapshots would look
+            // older than they are, and `stale_after_ms` would mean less.
+            return Err(invalid(
+                "state_refresh_ms",
+                format!("must be 0..=poll_interval_ms ({poll_interval_ms}), got {state_refresh_ms}"),
+            ));
+        }
         let keep_client_rank = json.keep_client_rank.unwrap_or(false);
         let cost_estimate = json.cost_estimate.unwrap_or(CostEstimate::Bytes);
         let taken: Vec<&str> = [Some(route_header.as_str()), pin_header.as_deref()]
@@ -78,6 +87,7 @@ impl TryFrom<ConfigJson> for Config {
             passive_health: passive_health(json.passive_health.unwrap_or_default())?,
             envoy_health,
             retry_alternates,
+            state_refresh_ms,
             transport,
             removed_headers,
         })

@@ -15,6 +15,11 @@ const SHARES: u64 = 1024;
 pub struct Home;
 
 impl Scorer for Home {
+    /// Only gateways that share a fleet need to lean alike.
+    fn applies(&self, ctx: &Context) -> bool {
+        ctx.affinity.is_some() && ctx.gateways > 1
+    }
+
     fn score(&self, ctx: &Context, worker: &WorkerView, costs: &mut [Slot]) {
         let Some(affinity) = ctx.affinity else { return };
         if ctx.gateways <= 1 {

@@ -2,15 +2,19 @@
 //! steps in the manner of the Gateway API Inference Extension's scheduler:
 //! filters remove candidates, scorers add to the cost of those left, and the
 //! picker takes one. Each step has its own file; the lists below are the
-//! policy, in order. Adding a step is adding a file and a line here.
+//! policy, in order. Adding a step is adding a file, a `Step` variant and a
+//! line here.
 //!
 //! Candidates are every rank a worker's last report listed (below its
 //! configured `dp_size`, if any). Steps work one worker at a time on a slice
 //! with one cost slot per rank (`REMOVED` = removed), and the picker is offered
 //! each worker's slots as soon as they are scored: a fleet of thousands of
-//! ranks costs one call per worker and step, a tight loop per rank, and no
-//! candidate list.
+//! ranks costs a tight loop per worker and step (steps are dispatched
+//! statically, and those with nothing to do for a request are left out once
+//! per choice), and no candidate list.
 
+#[cfg(test)]
+mod equivalence;
 mod fresh;
 mod headroom;
 mod healthy;
@@ -33,28 +37,95 @@ use crate::prefix::Affinity;
 use crate::state::WorkerState;
 
 /// Filters, in order: the first that drops a worker ends its turn.
-const FILTERS: &[&dyn Filter] = &[
-    &fresh::Fresh,
-    &healthy::Healthy,
-    &only_rank::OnlyRank,
-    &pinned::Pinned,
-];
+const FILTERS: &[Step] = &[Step::Fresh, Step::Healthy, Step::OnlyRank, Step::Pinned];
 /// Scorers: each adds its cost to every candidate left. Load only
 /// (`prefix_affinity: false`, and PD's decode pool), then, with `gateways`
 /// > 1, the other gateways' likely requests since the poll:
-const LOAD_SCORERS: &[&dyn Scorer] = &[&load::Load, &peers::Peers];
+const LOAD_SCORERS: &[Step] = &[Step::Load, Step::Peers];
 /// Prefix affinity: the work queued ahead, the request's own uncached
 /// prefill, the rank's load and the KV it lacks (weighted, `config/prefix.rs`);
 /// with `gateways` > 1, the others' likely requests and a lean shared by
 /// every gateway toward the same ranks for a prompt (`home`).
-const PREFIX_SCORERS: &[&dyn Scorer] = &[
-    &queue::Queue,
-    &prefix::Prefix,
-    &load::Load,
-    &kv::Kv,
-    &peers::Peers,
-    &home::Home,
+const PREFIX_SCORERS: &[Step] = &[
+    Step::Queue,
+    Step::Prefix,
+    Step::Load,
+    Step::Kv,
+    Step::Peers,
+    Step::Home,
 ];
+
+/// The steps by name, dispatched with a `match` rather than through `dyn`:
+/// the pipeline calls a step once per worker, and a static call lets each
+/// step's loop be compiled into the worker's turn (`choose` at thousands of
+/// ranks). Adding a step is adding a file, a variant and its arms here.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Step {
+    Fresh,
+    Healthy,
+    OnlyRank,
+    Pinned,
+    Queue,
+    Prefix,
+    Load,
+    Kv,
+    Peers,
+    Home,
+}
+
+impl Filter for Step {
+    #[inline]
+    fn applies(&self, ctx: &Context) -> bool {
+        match self {
+            Step::Fresh => fresh::Fresh.applies(ctx),
+            Step::Healthy => healthy::Healthy.applies(ctx),
+            Step::OnlyRank => only_rank::OnlyRank.applies(ctx),
+            Step::Pinned => pinned::Pinned.applies(ctx),
+            // Not a filter: removes nothing.
+            _ => false,
+        }
+    }
+
+    #[inline]
+    fn filter(&self, ctx: &Context, worker: &WorkerView, ranks: &mut [Slot]) -> bool {
+        match self {
+            Step::Fresh => fresh::Fresh.filter(ctx, worker, ranks),
+            Step::Healthy => healthy::Healthy.filter(ctx, worker, ranks),
+            Step::OnlyRank => only_rank::OnlyRank.filter(ctx, worker, ranks),
+            Step::Pinned => pinned::Pinned.filter(ctx, worker, ranks),
+            _ => true,
+        }
+    }
+}
+
+impl Scorer for Step {
+    #[inline]
+    fn applies(&self, ctx: &Context) -> bool {
+        match self {
+            Step::Queue => Scorer::applies(&queue::Queue, ctx),
+            Step::Prefix => Scorer::applies(&prefix::Prefix, ctx),
+            Step::Load => Scorer::applies(&load::Load, ctx),
+            Step::Kv => Scorer::applies(&kv::Kv, ctx),
+            Step::Peers => Scorer::applies(&peers::Peers, ctx),
+            Step::Home => Scorer::applies(&home::Home, ctx),
+            // Not a scorer: adds nothing.
+            _ => false,
+        }
+    }
+
+    #[inline]
+    fn score(&self, ctx: &Context, worker: &WorkerView, costs: &mut [Slot]) {
+        match self {
+            Step::Queue => queue::Queue.score(ctx, worker, costs),
+            Step::Prefix => prefix::Prefix.score(ctx, worker, costs),
+            Step::Load => load::Load.score(ctx, worker, costs),
+            Step::Kv => kv::Kv.score(ctx, worker, costs),
+            Step::Peers => peers::Peers.score(ctx, worker, costs),
+            Step::Home => home::Home.score(ctx, worker, costs),
+            _ => {}
+        }
+    }
+}
 // The picker takes one candidate from those left, as `pick` says:
 // `least_cost`, or `headroom` among the few cheapest (`choose`).
 
@@ -149,6 +220,11 @@ pub trait Filter {
 }
 
 pub trait Scorer {
+    /// Whether the scorer can add anything for this request; checked once
+    /// per choice, like `Filter::applies`.
+    fn applies(&self, _ctx: &Context) -> bool {
+        true
+    }
     /// Adds this step's cost to every slot left (saturating at `MAX_COST`); a
     /// rank it cannot score is set to `REMOVED`.
     fn score(&self, ctx: &Context, worker: &WorkerView, costs: &mut [Slot]);
@@ -176,16 +252,51 @@ thread_local! {
     static SLOTS: std::cell::RefCell<Vec<Slot>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
-/// The filters that can remove anything for `ctx` (`Filter::applies`),
-/// decided once per choice.
-type ActiveFilters = [Option<&'static dyn Filter>; FILTERS.len()];
+/// The steps that can change anything for `ctx` (`Filter::applies`,
+/// `Scorer::applies`), in order, decided once per choice: a step with
+/// nothing to do for a request costs nothing per worker.
+struct Steps {
+    filters: [Step; FILTERS.len()],
+    filter_count: usize,
+    scorers: [Step; PREFIX_SCORERS.len()],
+    scorer_count: usize,
+}
 
-fn active_filters(ctx: &Context) -> ActiveFilters {
-    let mut active: ActiveFilters = [None; FILTERS.len()];
-    for (slot, filter) in active.iter_mut().zip(FILTERS) {
-        *slot = filter.applies(ctx).then_some(*filter);
+impl Steps {
+    fn of(ctx: &Context) -> Steps {
+        let mut steps = Steps {
+            filters: [Step::Fresh; FILTERS.len()],
+            filter_count: 0,
+            scorers: [Step::Load; PREFIX_SCORERS.len()],
+            scorer_count: 0,
+        };
+        for filter in FILTERS.iter().filter(|f| Filter::applies(*f, ctx)) {
+            if let Some(slot) = steps.filters.get_mut(steps.filter_count) {
+                *slot = *filter;
+                steps.filter_count += 1;
+            }
+        }
+        let scorers = if ctx.affinity.is_some() {
+            PREFIX_SCORERS
+        } else {
+            LOAD_SCORERS
+        };
+        for scorer in scorers.iter().filter(|s| Scorer::applies(*s, ctx)) {
+            if let Some(slot) = steps.scorers.get_mut(steps.scorer_count) {
+                *slot = *scorer;
+                steps.scorer_count += 1;
+            }
+        }
+        steps
     }
-    active
+
+    fn filters(&self) -> &[Step] {
+        self.filters.get(..self.filter_count).unwrap_or_default()
+    }
+
+    fn scorers(&self) -> &[Step] {
+        self.scorers.get(..self.scorer_count).unwrap_or_default()
+    }
 }
 
 /// The pool's workers that have a state, as the steps see them.
@@ -203,8 +314,10 @@ fn views<'a>(pool: &'a Pool) -> impl Iterator<Item = WorkerView<'a>> {
 
 /// Runs the filters and scorers on one worker, leaving its cost slots (one
 /// per rank, `REMOVED`: removed) in `slots`; false when a filter dropped the
-/// whole worker.
-fn run_steps(ctx: &Context, filters: &ActiveFilters, view: &WorkerView, slots: &mut Vec<Slot>) -> bool {
+/// whole worker. Inlined into the loop over the workers: it runs once per
+/// worker, and a call per worker costs as much as a scorer's loop.
+#[inline(always)]
+fn run_steps(ctx: &Context, steps: &Steps, view: &WorkerView, slots: &mut Vec<Slot>) -> bool {
     let mut ranks = offered_ranks(view.worker, view.state);
     if let Some(only) = ctx.constraint.only_rank {
         // The slots past the one rank allowed would only be removed.
@@ -212,15 +325,10 @@ fn run_steps(ctx: &Context, filters: &ActiveFilters, view: &WorkerView, slots: &
     }
     slots.clear();
     slots.resize(ranks, 0);
-    if !filters.iter().flatten().all(|f| f.filter(ctx, view, slots)) {
+    if !steps.filters().iter().all(|f| f.filter(ctx, view, slots)) {
         return false;
     }
-    let scorers = if ctx.affinity.is_some() {
-        PREFIX_SCORERS
-    } else {
-        LOAD_SCORERS
-    };
-    for scorer in scorers {
+    for scorer in steps.scorers() {
         scorer.score(ctx, view, slots);
     }
     true
@@ -237,11 +345,11 @@ pub fn choose(pool: &Pool, ctx: &Context) -> Option<Candidate> {
 }
 
 fn choose_by<P: Picker>(pool: &Pool, ctx: &Context) -> Option<Candidate> {
-    let filters = active_filters(ctx);
+    let steps = Steps::of(ctx);
     let mut picker = P::new(ctx);
     SLOTS.with_borrow_mut(|slots| {
         for view in views(pool) {
-            if run_steps(ctx, &filters, &view, slots) {
+            if run_steps(ctx, &steps, &view, slots) {
                 picker.offer(view.index, slots);
             }
         }
@@ -271,12 +379,12 @@ pub fn alternates(pool: &Pool, ctx: &Context, chosen: &Candidate, max: usize) ->
         admit_probing: false,
         ..*ctx
     };
-    let filters = active_filters(&strict);
+    let steps = Steps::of(&strict);
     let mut found = Vec::new();
     SLOTS.with_borrow_mut(|slots| {
         for view in views(pool) {
             let worker = view.index + pool.offset;
-            if worker == chosen.worker || !run_steps(&strict, &filters, &view, slots) {
+            if worker == chosen.worker || !run_steps(&strict, &steps, &view, slots) {
                 continue;
             }
             if let Some(&cost) = slots.get(chosen.rank as usize).filter(|c| **c != REMOVED) {
@@ -404,6 +512,33 @@ mod tests {
             "b is stale"
         );
         assert_eq!(choose(&pool(&workers, &none, &no_loads), &at(1000)), None);
+    }
+
+    #[test]
+    fn steps_with_nothing_to_do_are_left_out_once_per_choice() {
+        let plain = ctx(Constraint::default());
+        let steps = Steps::of(&plain);
+        assert_eq!(steps.filters(), [Step::Fresh], "a healthy fleet, no constraint");
+        assert_eq!(steps.scorers(), [Step::Load], "one gateway: no peers");
+        let mut health = Health::default();
+        health.envoy_unhealthy.push(worker("a", 1, None).address);
+        let busy = Context {
+            constraint: Constraint {
+                only_rank: Some(1),
+                pin: Some("a/1"),
+            },
+            health: &health,
+            gateways: 3,
+            ..plain
+        };
+        let steps = Steps::of(&busy);
+        assert_eq!(steps.filters(), FILTERS);
+        assert_eq!(steps.scorers(), LOAD_SCORERS);
+        assert!(
+            !Scorer::applies(&Step::Home, &busy),
+            "no prefix affinity: no lean"
+        );
+        assert!(!Filter::applies(&Step::Load, &busy) && !Scorer::applies(&Step::Fresh, &busy));
     }
 
     #[test]

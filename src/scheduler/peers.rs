@@ -11,6 +11,11 @@ use crate::prefix::affinity::weighted;
 pub struct Peers;
 
 impl Scorer for Peers {
+    /// Alone on the fleet there are no others' requests to count.
+    fn applies(&self, ctx: &Context) -> bool {
+        ctx.gateways > 1
+    }
+
     fn score(&self, ctx: &Context, worker: &WorkerView, costs: &mut [Slot]) {
         let others = u64::from(ctx.gateways.saturating_sub(1));
         if others == 0 {

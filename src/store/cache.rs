@@ -13,6 +13,13 @@
 //! call when nobody wrote the worker in between. The health record is read
 //! the same way: one read per request, decoded only when another request
 //! ended badly (or the poller changed it) since.
+//!
+//! With `state_refresh_ms` N > 0 (opt-in) a VM reads every state at most
+//! every N ms; in between it reads only the states whose cas it does not know
+//! (those it wrote itself, or whose compare-and-swap failed), so another
+//! VM's estimates reach it up to N ms late. Its own writes are still
+//! compare-and-swaps against the latest state: a stale copy makes the swap
+//! fail, and the write is then done on a fresh read, so nothing is lost.
 
 use super::{decode, encode_into, update_worker, IfMissing, Keys};
 use crate::config::Config;
@@ -51,6 +58,9 @@ pub struct StateCache {
     encoded: Vec<u8>,
     /// `<p>.health`, when the configuration reads it.
     health: HealthCopy,
+    /// When every state was last read (`state_refresh_ms`); None: not yet
+    /// under this configuration.
+    read_all_at_ms: Option<u64>,
 }
 
 /// The health record as last read.
@@ -72,8 +82,21 @@ impl StateCache {
             self.follow(config);
         }
         self.refresh_health(host);
+        let every = config.state_refresh_ms;
+        let now_ms = if every > 0 { host.now_ms() } else { 0 };
+        let read_all = every == 0
+            || self
+                .read_all_at_ms
+                .is_none_or(|at| now_ms.saturating_sub(at) >= every);
+        if read_all && every > 0 {
+            self.read_all_at_ms = Some(now_ms);
+        }
         let mut relayout = false;
         for (index, (entry, state)) in self.entries.iter_mut().zip(&mut self.states).enumerate() {
+            if !read_all && entry.cas.is_some() {
+                // Read within the last `state_refresh_ms`, and not written since by this VM.
+                continue;
+            }
             let changed = match host.shared_get(&entry.key) {
                 Some((_, read)) if entry.cas == Some(read) => false,
                 Some((bytes, read)) => {
@@ -139,6 +162,7 @@ impl StateCache {
             .collect();
         self.states = vec![None; self.entries.len()];
         self.loads = Loads::of(&self.states);
+        self.read_all_at_ms = None;
         self.config = Some(config.clone());
     }
 
@@ -477,6 +501,60 @@ mod tests {
             assert_current(cache, &c, &h);
             assert_eq!(cache.states()[1].as_ref().unwrap().effective_tokens(2), Some(20));
         }
+    }
+
+    #[test]
+    fn with_state_refresh_ms_the_states_are_all_read_at_most_that_often() {
+        let (c, h) = fleet(r#","state_refresh_ms":500"#);
+        let c = Rc::new(c);
+        let mut cache = StateCache::default();
+        cache.refresh(&c, &h);
+        assert_current(&cache, &c, &h);
+        let reads = shared_reads(&h);
+        cache.refresh(&c, &h);
+        assert_eq!(shared_reads(&h) - reads, 1, "the health record only");
+        // Another VM's poll of worker 1 is seen once the interval is over.
+        poll(&c, &h, 1, &[7, 7, 7, 7]);
+        h.now.set(10_499);
+        cache.refresh(&c, &h);
+        assert_eq!(cache.states()[1].as_ref().unwrap().polled_tokens(0), Some(100));
+        h.now.set(10_500);
+        let reads = shared_reads(&h);
+        cache.refresh(&c, &h);
+        assert_eq!(
+            shared_reads(&h) - reads,
+            2 + 1,
+            "every state and the health record"
+        );
+        assert_current(&cache, &c, &h);
+    }
+
+    #[test]
+    fn stale_reads_lose_no_write_of_the_chosen_worker() {
+        let (c, h) = fleet(r#","state_refresh_ms":1000"#);
+        let c = Rc::new(c);
+        let (mut mine, mut other) = (StateCache::default(), StateCache::default());
+        mine.refresh(&c, &h);
+        other.refresh(&c, &h);
+        other.write(&c, &h, 1, |s| s.add(1, 2, 10)).unwrap();
+        mine.refresh(&c, &h);
+        let tokens = |cache: &StateCache| cache.states()[1].as_ref().unwrap().effective_tokens(2);
+        assert_eq!(tokens(&mine), Some(20), "the other VM's estimate is not seen yet");
+        // Written against a stale cas: the swap fails and the write is
+        // made on a fresh read, over the other VM's estimate.
+        mine.write(&c, &h, 1, |s| s.add(1, 2, 20)).unwrap();
+        let stored = crate::store::read_worker_states(&c, &h);
+        assert_eq!(stored[1].as_ref().unwrap().effective_tokens(2), Some(50));
+        // Both VMs read a state they wrote at their next request, stale or not.
+        for cache in [&mut mine, &mut other] {
+            cache.refresh(&c, &h);
+            assert_current(cache, &c, &h);
+            assert_eq!(tokens(cache), Some(50));
+        }
+        // And the next estimate is one compare-and-swap on the state read.
+        let writes = h.host_calls("shared_set");
+        mine.write(&c, &h, 1, |s| s.add(1, 2, 1)).unwrap();
+        assert_eq!(h.host_calls("shared_set") - writes, 1);
     }
 
     #[test]
