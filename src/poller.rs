@@ -356,6 +356,7 @@ fn apply_report(config: &Config, host: &dyn Host, index: usize, w: &Worker, seq:
             None => Vec::new(),
         })
     });
+    store::create_index(config, host, index);
     if let (Some(prefix), Some(shrink)) = (&config.prefix, shrink.filter(|s| !s.is_empty())) {
         store::update_index(config, host, index, None, |view| {
             let mut record = IndexRecord::from_view(view.as_ref(), prefix.block_bytes, now);

@@ -11,7 +11,7 @@
 //! | `<p>.vms` | [`VmCount`]: hands every VM its id | each VM once |
 //! | `<p>.members` | [`Members`]: a cluster's current workers | poller (`workers_from_cluster`) |
 //! | `<p>.config` | [`Announced`]: the configuration last logged | each VM at start-up |
-//! | `<p>.px.<ip:port>` | [`IndexRecord`]: that worker's prefix index (prefix affinity) | router (routed prompts), poller (cache feedback) |
+//! | `<p>.px.<ip:port>` | [`IndexRecord`]: that worker's prefix index (prefix affinity) | poller (creates it, cache feedback), router (routed prompts) |
 //! | `<p>.refused` | [`Refused`]: workers whose last load report was refused | poller |
 //! | `<p>.health` | [`Health`]: targets not plainly healthy, hosts Envoy reports unhealthy | request ends (passive health), poller (Envoy's view) |
 //!
@@ -306,10 +306,31 @@ pub fn update<T: Record, R>(
     None
 }
 
+/// Creates worker `index`'s prefix index, empty, if it keeps one and it
+/// does not exist yet. Only the poller calls this, under its lease: a
+/// write to an absent key ignores the compare-and-swap token (Envoy
+/// inserts it whatever the token), so two routing threads that both found
+/// the key absent would each write their own first index and the later
+/// write would erase the earlier one.
+pub fn create_index(config: &Config, host: &dyn Host, index: usize) {
+    let (Some(prefix), Some(worker)) = (&config.prefix, config.worker(index)) else {
+        return;
+    };
+    if !config.keeps_prefix_index(index) {
+        return;
+    }
+    let key = Keys::of(config).prefix_index(&worker.address);
+    if host.shared_get(&key).is_none() {
+        let empty = IndexRecord::empty(prefix.block_bytes, host.now_ms());
+        let _ = host.shared_set(&key, &encode(&empty), None);
+    }
+}
+
 /// Read-modify-write of worker `index`'s prefix index under
 /// compare-and-swap. `first` is a value already read (None: read it here);
 /// `change` gets the current index, if readable, and returns the new one, or
-/// None to write nothing. False when nothing was written.
+/// None to write nothing. False when nothing was written, and always while
+/// the index does not exist: the poller creates it ([`create_index`]).
 pub fn update_index(
     config: &Config,
     host: &dyn Host,
@@ -322,12 +343,13 @@ pub fn update_index(
     };
     let key = Keys::of(config).prefix_index(&worker.address);
     for _ in 0..CAS_ATTEMPTS {
-        let current = first.take().unwrap_or_else(|| host.shared_get(&key));
-        let view = current.as_ref().and_then(|(bytes, _)| decode_view(bytes));
-        let Some(new) = change(view) else {
+        let Some((bytes, cas)) = first.take().unwrap_or_else(|| host.shared_get(&key)) else {
             return false;
         };
-        match host.shared_set(&key, &encode(&new), current.map(|(_, cas)| cas)) {
+        let Some(new) = change(decode_view(&bytes)) else {
+            return false;
+        };
+        match host.shared_set(&key, &encode(&new), Some(cas)) {
             Ok(()) => return true,
             Err(SharedSetError::CasMismatch) => continue,
             Err(SharedSetError::Failed) => return false,
@@ -492,8 +514,9 @@ pub fn shared_bytes(config: &Config, host: &dyn Host) -> u64 {
     let workers = config.all_workers().map(|w| keys.worker(&w.address));
     let indexes = config
         .all_workers()
-        .filter(|_| config.prefix.is_some())
-        .map(|w| keys.prefix_index(&w.address));
+        .enumerate()
+        .filter(|(i, _)| config.keeps_prefix_index(*i))
+        .map(|(_, w)| keys.prefix_index(&w.address));
     fixed
         .into_iter()
         .chain(workers)
@@ -517,6 +540,53 @@ mod tests {
         let seq = w.begin_poll();
         w.apply_snapshot(seq, 1000, &tokens.iter().map(|t| Some(*t)).collect::<Vec<_>>());
         w
+    }
+
+    #[test]
+    fn only_the_poller_creates_a_prefix_index() {
+        let c = config();
+        let h = FakeHost::default();
+        let key = Keys::of(&c).prefix_index(&c.routed()[0].address);
+        let touch = |h: &FakeHost| {
+            update_index(&c, h, 0, None, |view| {
+                let mut record = IndexRecord::from_view(view.as_ref(), 512, 1000);
+                record.touch(0, &[&[1, 2]], 1000, 60_000, 100).then_some(record)
+            })
+        };
+        // A router never writes an absent index: its write would ignore the
+        // cas and could erase another thread's first index.
+        assert!(!touch(&h));
+        assert!(h.shared_get(&key).is_none());
+        create_index(&c, &h, 0);
+        let (_, created) = h.shared_get(&key).unwrap();
+        assert!(touch(&h));
+        // Created once: a later poll leaves what routers wrote.
+        create_index(&c, &h, 0);
+        let (bytes, cas) = h.shared_get(&key).unwrap();
+        assert_ne!(cas, created);
+        let view: IndexView = decode_view(&bytes).unwrap();
+        assert_eq!(view.rank(0).map_or(0, |r| r.matched(&[1, 2], 0)), 2);
+    }
+
+    #[test]
+    fn a_pd_fleet_keeps_prefix_indexes_for_its_prefill_workers_only() {
+        let c = Config::from_json(
+            br#"{"prefill_workers":[{"address":"10.0.0.1:1"}],"decode_workers":[{"address":"10.0.0.2:1"}]}"#,
+        )
+        .unwrap();
+        let h = FakeHost::default();
+        for i in 0..2 {
+            create_index(&c, &h, i);
+        }
+        let keys = Keys::of(&c);
+        let exists = |a: &str| h.shared_get(&keys.prefix_index(&a.parse().unwrap())).is_some();
+        assert!(exists("10.0.0.1:1") && !exists("10.0.0.2:1"));
+        let off =
+            Config::from_json(br#"{"workers":[{"address":"127.0.0.1:1"}],"prefix_affinity":false}"#).unwrap();
+        create_index(&off, &h, 0);
+        assert!(h
+            .shared_get(&Keys::of(&off).prefix_index(&off.routed()[0].address))
+            .is_none());
     }
 
     #[test]

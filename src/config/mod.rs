@@ -313,6 +313,17 @@ impl Config {
         self.routed().len()
     }
 
+    /// Whether worker `index` (`all_workers` order) keeps a prefix index:
+    /// with prefix affinity, the pool whose rank it chooses (PD's prefill
+    /// pool, otherwise the routed one).
+    pub fn keeps_prefix_index(&self, index: usize) -> bool {
+        self.prefix.is_some()
+            && match self.pd() {
+                Some(_) => index >= self.prefill_offset(),
+                None => true,
+            }
+    }
+
     /// A worker by its index in `all_workers`.
     pub fn worker(&self, index: usize) -> Option<&Worker> {
         self.all_workers().nth(index)

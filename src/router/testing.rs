@@ -26,6 +26,7 @@ pub fn poll(config: &Config, host: &FakeHost, i: usize, tokens: &[u64]) {
         s.apply_snapshot(seq, now, &tokens).then_some(())
     })
     .unwrap();
+    store::create_index(config, host, i);
 }
 
 /// `config(extra)` at t = 10 s with a: [100, 50, 100, 100], b: [100, 100, 20, 100].

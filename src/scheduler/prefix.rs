@@ -36,7 +36,8 @@ mod tests {
         let body = format!(r#"{{"text":"{}"}}"#, "p".repeat(256));
         let object = JsonObject::parse(body.as_bytes()).unwrap();
         let blocks = || PromptBlocks::of(&object, 64);
-        // Rank 1 was sent the same prompt before.
+        // Rank 1 was sent the same prompt before (into the index a poll created).
+        crate::store::create_index(&config, &h, 0);
         Affinity::new(&config, &settings, &h, 0, blocks(), true, 0).record(0, 1, None);
         let affinity = Affinity::new(&config, &settings, &h, 0, blocks(), true, 0);
         let w = worker("a", 1, None);
