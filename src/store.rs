@@ -21,6 +21,15 @@
 //! does not decode whole, reads as absent, so a filter that changes a layout
 //! starts that record afresh instead of misreading it. An empty value is the
 //! way to delete a key (proxy-wasm has no delete): it reads as absent too.
+//!
+//! Envoy writes an absent key whatever the compare-and-swap token, so the
+//! first write of a key is not guarded: of two first writes at once, the
+//! later erases the earlier. Worker states and prefix indexes are created
+//! only by the poller, under its lease. The other records are created by
+//! their first writer, where a lost first write costs little: the health
+//! record one failure count, `vms` a duplicate VM id (two VMs then share the
+//! lease, and still only one polls per interval: the lease keeps when the
+//! last round started).
 
 use crate::config::Config;
 use crate::health::Health;
