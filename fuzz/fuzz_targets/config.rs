@@ -311,7 +311,7 @@ fn generate(u: &mut Unstructured) -> Result<Map<String, Value>> {
         let fits = if pd_keys.contains(&key) { pd } else { !(pd && key == "rank_field") };
         Ok(fits || g.bad()?)
     };
-    for key in ["poll_interval_ms", "poll_timeout_ms", "stale_after_ms", "prefill_timeout_ms"] {
+    for key in ["poll_interval_ms", "poll_timeout_ms", "stale_after_ms", "prefill_timeout_ms", "state_refresh_ms"] {
         if key_fits(&mut g, key)? {
             if let Some(v) = g.maybe(|g| g.ms())? {
                 c.insert(key.into(), v);
@@ -484,6 +484,8 @@ fn check_taken_as_written(given: &Map<String, Value>, c: &Config) {
             assert!(given.get(k).is_none_or(Value::is_null), "`{k}` accepted in body mode");
         }
     }
+    assert_eq!(c.state_refresh_ms, num("state_refresh_ms").unwrap_or(0));
+    assert!(c.state_refresh_ms <= c.poll_interval_ms, "state refresh beyond the poll interval");
     // Scale-out and retries: taken as written.
     assert_eq!(u64::from(c.gateways), num("gateways").unwrap_or(1));
     if let Some(v) = num("retry_alternates") {
