@@ -10,7 +10,7 @@ use crate::load::{parse_load_details, LoadError, LoadReport};
 use crate::metrics::{self, PerWorker};
 use crate::prefix::index::IndexRecord;
 use crate::store::{self, IfMissing, Members};
-use hashbrown::HashMap;
+use hashbrown::{HashMap, HashSet};
 use std::net::SocketAddr;
 
 /// Header that tells the ORIGINAL_DST poll cluster which host to connect to.
@@ -60,6 +60,10 @@ pub struct Poller {
     outstanding: HashMap<u32, Call>,
     /// Whether the last poll of each worker succeeded, to log changes only.
     healthy: HashMap<SocketAddr, bool>,
+    /// Prefix index keys this VM knows exist. A shared-data key, once
+    /// written, is never absent again (proxy-wasm has no delete), so each is
+    /// checked once per VM instead of copying the whole index at every poll.
+    indexes: HashSet<String>,
 }
 
 /// How often every thread's root context ticks: fine enough for sub-second
@@ -81,6 +85,7 @@ impl Poller {
             generation: configured_at_ms,
             outstanding: HashMap::new(),
             healthy: HashMap::new(),
+            indexes: HashSet::new(),
         }
     }
 
@@ -96,6 +101,18 @@ impl Poller {
     fn lease_round_due(&mut self, config: &Config, host: &dyn Host) -> bool {
         let me = self.vm_id(config, host);
         me != 0 && store::claim_poll_round(config, host, me, self.generation, lease_ttl_ms(config))
+    }
+
+    /// Creates worker `index`'s prefix index at its first poll answered here
+    /// (`store::create_index`), then no more reads of it.
+    fn create_index(&mut self, config: &Config, host: &dyn Host, index: usize, w: &Worker) {
+        if config.prefix.is_none() {
+            return;
+        }
+        let key = store::Keys::of(config).prefix_index(&w.address);
+        if !self.indexes.contains(&key) && store::create_index(config, host, index) {
+            self.indexes.insert(key);
+        }
     }
 
     pub fn on_tick(&mut self, config: &Config, host: &dyn Host) {
@@ -283,6 +300,7 @@ impl Poller {
         let ok = match outcome {
             Ok(report) => {
                 apply_report(config, host, index, w, call.seq, report);
+                self.create_index(config, host, index, w);
                 observe::poll_answered(config, host, w.address);
                 if store::set_refused(config, host, w.address, false) {
                     log::info!("{} reports sensible ranks again", w.endpoint());
@@ -356,7 +374,6 @@ fn apply_report(config: &Config, host: &dyn Host, index: usize, w: &Worker, seq:
             None => Vec::new(),
         })
     });
-    store::create_index(config, host, index);
     if let (Some(prefix), Some(shrink)) = (&config.prefix, shrink.filter(|s| !s.is_empty())) {
         store::update_index(config, host, index, None, |view| {
             let mut record = IndexRecord::from_view(view.as_ref(), prefix.block_bytes, now);

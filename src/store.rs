@@ -316,23 +316,24 @@ pub fn update<T: Record, R>(
 }
 
 /// Creates worker `index`'s prefix index, empty, if it keeps one and it
-/// does not exist yet. Only the poller calls this, under its lease: a
-/// write to an absent key ignores the compare-and-swap token (Envoy
-/// inserts it whatever the token), so two routing threads that both found
-/// the key absent would each write their own first index and the later
-/// write would erase the earlier one.
-pub fn create_index(config: &Config, host: &dyn Host, index: usize) {
+/// does not exist yet; true when it exists now. Only the poller calls
+/// this, under its lease: a write to an absent key ignores the
+/// compare-and-swap token (Envoy inserts it whatever the token), so two
+/// routing threads that both found the key absent would each write their
+/// own first index and the later write would erase the earlier one.
+pub fn create_index(config: &Config, host: &dyn Host, index: usize) -> bool {
     let (Some(prefix), Some(worker)) = (&config.prefix, config.worker(index)) else {
-        return;
+        return false;
     };
     if !config.keeps_prefix_index(index) {
-        return;
+        return false;
     }
     let key = Keys::of(config).prefix_index(&worker.address);
-    if host.shared_get(&key).is_none() {
-        let empty = IndexRecord::empty(prefix.block_bytes, host.now_ms());
-        let _ = host.shared_set(&key, &encode(&empty), None);
+    if host.shared_get(&key).is_some() {
+        return true;
     }
+    let empty = IndexRecord::empty(prefix.block_bytes, host.now_ms());
+    host.shared_set(&key, &encode(&empty), None).is_ok()
 }
 
 /// Read-modify-write of worker `index`'s prefix index under

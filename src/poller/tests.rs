@@ -425,3 +425,25 @@ fn a_worker_ejected_for_broken_streams_then_gone_returns_at_its_first_good_poll(
     p.on_response(&c, &h, token, Some(200), br#"[{"dp_rank":0,"num_tokens":1}]"#);
     assert_eq!(phase(&h), Some(Phase::Probing), "its cooldown (10 s) ended early");
 }
+
+#[test]
+fn a_prefix_index_is_created_at_the_first_answered_poll_and_not_read_again() {
+    let answer_reads = |extra: &str| {
+        let (c, h, mut p) = first_round(extra);
+        let key = Keys::of(&c).prefix_index(&c.routed()[0].address);
+        let body = br#"[{"dp_rank":0,"num_tokens":7}]"#;
+        p.on_response(&c, &h, 1, Some(200), body);
+        let created = h.shared_get(&key).is_some();
+        h.now.set(9_000_000 + 1000);
+        p.on_tick(&c, &h);
+        let token = h.calls.borrow().iter().map(|c| c.2).nth(2).unwrap();
+        let reads = h.host_calls("shared_get");
+        p.on_response(&c, &h, token, Some(200), body);
+        (created, h.host_calls("shared_get") - reads)
+    };
+    let (created, with_index) = answer_reads("");
+    assert!(created, "the first answered poll creates the index");
+    let (none, without) = answer_reads(r#","prefix_affinity":false"#);
+    assert!(!none, "no index without prefix affinity");
+    assert_eq!(with_index, without, "a later answer does not read the index");
+}
