@@ -264,30 +264,19 @@ struct Steps {
 
 impl Steps {
     fn of(ctx: &Context) -> Steps {
-        let mut steps = Steps {
-            filters: [Step::Fresh; FILTERS.len()],
-            filter_count: 0,
-            scorers: [Step::Load; PREFIX_SCORERS.len()],
-            scorer_count: 0,
-        };
-        for filter in FILTERS.iter().filter(|f| Filter::applies(*f, ctx)) {
-            if let Some(slot) = steps.filters.get_mut(steps.filter_count) {
-                *slot = *filter;
-                steps.filter_count += 1;
-            }
-        }
         let scorers = if ctx.affinity.is_some() {
             PREFIX_SCORERS
         } else {
             LOAD_SCORERS
         };
-        for scorer in scorers.iter().filter(|s| Scorer::applies(*s, ctx)) {
-            if let Some(slot) = steps.scorers.get_mut(steps.scorer_count) {
-                *slot = *scorer;
-                steps.scorer_count += 1;
-            }
+        let (filters, filter_count) = kept(FILTERS, |f| Filter::applies(f, ctx));
+        let (scorers, scorer_count) = kept(scorers, |s| Scorer::applies(s, ctx));
+        Steps {
+            filters,
+            filter_count,
+            scorers,
+            scorer_count,
         }
-        steps
     }
 
     fn filters(&self) -> &[Step] {
@@ -297,6 +286,20 @@ impl Steps {
     fn scorers(&self) -> &[Step] {
         self.scorers.get(..self.scorer_count).unwrap_or_default()
     }
+}
+
+/// The steps of `list` that `keep`, in order, at the front of an array
+/// (no allocation per choice), and how many they are.
+fn kept<const N: usize>(list: &[Step], keep: impl Fn(&Step) -> bool) -> ([Step; N], usize) {
+    let mut out = [Step::Load; N];
+    let mut count = 0;
+    for step in list.iter().filter(|s| keep(s)) {
+        if let Some(slot) = out.get_mut(count) {
+            *slot = *step;
+            count += 1;
+        }
+    }
+    (out, count)
 }
 
 /// The pool's workers that have a state, as the steps see them.
