@@ -5,6 +5,7 @@
 //! later work (prefix affinity, many gateways) reuses the harness by naming
 //! its own variants.
 
+use std::collections::HashSet;
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -295,7 +296,8 @@ pub struct SuiteArgs {
     #[arg(long)]
     pub out: Option<PathBuf>,
     /// Keep earlier records of this suite in runs.jsonl and run only the
-    /// missing cells (otherwise they are replaced).
+    /// missing cells, reusing runs another suite made with the same settings
+    /// (otherwise the suite's records are replaced).
     #[arg(long)]
     pub resume: bool,
     /// Print the cells and the estimated duration, run nothing.
@@ -514,9 +516,22 @@ pub async fn run_suite(
     let suite = &suite;
     let cells = suite.cells(&rate_of)?;
     let done = if args.resume {
-        results.done_keys()?
+        let records = results.load()?;
+        let reused = reusable(&records, &suite.name, &cells);
+        if !reused.is_empty() {
+            println!(
+                "{} run(s) another suite made with the same settings are reused",
+                reused.len()
+            );
+        }
+        if !args.dry_run {
+            for record in &reused {
+                results.append(record)?;
+            }
+        }
+        records.iter().chain(&reused).map(|r| r.key.clone()).collect()
     } else {
-        Default::default()
+        HashSet::new()
     };
     let todo: Vec<&Cell> = cells.iter().filter(|c| !done.contains(&c.key())).collect();
     let estimate: f64 = todo.iter().map(|c| estimate_run_s(c)).sum();
@@ -618,6 +633,34 @@ pub async fn run_suite(
         ));
     }
     Ok(())
+}
+
+/// With `--resume`, a cell another suite already ran into the same results
+/// file (same workload, KV, variant, rate, seed, durations and time scale) is
+/// not run again: its record is copied under this suite's name. So `tables`
+/// after `bench` runs only the baselines `bench` lacks.
+fn reusable(records: &[RunRecord], suite: &str, cells: &[Cell]) -> Vec<RunRecord> {
+    // A key is `suite|the run's settings`.
+    let settings = |key: &str| key.split_once('|').map(|(_, rest)| rest.to_string());
+    let done: HashSet<&str> = records.iter().map(|r| r.key.as_str()).collect();
+    let mut out = Vec::new();
+    for cell in cells {
+        let key = cell.key();
+        if done.contains(key.as_str()) {
+            continue;
+        }
+        let wanted = settings(&key);
+        if let Some(earlier) = records
+            .iter()
+            .find(|r| r.suite != suite && settings(&r.key) == wanted)
+        {
+            let mut copy = earlier.clone();
+            copy.suite = suite.to_string();
+            copy.key = key;
+            out.push(copy);
+        }
+    }
+    out
 }
 
 /// Removes a suite's records from the results file (a fresh run replaces them).
@@ -818,6 +861,38 @@ mod tests {
             why.contains("least_load 600 ms") && why.contains("cache_aware 900 ms"),
             "{why}"
         );
+    }
+
+    #[test]
+    fn resume_reuses_another_suites_run_of_the_same_cell() {
+        let bench = Suite::preset("bench").unwrap();
+        let tables = Suite::preset("tables").unwrap();
+        let rate = |_: &Workload, _: Kv, load: f64| Ok(10.0 * load);
+        let bench_cells = bench.cells(&rate).unwrap();
+        let tables_cells = tables.cells(&rate).unwrap();
+        let ran = |c: &Cell| RunRecord {
+            key: c.key(),
+            suite: c.suite.clone(),
+            variant: c.variant.name.clone(),
+            ..crate::report::tests::record("x", c.seed, 1.0, 1.0)
+        };
+        let records: Vec<RunRecord> = bench_cells.iter().map(ran).collect();
+        let reused = reusable(&records, "tables", &tables_cells);
+        // Every `bench` run is reused, under `tables`' name and key.
+        assert_eq!(reused.len(), bench_cells.len());
+        let keys: HashSet<String> = tables_cells.iter().map(Cell::key).collect();
+        assert!(reused
+            .iter()
+            .all(|r| r.suite == "tables" && keys.contains(&r.key)));
+        // Runs `tables` made itself are not copied again; other settings never match.
+        let mut records = records;
+        records.extend(reused);
+        assert!(reusable(&records, "tables", &tables_cells).is_empty());
+        let longer = Suite {
+            duration_s: 30.0,
+            ..tables
+        };
+        assert!(reusable(&records, "tables", &longer.cells(&rate).unwrap()).is_empty());
     }
 
     #[test]
