@@ -13,7 +13,7 @@ IMAGE ?= dprank-wasm:$(VERSION)
 help:
 	@echo "make demo   - one seeded trace through Envoy round robin, then Envoy + dprank, side by side"
 	@echo "make test   - every test: unit, simulator, end-to-end in a real Envoy, deployment files, fuzz smoke"
-	@echo "make bench  - headline tables (~58 min): dprank vs round robin, SGLang's balancer, smg, the oracle; overhead"
+	@echo "make bench  - headline tables (54 min measured): dprank vs round robin, SGLang's balancer, smg, the oracle; overhead"
 	@echo "make bench-pd    - PD fleet: dprank vs the old rule vs smg, equal freshness and defaults (~9 min)"
 	@echo "make bench-quick - a quick look (~6 min)"
 	@echo "make bench-full  - everything for the committed results (~6 h; dprank-bench full --resume continues one)"
