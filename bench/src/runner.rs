@@ -128,7 +128,8 @@ pub struct Cell {
 }
 
 impl Cell {
-    /// What identifies a finished run in the results file.
+    /// What identifies a finished run in the results file: the suite, then
+    /// the run's settings (`settings_of` takes them back out).
     pub fn key(&self) -> String {
         format!(
             "{}|{}|{}|{}|{:.4}|{}|{}+{}|{}",
@@ -143,6 +144,12 @@ impl Cell {
             self.time_scale
         )
     }
+}
+
+/// The run's settings in a `Cell::key` (everything after the suite): two
+/// suites' runs with equal settings are the same run.
+pub fn settings_of(key: &str) -> &str {
+    key.split_once('|').map_or(key, |(_, settings)| settings)
 }
 
 /// What one run measured; one JSON line in the results file.

@@ -5,7 +5,7 @@
 //! later work (prefix affinity, many gateways) reuses the harness by naming
 //! its own variants.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -16,7 +16,7 @@ use crate::capacity::{self, CapacityFile};
 use crate::fleet::Tools;
 use crate::plot;
 use crate::report::{self, group, group_notes, group_table, group_title, report_header};
-use crate::runner::{run_cell, Cell, FleetShape, Kv, ResultsFile, RunRecord, Skipped};
+use crate::runner::{run_cell, settings_of, Cell, FleetShape, Kv, ResultsFile, RunRecord, Skipped};
 use crate::stats::Slo;
 use crate::variant::{SimFeatures, Variant};
 use crate::workload::{ReplaySource, Workload, WorkloadKind};
@@ -640,21 +640,20 @@ pub async fn run_suite(
 /// not run again: its record is copied under this suite's name. So `tables`
 /// after `bench` runs only the baselines `bench` lacks.
 fn reusable(records: &[RunRecord], suite: &str, cells: &[Cell]) -> Vec<RunRecord> {
-    // A key is `suite|the run's settings`.
-    let settings = |key: &str| key.split_once('|').map(|(_, rest)| rest.to_string());
     let done: HashSet<&str> = records.iter().map(|r| r.key.as_str()).collect();
+    // The first run of each setting made by another suite.
+    let mut others: HashMap<&str, &RunRecord> = HashMap::new();
+    for r in records.iter().filter(|r| r.suite != suite) {
+        others.entry(settings_of(&r.key)).or_insert(r);
+    }
     let mut out = Vec::new();
     for cell in cells {
         let key = cell.key();
         if done.contains(key.as_str()) {
             continue;
         }
-        let wanted = settings(&key);
-        if let Some(earlier) = records
-            .iter()
-            .find(|r| r.suite != suite && settings(&r.key) == wanted)
-        {
-            let mut copy = earlier.clone();
+        if let Some(earlier) = others.get(settings_of(&key)) {
+            let mut copy = (*earlier).clone();
             copy.suite = suite.to_string();
             copy.key = key;
             out.push(copy);
