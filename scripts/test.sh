@@ -53,6 +53,13 @@ read -r p f < <(cargo_counts "$logs/rust.log")
 [ "$rc" != 0 ] && [ "$f" = 0 ] && f=1
 record rust "$rc" "$p" "$f" "$p passed, $f failed (unit, simulator, end-to-end in Envoy; cargo test)"
 
+# The overhead benchmark's no-op filter is a workspace of its own.
+run noop cargo test --release --manifest-path bench/noop-filter/Cargo.toml --target-dir target
+rc=$?
+read -r p f < <(cargo_counts "$logs/noop.log")
+[ "$rc" != 0 ] && [ "$f" = 0 ] && f=1
+record noop "$rc" "$p" "$f" "$p passed, $f failed (the overhead benchmark's no-op filter; cargo test)"
+
 run python python3 -m unittest discover -s scripts/tests
 rc=$?
 ran=$(sed -n 's/^Ran \([0-9]*\) tests\{0,1\} in .*/\1/p' "$logs/python.log" | tail -n 1)

@@ -16,8 +16,39 @@ pub enum Balancer {
     LeastRequest,
     /// dprank's filter replaced by the no-op filter (bench/noop-filter) at
     /// the same place with the same settings: the floor of a wasm filter.
-    /// `buffer`: hold the request until its body is whole, read it once.
-    Noop { buffer: bool },
+    Noop(NoopMode),
+}
+
+/// What the no-op filter does (its modes, bench/noop-filter).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NoopMode {
+    /// Continue at once; the body streams through.
+    Pass,
+    /// Hold the request until its body is whole, read it once.
+    Buffer,
+    /// `Pass`, plus the route and rank headers naming the first worker and
+    /// rank 0: what routing by header costs in Envoy, without a choice.
+    RouteHeader,
+    /// `Buffer`, plus the rank field spliced into the body, the body
+    /// replaced, and the route header and `content-length` set.
+    RouteBody,
+}
+
+impl NoopMode {
+    /// The filter's configuration for this mode, naming `first` where it routes.
+    fn configuration(self, first: Option<&SocketAddr>) -> Result<String, String> {
+        let routed = |mode: &str| {
+            first
+                .map(|w| format!("{mode} {w}"))
+                .ok_or_else(|| format!("no-op filter `{mode}`: no worker to name"))
+        };
+        match self {
+            NoopMode::Pass => Ok("pass".into()),
+            NoopMode::Buffer => Ok("buffer".into()),
+            NoopMode::RouteHeader => routed("route-header"),
+            NoopMode::RouteBody => routed("route-body"),
+        }
+    }
 }
 
 /// What the benchmark changes in dprank's shipped configuration.
@@ -152,7 +183,7 @@ fn rewrite_filter(
 
 /// Makes the wasm filter the no-op one (`wasm`), in mode `pass` or
 /// `buffer`; everything else about the filter stays as shipped.
-fn noop_filter(lines: &mut [String], wasm: &Path, buffer: bool) -> Result<(), String> {
+fn noop_filter(lines: &mut [String], wasm: &Path, mode: &str) -> Result<(), String> {
     let (start, end) = list_item_range(lines, "envoy.filters.http.wasm")?;
     let mut renamed = 0;
     for line in lines[start..end].iter_mut() {
@@ -173,7 +204,6 @@ fn noop_filter(lines: &mut [String], wasm: &Path, buffer: bool) -> Result<(), St
         .ok_or("envoy template: no filter configuration `value: |`")?;
     let value_end = block_end(lines, value);
     let indent = indent_of(&lines[value]) + 2;
-    let mode = if buffer { "buffer" } else { "pass" };
     for (i, line) in lines[value + 1..value_end].iter_mut().enumerate() {
         *line = if i == 0 {
             format!("{:indent$}{mode}", "")
@@ -234,7 +264,7 @@ pub fn render(
             let (start, end) = list_item_range(&lines, "envoy.filters.http.wasm")?;
             lines.drain(start..end);
         }
-        Balancer::Noop { buffer } => noop_filter(&mut lines, wasm, *buffer)?,
+        Balancer::Noop(mode) => noop_filter(&mut lines, wasm, &mode.configuration(workers.first())?)?,
     }
     Ok(join_lines(&lines))
 }
@@ -364,12 +394,18 @@ mod tests {
 
     #[test]
     fn noop_variants_swap_the_filter_and_keep_its_settings() {
-        for (buffer, mode) in [(false, "pass"), (true, "buffer")] {
+        let first = workers()[0];
+        for (noop, mode) in [
+            (NoopMode::Pass, "pass".to_string()),
+            (NoopMode::Buffer, "buffer".to_string()),
+            (NoopMode::RouteHeader, format!("route-header {first}")),
+            (NoopMode::RouteBody, format!("route-body {first}")),
+        ] {
             let out = render(
                 &template(),
                 &PORTS,
                 &workers(),
-                &Balancer::Noop { buffer },
+                &Balancer::Noop(noop),
                 Path::new("/x/noop.wasm"),
             )
             .unwrap();
@@ -380,6 +416,10 @@ mod tests {
             assert!(out.contains("allow_on_headers_stop_iteration: true") && out.contains("FAIL_RELOAD"));
             assert!(out.contains("per_connection_buffer_limit_bytes"));
         }
+        assert!(
+            NoopMode::RouteBody.configuration(None).is_err(),
+            "routing names a worker"
+        );
     }
 
     #[test]

@@ -301,19 +301,19 @@ pub async fn start_envoy(
         admin: free_port()?,
     };
     let wasm = match balancer {
-        Balancer::Noop { .. } if !tools.noop_wasm.exists() => {
+        Balancer::Noop(_) if !tools.noop_wasm.exists() => {
             return Err(format!(
                 "{} not found (run `make noop-wasm`)",
                 tools.noop_wasm.display()
             ))
         }
-        Balancer::Noop { .. } => &tools.noop_wasm,
+        Balancer::Noop(_) => &tools.noop_wasm,
         _ => &tools.wasm,
     };
     let yaml = render(&template, &ports, &fleet.workers, balancer, wasm)?;
     let polled: &[&SimFleet] = match balancer {
         Balancer::Dprank { .. } => &[fleet],
-        Balancer::RoundRobin | Balancer::LeastRequest | Balancer::Noop { .. } => &[],
+        Balancer::RoundRobin | Balancer::LeastRequest | Balancer::Noop(_) => &[],
     };
     launch_envoy(tools, client, &yaml, &ports, polled, name).await
 }

@@ -17,7 +17,7 @@ use clap::Args;
 
 use crate::client::{pooled_client, Connection};
 use crate::cpu::{pin_threads, process_cpu_seconds, CpuTimes};
-use crate::envoy::{Balancer, DprankSettings};
+use crate::envoy::{Balancer, DprankSettings, NoopMode};
 use crate::fleet::{smg_front, smg_launch_args, start_envoy, Front, SimFleet, SimOptions, Tools};
 use crate::report::{fmt_spread, markdown_table, report_header};
 use crate::stats::{bootstrap_median_interval, median, paired_ratio, percentile, BOOTSTRAP_RESAMPLES};
@@ -57,19 +57,25 @@ impl OverheadArgs {
 const PLAIN: &str = "envoy";
 const NOOP_PASS: &str = "envoy + no-op filter (pass)";
 const NOOP_BUFFER: &str = "envoy + no-op filter (buffer)";
+const NOOP_ROUTE_HEADER: &str = "envoy + no-op router (header)";
+const NOOP_ROUTE_BODY: &str = "envoy + no-op router (body)";
 const DPRANK_HEADER: &str = "envoy + dprank, header mode";
 const DPRANK_BODY: &str = "envoy + dprank, body mode";
 const SMG: &str = "smg (default policy, --dp-aware)";
 const DIRECT: &str = "direct";
 
-/// What each variant is compared with: the floor it cannot go below.
-fn floor_of(name: &str) -> Option<&'static str> {
+/// What each variant is compared with, first the floor it cannot go below
+/// (the targets are against it); dprank also against the no-op
+/// router of its mode, which pays Envoy's routing mechanics without a choice.
+fn compared_with(name: &str) -> &'static [&'static str] {
     match name {
-        DPRANK_HEADER => Some(NOOP_PASS),
-        DPRANK_BODY => Some(NOOP_BUFFER),
-        NOOP_PASS | NOOP_BUFFER | SMG => Some(PLAIN),
-        PLAIN => Some(DIRECT),
-        _ => None,
+        DPRANK_HEADER => &[NOOP_PASS, NOOP_ROUTE_HEADER],
+        DPRANK_BODY => &[NOOP_BUFFER, NOOP_ROUTE_BODY],
+        NOOP_ROUTE_HEADER => &[NOOP_PASS],
+        NOOP_ROUTE_BODY => &[NOOP_BUFFER],
+        NOOP_PASS | NOOP_BUFFER | SMG => &[PLAIN],
+        PLAIN => &[DIRECT],
+        _ => &[],
     }
 }
 
@@ -255,8 +261,10 @@ pub async fn overhead(tools: &Tools, args: &OverheadArgs, command_line: &str) ->
     let mut fronts: Vec<(&'static str, Front)> = Vec::new();
     for (name, balancer) in [
         (PLAIN, Balancer::RoundRobin),
-        (NOOP_PASS, Balancer::Noop { buffer: false }),
-        (NOOP_BUFFER, Balancer::Noop { buffer: true }),
+        (NOOP_PASS, Balancer::Noop(NoopMode::Pass)),
+        (NOOP_BUFFER, Balancer::Noop(NoopMode::Buffer)),
+        (NOOP_ROUTE_HEADER, Balancer::Noop(NoopMode::RouteHeader)),
+        (NOOP_ROUTE_BODY, Balancer::Noop(NoopMode::RouteBody)),
         (DPRANK_HEADER, Balancer::Dprank(header_mode)),
         (DPRANK_BODY, Balancer::Dprank(DprankSettings::polling_every(1000))),
     ] {
@@ -377,58 +385,63 @@ pub async fn overhead(tools: &Tools, args: &OverheadArgs, command_line: &str) ->
     let mut rows = Vec::new();
     for (si, shape) in shapes.iter().enumerate() {
         for (ti, target) in targets.iter().enumerate() {
-            let c = &results[ti][si];
-            let col = |f: fn(&Cell) -> f64, d: usize| fmt_spread(&c.iter().map(f).collect::<Vec<_>>(), d);
-            let base = floor_of(target.name).and_then(&index);
-            let streamed = matches!(shape, Shape::Streamed { .. });
-            let (against, added_p50, rps_ratio, added_cpu, added_chunk) = match base {
-                None => (
-                    "-".to_string(),
-                    "-".to_string(),
-                    "-".to_string(),
-                    "-".to_string(),
-                    "-".to_string(),
-                ),
-                Some(b) => (
-                    targets[b].name.to_string(),
-                    with_interval(&added(ti, b, si, |c| c.p50_us), 0),
-                    paired_ratio(&per_run(ti, si, |c| c.rps), &per_run(b, si, |c| c.rps))
-                        .map_or("-".into(), |r| r.display()),
-                    if targets[b].pid.is_some() {
-                        with_interval(&added(ti, b, si, |c| c.cpu_us), 1)
+            let bases: Vec<Option<usize>> = match compared_with(target.name) {
+                [] => vec![None],
+                names => names.iter().map(|n| index(n)).collect(),
+            };
+            for base in bases {
+                let c = &results[ti][si];
+                let col = |f: fn(&Cell) -> f64, d: usize| fmt_spread(&c.iter().map(f).collect::<Vec<_>>(), d);
+                let streamed = matches!(shape, Shape::Streamed { .. });
+                let (against, added_p50, rps_ratio, added_cpu, added_chunk) = match base {
+                    None => (
+                        "-".to_string(),
+                        "-".to_string(),
+                        "-".to_string(),
+                        "-".to_string(),
+                        "-".to_string(),
+                    ),
+                    Some(b) => (
+                        targets[b].name.to_string(),
+                        with_interval(&added(ti, b, si, |c| c.p50_us), 0),
+                        paired_ratio(&per_run(ti, si, |c| c.rps), &per_run(b, si, |c| c.rps))
+                            .map_or("-".into(), |r| r.display()),
+                        if targets[b].pid.is_some() {
+                            with_interval(&added(ti, b, si, |c| c.cpu_us), 1)
+                        } else {
+                            "-".into()
+                        },
+                        if streamed {
+                            with_interval(&added(ti, b, si, |c| c.per_chunk_us), 1)
+                        } else {
+                            "-".into()
+                        },
+                    ),
+                };
+                rows.push(vec![
+                    target.name.to_string(),
+                    shape.label(),
+                    col(|c| c.p50_us, 0),
+                    col(|c| c.p99_us, 0),
+                    col(|c| c.rps, 0),
+                    if target.pid.is_some() {
+                        col(|c| c.cpu_us, 1)
                     } else {
                         "-".into()
                     },
                     if streamed {
-                        with_interval(&added(ti, b, si, |c| c.per_chunk_us), 1)
+                        col(|c| c.per_chunk_us, 1)
                     } else {
                         "-".into()
                     },
-                ),
-            };
-            rows.push(vec![
-                target.name.to_string(),
-                shape.label(),
-                col(|c| c.p50_us, 0),
-                col(|c| c.p99_us, 0),
-                col(|c| c.rps, 0),
-                if target.pid.is_some() {
-                    col(|c| c.cpu_us, 1)
-                } else {
-                    "-".into()
-                },
-                if streamed {
-                    col(|c| c.per_chunk_us, 1)
-                } else {
-                    "-".into()
-                },
-                against,
-                added_p50,
-                rps_ratio,
-                added_cpu,
-                added_chunk,
-                c.iter().map(|c| c.errors).sum::<usize>().to_string(),
-            ]);
+                    against,
+                    added_p50,
+                    rps_ratio,
+                    added_cpu,
+                    added_chunk,
+                    c.iter().map(|c| c.errors).sum::<usize>().to_string(),
+                ]);
+            }
         }
     }
     let table = markdown_table(&header, &rows);
@@ -441,29 +454,41 @@ pub async fn overhead(tools: &Tools, args: &OverheadArgs, command_line: &str) ->
             .iter()
             .position(|s| *s == Shape::Plain { connections, bytes })
     };
-    let check = |findings: &mut String, name: &str, bytes: usize, goal_us: f64| {
-        let (Some(ti), Some(base), Some(si), Some(si16)) = (
-            index(name),
-            floor_of(name).and_then(&index),
-            cell_of(1, bytes),
-            cell_of(16, bytes),
-        ) else {
+    // `goal_us`: the target against the floor; None: for information.
+    let check = |findings: &mut String, name: &str, floor: &str, bytes: usize, goal_us: Option<f64>| {
+        let (Some(ti), Some(base), Some(si), Some(si16)) =
+            (index(name), index(floor), cell_of(1, bytes), cell_of(16, bytes))
+        else {
             return;
         };
         let p50 = added(ti, base, si, |c| c.p50_us);
+        let cpu = added(ti, base, si16, |c| c.cpu_us);
         let ratio = paired_ratio(&per_run(ti, si16, |c| c.rps), &per_run(base, si16, |c| c.rps));
+        let (p50_goal, rps_goal) = match goal_us {
+            Some(us) => (format!(" (target <= {us:.0})"), " (target >= 0.95)"),
+            None => (String::new(), ""),
+        };
         let _ = writeln!(
             findings,
-            "- {name}, {} KB: added p50 over {} **{}** us at 1 connection (target <= {goal_us:.0}); req/s at 16 connections **{}** of it (target >= 0.95)",
+            "- {name}, {} KB: added p50 over {floor} **{}** us at 1 connection{p50_goal}; req/s at 16 connections **{}** of it{rps_goal}; router CPU per request at 16 connections {} us more",
             bytes / 1024,
-            targets[base].name,
             with_interval(&p50, 0),
             ratio.map_or("-".into(), |r| r.display()),
+            with_interval(&cpu, 1),
         );
     };
-    check(&mut findings, DPRANK_HEADER, 1024, 10.0);
-    check(&mut findings, DPRANK_BODY, 1024, 10.0);
-    check(&mut findings, DPRANK_BODY, 100 * 1024, 30.0);
+    check(&mut findings, DPRANK_HEADER, NOOP_PASS, 1024, Some(10.0));
+    check(&mut findings, DPRANK_BODY, NOOP_BUFFER, 1024, Some(10.0));
+    check(&mut findings, DPRANK_BODY, NOOP_BUFFER, 100 * 1024, Some(30.0));
+    let _ = writeln!(
+        findings,
+        "\nThe same, against the no-op router of each mode (Envoy's routing mechanics paid, no choice made): what dprank's own work costs.\n"
+    );
+    check(&mut findings, NOOP_ROUTE_HEADER, NOOP_PASS, 1024, None);
+    check(&mut findings, DPRANK_HEADER, NOOP_ROUTE_HEADER, 1024, None);
+    check(&mut findings, NOOP_ROUTE_BODY, NOOP_BUFFER, 1024, None);
+    check(&mut findings, DPRANK_BODY, NOOP_ROUTE_BODY, 1024, None);
+    check(&mut findings, DPRANK_BODY, NOOP_ROUTE_BODY, 100 * 1024, None);
     println!("{findings}");
     let busy_line = format!(
         "CPU: {cores} cores, {:.0} % busy on average while measuring; {}.",
@@ -480,7 +505,7 @@ pub async fn overhead(tools: &Tools, args: &OverheadArgs, command_line: &str) ->
     println!("{busy_line}");
 
     let mut md = report_header("dprank overhead: each variant against its floor", command_line);
-    let _ = writeln!(md, "One `dprank-sim --instant` worker (4 ranks, answers at once) behind, in turn: nothing (direct); plain Envoy (envoy/dprank.yaml without the wasm filter); the same Envoy with the no-op wasm filter of `bench/noop-filter` in dprank's place, once passing the body through and once buffering it until end of stream and reading it once (the floors of dprank's header and body modes: same SDK, same Envoy settings); Envoy + dprank in header mode (`rank_transport: header`, default rank headers) and in body mode (the shipped config), poll interval 1 s; and smg at its default policy with `--dp-aware`. Each cell is {} s of closed-loop `POST /generate` on N dedicated keep-alive connections with TCP_NODELAY after 0.3 s of warm-up (non-streamed: one output token; streamed: {} chunks after a 1 KB prompt, reporting the time from the first to the last chunk per chunk). Cells are interleaved within each of {} runs, the variants' order rotated from run to run; figures are the median over runs (min-max), and differences and ratios to each variant's floor are paired by run with a 95% bootstrap interval over runs. Router CPU is the router process's own CPU time (all threads) over the measured window per request (streamed: per chunk). The worker writes a streamed response's chunks back to back, so a router may read several at once: the per-chunk figures are its CPU per chunk and the stream's time on the wire per chunk, not a decode-paced inter-token gap.\n", args.seconds, args.stream_tokens, args.runs);
+    let _ = writeln!(md, "One `dprank-sim --instant` worker (4 ranks, answers at once) behind, in turn: nothing (direct); plain Envoy (envoy/dprank.yaml without the wasm filter); the same Envoy with the no-op wasm filter of `bench/noop-filter` in dprank's place, once passing the body through and once buffering it until end of stream and reading it once (the floors of dprank's header and body modes: same SDK, same Envoy settings); the same filter as a no-op router, which makes no choice but writes what dprank writes to route a request to the worker's rank 0 (header mode: the route header and the two rank headers; body mode: the body with the rank field spliced in, replaced, then the route header and `content-length`), so that dprank's own work shows apart from Envoy's cost of routing by header; Envoy + dprank in header mode (`rank_transport: header`, default rank headers) and in body mode (the shipped config), poll interval 1 s; and smg at its default policy with `--dp-aware`. Each cell is {} s of closed-loop `POST /generate` on N dedicated keep-alive connections with TCP_NODELAY after 0.3 s of warm-up (non-streamed: one output token; streamed: {} chunks after a 1 KB prompt, reporting the time from the first to the last chunk per chunk). Cells are interleaved within each of {} runs, the variants' order rotated from run to run; figures are the median over runs (min-max), and differences and ratios to each variant's floor are paired by run with a 95% bootstrap interval over runs. Router CPU is the router process's own CPU time (all threads) over the measured window per request (streamed: per chunk). The worker writes a streamed response's chunks back to back, so a router may read several at once: the per-chunk figures are its CPU per chunk and the stream's time on the wire per chunk, not a decode-paced inter-token gap.\n", args.seconds, args.stream_tokens, args.runs);
     md.push_str(&table);
     let _ = writeln!(
         md,

@@ -7,16 +7,53 @@
 //!   dprank's header mode.
 //! - `buffer`: the request is held until the whole body has arrived, the body
 //!   is read once, then it continues, as dprank's body mode must at least do.
+//! - `route-header <host:port>`: `pass`, plus the header writes of a router
+//!   that names a fixed worker and rank 0 (`x-dprank-endpoint`, which
+//!   `override_host` reads, and the two rank headers of dprank's header
+//!   mode): the mechanics any filter routing by header pays, without a choice.
+//! - `route-body <host:port>`: `buffer`, plus the rank field spliced into the
+//!   body, the body replaced, and `x-dprank-endpoint` and `content-length`
+//!   set, as dprank's body mode writes them: the same for body mode.
 
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{Action, ContextType};
+use std::rc::Rc;
 
 proxy_wasm::main! {{
-    proxy_wasm::set_root_context(|_| Box::new(NoopRoot { buffer: false }));
+    proxy_wasm::set_root_context(|_| Box::new(NoopRoot { mode: Mode::Pass }));
 }}
 
+/// The header `override_host` reads in dprank's shipped Envoy configuration.
+const ROUTE_HEADER: &str = "x-dprank-endpoint";
+/// The rank headers dprank's header mode sets by default.
+const RANK_HEADERS: [&str; 2] = ["x-data-parallel-rank", "x-override-routed-dp-rank"];
+/// What `route-body` splices after the body's opening brace.
+const RANK_FIELD: &[u8] = b"\"routed_dp_rank\":0";
+
+#[derive(Clone)]
+enum Mode {
+    Pass,
+    Buffer,
+    RouteHeader(Rc<str>),
+    RouteBody(Rc<str>),
+}
+
+impl Mode {
+    fn parse(config: &str) -> Option<Mode> {
+        let mut words = config.split_whitespace();
+        let mode = match (words.next(), words.next()) {
+            (None | Some("pass"), None) => Mode::Pass,
+            (Some("buffer"), None) => Mode::Buffer,
+            (Some("route-header"), Some(endpoint)) => Mode::RouteHeader(endpoint.into()),
+            (Some("route-body"), Some(endpoint)) => Mode::RouteBody(endpoint.into()),
+            _ => return None,
+        };
+        words.next().is_none().then_some(mode)
+    }
+}
+
 struct NoopRoot {
-    buffer: bool,
+    mode: Mode,
 }
 
 impl Context for NoopRoot {}
@@ -24,19 +61,23 @@ impl Context for NoopRoot {}
 impl RootContext for NoopRoot {
     fn on_configure(&mut self, _size: usize) -> bool {
         let config = self.get_plugin_configuration().unwrap_or_default();
-        match config.trim_ascii() {
-            b"" | b"pass" => self.buffer = false,
-            b"buffer" => self.buffer = true,
-            _ => return false,
+        match std::str::from_utf8(&config).ok().and_then(Mode::parse) {
+            Some(mode) => {
+                self.mode = mode;
+                true
+            }
+            None => false,
         }
-        true
     }
 
     fn create_http_context(&self, _context_id: u32) -> Option<Box<dyn HttpContext>> {
-        Some(if self.buffer {
-            Box::new(Buffer)
-        } else {
-            Box::new(Pass)
+        Some(match &self.mode {
+            Mode::Pass => Box::new(Pass),
+            Mode::Buffer => Box::new(Buffer { route: None }),
+            Mode::RouteHeader(endpoint) => Box::new(RouteHeader(endpoint.clone())),
+            Mode::RouteBody(endpoint) => Box::new(Buffer {
+                route: Some(endpoint.clone()),
+            }),
         })
     }
 
@@ -51,8 +92,26 @@ struct Pass;
 impl Context for Pass {}
 impl HttpContext for Pass {}
 
-/// Holds the request until its body is whole, then reads it once.
-struct Buffer;
+/// Names the worker and rank 0 in headers, then continues at once.
+struct RouteHeader(Rc<str>);
+
+impl Context for RouteHeader {}
+
+impl HttpContext for RouteHeader {
+    fn on_http_request_headers(&mut self, _headers: usize, _end_of_stream: bool) -> Action {
+        self.set_http_request_header(ROUTE_HEADER, Some(self.0.as_ref()));
+        for name in RANK_HEADERS {
+            self.set_http_request_header(name, Some("0"));
+        }
+        Action::Continue
+    }
+}
+
+/// Holds the request until its body is whole, then reads it once; with a
+/// route, also rewrites it with the rank field and names the worker.
+struct Buffer {
+    route: Option<Rc<str>>,
+}
 
 impl Context for Buffer {}
 
@@ -70,7 +129,67 @@ impl HttpContext for Buffer {
             return Action::Pause;
         }
         let body = self.get_http_request_body(0, body_size).unwrap_or_default();
-        std::hint::black_box(body);
+        let Some(endpoint) = &self.route else {
+            std::hint::black_box(body);
+            return Action::Continue;
+        };
+        let rewritten = with_rank_field(&body);
+        self.set_http_request_body(0, body_size, &rewritten);
+        self.set_http_request_header(ROUTE_HEADER, Some(endpoint.as_ref()));
+        self.set_http_request_header("content-length", Some(&rewritten.len().to_string()));
         Action::Continue
+    }
+}
+
+/// The body with the rank field first in its top-level object (unchanged
+/// if it is not an object).
+fn with_rank_field(body: &[u8]) -> Vec<u8> {
+    let Some(open) = body.iter().position(|b| !b.is_ascii_whitespace()) else {
+        return body.to_vec();
+    };
+    if body.get(open) != Some(&b'{') {
+        return body.to_vec();
+    }
+    let (head, rest) = body.split_at(open + 1);
+    let empty = rest.iter().find(|b| !b.is_ascii_whitespace()) == Some(&b'}');
+    let mut out = Vec::with_capacity(body.len() + RANK_FIELD.len() + 1);
+    out.extend_from_slice(head);
+    out.extend_from_slice(RANK_FIELD);
+    if !empty {
+        out.push(b',');
+    }
+    out.extend_from_slice(rest);
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn modes_parse_and_bad_ones_are_refused() {
+        assert!(matches!(Mode::parse(""), Some(Mode::Pass)));
+        assert!(matches!(Mode::parse(" buffer\n"), Some(Mode::Buffer)));
+        assert!(
+            matches!(Mode::parse("route-header 127.0.0.1:1"), Some(Mode::RouteHeader(e)) if &*e == "127.0.0.1:1")
+        );
+        assert!(matches!(
+            Mode::parse("route-body 127.0.0.1:1"),
+            Some(Mode::RouteBody(_))
+        ));
+        assert!(Mode::parse("route-header").is_none());
+        assert!(Mode::parse("pass extra").is_none());
+        assert!(Mode::parse("route-body a b").is_none());
+    }
+
+    #[test]
+    fn the_rank_field_is_spliced_first() {
+        assert_eq!(
+            with_rank_field(br#"{"text":"x"}"#),
+            br#"{"routed_dp_rank":0,"text":"x"}"#
+        );
+        assert_eq!(with_rank_field(b" { } "), br#" {"routed_dp_rank":0 } "#);
+        assert_eq!(with_rank_field(b"[1]"), b"[1]");
+        assert_eq!(with_rank_field(b""), b"");
     }
 }
