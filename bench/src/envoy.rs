@@ -181,8 +181,9 @@ fn rewrite_filter(
     Ok(())
 }
 
-/// Makes the wasm filter the no-op one (`wasm`), in mode `pass` or
-/// `buffer`; everything else about the filter stays as shipped.
+/// Makes the wasm filter the no-op one (`wasm`), configured with `mode`
+/// (`NoopMode::configuration`); everything else about the filter stays as
+/// shipped.
 fn noop_filter(lines: &mut [String], wasm: &Path, mode: &str) -> Result<(), String> {
     let (start, end) = list_item_range(lines, "envoy.filters.http.wasm")?;
     let mut renamed = 0;
