@@ -389,10 +389,11 @@ pub async fn overhead(tools: &Tools, args: &OverheadArgs, command_line: &str) ->
                 [] => vec![None],
                 names => names.iter().map(|n| index(n)).collect(),
             };
+            let c = &results[ti][si];
+            let col = |f: fn(&Cell) -> f64, d: usize| fmt_spread(&c.iter().map(f).collect::<Vec<_>>(), d);
+            let streamed = matches!(shape, Shape::Streamed { .. });
+            // One row per comparison: the variant's own figures repeat.
             for base in bases {
-                let c = &results[ti][si];
-                let col = |f: fn(&Cell) -> f64, d: usize| fmt_spread(&c.iter().map(f).collect::<Vec<_>>(), d);
-                let streamed = matches!(shape, Shape::Streamed { .. });
                 let (against, added_p50, rps_ratio, added_cpu, added_chunk) = match base {
                     None => (
                         "-".to_string(),
