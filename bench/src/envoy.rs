@@ -32,6 +32,9 @@ pub enum NoopMode {
     /// `Buffer`, plus the rank field spliced into the body, the body
     /// replaced, and the route header and `content-length` set.
     RouteBody,
+    /// `Pass`, plus host calls of the given kinds, so many of each per
+    /// request (the filter's `calls kind=n,...`; `dprank-bench host-calls`).
+    Calls(&'static [(&'static str, u32)]),
 }
 
 impl NoopMode {
@@ -47,6 +50,10 @@ impl NoopMode {
             NoopMode::Buffer => Ok("buffer".into()),
             NoopMode::RouteHeader => routed("route-header"),
             NoopMode::RouteBody => routed("route-body"),
+            NoopMode::Calls(calls) => {
+                let list: Vec<String> = calls.iter().map(|(kind, n)| format!("{kind}={n}")).collect();
+                Ok(format!("calls {}", list.join(",")))
+            }
         }
     }
 }
@@ -401,6 +408,10 @@ mod tests {
             (NoopMode::Buffer, "buffer".to_string()),
             (NoopMode::RouteHeader, format!("route-header {first}")),
             (NoopMode::RouteBody, format!("route-body {first}")),
+            (
+                NoopMode::Calls(&[("shared-get", 40), ("time", 1)]),
+                "calls shared-get=40,time=1".to_string(),
+            ),
         ] {
             let out = render(
                 &template(),

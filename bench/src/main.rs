@@ -7,6 +7,7 @@ mod cpu;
 mod demo;
 mod envoy;
 mod fleet;
+mod host_calls;
 mod loadgen;
 mod offline;
 mod overhead;
@@ -85,6 +86,8 @@ enum Command {
     Load(LoadArgs),
     /// Latency and throughput a router adds in front of an instant worker.
     Overhead(overhead::OverheadArgs),
+    /// What one proxy-wasm host call of each kind dprank makes costs inside Envoy (about 4 min).
+    HostCalls(host_calls::HostCallsArgs),
     /// Cost of the filter's selection step and body handling (host micro-benchmark).
     Selection(selection::SelectionArgs),
     /// Routing rules compared in virtual time (a model without Envoy): fast, deterministic.
@@ -346,6 +349,7 @@ async fn run(cli: Cli) -> Result<(), String> {
         }
         Command::Load(args) => load(args.clone()).await,
         Command::Overhead(args) => overhead::overhead(&tools()?, args, &command_line).await,
+        Command::HostCalls(args) => host_calls::host_calls(&tools()?, args, &command_line).await,
         Command::Selection(args) => selection::selection(args, &command_line),
         Command::Offline(args) => offline::offline(args, &command_line),
     }

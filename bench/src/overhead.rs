@@ -81,7 +81,7 @@ fn compared_with(name: &str) -> &'static [&'static str] {
 
 /// The workload of one cell.
 #[derive(Debug, Clone, Copy, PartialEq)]
-enum Shape {
+pub(crate) enum Shape {
     /// Non-streamed `/generate` of about `bytes` bytes, one output token.
     Plain { connections: usize, bytes: usize },
     /// Streamed `/generate` (1 KB prompt, `tokens` chunks), one connection.
@@ -89,7 +89,7 @@ enum Shape {
 }
 
 impl Shape {
-    fn label(&self) -> String {
+    pub(crate) fn label(&self) -> String {
         match self {
             Shape::Plain { connections, bytes } => format!("{connections} conn, {} KB", bytes / 1024),
             Shape::Streamed { tokens } => format!("1 conn, streamed {tokens} chunks"),
@@ -117,27 +117,27 @@ fn shapes(stream_tokens: u32) -> Vec<Shape> {
     out
 }
 
-struct Target {
-    name: &'static str,
-    addr: SocketAddr,
+pub(crate) struct Target {
+    pub(crate) name: &'static str,
+    pub(crate) addr: SocketAddr,
     /// The router's process (None: the worker itself).
-    pid: Option<u32>,
+    pub(crate) pid: Option<u32>,
 }
 
 /// One variant's figures in one cell of one run.
 #[derive(Debug, Clone, Copy)]
-struct Cell {
-    p50_us: f64,
+pub(crate) struct Cell {
+    pub(crate) p50_us: f64,
     p99_us: f64,
     rps: f64,
     /// Router CPU per request (streamed: per chunk), from its process's own CPU time.
-    cpu_us: f64,
+    pub(crate) cpu_us: f64,
     /// Streamed: median time from the first to the last chunk, per chunk.
     per_chunk_us: f64,
-    errors: usize,
+    pub(crate) errors: usize,
 }
 
-async fn measure(target: &Target, shape: Shape, seconds: f64) -> Result<Cell, String> {
+pub(crate) async fn measure(target: &Target, shape: Shape, seconds: f64) -> Result<Cell, String> {
     let addr = target.addr;
     let body = match shape {
         Shape::Plain { bytes, .. } => bodies::generate_of_size(bytes),
@@ -225,7 +225,7 @@ async fn measure(target: &Target, shape: Shape, seconds: f64) -> Result<Cell, St
 }
 
 /// `median [lo, hi]` of per-run values (95% bootstrap interval over runs).
-fn with_interval(values: &[f64], decimals: usize) -> String {
+pub(crate) fn with_interval(values: &[f64], decimals: usize) -> String {
     let values: Vec<f64> = values.iter().copied().filter(|v| v.is_finite()).collect();
     if values.is_empty() {
         return "-".into();

@@ -14,13 +14,19 @@
 //! - `route-body <host:port>`: `buffer`, plus the rank field spliced into the
 //!   body, the body replaced, and `x-dprank-endpoint` and `content-length`
 //!   set, as dprank's body mode writes them: the same for body mode.
+//! - `calls <kind>=<n>[,<kind>=<n>...]`: `pass`, plus `n` host calls of each
+//!   kind per request and nothing else (`dprank-bench host-calls`): what the
+//!   calls dprank makes cost inside Envoy, apart from the code around them.
+//!   Kinds are listed in `HostCall`.
 
+use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
-use proxy_wasm::types::{Action, ContextType};
+use proxy_wasm::types::{Action, ContextType, MapType, MetricType};
+use std::hint::black_box;
 use std::rc::Rc;
 
 proxy_wasm::main! {{
-    proxy_wasm::set_root_context(|_| Box::new(NoopRoot { mode: Mode::Pass }));
+    proxy_wasm::set_root_context(|_| Box::new(NoopRoot { mode: Mode::Pass, metric: 0 }));
 }}
 
 /// The header `override_host` reads in dprank's shipped Envoy configuration.
@@ -29,6 +35,73 @@ const ROUTE_HEADER: &str = "x-dprank-endpoint";
 const RANK_HEADERS: [&str; 2] = ["x-data-parallel-rank", "x-override-routed-dp-rank"];
 /// What `route-body` splices after the body's opening brace.
 const RANK_FIELD: &[u8] = b"\"routed_dp_rank\":0";
+/// The shared-data key `calls shared-get` reads and `calls shared-set`
+/// writes, holding `SHARED_VALUE_BYTES` (about one worker's encoded state).
+const SHARED_KEY: &str = "noop.probe";
+const SHARED_VALUE_BYTES: usize = 256;
+
+/// One host call dprank makes per request, as `calls` repeats it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum HostCall {
+    /// `headers`: every request header at once (dprank reads them so).
+    Headers,
+    /// `set-header`: one request header written.
+    SetHeader,
+    /// `shared-get`: a shared-data read of `SHARED_VALUE_BYTES`.
+    SharedGet,
+    /// `shared-set`: a shared-data write of as many bytes, without cas.
+    SharedSet,
+    /// `time`: the clock.
+    Time,
+    /// `metric`: a counter incremented.
+    Metric,
+    /// `property`: `upstream.request_attempt_count`, read when the request
+    /// ends (as dprank reads it).
+    Property,
+}
+
+impl HostCall {
+    fn parse(word: &str) -> Option<HostCall> {
+        Some(match word {
+            "headers" => HostCall::Headers,
+            "set-header" => HostCall::SetHeader,
+            "shared-get" => HostCall::SharedGet,
+            "shared-set" => HostCall::SharedSet,
+            "time" => HostCall::Time,
+            "metric" => HostCall::Metric,
+            "property" => HostCall::Property,
+            _ => return None,
+        })
+    }
+
+    /// Makes the call once; `metric` is the counter `on_configure` defined.
+    fn make(self, metric: u32) {
+        match self {
+            HostCall::Headers => {
+                black_box(hostcalls::get_map(MapType::HttpRequestHeaders).ok());
+            }
+            HostCall::SetHeader => {
+                let _ = hostcalls::set_map_value(MapType::HttpRequestHeaders, "x-noop-probe", Some("0"));
+            }
+            HostCall::SharedGet => {
+                black_box(hostcalls::get_shared_data(SHARED_KEY).ok());
+            }
+            HostCall::SharedSet => {
+                let value = [b'x'; SHARED_VALUE_BYTES];
+                let _ = hostcalls::set_shared_data(SHARED_KEY, Some(&value), None);
+            }
+            HostCall::Time => {
+                black_box(hostcalls::get_current_time().ok());
+            }
+            HostCall::Metric => {
+                let _ = hostcalls::increment_metric(metric, 1);
+            }
+            HostCall::Property => {
+                black_box(hostcalls::get_property(vec!["upstream", "request_attempt_count"]).ok());
+            }
+        }
+    }
+}
 
 #[derive(Clone)]
 enum Mode {
@@ -36,6 +109,7 @@ enum Mode {
     Buffer,
     RouteHeader(Rc<str>),
     RouteBody(Rc<str>),
+    Calls(Rc<[(HostCall, u32)]>),
 }
 
 impl Mode {
@@ -46,14 +120,31 @@ impl Mode {
             (Some("buffer"), None) => Mode::Buffer,
             (Some("route-header"), Some(endpoint)) => Mode::RouteHeader(endpoint.into()),
             (Some("route-body"), Some(endpoint)) => Mode::RouteBody(endpoint.into()),
+            (Some("calls"), Some(list)) => Mode::Calls(parse_calls(list)?),
             _ => return None,
         };
         words.next().is_none().then_some(mode)
     }
 }
 
+/// `kind=n,kind=n`: each kind at most once, n at least 1.
+fn parse_calls(list: &str) -> Option<Rc<[(HostCall, u32)]>> {
+    let mut calls: Vec<(HostCall, u32)> = Vec::new();
+    for item in list.split(',') {
+        let (kind, n) = item.split_once('=')?;
+        let (kind, n) = (HostCall::parse(kind)?, n.parse().ok().filter(|n| *n > 0)?);
+        if calls.iter().any(|(k, _)| *k == kind) {
+            return None;
+        }
+        calls.push((kind, n));
+    }
+    Some(calls.into())
+}
+
 struct NoopRoot {
     mode: Mode,
+    /// The counter `calls metric` increments.
+    metric: u32,
 }
 
 impl Context for NoopRoot {}
@@ -63,6 +154,25 @@ impl RootContext for NoopRoot {
         let config = self.get_plugin_configuration().unwrap_or_default();
         match std::str::from_utf8(&config).ok().and_then(Mode::parse) {
             Some(mode) => {
+                if let Mode::Calls(calls) = &mode {
+                    for (kind, _) in calls.iter() {
+                        let prepared = match kind {
+                            HostCall::Metric => hostcalls::define_metric(MetricType::Counter, "noop.probe")
+                                .map(|id| self.metric = id)
+                                .is_ok(),
+                            HostCall::SharedGet => hostcalls::set_shared_data(
+                                SHARED_KEY,
+                                Some(&[b'x'; SHARED_VALUE_BYTES]),
+                                None,
+                            )
+                            .is_ok(),
+                            _ => true,
+                        };
+                        if !prepared {
+                            return false;
+                        }
+                    }
+                }
                 self.mode = mode;
                 true
             }
@@ -77,6 +187,10 @@ impl RootContext for NoopRoot {
             Mode::RouteHeader(endpoint) => Box::new(RouteHeader(endpoint.clone())),
             Mode::RouteBody(endpoint) => Box::new(Buffer {
                 route: Some(endpoint.clone()),
+            }),
+            Mode::Calls(calls) => Box::new(Calls {
+                calls: calls.clone(),
+                metric: self.metric,
             }),
         })
     }
@@ -104,6 +218,38 @@ impl HttpContext for RouteHeader {
             self.set_http_request_header(name, Some("0"));
         }
         Action::Continue
+    }
+}
+
+/// Makes its calls: `property` when the request ends (when dprank reads
+/// it), the others on the request's headers.
+struct Calls {
+    calls: Rc<[(HostCall, u32)]>,
+    metric: u32,
+}
+
+impl Calls {
+    fn make(&self, at_end: bool) {
+        for &(kind, n) in self.calls.iter() {
+            if (kind == HostCall::Property) == at_end {
+                for _ in 0..n {
+                    kind.make(self.metric);
+                }
+            }
+        }
+    }
+}
+
+impl Context for Calls {}
+
+impl HttpContext for Calls {
+    fn on_http_request_headers(&mut self, _headers: usize, _end_of_stream: bool) -> Action {
+        self.make(false);
+        Action::Continue
+    }
+
+    fn on_log(&mut self) {
+        self.make(true);
     }
 }
 
@@ -180,6 +326,24 @@ mod tests {
         assert!(Mode::parse("route-header").is_none());
         assert!(Mode::parse("pass extra").is_none());
         assert!(Mode::parse("route-body a b").is_none());
+        assert!(
+            matches!(Mode::parse("calls shared-get=40"), Some(Mode::Calls(c)) if *c == [(HostCall::SharedGet, 40)])
+        );
+        assert!(matches!(
+            Mode::parse("calls headers=1,property=2"),
+            Some(Mode::Calls(c)) if *c == [(HostCall::Headers, 1), (HostCall::Property, 2)]
+        ));
+        for bad in [
+            "calls",
+            "calls shared-get",
+            "calls nothing=4",
+            "calls time=-1",
+            "calls time=0",
+            "calls time=1,time=2",
+            "calls time=4 5",
+        ] {
+            assert!(Mode::parse(bad).is_none(), "{bad}");
+        }
     }
 
     #[test]
