@@ -13,6 +13,7 @@
 //! | `<p>.config` | [`Announced`]: the configuration last logged | each VM at start-up |
 //! | `<p>.px.<ip:port>` | [`IndexRecord`]: that worker's prefix index (prefix affinity) | poller (creates it, cache feedback), router (routed prompts) |
 //! | `<p>.refused` | [`Refused`]: workers whose last load report was refused | poller |
+//! | `<p>.changes` | [`changes::ChangeLog`]: the last state writes, for readers that follow it (`state_reads`) | whoever writes a worker state, right after |
 //! | `<p>.health` | [`Health`]: targets not plainly healthy, hosts Envoy reports unhealthy | request ends (passive health), poller (Envoy's view) |
 //!
 //! Keys of later kinds follow the same pattern (`<p>.<kind>.<ip:port>[...]`)
@@ -42,6 +43,7 @@ use serde::{Deserialize, Serialize};
 use std::net::SocketAddr;
 
 pub mod cache;
+pub mod changes;
 
 /// How many times a read-modify-write on shared data is retried when another
 /// thread wrote in between.
@@ -86,6 +88,9 @@ impl<'a> Keys<'a> {
     }
     pub fn refused(&self) -> String {
         format!("{}.refused", self.prefix)
+    }
+    pub fn changes(&self) -> String {
+        format!("{}.changes", self.prefix)
     }
 }
 
@@ -393,7 +398,9 @@ pub fn update_worker<R>(
     mut change: impl FnMut(&mut WorkerState) -> Option<R>,
 ) -> Option<R> {
     let worker = config.worker(index)?;
-    update(host, &Keys::of(config).worker(&worker.address), |current| {
+    let keys = Keys::of(config);
+    let key = keys.worker(&worker.address);
+    let result = update(host, &key, |current| {
         let mut state = match (current, if_missing) {
             (Some(state), _) => state,
             (None, IfMissing::Create) => WorkerState::default(),
@@ -401,7 +408,17 @@ pub fn update_worker<R>(
         };
         let result = change(&mut state)?;
         Some((state, result))
-    })
+    })?;
+    log_state_write(config, host, &key);
+    Some(result)
+}
+
+/// Logs a successful write of the state at `state_key` when `config`'s
+/// readers follow the change log (`changes.rs`); every state write calls it.
+pub fn log_state_write(config: &Config, host: &dyn Host, state_key: &str) {
+    if config.reads_change_log() {
+        changes::append(host, &Keys::of(config).changes(), changes::worker_tag(state_key));
+    }
 }
 
 /// The shared state of every worker, indexed like `Config::all_workers`.
@@ -493,7 +510,10 @@ pub fn publish_members(config: &Config, host: &dyn Host, members: &Members) -> O
         return None;
     }
     for gone in previous.0.iter().filter(|a| !members.0.contains(a)) {
-        let _ = host.shared_set(&keys.worker(gone), b"", None);
+        let key = keys.worker(gone);
+        if host.shared_set(&key, b"", None).is_ok() {
+            log_state_write(config, host, &key);
+        }
     }
     Some(previous)
 }
@@ -520,6 +540,7 @@ pub fn shared_bytes(config: &Config, host: &dyn Host) -> u64 {
         keys.members(),
         keys.config(),
         keys.health(),
+        keys.changes(),
     ];
     let workers = config.all_workers().map(|w| keys.worker(&w.address));
     let indexes = config
