@@ -703,6 +703,35 @@ mod tests {
     }
 
     #[test]
+    fn state_writes_are_logged_when_readers_follow_the_change_log() {
+        let logged = |c: &Config, h: &FakeHost| -> Vec<u64> {
+            changes::read(h, &Keys::of(c).changes()).map_or_else(Vec::new, |l| l.tags)
+        };
+        let tag = |c: &Config, a: &str| changes::worker_tag(&Keys::of(c).worker(&a.parse().unwrap()));
+        // Reading every state: nothing logged, no extra call.
+        let every = config();
+        let h = FakeHost::default();
+        update_worker(&every, &h, 0, IfMissing::Create, |s| Some(s.begin_poll()));
+        assert!(logged(&every, &h).is_empty());
+        assert_eq!(h.host_calls("shared_set"), 1);
+        // Following the log: every successful write, once; a declined one not.
+        let c = Config::from_json(
+            br#"{"workers":[{"address":"10.0.0.1:1"},{"address":"10.0.0.2:1"}],"state_reads":"change_log"}"#,
+        )
+        .unwrap();
+        let h = FakeHost::default();
+        update_worker(&c, &h, 1, IfMissing::Create, |s| Some(s.begin_poll()));
+        update_worker(&c, &h, 0, IfMissing::Skip, |s| Some(s.begin_poll()));
+        update_worker(&c, &h, 1, IfMissing::Skip, |_| None::<()>);
+        assert_eq!(logged(&c, &h), [tag(&c, "10.0.0.2:1")]);
+        // A worker that left: its emptied state is logged too.
+        let (a, b) = ("10.0.0.1:1".parse().unwrap(), "10.0.0.2:1".parse().unwrap());
+        publish_members(&c, &h, &Members(vec![a, b]));
+        publish_members(&c, &h, &Members(vec![a]));
+        assert_eq!(logged(&c, &h), [tag(&c, "10.0.0.2:1"), tag(&c, "10.0.0.2:1")]);
+    }
+
+    #[test]
     fn updates_retry_on_conflicts_then_give_up() {
         let c = config();
         let h = FakeHost::default();
