@@ -52,6 +52,8 @@ pub const CAS_ATTEMPTS: usize = 16;
 thread_local! {
     /// The encoding buffer of read-modify-writes, reused (one VM per thread).
     static ENCODED: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
+    /// Tags of the state writes made inside `logged_together`, appended at its end.
+    static BATCH: std::cell::RefCell<Option<Vec<u64>>> = const { std::cell::RefCell::new(None) };
 }
 
 /// The names of the keys of one configuration's shared data.
@@ -416,9 +418,29 @@ pub fn update_worker<R>(
 /// Logs a successful write of the state at `state_key` when `config`'s
 /// readers follow the change log (`changes.rs`); every state write calls it.
 pub fn log_state_write(config: &Config, host: &dyn Host, state_key: &str) {
-    if config.reads_change_log() {
-        changes::append(host, &Keys::of(config).changes(), changes::worker_tag(state_key));
+    if !config.reads_change_log() {
+        return;
     }
+    let tag = changes::worker_tag(state_key);
+    let batched = BATCH.with_borrow_mut(|batch| batch.as_mut().map(|tags| tags.push(tag)).is_some());
+    if !batched {
+        changes::append(host, &Keys::of(config).changes(), &[tag]);
+    }
+}
+
+/// Runs `writes` (state writes made at once, such as a poll round's) and
+/// logs them together at the end: one append instead of one per write.
+/// Each entry still follows its write, so nothing is missed.
+pub fn logged_together<R>(config: &Config, host: &dyn Host, writes: impl FnOnce() -> R) -> R {
+    let outer = BATCH.with_borrow_mut(|batch| batch.replace(Vec::new()));
+    let result = writes();
+    let tags = BATCH
+        .with_borrow_mut(|batch| std::mem::replace(batch, outer))
+        .unwrap_or_default();
+    if !tags.is_empty() {
+        changes::append(host, &Keys::of(config).changes(), &tags);
+    }
+    result
 }
 
 /// The shared state of every worker, indexed like `Config::all_workers`.
@@ -729,6 +751,35 @@ mod tests {
         publish_members(&c, &h, &Members(vec![a, b]));
         publish_members(&c, &h, &Members(vec![a]));
         assert_eq!(logged(&c, &h), [tag(&c, "10.0.0.2:1"), tag(&c, "10.0.0.2:1")]);
+    }
+
+    #[test]
+    fn writes_logged_together_are_appended_once_at_the_end() {
+        let c = Config::from_json(
+            br#"{"workers":[{"address":"10.0.0.1:1"},{"address":"10.0.0.2:1"}],"state_reads":"change_log"}"#,
+        )
+        .unwrap();
+        let h = FakeHost::default();
+        let key = Keys::of(&c).changes();
+        let seen_inside = logged_together(&c, &h, || {
+            update_worker(&c, &h, 1, IfMissing::Create, |s| Some(s.begin_poll()));
+            update_worker(&c, &h, 0, IfMissing::Create, |s| Some(s.begin_poll()));
+            h.shared_get(&key)
+        });
+        assert!(
+            seen_inside.is_none(),
+            "nothing appended before the writes are all made"
+        );
+        let tag = |i: usize| changes::worker_tag(&Keys::of(&c).worker(&c.routed()[i].address));
+        let log = changes::read(&h, &key).unwrap();
+        assert_eq!(log.tags, [tag(1), tag(0)]);
+        assert_eq!(h.shared.get(&key).unwrap().1, 1, "one append");
+        // Afterwards, writes are logged one by one again.
+        update_worker(&c, &h, 0, IfMissing::Skip, |s| Some(s.begin_poll()));
+        assert_eq!(changes::read(&h, &key).unwrap().tags, [tag(1), tag(0), tag(0)]);
+        // Nothing written: nothing appended.
+        logged_together(&c, &h, || ());
+        assert_eq!(h.shared.get(&key).unwrap().1, 2);
     }
 
     #[test]

@@ -701,7 +701,7 @@ mod tests {
             "not seen before its entry"
         );
         // The entry lands (after this VM's read of the log): the next request reads it.
-        changes::append(&h, &Keys::of(&c).changes(), changes::worker_tag(&key));
+        changes::append(&h, &Keys::of(&c).changes(), &[changes::worker_tag(&key)]);
         cache.refresh(&c, &h);
         assert_eq!(cache.states()[1].as_ref(), Some(&newer));
         assert_current(&cache, &c, &h);
@@ -752,7 +752,7 @@ mod tests {
         newer.add(1, 0, 40).unwrap();
         h.shared_set(&key, &crate::store::encode(&newer), None).unwrap();
         h.conflicts.set(crate::store::CAS_ATTEMPTS);
-        changes::append(&h, &Keys::of(&c).changes(), changes::worker_tag(&key));
+        changes::append(&h, &Keys::of(&c).changes(), &[changes::worker_tag(&key)]);
         assert_ne!(log_place(&h, &c).epoch, before.epoch);
         let reads = shared_reads(&h);
         cache.refresh(&c, &h);

@@ -5,7 +5,9 @@
 //! The value is an epoch, a sequence number and a ring of the last
 //! [`CHANGE_LOG_LEN`] writes, each the [`worker_tag`] of the state written.
 //! Every successful state write is followed by an append (compare-and-swap,
-//! retried), so the log entry becomes visible only after the state it names.
+//! retried), so the log entry becomes visible only after the state it names;
+//! writes made at once (a poll round's) are appended together after the last
+//! (`store::logged_together`).
 //! A reader reads the log first, then the states named since the sequence
 //! number it last saw: a write whose entry is not appended yet when the log is
 //! read gets a later number, and is read at the next request. A reader
@@ -26,7 +28,8 @@ use serde::{Deserialize, Serialize};
 
 /// Writes the ring remembers. A VM that misses more between two of its
 /// requests (every thread's estimates and releases, and the poller's two
-/// writes per worker per round) reads every state once instead.
+/// writes per worker per round: on a fleet larger than the ring, every VM
+/// reads every state once per round) reads every state once instead.
 pub const CHANGE_LOG_LEN: usize = 128;
 
 /// The log as stored.
@@ -108,11 +111,15 @@ pub fn read(host: &dyn Host, key: &str) -> Option<ChangeLog> {
     host.shared_get(key).and_then(|(bytes, _)| super::decode(&bytes))
 }
 
-/// Logs a write of the state tagged `tag`; called after the write succeeded.
-pub fn append(host: &dyn Host, key: &str, tag: u64) {
+/// Logs writes of the states tagged `tags`, in order; called after the
+/// writes succeeded. More than the ring holds leave every reader behind: each
+/// then reads every state.
+pub fn append(host: &dyn Host, key: &str, tags: &[u64]) {
     let appended = update(host, key, |log: Option<ChangeLog>| {
         let mut log = log.unwrap_or_else(|| ChangeLog::new(host.random_u64()));
-        log.push(tag);
+        for tag in tags {
+            log.push(*tag);
+        }
         Some((log, ()))
     });
     if appended.is_none() {
@@ -158,12 +165,12 @@ mod tests {
     fn appends_are_read_back_in_order_from_a_place() {
         let h = FakeHost::default();
         assert_eq!(read(&h, KEY), None, "missing until the first write");
-        append(&h, KEY, 7);
+        append(&h, KEY, &[7]);
         let first = log(&h);
         assert_eq!((first.seq, first.tags.clone()), (1, vec![7]));
         let place = first.place();
-        append(&h, KEY, 8);
-        append(&h, KEY, 7);
+        append(&h, KEY, &[8]);
+        append(&h, KEY, &[7]);
         let now = log(&h);
         assert_eq!(now.epoch, first.epoch, "appends keep the epoch");
         assert_eq!(tags_since(&now, place), Some(vec![8, 7]));
@@ -174,10 +181,10 @@ mod tests {
     #[test]
     fn a_reader_more_than_the_ring_behind_reads_everything() {
         let h = FakeHost::default();
-        append(&h, KEY, 0);
+        append(&h, KEY, &[0]);
         let start = log(&h).place();
         for tag in 1..CHANGE_LOG_LEN as u64 {
-            append(&h, KEY, tag);
+            append(&h, KEY, &[tag]);
         }
         // Exactly the ring behind: every write since is still there.
         let full = log(&h);
@@ -190,7 +197,7 @@ mod tests {
         };
         assert_eq!(tags_since(&full, older).map(|t| t.len()), Some(CHANGE_LOG_LEN));
         // One more write wraps around over the oldest entry.
-        append(&h, KEY, 999);
+        append(&h, KEY, &[999]);
         let wrapped = log(&h);
         assert_eq!(wrapped.tags.len(), CHANGE_LOG_LEN);
         assert!(tags_since(&wrapped, older).is_none(), "fallen behind");
@@ -203,7 +210,7 @@ mod tests {
     #[test]
     fn another_epoch_or_a_place_ahead_of_the_log_reads_everything() {
         let h = FakeHost::default();
-        append(&h, KEY, 1);
+        append(&h, KEY, &[1]);
         let l = log(&h);
         let other_epoch = Place {
             epoch: l.epoch ^ 1,
@@ -227,7 +234,7 @@ mod tests {
         };
         h.shared_set(KEY, &encode(&bad), None).unwrap();
         assert_eq!(read(&h, KEY), None);
-        append(&h, KEY, 5);
+        append(&h, KEY, &[5]);
         let l = log(&h);
         assert_eq!((l.seq, l.tags), (1, vec![5]));
         assert_ne!(l.epoch, 1, "a new epoch");
@@ -240,13 +247,13 @@ mod tests {
             FakeHost::with_shared(shared.clone()),
             FakeHost::with_shared(shared),
         );
-        append(&a, KEY, 1);
+        append(&a, KEY, &[1]);
         let start = log(&a).place();
         // b's swap fails twice (another thread appended in between): it re-reads and retries.
         b.conflicts.set(2);
-        append(&b, KEY, 2);
+        append(&b, KEY, &[2]);
         assert_eq!(b.host_calls("shared_set"), 3);
-        append(&a, KEY, 3);
+        append(&a, KEY, &[3]);
         let l = log(&b);
         assert_eq!(l.epoch, start.epoch, "no restart");
         assert_eq!(tags_since(&l, start), Some(vec![2, 3]));
@@ -258,14 +265,14 @@ mod tests {
         let per_thread = 500u64;
         // Created first: two first writes at once would both go through
         // (the first write of a key ignores the cas), the case epochs cover.
-        append(&FakeHost::with_shared(shared.clone()), KEY, u64::MAX);
+        append(&FakeHost::with_shared(shared.clone()), KEY, &[u64::MAX]);
         let threads: Vec<_> = (0..4u64)
             .map(|t| {
                 let shared = shared.clone();
                 std::thread::spawn(move || {
                     let h = FakeHost::with_shared(shared);
                     for i in 0..per_thread {
-                        append(&h, KEY, t * per_thread + i);
+                        append(&h, KEY, &[t * per_thread + i]);
                     }
                     h.counter(crate::metrics::SHARED_DATA_CONFLICTS)
                 })
@@ -286,10 +293,10 @@ mod tests {
     #[test]
     fn an_append_that_cannot_land_restarts_the_log_so_readers_read_everything() {
         let h = FakeHost::default();
-        append(&h, KEY, 1);
+        append(&h, KEY, &[1]);
         let place = log(&h).place();
         h.conflicts.set(CAS_ATTEMPTS);
-        append(&h, KEY, 2);
+        append(&h, KEY, &[2]);
         let l = log(&h);
         assert_ne!(l.epoch, place.epoch);
         assert!(
