@@ -658,6 +658,7 @@ mod tests {
         assert_eq!(keys.config(), "fleet.config");
         assert_eq!(keys.health(), "fleet.health");
         assert_eq!(keys.refused(), "fleet.refused");
+        assert_eq!(keys.changes(), "fleet.changes");
     }
 
     #[test]
