@@ -128,23 +128,26 @@ impl Poller {
         observe::poll_round(config, host);
         let now = host.now_ms();
         let states = store::read_worker_states(config, host);
-        for ((index, w), state) in config.all_workers().enumerate().zip(&states) {
-            let age = state
-                .as_ref()
-                .filter(|s| s.snapshot_seq > 0)
-                .map(|s| now.saturating_sub(s.snapshot_at_ms))
-                .unwrap_or(u64::MAX >> 1);
-            host.gauge(&PerWorker::SnapshotAgeMs.of(&w.name), age);
-            if self
-                .outstanding
-                .values()
-                .any(|c| matches!(c, Call::Load(call) if call.worker == w.address))
-            {
-                host.count(&PerWorker::PollSkipped.of(&w.name), 1);
-                continue;
+        // Every worker's state is written here at once: logged in one append.
+        store::logged_together(config, host, || {
+            for ((index, w), state) in config.all_workers().enumerate().zip(&states) {
+                let age = state
+                    .as_ref()
+                    .filter(|s| s.snapshot_seq > 0)
+                    .map(|s| now.saturating_sub(s.snapshot_at_ms))
+                    .unwrap_or(u64::MAX >> 1);
+                host.gauge(&PerWorker::SnapshotAgeMs.of(&w.name), age);
+                if self
+                    .outstanding
+                    .values()
+                    .any(|c| matches!(c, Call::Load(call) if call.worker == w.address))
+                {
+                    host.count(&PerWorker::PollSkipped.of(&w.name), 1);
+                    continue;
+                }
+                self.dispatch(config, host, index);
             }
-            self.dispatch(config, host, index);
-        }
+        });
         // So an operator (and the soak) can see it stay bounded.
         host.gauge(metrics::SHARED_DATA_BYTES, store::shared_bytes(config, host));
     }

@@ -13,6 +13,7 @@
 //! | `<p>.config` | [`Announced`]: the configuration last logged | each VM at start-up |
 //! | `<p>.px.<ip:port>` | [`IndexRecord`]: that worker's prefix index (prefix affinity) | poller (creates it, cache feedback), router (routed prompts) |
 //! | `<p>.refused` | [`Refused`]: workers whose last load report was refused | poller |
+//! | `<p>.changes` | [`changes::ChangeLog`]: the last state writes, for readers that follow it (`state_reads`) | whoever writes a worker state, right after |
 //! | `<p>.health` | [`Health`]: targets not plainly healthy, hosts Envoy reports unhealthy | request ends (passive health), poller (Envoy's view) |
 //!
 //! Keys of later kinds follow the same pattern (`<p>.<kind>.<ip:port>[...]`)
@@ -42,6 +43,7 @@ use serde::{Deserialize, Serialize};
 use std::net::SocketAddr;
 
 pub mod cache;
+pub mod changes;
 
 /// How many times a read-modify-write on shared data is retried when another
 /// thread wrote in between.
@@ -50,6 +52,8 @@ pub const CAS_ATTEMPTS: usize = 16;
 thread_local! {
     /// The encoding buffer of read-modify-writes, reused (one VM per thread).
     static ENCODED: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
+    /// Tags of the state writes made inside `logged_together`, appended at its end.
+    static BATCH: std::cell::RefCell<Option<Vec<u64>>> = const { std::cell::RefCell::new(None) };
 }
 
 /// The names of the keys of one configuration's shared data.
@@ -86,6 +90,9 @@ impl<'a> Keys<'a> {
     }
     pub fn refused(&self) -> String {
         format!("{}.refused", self.prefix)
+    }
+    pub fn changes(&self) -> String {
+        format!("{}.changes", self.prefix)
     }
 }
 
@@ -393,7 +400,9 @@ pub fn update_worker<R>(
     mut change: impl FnMut(&mut WorkerState) -> Option<R>,
 ) -> Option<R> {
     let worker = config.worker(index)?;
-    update(host, &Keys::of(config).worker(&worker.address), |current| {
+    let keys = Keys::of(config);
+    let key = keys.worker(&worker.address);
+    let result = update(host, &key, |current| {
         let mut state = match (current, if_missing) {
             (Some(state), _) => state,
             (None, IfMissing::Create) => WorkerState::default(),
@@ -401,7 +410,37 @@ pub fn update_worker<R>(
         };
         let result = change(&mut state)?;
         Some((state, result))
-    })
+    })?;
+    log_state_write(config, host, &key);
+    Some(result)
+}
+
+/// Logs a successful write of the state at `state_key` when `config`'s
+/// readers follow the change log (`changes.rs`); every state write calls it.
+pub fn log_state_write(config: &Config, host: &dyn Host, state_key: &str) {
+    if !config.reads_change_log() {
+        return;
+    }
+    let tag = changes::worker_tag(state_key);
+    let batched = BATCH.with_borrow_mut(|batch| batch.as_mut().map(|tags| tags.push(tag)).is_some());
+    if !batched {
+        changes::append(host, &Keys::of(config).changes(), &[tag]);
+    }
+}
+
+/// Runs `writes` (state writes made at once, such as a poll round's) and
+/// logs them together at the end: one append instead of one per write.
+/// Each entry still follows its write, so nothing is missed.
+pub fn logged_together<R>(config: &Config, host: &dyn Host, writes: impl FnOnce() -> R) -> R {
+    let outer = BATCH.with_borrow_mut(|batch| batch.replace(Vec::new()));
+    let result = writes();
+    let tags = BATCH
+        .with_borrow_mut(|batch| std::mem::replace(batch, outer))
+        .unwrap_or_default();
+    if !tags.is_empty() {
+        changes::append(host, &Keys::of(config).changes(), &tags);
+    }
+    result
 }
 
 /// The shared state of every worker, indexed like `Config::all_workers`.
@@ -493,7 +532,10 @@ pub fn publish_members(config: &Config, host: &dyn Host, members: &Members) -> O
         return None;
     }
     for gone in previous.0.iter().filter(|a| !members.0.contains(a)) {
-        let _ = host.shared_set(&keys.worker(gone), b"", None);
+        let key = keys.worker(gone);
+        if host.shared_set(&key, b"", None).is_ok() {
+            log_state_write(config, host, &key);
+        }
     }
     Some(previous)
 }
@@ -520,6 +562,7 @@ pub fn shared_bytes(config: &Config, host: &dyn Host) -> u64 {
         keys.members(),
         keys.config(),
         keys.health(),
+        keys.changes(),
     ];
     let workers = config.all_workers().map(|w| keys.worker(&w.address));
     let indexes = config
@@ -615,6 +658,7 @@ mod tests {
         assert_eq!(keys.config(), "fleet.config");
         assert_eq!(keys.health(), "fleet.health");
         assert_eq!(keys.refused(), "fleet.refused");
+        assert_eq!(keys.changes(), "fleet.changes");
     }
 
     #[test]
@@ -679,6 +723,64 @@ mod tests {
             None,
             "no such worker"
         );
+    }
+
+    #[test]
+    fn state_writes_are_logged_when_readers_follow_the_change_log() {
+        let logged = |c: &Config, h: &FakeHost| -> Vec<u64> {
+            changes::read(h, &Keys::of(c).changes()).map_or_else(Vec::new, |l| l.tags)
+        };
+        let tag = |c: &Config, a: &str| changes::worker_tag(&Keys::of(c).worker(&a.parse().unwrap()));
+        // Reading every state: nothing logged, no extra call.
+        let every = config();
+        let h = FakeHost::default();
+        update_worker(&every, &h, 0, IfMissing::Create, |s| Some(s.begin_poll()));
+        assert!(logged(&every, &h).is_empty());
+        assert_eq!(h.host_calls("shared_set"), 1);
+        // Following the log: every successful write, once; a declined one not.
+        let c = Config::from_json(
+            br#"{"workers":[{"address":"10.0.0.1:1"},{"address":"10.0.0.2:1"}],"state_reads":"change_log"}"#,
+        )
+        .unwrap();
+        let h = FakeHost::default();
+        update_worker(&c, &h, 1, IfMissing::Create, |s| Some(s.begin_poll()));
+        update_worker(&c, &h, 0, IfMissing::Skip, |s| Some(s.begin_poll()));
+        update_worker(&c, &h, 1, IfMissing::Skip, |_| None::<()>);
+        assert_eq!(logged(&c, &h), [tag(&c, "10.0.0.2:1")]);
+        // A worker that left: its emptied state is logged too.
+        let (a, b) = ("10.0.0.1:1".parse().unwrap(), "10.0.0.2:1".parse().unwrap());
+        publish_members(&c, &h, &Members(vec![a, b]));
+        publish_members(&c, &h, &Members(vec![a]));
+        assert_eq!(logged(&c, &h), [tag(&c, "10.0.0.2:1"), tag(&c, "10.0.0.2:1")]);
+    }
+
+    #[test]
+    fn writes_logged_together_are_appended_once_at_the_end() {
+        let c = Config::from_json(
+            br#"{"workers":[{"address":"10.0.0.1:1"},{"address":"10.0.0.2:1"}],"state_reads":"change_log"}"#,
+        )
+        .unwrap();
+        let h = FakeHost::default();
+        let key = Keys::of(&c).changes();
+        let seen_inside = logged_together(&c, &h, || {
+            update_worker(&c, &h, 1, IfMissing::Create, |s| Some(s.begin_poll()));
+            update_worker(&c, &h, 0, IfMissing::Create, |s| Some(s.begin_poll()));
+            h.shared_get(&key)
+        });
+        assert!(
+            seen_inside.is_none(),
+            "nothing appended before the writes are all made"
+        );
+        let tag = |i: usize| changes::worker_tag(&Keys::of(&c).worker(&c.routed()[i].address));
+        let log = changes::read(&h, &key).unwrap();
+        assert_eq!(log.tags, [tag(1), tag(0)]);
+        assert_eq!(h.shared.get(&key).unwrap().1, 1, "one append");
+        // Afterwards, writes are logged one by one again.
+        update_worker(&c, &h, 0, IfMissing::Skip, |s| Some(s.begin_poll()));
+        assert_eq!(changes::read(&h, &key).unwrap().tags, [tag(1), tag(0), tag(0)]);
+        // Nothing written: nothing appended.
+        logged_together(&c, &h, || ());
+        assert_eq!(h.shared.get(&key).unwrap().1, 2);
     }
 
     #[test]

@@ -9,7 +9,7 @@ use std::time::Instant;
 
 use clap::Args;
 use dprank::body::JsonObject;
-use dprank::config::{Config, Worker};
+use dprank::config::{Config, StateReads, Worker};
 use dprank::health::Health;
 use dprank::host::{Callout, HeaderMap, Host, SharedSetError};
 use dprank::scheduler::{alternates, choose, Constraint, Context, Loads, Pool};
@@ -51,7 +51,7 @@ const REFRESH_MS: u64 = 100;
 
 /// Ranks per worker in the synthetic fleets (one 8-GPU node each).
 pub(crate) const RANKS_PER_WORKER: usize = 8;
-const TOTAL_RANKS: [usize; 4] = [8, 64, 512, 4096];
+const TOTAL_RANKS: [usize; 6] = [8, 32, 64, 128, 512, 4096];
 
 /// ns per call: the median batch, and the fastest (the cost without
 /// interference from other processes on a shared machine).
@@ -105,6 +105,8 @@ struct MemoryHost {
     next_cas: Cell<u32>,
     /// Requests served so far, for a clock that moves with them (0: still).
     requests: Cell<u64>,
+    /// Shared-data reads and writes made (each a host call in Envoy).
+    shared_calls: Cell<u64>,
 }
 
 impl Host for MemoryHost {
@@ -115,9 +117,11 @@ impl Host for MemoryHost {
         4
     }
     fn shared_get(&self, key: &str) -> Option<(Vec<u8>, u32)> {
+        self.shared_calls.set(self.shared_calls.get() + 1);
         self.shared.borrow().get(key).cloned()
     }
     fn shared_set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), SharedSetError> {
+        self.shared_calls.set(self.shared_calls.get() + 1);
         let mut shared = self.shared.borrow_mut();
         let current = shared.get(key).map(|(_, c)| *c);
         if cas.is_some() && cas != current {
@@ -166,10 +170,11 @@ impl Host for MemoryHost {
 }
 
 /// What the filter does per request around the choice, states read through
-/// `host`: refresh this VM's cache (one read per worker and one of the
-/// health record, decoding only what changed), choose, find the retry
-/// alternates, write the estimate; and give back the estimate of the
-/// request before (its end). Returns the chosen cost.
+/// `host`: refresh this VM's cache (the health record, and every worker's
+/// state or those the change log names, decoding only what changed),
+/// choose, find the retry alternates, write the estimate; and give back the
+/// estimate of the request before (its end), logging both writes when the
+/// configuration follows the change log. Returns the chosen cost.
 fn filter_request(
     config: &Rc<Config>,
     host: &MemoryHost,
@@ -251,6 +256,8 @@ pub fn selection(args: &SelectionArgs, command_line: &str) -> Result<(), String>
     let mut at_4096_min = f64::NAN;
     let mut with_read_4096 = f64::NAN;
     let mut lazy_4096 = f64::NAN;
+    let mut every_4096 = f64::NAN;
+    let mut default_4096 = "";
     for ranks in TOTAL_RANKS {
         let (config, states) = fleet(ranks)?;
         let workers = config.routed();
@@ -325,35 +332,55 @@ pub fn selection(args: &SelectionArgs, command_line: &str) -> Result<(), String>
         // What it does now, through a host: the VM's cache, the choice, the
         // estimate's write, and the release of the request before. Each
         // request changes one or two states, which the next decodes again
-        // (the steady state under load).
-        let config = Rc::new(config.clone());
+        // (the steady state under load). Once with every state read per
+        // request, once with the change log; `state_reads: auto` is one of
+        // the two by the fleet's size.
         let host = MemoryHost::default();
         let keys = store::Keys::of(&config);
         for (w, bytes) in config.routed().iter().zip(&encoded) {
             let _ = host.shared_set(&keys.worker(&w.address), bytes, None);
         }
-        let mut cache = StateCache::default();
-        let mut previous = None;
-        let cached = time_ns(args.batches, || {
-            tie = tie.wrapping_add(1);
-            filter_request(&config, &host, &mut cache, &mut previous, tie)
-        });
+        let per_request = |config: &Config, state_reads: StateReads, refresh_ms: u64| {
+            let mut config = config.clone();
+            config.state_reads = state_reads;
+            config.state_refresh_ms = refresh_ms;
+            let config = Rc::new(config);
+            let mut cache = StateCache::default();
+            let mut previous = None;
+            let mut tie = 0u64;
+            let calls_before = host.shared_calls.get();
+            let mut requests = 0u64;
+            let timing = time_ns(args.batches, || {
+                tie = tie.wrapping_add(1);
+                requests += 1;
+                if refresh_ms > 0 {
+                    host.requests.set(host.requests.get() + 1);
+                }
+                filter_request(&config, &host, &mut cache, &mut previous, tie)
+            });
+            let calls = (host.shared_calls.get() - calls_before) as f64 / requests as f64;
+            (timing, calls)
+        };
+        let (every, every_calls) = per_request(&config, StateReads::EveryWorker, 0);
+        let (logged, logged_calls) = per_request(&config, StateReads::ChangeLog, 0);
         // The same with `state_refresh_ms`: each request reads the states
         // this VM wrote, and every state once per `REFRESH_MS`.
-        let mut lazy_config = (*config).clone();
-        lazy_config.state_refresh_ms = REFRESH_MS;
-        let lazy_config = Rc::new(lazy_config);
-        let mut lazy_cache = StateCache::default();
-        let mut lazy_previous = None;
-        let lazy = time_ns(args.batches, || {
-            tie = tie.wrapping_add(1);
-            host.requests.set(host.requests.get() + 1);
-            filter_request(&lazy_config, &host, &mut lazy_cache, &mut lazy_previous, tie)
-        });
+        let (lazy, _) = per_request(&config, StateReads::Auto, REFRESH_MS);
+        let default_logs = Config {
+            state_reads: StateReads::Auto,
+            ..config.clone()
+        }
+        .reads_change_log();
         if ranks == 4096 {
             at_4096 = select.median;
             at_4096_min = select.min;
-            with_read_4096 = cached.median;
+            with_read_4096 = if default_logs { logged.median } else { every.median };
+            every_4096 = every.median;
+            default_4096 = if default_logs {
+                "the change log"
+            } else {
+                "every state"
+            };
             lazy_4096 = lazy.median;
         }
         rows.push(vec![
@@ -363,7 +390,16 @@ pub fn selection(args: &SelectionArgs, command_line: &str) -> Result<(), String>
             format!("{:.2}", select.median / ranks as f64),
             one_pass.cell(),
             uncached.cell(),
-            cached.cell(),
+            if default_logs {
+                "change_log"
+            } else {
+                "every_worker"
+            }
+            .to_string(),
+            every.cell(),
+            format!("{every_calls:.1}"),
+            logged.cell(),
+            format!("{logged_calls:.1}"),
             lazy.cell(),
         ]);
     }
@@ -375,8 +411,12 @@ pub fn selection(args: &SelectionArgs, command_line: &str) -> Result<(), String>
             "ns per rank",
             "reference: one pass, no candidate list, ns",
             "before the cache: decode every state + choose + add + encode, ns",
-            "per request in the filter: read every state and the health record through the host (cache: decode the changed one) + choose + alternates + write the estimate, ns",
-            &format!("the same with `state_refresh_ms: {REFRESH_MS}` at {REQUESTS_PER_MS} requests per ms per VM (every state read once per {} requests, else only those this VM wrote), ns", REFRESH_MS * REQUESTS_PER_MS),
+            "`state_reads: auto` (the default) uses",
+            "per request in the filter, `state_reads: every_worker`: read every state and the health record through the host (cache: decode the changed one) + choose + alternates + write the estimate + release the previous one, ns",
+            "its shared-data host calls per request",
+            "the same with `state_reads: change_log`: read the change log and the health record, then only the states written since (here this VM's own), writes logged, ns",
+            "its shared-data host calls per request",
+            &format!("the same with `state_reads: every_worker` and `state_refresh_ms: {REFRESH_MS}` at {REQUESTS_PER_MS} requests per ms per VM (every state read once per {} requests, else only those this VM wrote), ns", REFRESH_MS * REQUESTS_PER_MS),
         ],
         &rows,
     );
@@ -420,10 +460,11 @@ pub fn selection(args: &SelectionArgs, command_line: &str) -> Result<(), String>
     let (prefix_table, prefix_cost) = prefix::rows(args.batches)?;
     println!("\n{table}\n{body_table}\n{prefix_table}");
     let verdict = format!(
-        "Selection at 4096 ranks: **{:.1} us** per call, median (target < 10 us); fastest batch {:.1} us. With the state and health reads, the alternates and the estimate's write: **{:.1} us**; with `state_refresh_ms: {REFRESH_MS}`: **{:.1} us**.",
+        "Selection at 4096 ranks: **{:.1} us** per call, median (target < 10 us); fastest batch {:.1} us. With the state and health reads, the alternates, the estimate's write and the previous release, under the default `state_reads: auto` ({default_4096} at this size): **{:.1} us**; reading every state: **{:.1} us**; reading every state with `state_refresh_ms: {REFRESH_MS}`: **{:.1} us**.",
         at_4096 / 1000.0,
         at_4096_min / 1000.0,
         with_read_4096 / 1000.0,
+        every_4096 / 1000.0,
         lazy_4096 / 1000.0
     );
     let verdict = format!(
@@ -434,7 +475,7 @@ pub fn selection(args: &SelectionArgs, command_line: &str) -> Result<(), String>
     println!("{verdict}");
 
     let mut md = report_header("dprank selection cost (host micro-benchmark)", command_line);
-    let _ = writeln!(md, "ns per call over {} timed batches of ~2 ms each: the median batch, and in brackets the fastest batch (the machine is shared with other work; the fastest batch is the cost without interference), native release build of the `dprank` crate (inside Envoy the same code runs as wasm in V8). Fleets of workers with 8 ranks each; every worker's state holds a polled snapshot and three pending estimates, as between two polls. Columns: the selection step (`scheduler::choose`: filters, the load scorer and the least-cost picker, over the loads each VM derives once per state change); a hand-written one-pass reference over the same loads, ties to the first (a floor for the step as the data is laid out); what the filter did per request before its cache (decode every worker's shared-data bytes, choose, `add` + `encode` the chosen state), without host calls; and what it does now with the state read included: `StateCache::refresh` reads every worker's state and the health record through a host that keeps shared data in a hash map (one lookup and one copy of the value per key, as a shared-data read copies it in Envoy) and decodes the one or two that changed, then the choice, its retry alternates (`scheduler::alternates`, the default 2, a second pass over the workers for the chosen rank), the estimate's write (`StateCache::write`, one compare-and-swap) and the release of the previous request's estimate. Inside Envoy each of those reads is also a host call, which costs more than the copy and is not in these figures. The last column is the same request with the opt-in `state_refresh_ms` ({REFRESH_MS} ms), the host's clock moving 1 ms every {REQUESTS_PER_MS} requests: each request reads the health record and the states this VM wrote since its last read, and every state once per {} requests; the other threads' estimates are then seen up to {REFRESH_MS} ms late (README, configuration). Bodies are `/generate` requests of the given size; `with_fields` splices `routed_dp_rank` in.\n", args.batches, REFRESH_MS * REQUESTS_PER_MS);
+    let _ = writeln!(md, "ns per call over {} timed batches of ~2 ms each: the median batch, and in brackets the fastest batch (the machine is shared with other work; the fastest batch is the cost without interference), native release build of the `dprank` crate (inside Envoy the same code runs as wasm in V8). Fleets of workers with 8 ranks each; every worker's state holds a polled snapshot and three pending estimates, as between two polls. Columns: the selection step (`scheduler::choose`: filters, the load scorer and the least-cost picker, over the loads each VM derives once per state change); a hand-written one-pass reference over the same loads, ties to the first (a floor for the step as the data is laid out); what the filter did per request before its cache (decode every worker's shared-data bytes, choose, `add` + `encode` the chosen state), without host calls; and what it does now with the state read included, per request: `StateCache::refresh` (the health record and the workers' states, read through a host that keeps shared data in a hash map: one lookup and one copy of the value per key, as a shared-data read copies it in Envoy; only the one or two states that changed are decoded), then the choice, its retry alternates (`scheduler::alternates`, the default 2, a second pass over the workers for the chosen rank), the estimate's write (`StateCache::write`, one compare-and-swap) and the release of the previous request's estimate (a read-modify-write). That request is measured under each `state_reads` mode, and a column says which one the default `auto` takes at that fleet size: `every_worker` reads every worker's state; `change_log` reads the change log (`<p>.changes`) and then only the states written since this VM's last request (in this single-VM loop, the one or two it wrote itself; under several threads, theirs too), and appends an entry to the log after each state write (a read and a compare-and-swap of the log). Beside each, its shared-data host calls per request: inside Envoy each is also a host call, which costs about 1-2 us more than the copy and is not in these ns figures. The last column is `every_worker` with the opt-in `state_refresh_ms` ({REFRESH_MS} ms), the host's clock moving 1 ms every {REQUESTS_PER_MS} requests: each request reads the health record and the states this VM wrote since its last read, and every state once per {} requests; the other threads' estimates are then seen up to {REFRESH_MS} ms late (README, configuration). Bodies are `/generate` requests of the given size; `with_fields` splices `routed_dp_rank` in.\n", args.batches, REFRESH_MS * REQUESTS_PER_MS);
     md.push_str(&table);
     md.push('\n');
     md.push_str(&body_table);

@@ -32,7 +32,7 @@
 
 use arbitrary::{Result, Unstructured};
 use dprank::body::JsonObject;
-use dprank::config::{Config, ConfigError, CostEstimate, Pick, Transport, MAX_DP_SIZE, MIN_POLL_INTERVAL_MS};
+use dprank::config::{Config, ConfigError, CostEstimate, Pick, StateReads, Transport, MAX_DP_SIZE, MIN_POLL_INTERVAL_MS};
 use dprank::headers::CLIENT_RANK_HEADERS;
 use libfuzzer_sys::fuzz_target;
 use serde_json::{json, Map, Value};
@@ -395,6 +395,9 @@ fn generate(u: &mut Unstructured) -> Result<Map<String, Value>> {
     if let Some(v) = g.maybe(|g| g.text(&["least_cost", "headroom"], &["Headroom", "random"]))? {
         c.insert("pick".into(), v);
     }
+    if let Some(v) = g.maybe(|g| g.text(&["auto", "every_worker", "change_log"], &["ChangeLog", "sometimes"]))? {
+        c.insert("state_reads".into(), v);
+    }
     // Prefix affinity and its tuning keys (refused when affinity is off).
     if let Some(v) = g.maybe(|g| g.flag())? {
         c.insert("prefix_affinity".into(), v);
@@ -486,6 +489,16 @@ fn check_taken_as_written(given: &Map<String, Value>, c: &Config) {
     }
     assert_eq!(c.state_refresh_ms, num("state_refresh_ms").unwrap_or(0));
     assert!(c.state_refresh_ms <= c.poll_interval_ms, "state refresh beyond the poll interval");
+    let reads = match c.state_reads {
+        StateReads::Auto => "auto",
+        StateReads::EveryWorker => "every_worker",
+        StateReads::ChangeLog => "change_log",
+    };
+    assert_eq!(txt("state_reads").unwrap_or("auto"), reads);
+    assert!(
+        !(c.state_reads == StateReads::ChangeLog && c.state_refresh_ms > 0),
+        "state_refresh_ms accepted with the change log"
+    );
     // Scale-out and retries: taken as written.
     assert_eq!(u64::from(c.gateways), num("gateways").unwrap_or(1));
     if let Some(v) = num("retry_alternates") {

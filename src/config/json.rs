@@ -1,7 +1,9 @@
 //! The configuration as users write it: serde structs, every field optional
 //! so that validation (`validate.rs`) can name what is missing or wrong.
 
-use super::{CostEstimate, FailMode, LoadEndpoint, Naming, PickRule, QueueMeasure, RankTransport};
+use super::{
+    CostEstimate, FailMode, LoadEndpoint, Naming, PickRule, QueueMeasure, RankTransport, StateReads,
+};
 use serde::Deserialize;
 
 #[derive(Debug, Default, Deserialize)]
@@ -95,6 +97,9 @@ pub struct ConfigJson {
     /// every request).
     #[serde(default)]
     pub state_refresh_ms: Option<u64>,
+    /// `auto` (default), `every_worker` or `change_log`.
+    #[serde(default)]
+    pub state_reads: Option<StateReads>,
     /// `body` (default) or `header`: where the chosen rank is written.
     #[serde(default)]
     pub rank_transport: Option<RankTransport>,

@@ -83,6 +83,31 @@ pub enum CostEstimate {
     One,
 }
 
+/// How a VM learns the workers' states at each request (`state_reads`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum StateReads {
+    /// `change_log` for fleets of at least [`CHANGE_LOG_MIN_WORKERS`]
+    /// workers (counting a PD fleet's prefill workers), `every_worker` below
+    /// or with `state_refresh_ms` set.
+    Auto,
+    /// Read every worker's state (one read per worker per request).
+    EveryWorker,
+    /// Read the change log, then only the states written since this VM's
+    /// last read; every state write appends to the log (`store/changes.rs`).
+    ChangeLog,
+}
+
+/// Workers from which `state_reads: auto` reads the change log. Each state
+/// write then costs two more host calls (the log's read and its write: four
+/// per request, the estimate and its release) and each request one read of
+/// the log, against one read saved per worker not written since: 10
+/// shared-data calls per request against the workers + 4 (`dprank-bench
+/// selection` counts both). Natively the log costs about 0.5 us more per
+/// request up to 16 workers; at 8 its 2 fewer host calls (1-2 us each
+/// inside Envoy) more than pay for that, at 6 there are none fewer.
+pub const CHANGE_LOG_MIN_WORKERS: usize = 8;
+
 /// What happens when the filter cannot route a request it should route.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
 #[serde(rename_all = "snake_case")]
@@ -227,6 +252,8 @@ pub struct Config {
     /// worker's state is still written by compare-and-swap against the
     /// latest, so only other VMs' estimates are seen up to N ms late.
     pub state_refresh_ms: u64,
+    /// How the states are read per request (see [`Config::reads_change_log`]).
+    pub state_reads: StateReads,
     /// Where the chosen rank travels: the JSON body or request headers.
     pub transport: Transport,
     /// Client request headers removed from every request: the route header,
@@ -335,6 +362,21 @@ impl Config {
         self.routed()
             .iter()
             .chain(self.pd().into_iter().flat_map(|p| p.prefill.iter()))
+    }
+
+    /// Whether state writes are logged and reads follow the change log
+    /// (`state_reads`, resolved for this configuration's fleet size). Every
+    /// VM following the same configuration agrees.
+    pub fn reads_change_log(&self) -> bool {
+        match self.state_reads {
+            StateReads::EveryWorker => false,
+            StateReads::ChangeLog => true,
+            StateReads::Auto => {
+                self.state_refresh_ms == 0
+                    && self.routed().len() + self.pd().map_or(0, |p| p.prefill.len())
+                        >= CHANGE_LOG_MIN_WORKERS
+            }
+        }
     }
 
     /// Whether routing needs the health record: passive health or Envoy's view.

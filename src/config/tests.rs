@@ -41,6 +41,7 @@ fn minimal_config_gets_documented_defaults() {
     assert_eq!(c.envoy_health, None);
     assert_eq!(c.retry_alternates, 2);
     assert_eq!(c.state_refresh_ms, 0, "every request reads every state");
+    assert_eq!(c.state_reads, StateReads::Auto);
     assert_eq!(c.transport, Transport::Body);
     assert_eq!(
         c.removed_headers,
@@ -112,6 +113,10 @@ fn bad_health_and_retry_keys_are_named() {
         ),
         (r#""retry_alternates":17"#, "retry_alternates"),
         (r#""state_refresh_ms":1001"#, "state_refresh_ms"),
+        (
+            r#""state_reads":"change_log","state_refresh_ms":100"#,
+            "state_refresh_ms",
+        ),
         (r#""envoy_health":{"cluster":""}"#, "envoy_health"),
     ] {
         assert_eq!(key_of(with(extra)), key, "{extra}");
@@ -624,4 +629,38 @@ fn header_transport_turns_prefix_affinity_off_and_refuses_it() {
         "prefix_ttl_ms"
     );
     assert!(regular(r#","rank_transport":"header","prefix_affinity":false"#).is_ok());
+}
+
+#[test]
+fn state_reads_follow_the_change_log_from_the_fleet_size_auto_chooses() {
+    let fleet = |workers: usize, extra: &str| {
+        let list: Vec<String> = (1..=workers)
+            .map(|i| format!(r#"{{"address":"10.0.0.{i}:1"}}"#))
+            .collect();
+        parse(&format!(r#"{{"workers":[{}]{extra}}}"#, list.join(","))).unwrap()
+    };
+    let below = CHANGE_LOG_MIN_WORKERS - 1;
+    assert!(!fleet(below, "").reads_change_log());
+    assert!(fleet(CHANGE_LOG_MIN_WORKERS, "").reads_change_log());
+    assert!(
+        !fleet(CHANGE_LOG_MIN_WORKERS, r#","state_refresh_ms":100"#).reads_change_log(),
+        "an explicit state_refresh_ms keeps reading every state"
+    );
+    assert!(!fleet(CHANGE_LOG_MIN_WORKERS, r#","state_reads":"every_worker""#).reads_change_log());
+    assert!(fleet(1, r#","state_reads":"change_log""#).reads_change_log());
+    // A PD fleet counts both pools.
+    let pd = parse(
+        r#"{"prefill_workers":[{"address":"10.0.0.1:1"},{"address":"10.0.0.2:1"},{"address":"10.0.0.3:1"},{"address":"10.0.0.4:1"}],
+            "decode_workers":[{"address":"10.0.1.1:1"},{"address":"10.0.1.2:1"},{"address":"10.0.1.3:1"},{"address":"10.0.1.4:1"}]}"#,
+    )
+    .unwrap();
+    assert_eq!(
+        CHANGE_LOG_MIN_WORKERS, 8,
+        "the PD fleet above sits at the threshold"
+    );
+    assert!(pd.reads_change_log());
+    assert!(matches!(
+        parse(r#"{"workers":[{"address":"10.0.0.1:1"}],"state_reads":"sometimes"}"#),
+        Err(ConfigError::Json(e)) if e.contains("sometimes")
+    ));
 }

@@ -49,6 +49,14 @@ impl TryFrom<ConfigJson> for Config {
                 format!("must be 0..=poll_interval_ms ({poll_interval_ms}), got {state_refresh_ms}"),
             ));
         }
+        let state_reads = json.state_reads.unwrap_or(StateReads::Auto);
+        if state_reads == StateReads::ChangeLog && state_refresh_ms > 0 {
+            // The log already spares the reads, without the staleness.
+            return Err(invalid(
+                "state_refresh_ms",
+                "applies to state_reads every_worker or auto only, not change_log",
+            ));
+        }
         let keep_client_rank = json.keep_client_rank.unwrap_or(false);
         let cost_estimate = json.cost_estimate.unwrap_or(CostEstimate::Bytes);
         let taken: Vec<&str> = [Some(route_header.as_str()), pin_header.as_deref()]
@@ -88,6 +96,7 @@ impl TryFrom<ConfigJson> for Config {
             envoy_health,
             retry_alternates,
             state_refresh_ms,
+            state_reads,
             transport,
             removed_headers,
         })

@@ -447,3 +447,19 @@ fn a_prefix_index_is_created_at_the_first_answered_poll_and_not_read_again() {
     assert!(!none, "no index without prefix affinity");
     assert_eq!(with_index, without, "a later answer does not read the index");
 }
+
+#[test]
+fn a_poll_round_logs_its_writes_in_one_append() {
+    let (c, h, _) = first_round(r#","state_reads":"change_log""#);
+    let log = crate::store::changes::read(&h, &Keys::of(&c).changes()).unwrap();
+    let tags: Vec<u64> = c
+        .all_workers()
+        .map(|w| crate::store::changes::worker_tag(&Keys::of(&c).worker(&w.address)))
+        .collect();
+    assert_eq!(log.tags, tags, "both workers' first states, in order");
+    let key = Keys::of(&c).changes();
+    assert_eq!(h.shared.get(&key).unwrap().1, 1, "written once");
+    // Reading every state (the default on 2 workers): no log.
+    let (c, h, _) = first_round("");
+    assert!(h.shared_get(&Keys::of(&c).changes()).is_none());
+}

@@ -599,28 +599,34 @@ fn header_mode_routes_encoded_bodies_it_does_not_need_to_read() {
 /// request made 17 calls (4 header reads and a removal, 4 shared-data reads)
 /// and a passed-through GET 3; passive health and retry alternates (issue
 /// 14) add 3: the health record's read and two properties at the end.
+/// Host calls of one whole request (the second of two, so that the VM's
+/// tables and cache are warm).
+fn calls_per_request(c: &Rc<Config>, h: &FakeHost, headers: &[(&str, &str)], body: &[u8]) -> u64 {
+    let routing = Rc::new(Routing::new(c.clone(), 0));
+    let mut calls = Vec::new();
+    for _ in 0..2 {
+        let mut r = Request::new(routing.clone());
+        h.start_request(headers, body);
+        let before = h.total_host_calls();
+        send(&mut r, h);
+        let routed = h.header(":method").as_deref() == Some("POST");
+        let route = h.header("x-dprank-endpoint");
+        assert_eq!(route.is_some(), routed);
+        r.on_response_headers(h);
+        r.on_response_body(h);
+        let upstream = route.as_deref().and_then(|r| r.split(',').next());
+        h.finish_request(200, "via_upstream", upstream, 1);
+        r.on_done(h);
+        calls.push(h.total_host_calls() - before);
+    }
+    calls[1]
+}
+
 #[test]
 fn host_calls_per_request() {
     let count = |extra: &str, headers: &[(&str, &str)], body: &[u8]| {
         let (c, h) = fleet(extra);
-        let routing = Rc::new(Routing::new(c.clone(), 0));
-        let mut calls = Vec::new();
-        for _ in 0..2 {
-            let mut r = Request::new(routing.clone());
-            h.start_request(headers, body);
-            let before = h.total_host_calls();
-            send(&mut r, &h);
-            let routed = h.header(":method").as_deref() == Some("POST");
-            let route = h.header("x-dprank-endpoint");
-            assert_eq!(route.is_some(), routed, "{extra}");
-            r.on_response_headers(&h);
-            r.on_response_body(&h);
-            let upstream = route.as_deref().and_then(|r| r.split(',').next());
-            h.finish_request(200, "via_upstream", upstream, 1);
-            r.on_done(&h);
-            calls.push(h.total_host_calls() - before);
-        }
-        calls[1]
+        calls_per_request(&c, &h, headers, body)
     };
     let body = br#"{"text":"hello there"}"#;
     let length = body.len().to_string();
@@ -657,6 +663,48 @@ fn host_calls_per_request() {
     );
     // Passed through: headers read 1, counter 1.
     assert_eq!(count("", &[(":method", "GET"), (":path", "/health")], b""), 2);
+}
+
+#[test]
+fn host_calls_per_request_at_512_workers() {
+    let workers: Vec<String> = (0..512)
+        .map(|i| {
+            format!(
+                r#"{{"address":"10.0.{}.{}:30000","dp_size":8}}"#,
+                i / 250,
+                i % 250 + 1
+            )
+        })
+        .collect();
+    let count = |extra: &str| {
+        let c = Rc::new(
+            Config::from_json(
+                format!(
+                    r#"{{"workers":[{}],"rank_transport":"header","prefix_affinity":false{extra}}}"#,
+                    workers.join(",")
+                )
+                .as_bytes(),
+            )
+            .unwrap(),
+        );
+        let h = FakeHost::default();
+        h.now.set(10_000);
+        for i in 0..512 {
+            crate::router::testing::poll(&c, &h, i, &[100; 8]);
+        }
+        let post = [
+            (":method", "POST"),
+            (":path", "/generate"),
+            ("content-length", "400"),
+        ];
+        calls_per_request(&c, &h, &post, b"")
+    };
+    // Every state read: 512 reads, and the 14 of a 2-worker fleet less its 2.
+    assert_eq!(count(r#","state_reads":"every_worker""#), 512 + 12);
+    // The default there, the change log: its read instead of the 512, and
+    // the worker this VM wrote read back; the estimate's and the release's
+    // log entries, 2 calls each.
+    assert_eq!(count(""), 12 + 1 + 1 + 2 + 2);
 }
 
 #[test]

@@ -14,6 +14,12 @@
 //! the same way: one read per request, decoded only when another request
 //! ended badly (or the poller changed it) since.
 //!
+//! Under `state_reads` change_log (the default from `CHANGE_LOG_MIN_WORKERS`
+//! workers) a VM reads the change log instead (`changes.rs`), then only the
+//! states written since its last read and those it wrote itself: O(1) +
+//! O(changed) reads, and nothing read late; every state when the log cannot
+//! say what changed.
+//!
 //! With `state_refresh_ms` N > 0 (opt-in) a VM reads every state at most
 //! every N ms; in between it reads only the states whose cas it does not know
 //! (those it wrote itself, or whose compare-and-swap failed), so another
@@ -21,7 +27,8 @@
 //! compare-and-swaps against the latest state: a stale copy makes the swap
 //! fail, and the write is then done on a fresh read, so nothing is lost.
 
-use super::{decode, encode_into, update_worker, IfMissing, Keys};
+use super::changes::{self, ChangeLog, Place};
+use super::{decode, encode_into, log_state_write, update_worker, IfMissing, Keys};
 use crate::config::Config;
 use crate::health::{Health, NO_HEALTH};
 use crate::host::Host;
@@ -61,6 +68,21 @@ pub struct StateCache {
     /// When every state was last read (`state_refresh_ms`); None: not yet
     /// under this configuration.
     read_all_at_ms: Option<u64>,
+    /// This VM's place in the change log, when the configuration follows it.
+    log: LogReader,
+}
+
+/// What a VM keeps to follow the change log (`changes.rs`).
+#[derive(Default)]
+struct LogReader {
+    /// `<p>.changes`; empty when the configuration reads every state.
+    key: String,
+    /// Where this VM last read the log; None: read every state next.
+    place: Option<Place>,
+    /// (tag, worker index), sorted by tag: the workers a logged tag names.
+    tags: Vec<(u64, usize)>,
+    /// The workers to read at this request, reused.
+    wanted: Vec<usize>,
 }
 
 /// The health record as last read.
@@ -75,13 +97,17 @@ struct HealthCopy {
 
 impl StateCache {
     /// Follows `config` (rebuilding the per-worker tables when it changed)
-    /// and reads every worker's state and the health record, decoding only
-    /// those that changed.
+    /// and reads the health record and the workers' states (every one, or
+    /// those the change log names), decoding only those that changed.
     pub fn refresh(&mut self, config: &Rc<Config>, host: &dyn Host) {
         if !self.config.as_ref().is_some_and(|c| Rc::ptr_eq(c, config)) {
             self.follow(config);
         }
         self.refresh_health(host);
+        if !self.log.key.is_empty() {
+            self.refresh_from_log(host);
+            return;
+        }
         let every = config.state_refresh_ms;
         let now_ms = if every > 0 { host.now_ms() } else { 0 };
         let read_all = every == 0
@@ -92,36 +118,86 @@ impl StateCache {
             self.read_all_at_ms = Some(now_ms);
         }
         let mut relayout = false;
-        for (index, (entry, state)) in self.entries.iter_mut().zip(&mut self.states).enumerate() {
-            if !read_all && entry.cas.is_some() {
+        for index in 0..self.entries.len() {
+            if !read_all && self.entries.get(index).is_some_and(|e| e.cas.is_some()) {
                 // Read within the last `state_refresh_ms`, and not written since by this VM.
                 continue;
             }
-            let changed = match host.shared_get(&entry.key) {
-                Some((_, read)) if entry.cas == Some(read) => false,
-                Some((bytes, read)) => {
-                    entry.cas = Some(read);
-                    if bytes == entry.encoding {
-                        false
-                    } else {
-                        *state = decode(&bytes);
-                        entry.encoding = if state.is_some() { bytes } else { Vec::new() };
-                        true
-                    }
-                }
-                None => {
-                    entry.cas = None;
-                    entry.encoding.clear();
-                    state.take().is_some()
-                }
-            };
-            if changed && !relayout {
-                relayout = !self.loads.update(index, state.as_ref());
-            }
+            relayout |= self.read(host, index, relayout);
         }
         if relayout {
             self.loads.rebuild(&self.states);
         }
+    }
+
+    /// `refresh` under `state_reads` change_log: the log first, then only
+    /// the states written since this VM's place in it (its own writes
+    /// included: logged like any other, and read back for their cas); every
+    /// state when the log cannot say (missing, another epoch, fallen behind,
+    /// a new configuration).
+    fn refresh_from_log(&mut self, host: &dyn Host) {
+        // Read before the states: a write logged after this read is read at the next request.
+        let log = changes::read(host, &self.log.key);
+        let place = self.log.place.take();
+        let mut wanted = std::mem::take(&mut self.log.wanted);
+        wanted.clear();
+        let since = log.as_ref().zip(place).and_then(|(log, place)| log.since(place));
+        let read_all = match since {
+            Some(tags) => {
+                for tag in tags {
+                    let at = self.log.tags.partition_point(|(t, _)| *t < tag);
+                    let named = self.log.tags.get(at..).unwrap_or_default();
+                    wanted.extend(named.iter().take_while(|(t, _)| *t == tag).map(|(_, i)| *i));
+                }
+                wanted.sort_unstable();
+                wanted.dedup();
+                false
+            }
+            None => true,
+        };
+        self.log.place = log.as_ref().map(ChangeLog::place);
+        let mut relayout = false;
+        if read_all {
+            for index in 0..self.entries.len() {
+                relayout |= self.read(host, index, relayout);
+            }
+        } else {
+            for &index in &wanted {
+                relayout |= self.read(host, index, relayout);
+            }
+        }
+        self.log.wanted = wanted;
+        if relayout {
+            self.loads.rebuild(&self.states);
+        }
+    }
+
+    /// Reads worker `index`'s state, decoding it only when its bytes
+    /// changed, and updates its loads unless `relayout` is already due. True
+    /// when the loads need a rebuild.
+    fn read(&mut self, host: &dyn Host, index: usize, relayout: bool) -> bool {
+        let (Some(entry), Some(state)) = (self.entries.get_mut(index), self.states.get_mut(index)) else {
+            return false;
+        };
+        let changed = match host.shared_get(&entry.key) {
+            Some((_, read)) if entry.cas == Some(read) => false,
+            Some((bytes, read)) => {
+                entry.cas = Some(read);
+                if bytes == entry.encoding {
+                    false
+                } else {
+                    *state = decode(&bytes);
+                    entry.encoding = if state.is_some() { bytes } else { Vec::new() };
+                    true
+                }
+            }
+            None => {
+                entry.cas = None;
+                entry.encoding.clear();
+                state.take().is_some()
+            }
+        };
+        changed && !relayout && !self.loads.update(index, state.as_ref())
     }
 
     fn refresh_health(&mut self, host: &dyn Host) {
@@ -163,6 +239,17 @@ impl StateCache {
         self.states = vec![None; self.entries.len()];
         self.loads = Loads::of(&self.states);
         self.read_all_at_ms = None;
+        self.log = LogReader::default();
+        if config.reads_change_log() {
+            self.log.key = keys.changes();
+            self.log.tags = self
+                .entries
+                .iter()
+                .enumerate()
+                .map(|(i, e)| (changes::worker_tag(&e.key), i))
+                .collect();
+            self.log.tags.sort_unstable();
+        }
         self.config = Some(config.clone());
     }
 
@@ -289,6 +376,9 @@ impl StateCache {
         if !written {
             self.forget(index);
             return None;
+        }
+        if let Some(config) = &self.config {
+            log_state_write(config, host, &entry.key);
         }
         // The new cas is unknown until the next read, which finds these bytes.
         entry.cas = None;
@@ -555,6 +645,179 @@ mod tests {
         let writes = h.host_calls("shared_set");
         mine.write(&c, &h, 1, |s| s.add(1, 2, 1)).unwrap();
         assert_eq!(h.host_calls("shared_set") - writes, 1);
+    }
+
+    const CHANGE_LOG: &str = r#","state_reads":"change_log""#;
+
+    fn log_place(h: &FakeHost, c: &Config) -> Place {
+        changes::read(h, &Keys::of(c).changes()).unwrap().place()
+    }
+
+    #[test]
+    fn with_the_change_log_only_the_states_written_since_are_read() {
+        let (c, h) = fleet(CHANGE_LOG);
+        let mut cache = StateCache::default();
+        cache.refresh(&c, &h);
+        assert_current(&cache, &c, &h);
+        let reads = shared_reads(&h);
+        cache.refresh(&c, &h);
+        assert_eq!(
+            shared_reads(&h) - reads,
+            2,
+            "the log and the health record, no state"
+        );
+        // Another VM's poll of worker 1: that state only.
+        poll(&c, &h, 1, &[7, 7, 7, 7]);
+        let reads = shared_reads(&h);
+        cache.refresh(&c, &h);
+        assert_eq!(shared_reads(&h) - reads, 3);
+        assert_eq!(cache.states()[1].as_ref().unwrap().polled_tokens(0), Some(7));
+        assert_current(&cache, &c, &h);
+        // Its own estimate: one write and its log entry; read back once.
+        let writes = h.host_calls("shared_set");
+        cache.write(&c, &h, 0, |s| s.add(0, 1, 10)).unwrap();
+        assert_eq!(h.host_calls("shared_set") - writes, 2, "the state, then the log");
+        let reads = shared_reads(&h);
+        cache.refresh(&c, &h);
+        assert_eq!(shared_reads(&h) - reads, 3);
+        assert_current(&cache, &c, &h);
+    }
+
+    #[test]
+    fn a_write_is_read_at_the_first_request_after_its_log_entry() {
+        let (c, h) = fleet(CHANGE_LOG);
+        let mut cache = StateCache::default();
+        cache.refresh(&c, &h);
+        // Another VM wrote worker 1 and has not appended its entry yet.
+        let key = Keys::of(&c).worker(&c.routed()[1].address);
+        let (bytes, _) = h.shared_get(&key).unwrap();
+        let mut newer: WorkerState = decode(&bytes).unwrap();
+        newer.add(1, 0, 500).unwrap();
+        h.shared_set(&key, &crate::store::encode(&newer), None).unwrap();
+        cache.refresh(&c, &h);
+        assert_ne!(
+            cache.states()[1].as_ref(),
+            Some(&newer),
+            "not seen before its entry"
+        );
+        // The entry lands (after this VM's read of the log): the next request reads it.
+        changes::append(&h, &Keys::of(&c).changes(), &[changes::worker_tag(&key)]);
+        cache.refresh(&c, &h);
+        assert_eq!(cache.states()[1].as_ref(), Some(&newer));
+        assert_current(&cache, &c, &h);
+    }
+
+    #[test]
+    fn without_a_usable_log_every_state_is_read() {
+        let (c, h) = fleet(CHANGE_LOG);
+        let log_key = Keys::of(&c).changes();
+        let mut cache = StateCache::default();
+        cache.refresh(&c, &h);
+        let every = |cache: &mut StateCache, why: &str| {
+            let reads = shared_reads(&h);
+            cache.refresh(&c, &h);
+            assert_eq!(shared_reads(&h) - reads, 2 + 2, "{why}");
+            assert_current(cache, &c, &h);
+        };
+        // Missing (emptied here): every request reads every state until a write recreates it.
+        h.shared_set(&log_key, b"", None).unwrap();
+        every(&mut cache, "missing");
+        every(&mut cache, "still missing");
+        poll(&c, &h, 0, &[1, 1, 1, 1]);
+        every(&mut cache, "a new epoch");
+        let reads = shared_reads(&h);
+        cache.refresh(&c, &h);
+        assert_eq!(shared_reads(&h) - reads, 2, "followed again");
+        // Fallen more than the ring behind: the writes of other VMs, here on worker 0 only.
+        for _ in 0..=changes::CHANGE_LOG_LEN {
+            poll(&c, &h, 0, &[2, 2, 2, 2]);
+        }
+        every(&mut cache, "fallen behind");
+        // A new configuration (a reload, a membership change) starts with every state.
+        let reloaded = Rc::new((*c).clone());
+        let reads = shared_reads(&h);
+        cache.refresh(&reloaded, &h);
+        assert_eq!(shared_reads(&h) - reads, 2 + 2, "a new configuration");
+    }
+
+    #[test]
+    fn a_restarted_log_sends_every_reader_to_a_full_read() {
+        let (c, h) = fleet(CHANGE_LOG);
+        let mut cache = StateCache::default();
+        cache.refresh(&c, &h);
+        let before = log_place(&h, &c);
+        // Another VM wrote worker 1, and its append loses every swap: it restarts the log.
+        let key = Keys::of(&c).worker(&c.routed()[1].address);
+        let mut newer = cache.states()[1].clone().unwrap();
+        newer.add(1, 0, 40).unwrap();
+        h.shared_set(&key, &crate::store::encode(&newer), None).unwrap();
+        h.conflicts.set(crate::store::CAS_ATTEMPTS);
+        changes::append(&h, &Keys::of(&c).changes(), &[changes::worker_tag(&key)]);
+        assert_ne!(log_place(&h, &c).epoch, before.epoch);
+        let reads = shared_reads(&h);
+        cache.refresh(&c, &h);
+        assert_eq!(shared_reads(&h) - reads, 2 + 2);
+        assert_eq!(cache.states()[1].as_ref(), Some(&newer));
+        assert_current(&cache, &c, &h);
+    }
+
+    /// A small deterministic generator for the interleavings below.
+    fn next(seed: &mut u64) -> u64 {
+        *seed = seed
+            .wrapping_mul(6_364_136_223_846_793_005)
+            .wrapping_add(1_442_695_040_888_963_407);
+        *seed >> 33
+    }
+
+    #[test]
+    fn vms_following_the_log_always_see_what_a_full_read_sees() {
+        let (c, h) = fleet(CHANGE_LOG);
+        let hosts: Vec<FakeHost> = (0..3).map(|_| FakeHost::with_shared(h.shared.clone())).collect();
+        for host in &hosts {
+            host.now.set(h.now.get());
+        }
+        let mut caches: Vec<StateCache> = (0..3).map(|_| StateCache::default()).collect();
+        let mut tickets = Vec::new();
+        let mut seed = 7;
+        for _ in 0..3000 {
+            let vm = (next(&mut seed) % 3) as usize;
+            let (cache, host) = (&mut caches[vm], &hosts[vm]);
+            match next(&mut seed) % 6 {
+                0 => poll(
+                    &c,
+                    host,
+                    (next(&mut seed) % 2) as usize,
+                    &[next(&mut seed) % 200; 4],
+                ),
+                1 if !tickets.is_empty() => {
+                    let ticket: crate::state::Ticket =
+                        tickets.swap_remove(next(&mut seed) as usize % tickets.len());
+                    cache.write_as_routed(&c, host, ticket.worker, |s| {
+                        s.release(&ticket);
+                        Some(())
+                    });
+                }
+                2 => {
+                    // A write from outside the cache (as the poller's, PD's).
+                    crate::store::update_worker(&c, host, 1, IfMissing::Skip, |s| s.add(1, 3, 1));
+                }
+                3 => host.conflicts.set((next(&mut seed) % 3) as usize),
+                _ => {
+                    cache.refresh(&c, host);
+                    assert_current(cache, &c, host);
+                    let worker = (next(&mut seed) % 2) as usize;
+                    let rank = (next(&mut seed) % 4) as u32;
+                    if let Some(t) = cache.write(&c, host, worker, |s| s.add(worker, rank, 5)) {
+                        tickets.push(t);
+                    }
+                }
+            }
+        }
+        for (cache, host) in caches.iter_mut().zip(&hosts) {
+            host.conflicts.set(0);
+            cache.refresh(&c, host);
+            assert_current(cache, &c, host);
+        }
     }
 
     #[test]

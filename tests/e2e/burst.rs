@@ -85,7 +85,17 @@ fn burst(world: &World) -> BTreeMap<(String, u64), u64> {
 
 #[test]
 fn a_burst_between_polls_spreads_over_all_ranks() {
-    let world = World::start("burst_spread", 2, &["--instant"], &[], EnvoyOptions::default());
+    spreads_over_all_ranks("burst_spread");
+}
+
+/// The same, each thread learning the other's estimates from the change log.
+#[test]
+fn a_burst_spreads_with_the_change_log() {
+    spreads_over_all_ranks("burst_spread_change_log");
+}
+
+fn spreads_over_all_ranks(scenario: &str) {
+    let world = World::start(scenario, 2, &["--instant"], &[], EnvoyOptions::default());
     let sent = burst(&world);
     let mean = sent.values().sum::<u64>() as f64 / sent.len() as f64;
     eprintln!("burst, equal loads: tokens per rank {sent:?}, mean {mean:.0}");
@@ -100,10 +110,20 @@ fn a_burst_between_polls_spreads_over_all_ranks() {
 
 #[test]
 fn a_burst_fills_the_less_loaded_ranks_first() {
+    fills_the_less_loaded_ranks_first("burst_levels");
+}
+
+/// The same, estimates and releases travelling between threads through the change log.
+#[test]
+fn a_burst_fills_the_less_loaded_ranks_first_with_the_change_log() {
+    fills_the_less_loaded_ranks_first("burst_levels_change_log");
+}
+
+fn fills_the_less_loaded_ranks_first(scenario: &str) {
     let base_a = [0, 10_000, 20_000, 30_000];
     let base_b = [40_000, 0, 20_000, 10_000];
     let world = World::start(
-        "burst_levels",
+        scenario,
         2,
         &["--instant"],
         &World::base_tokens(&[&base_a, &base_b]),

@@ -37,7 +37,17 @@ fn send(client: &Client, envoy: &EnvoyProcess, sims: &[Sim], note: &str) -> (Str
 
 #[test]
 fn workers_follow_the_cluster_membership() {
-    let scenario = Scenario::load("membership");
+    follow_the_cluster_membership("membership");
+}
+
+/// The same, the routing threads reading states through the change log.
+#[test]
+fn workers_follow_the_cluster_membership_with_the_change_log() {
+    follow_the_cluster_membership("membership_change_log");
+}
+
+fn follow_the_cluster_membership(name: &str) {
+    let scenario = Scenario::load(name);
     let interval = Duration::from_millis(scenario.override_u64("poll_interval_ms").expect("set"));
     let dir = TestDir::new(&scenario.name);
     let sims = start_sims(&dir, 3, &["--instant"]);
