@@ -5,24 +5,17 @@
 
 use super::{Candidate, Slot, REMOVED};
 
-/// One rank's cheapest workers so far.
-#[derive(Debug, Clone, Copy)]
-struct Rank {
-    /// The cost a worker must be below to be kept: the dearest kept once
-    /// `keep` are, else `REMOVED` (so a removed slot never is).
-    bar: Slot,
-    /// How many of the rank's `keep` entries are filled.
-    len: usize,
-}
-
-const EMPTY: Rank = Rank { bar: REMOVED, len: 0 };
+/// An empty place in a rank's list: dearer than any cost offered.
+const EMPTY: (Slot, usize) = (REMOVED, 0);
 
 /// Per rank, the `keep` cheapest (cost, worker) offered.
 #[derive(Debug, Default)]
 pub struct ByRank {
     keep: usize,
-    ranks: Vec<Rank>,
-    /// `keep` entries per rank, cheapest first.
+    /// Per rank, the cost a worker must be below to be kept: the dearest of
+    /// its list (`REMOVED` while the list has room, so a removed slot never is).
+    bars: Vec<Slot>,
+    /// `keep` entries per rank, cheapest first, then `EMPTY`.
     kept: Vec<(Slot, usize)>,
 }
 
@@ -30,7 +23,7 @@ impl ByRank {
     /// Empties it to keep `keep` (at least one) per rank; the buffers stay.
     pub fn reset(&mut self, keep: usize) {
         self.keep = keep.max(1);
-        self.ranks.clear();
+        self.bars.clear();
         self.kept.clear();
     }
 
@@ -38,16 +31,16 @@ impl ByRank {
     /// order: a worker that only ties the dearest kept is then not kept.
     #[inline(always)]
     pub fn offer(&mut self, worker: usize, costs: &[Slot]) {
-        if self.ranks.len() < costs.len() {
-            self.ranks.resize(costs.len(), EMPTY);
-            self.kept.resize(costs.len() * self.keep, (REMOVED, 0));
+        if self.bars.len() < costs.len() {
+            self.bars.resize(costs.len(), REMOVED);
+            self.kept.resize(costs.len() * self.keep, EMPTY);
         }
-        for (r, (&cost, rank)) in costs.iter().zip(&mut self.ranks).enumerate() {
+        let keep = self.keep;
+        for (r, (&cost, bar)) in costs.iter().zip(&mut self.bars).enumerate() {
             // Most slots cost more than the rank's dearest kept: one comparison.
-            if cost < rank.bar {
-                let at = r * self.keep;
-                if let Some(kept) = self.kept.get_mut(at..at + self.keep) {
-                    insert(rank, kept, cost, worker);
+            if cost < *bar {
+                if let Some(kept) = self.kept.get_mut(r * keep..(r + 1) * keep) {
+                    *bar = insert(kept, (cost, worker));
                 }
             }
         }
@@ -56,12 +49,10 @@ impl ByRank {
     /// Up to `max` of `rank`'s kept workers other than `except`, cheapest
     /// first, as candidates (`offset` added to the worker).
     pub fn alternates(&self, rank: u32, except: usize, offset: usize, max: usize) -> Vec<Candidate> {
-        let r = rank as usize;
-        let (Some(entry), Some(kept)) = (self.ranks.get(r), self.kept.get(r * self.keep..)) else {
-            return Vec::new();
-        };
+        let at = rank as usize * self.keep;
+        let kept = self.kept.get(at..at + self.keep).unwrap_or_default();
         kept.iter()
-            .take(entry.len)
+            .take_while(|k| **k != EMPTY)
             .map(|&(cost, worker)| Candidate {
                 worker: worker + offset,
                 rank,
@@ -73,31 +64,18 @@ impl ByRank {
     }
 }
 
-/// Puts (cost, worker) into its place in `kept`, dropping the dearest when full.
+/// Puts `new` into its place in the sorted `kept` (the dearest falls out)
+/// and returns the dearest kept now. Each place keeps the lesser of itself
+/// and what is carried down: no search, and no branch to mispredict.
 #[inline(never)]
-fn insert(rank: &mut Rank, kept: &mut [(Slot, usize)], cost: Slot, worker: usize) {
-    let new = (cost, worker);
-    let mut at = rank.len.min(kept.len().saturating_sub(1));
-    // Shift the dearer ones up by one (the last falls out when full).
-    while at > 0 {
-        match kept.get(at - 1).copied() {
-            Some(prev) if prev > new => {
-                if let Some(slot) = kept.get_mut(at) {
-                    *slot = prev;
-                }
-                at -= 1;
-            }
-            _ => break,
-        }
+fn insert(kept: &mut [(Slot, usize)], new: (Slot, usize)) -> Slot {
+    let mut carried = new;
+    for place in kept.iter_mut() {
+        let lesser = carried.min(*place);
+        carried = carried.max(*place);
+        *place = lesser;
     }
-    if let Some(slot) = kept.get_mut(at) {
-        *slot = new;
-    }
-    rank.len = (rank.len + 1).min(kept.len());
-    rank.bar = match kept.get(rank.len.wrapping_sub(1)) {
-        Some(dearest) if rank.len == kept.len() => dearest.0,
-        _ => REMOVED,
-    };
+    kept.last().map_or(REMOVED, |k| k.0)
 }
 
 #[cfg(test)]
