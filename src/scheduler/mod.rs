@@ -318,7 +318,34 @@ fn views<'a>(pool: &'a Pool) -> impl Iterator<Item = WorkerView<'a>> {
     })
 }
 
-/// Runs the filters and scorers on one worker in `buffer`: its cost slots
+/// Workers with at most this many ranks (an 8-GPU node) are scored in a
+/// fixed-size array: zeroing it takes a few stores where a slice of any
+/// length calls `memset`, once per worker.
+const SMALL: usize = 8;
+
+/// Where one worker's slots are written: `small` when they fit, else `buffer`.
+struct Scratch<'a> {
+    small: [Slot; SMALL],
+    buffer: &'a mut Vec<Slot>,
+}
+
+impl Scratch<'_> {
+    /// `n` slots, zeroed.
+    #[inline(always)]
+    fn zeroed(&mut self, n: usize) -> &mut [Slot] {
+        if n <= SMALL {
+            self.small = [0; SMALL];
+            if let Some(slots) = self.small.get_mut(..n) {
+                return slots;
+            }
+        }
+        self.buffer.clear();
+        self.buffer.resize(n, 0);
+        self.buffer.as_mut_slice()
+    }
+}
+
+/// Runs the filters and scorers on one worker in `scratch`: its cost slots
 /// (one per rank, `REMOVED`: removed); None when a filter dropped the whole
 /// worker. Inlined into the loop over the workers: it runs once per
 /// worker, and a call per worker costs as much as a scorer's loop.
@@ -327,16 +354,14 @@ fn run_steps<'s>(
     ctx: &Context,
     steps: &Steps,
     view: &WorkerView,
-    buffer: &'s mut Vec<Slot>,
+    scratch: &'s mut Scratch,
 ) -> Option<&'s [Slot]> {
     let mut ranks = offered_ranks(view.worker, view.state);
     if let Some(only) = ctx.constraint.only_rank {
         // The slots past the one rank allowed would only be removed.
         ranks = ranks.min(only as usize + 1);
     }
-    buffer.clear();
-    buffer.resize(ranks, 0);
-    let slots = buffer.as_mut_slice();
+    let slots = scratch.zeroed(ranks);
     if !steps.filters().iter().all(|f| f.filter(ctx, view, slots)) {
         return None;
     }
@@ -399,8 +424,12 @@ fn choose_by<P: Picker>(
     let steps = Steps::of(ctx);
     let mut picker = P::new(ctx);
     SLOTS.with_borrow_mut(|buffer| {
+        let mut scratch = Scratch {
+            small: [0; SMALL],
+            buffer,
+        };
         for view in views(pool) {
-            if let Some(slots) = run_steps(ctx, &steps, &view, buffer) {
+            if let Some(slots) = run_steps(ctx, &steps, &view, &mut scratch) {
                 picker.offer(view.index, slots);
                 if let Some(by_rank) = by_rank.as_deref_mut() {
                     by_rank.offer(view.index, slots);
@@ -436,12 +465,16 @@ pub fn alternates(pool: &Pool, ctx: &Context, chosen: &Candidate, max: usize) ->
     let steps = Steps::of(&strict);
     let mut found = Vec::new();
     SLOTS.with_borrow_mut(|buffer| {
+        let mut scratch = Scratch {
+            small: [0; SMALL],
+            buffer,
+        };
         for view in views(pool) {
             let worker = view.index + pool.offset;
             if worker == chosen.worker {
                 continue;
             }
-            let Some(slots) = run_steps(&strict, &steps, &view, buffer) else {
+            let Some(slots) = run_steps(&strict, &steps, &view, &mut scratch) else {
                 continue;
             };
             if let Some(&cost) = slots.get(chosen.rank as usize).filter(|c| **c != REMOVED) {
