@@ -192,7 +192,8 @@ fn choices_and_alternates_match_a_straightforward_implementation() {
                 if draw.chance(4) {
                     return Some(WorkerState::default());
                 }
-                let ranks = 1 + draw.below(8) as usize;
+                // Up to 12 ranks: workers past 8 are scored in another buffer.
+                let ranks = 1 + draw.below(12) as usize;
                 let tokens: Vec<u64> = (0..ranks).map(|_| draw.below(spread)).collect();
                 let at = if draw.chance(10) {
                     0
