@@ -11,7 +11,9 @@
 //! each worker's slots as soon as they are scored: a fleet of thousands of
 //! ranks costs a tight loop per worker and step (steps are dispatched
 //! statically, and those with nothing to do for a request are left out once
-//! per choice), and no candidate list.
+//! per choice), and no candidate list. The retry alternates of the rank
+//! chosen are collected from the same slots (`by_rank`) where their costs
+//! are the choice's, rather than in a second pass.
 
 mod by_rank;
 #[cfg(test)]
