@@ -2,7 +2,7 @@
 //! headers alone, before any body byte has arrived. The cost is what the
 //! request lifecycle estimated from `content-length`.
 
-use super::{account, alternates, choose, pass_or_reject, pool, Chosen, Decision, Routed, Sight};
+use super::{account, choose, pass_or_reject, pool, retry_targets, Chosen, Decision, Routed, Sight};
 use crate::config::{Config, CostEstimate, HeaderTransport};
 use crate::host::Host;
 use crate::scheduler::{Candidate, Constraint};
@@ -37,11 +37,13 @@ pub fn route_by_headers(
     let pool = pool(config, cache, false);
     let sight = Sight::new(config, host, cache.health(), tie_breaker);
     let constraint = Constraint { only_rank: None, pin };
-    let Some(chosen) = choose(config, host, &sight, &pool, constraint, tie_breaker, None) else {
+    let wanted = config.retry_alternates as usize;
+    let Some((chosen, found)) = choose(config, host, &sight, &pool, constraint, tie_breaker, None, wanted)
+    else {
         let reason = sight.no_candidate_reason(config, &pool, Constraint::default());
         return pass_or_reject(config, host, reason, None);
     };
-    let alternates = alternates(config, host, cache, &sight, &pool, &chosen);
+    let alternates = retry_targets(config, host, cache, &found);
     let (health_was_clean, routed_at_ms) = (sight.health.entries.is_empty(), sight.now_ms);
     let Candidate { worker, rank, .. } = chosen;
     let (ticket, _) = account(config, host, cache, worker, rank, cost, None);

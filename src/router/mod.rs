@@ -228,9 +228,10 @@ impl<'h> Sight<'h> {
 
     /// The best candidate: in rotation; else, when nothing is (and the
     /// request was not already a probe), one past its cooldown, like
-    /// Envoy's panic threshold, rather than the fallback policy's pick.
-    fn pick(&self, pool: &Pool, ctx: &Context) -> Option<Candidate> {
-        scheduler::choose(pool, ctx).or_else(|| {
+    /// Envoy's panic threshold, rather than the fallback policy's pick. With
+    /// up to `alternates` retry alternates for it, by load.
+    fn pick(&self, pool: &Pool, ctx: &Context, alternates: usize) -> Option<(Candidate, Vec<Candidate>)> {
+        scheduler::choose_with_alternates(pool, ctx, alternates).or_else(|| {
             let probing = !ctx.admit_probing && self.health.any_probing(self.now_ms);
             probing
                 .then(|| {
@@ -238,7 +239,7 @@ impl<'h> Sight<'h> {
                         admit_probing: true,
                         ..*ctx
                     };
-                    scheduler::choose(pool, &panic)
+                    scheduler::choose_with_alternates(pool, &panic, alternates)
                 })
                 .flatten()
         })
@@ -261,9 +262,11 @@ impl<'h> Sight<'h> {
     }
 }
 
-/// The best (worker, rank) of a pool under a constraint; `worker` indexes
-/// `Config::all_workers`. A pin that names no candidate is ignored (and
-/// counted): it is a preference, not a constraint.
+/// The best (worker, rank) of a pool under a constraint, and up to
+/// `alternates` workers Envoy should retry it on (by load, with its rank);
+/// `worker` indexes `Config::all_workers`. A pin that names no candidate is
+/// ignored (and counted): it is a preference, not a constraint.
+#[allow(clippy::too_many_arguments)]
 fn choose(
     config: &Config,
     host: &dyn Host,
@@ -272,12 +275,13 @@ fn choose(
     constraint: Constraint,
     tie_breaker: u64,
     affinity: Option<&Affinity>,
-) -> Option<Candidate> {
+    alternates: usize,
+) -> Option<(Candidate, Vec<Candidate>)> {
     let ctx = Context {
         affinity,
         ..sight.context(config, constraint, tie_breaker)
     };
-    let mut pick = sight.pick(pool, &ctx);
+    let mut pick = sight.pick(pool, &ctx, alternates);
     if pick.is_none() && constraint.pin.is_some() {
         host.count(metrics::PIN_IGNORED, 1);
         let unpinned = Constraint {
@@ -288,26 +292,17 @@ fn choose(
             affinity,
             ..sight.context(config, unpinned, tie_breaker)
         };
-        pick = sight.pick(pool, &ctx);
+        pick = sight.pick(pool, &ctx, alternates);
     }
     pick
 }
 
-/// The workers Envoy should retry `chosen` on (`retry_alternates` of them
-/// at most); counted when there is none.
-fn alternates(
-    config: &Config,
-    host: &dyn Host,
-    cache: &StateCache,
-    sight: &Sight,
-    pool: &Pool,
-    chosen: &Candidate,
-) -> Vec<Chosen> {
+/// The retry alternates `choose` found, as route targets; counted when
+/// there is none though the configuration asks for some.
+fn retry_targets(config: &Config, host: &dyn Host, cache: &StateCache, found: &[Candidate]) -> Vec<Chosen> {
     if config.retry_alternates == 0 {
         return Vec::new();
     }
-    let ctx = sight.context(config, Constraint::default(), 0);
-    let found = scheduler::alternates(pool, &ctx, chosen, config.retry_alternates as usize);
     if found.is_empty() {
         host.count(metrics::NO_ALTERNATE, 1);
     }
@@ -492,7 +487,7 @@ pub fn route(
         pin,
     };
     let affinity = affinity(config, host, &object, pool.offset);
-    let Some(chosen) = choose(
+    let Some((chosen, found)) = choose(
         config,
         host,
         &sight,
@@ -500,8 +495,9 @@ pub fn route(
         constraint,
         tie_breaker,
         affinity.as_ref(),
+        config.retry_alternates as usize,
     ) else {
-        let unconstrained = choose(config, host, &sight, &pool, Constraint::default(), 0, None);
+        let unconstrained = choose(config, host, &sight, &pool, Constraint::default(), 0, None, 0);
         if trusted_rank.is_some() && unconstrained.is_some() {
             return pass_or_reject(config, host, PassReason::ClientRankUnavailable, None);
         }
@@ -511,7 +507,7 @@ pub fn route(
         return pass_or_reject(config, host, reason, neutralised);
     };
     let Candidate { worker, rank, .. } = chosen;
-    let alternates = alternates(config, host, cache, &sight, &pool, &chosen);
+    let alternates = retry_targets(config, host, cache, &found);
     let (health_was_clean, routed_at_ms, offset) =
         (sight.health.entries.is_empty(), sight.now_ms, pool.offset);
     let cost = estimated_tokens(config, &object, affinity.as_ref());

@@ -3,7 +3,7 @@
 //! and what the prefill leg's outcome means for the client.
 
 use super::{
-    account, affinity, alternates, choose, parse_body, pool, record, reject, Chosen, Decision, PassReason,
+    account, affinity, choose, parse_body, pool, record, reject, retry_targets, Chosen, Decision, PassReason,
     Prefill, Reply, Sight,
 };
 use crate::body::bootstrap_fields;
@@ -81,12 +81,20 @@ pub(super) fn route_pd(
             constraint,
             tie_breaker,
             if prefill { affinity.as_ref() } else { None },
+            // Alternates are listed for the decode leg only.
+            if prefill {
+                0
+            } else {
+                config.retry_alternates as usize
+            },
         )
     };
-    let (p, d) = (pick(true, prefill_pin), pick(false, decode_pin));
+    let (p, d) = (pick(true, prefill_pin).map(|(c, _)| c), pick(false, decode_pin));
     let decode_alternates = d
-        .map(|d| alternates(config, host, cache, &sight, &pool(config, cache, false), &d))
+        .as_ref()
+        .map(|(_, found)| retry_targets(config, host, cache, found))
         .unwrap_or_default();
+    let d = d.map(|(c, _)| c);
     let (health_was_clean, routed_at_ms) = (sight.health.entries.is_empty(), sight.now_ms);
     if p.is_none() {
         host.count(metrics::NO_FRESH_PREFILL_DATA, 1);

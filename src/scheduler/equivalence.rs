@@ -1,10 +1,11 @@
-//! `choose` and `alternates` against a straightforward implementation of
-//! the same policy (load only): every candidate listed in (worker, rank)
-//! order with its cost computed from the state itself, then the least cost
-//! with ties sampled as `least_cost` documents, or `headroom` offered the
-//! same candidates. The pipeline's shortcuts (steps skipped when they do not
-//! apply, the slots past `only_rank`, the picker's early exit, the load
-//! scorer's branch-free loop) must never change a choice.
+//! `choose`, `alternates` and `choose_with_alternates` against a
+//! straightforward implementation of the same policy (load only): every
+//! candidate listed in (worker, rank) order with its cost computed from the
+//! state itself, then the least cost with ties sampled as `least_cost`
+//! documents, or `headroom` offered the same candidates. The pipeline's
+//! shortcuts (steps skipped when they do not apply, the slots past
+//! `only_rank`, the picker's early exit, the load scorer's branch-free loop,
+//! the alternates collected in the choice's pass) must never change a choice.
 
 use super::least_cost::mix;
 use super::testing::{loads_at, policy, state, worker};
@@ -171,6 +172,7 @@ fn straightforward_alternates(pool: &Pool, ctx: &Context, chosen: &Candidate, ma
 fn choices_and_alternates_match_a_straightforward_implementation() {
     let mut draw = Draw(7);
     let (mut chosen, mut ties_broken, mut pinned, mut only, mut probed, mut alternated) = (0, 0, 0, 0, 0, 0);
+    let mut folded = 0;
     for _fleet in 0..3000 {
         let n = 1 + draw.below(12) as usize;
         let workers: Vec<Worker> = (0..n)
@@ -190,7 +192,8 @@ fn choices_and_alternates_match_a_straightforward_implementation() {
                 if draw.chance(4) {
                     return Some(WorkerState::default());
                 }
-                let ranks = 1 + draw.below(8) as usize;
+                // Up to 12 ranks: workers past 8 are scored in another buffer.
+                let ranks = 1 + draw.below(12) as usize;
                 let tokens: Vec<u64> = (0..ranks).map(|_| draw.below(spread)).collect();
                 let at = if draw.chance(10) {
                     0
@@ -283,7 +286,10 @@ fn choices_and_alternates_match_a_straightforward_implementation() {
                 got, expected,
                 "ctx {ctx:?}\nworkers {workers:?}\nstates {states:?}"
             );
-            let Some(c) = got else { continue };
+            let Some(c) = got else {
+                assert_eq!(choose_with_alternates(&pool, &ctx, 2), None);
+                continue;
+            };
             chosen += 1;
             pinned += usize::from(constraint.pin.is_some());
             only += usize::from(constraint.only_rank.is_some());
@@ -303,6 +309,20 @@ fn choices_and_alternates_match_a_straightforward_implementation() {
                     "max {max}, ctx {ctx:?}"
                 );
                 alternated += usize::from(alts.len() > 1);
+                // In one pass where the costs allow (else two): the same
+                // choice, and the alternates of the same context by load.
+                let by_load = Context {
+                    constraint: Constraint::default(),
+                    affinity: None,
+                    ..ctx
+                };
+                let expected = alternates(&pool, &by_load, &c, max);
+                assert_eq!(
+                    choose_with_alternates(&pool, &ctx, max),
+                    Some((c, expected.clone())),
+                    "max {max}, ctx {ctx:?}"
+                );
+                folded += usize::from(folds(&ctx) && expected.len() > 1);
             }
         }
     }
@@ -314,6 +334,7 @@ fn choices_and_alternates_match_a_straightforward_implementation() {
         ("only_rank", only),
         ("probing", probed),
         ("several alternates", alternated),
+        ("several alternates in one pass", folded),
     ] {
         assert!(count > 50, "{what}: only {count} cases");
     }

@@ -20,8 +20,11 @@ impl Scorer for Load {
                 add_cost(cost, weighted(*load, weight));
             }
         }
-        if let Some(unlisted) = costs.get_mut(worker.loads.len()..) {
-            unlisted.fill(REMOVED);
+        // Checked first: a fill of nothing still calls `memset`.
+        if costs.len() > worker.loads.len() {
+            if let Some(unlisted) = costs.get_mut(worker.loads.len()..) {
+                unlisted.fill(REMOVED);
+            }
         }
     }
 }

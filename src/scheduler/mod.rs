@@ -11,8 +11,11 @@
 //! each worker's slots as soon as they are scored: a fleet of thousands of
 //! ranks costs a tight loop per worker and step (steps are dispatched
 //! statically, and those with nothing to do for a request are left out once
-//! per choice), and no candidate list.
+//! per choice), and no candidate list. The retry alternates of the rank
+//! chosen are collected from the same slots (`by_rank`) where their costs
+//! are the choice's, rather than in a second pass.
 
+mod by_rank;
 #[cfg(test)]
 mod equivalence;
 mod fresh;
@@ -86,7 +89,7 @@ impl Filter for Step {
         }
     }
 
-    #[inline]
+    #[inline(always)]
     fn filter(&self, ctx: &Context, worker: &WorkerView, ranks: &mut [Slot]) -> bool {
         match self {
             Step::Fresh => fresh::Fresh.filter(ctx, worker, ranks),
@@ -113,7 +116,7 @@ impl Scorer for Step {
         }
     }
 
-    #[inline]
+    #[inline(always)]
     fn score(&self, ctx: &Context, worker: &WorkerView, costs: &mut [Slot]) {
         match self {
             Step::Queue => queue::Queue.score(ctx, worker, costs),
@@ -250,6 +253,8 @@ thread_local! {
     /// The cost slots of the worker being scored, reused across choices (each
     /// VM is one thread).
     static SLOTS: std::cell::RefCell<Vec<Slot>> = const { std::cell::RefCell::new(Vec::new()) };
+    /// The alternates' collector of `choose_with_alternates`, reused likewise.
+    static BY_RANK: std::cell::RefCell<by_rank::ByRank> = std::cell::RefCell::new(by_rank::ByRank::default());
 }
 
 /// The steps that can change anything for `ctx` (`Filter::applies`,
@@ -315,26 +320,57 @@ fn views<'a>(pool: &'a Pool) -> impl Iterator<Item = WorkerView<'a>> {
     })
 }
 
-/// Runs the filters and scorers on one worker, leaving its cost slots (one
-/// per rank, `REMOVED`: removed) in `slots`; false when a filter dropped the
-/// whole worker. Inlined into the loop over the workers: it runs once per
+/// Workers with at most this many ranks (an 8-GPU node) are scored in a
+/// fixed-size array: zeroing it takes a few stores where a slice of any
+/// length calls `memset`, once per worker.
+const SMALL: usize = 8;
+
+/// Where one worker's slots are written: `small` when they fit, else `buffer`.
+struct Scratch<'a> {
+    small: [Slot; SMALL],
+    buffer: &'a mut Vec<Slot>,
+}
+
+impl Scratch<'_> {
+    /// `n` slots, zeroed.
+    #[inline(always)]
+    fn zeroed(&mut self, n: usize) -> &mut [Slot] {
+        if n <= SMALL {
+            self.small = [0; SMALL];
+            if let Some(slots) = self.small.get_mut(..n) {
+                return slots;
+            }
+        }
+        self.buffer.clear();
+        self.buffer.resize(n, 0);
+        self.buffer.as_mut_slice()
+    }
+}
+
+/// Runs the filters and scorers on one worker in `scratch`: its cost slots
+/// (one per rank, `REMOVED`: removed); None when a filter dropped the whole
+/// worker. Inlined into the loop over the workers: it runs once per
 /// worker, and a call per worker costs as much as a scorer's loop.
 #[inline(always)]
-fn run_steps(ctx: &Context, steps: &Steps, view: &WorkerView, slots: &mut Vec<Slot>) -> bool {
+fn run_steps<'s>(
+    ctx: &Context,
+    steps: &Steps,
+    view: &WorkerView,
+    scratch: &'s mut Scratch,
+) -> Option<&'s [Slot]> {
     let mut ranks = offered_ranks(view.worker, view.state);
     if let Some(only) = ctx.constraint.only_rank {
         // The slots past the one rank allowed would only be removed.
         ranks = ranks.min(only as usize + 1);
     }
-    slots.clear();
-    slots.resize(ranks, 0);
+    let slots = scratch.zeroed(ranks);
     if !steps.filters().iter().all(|f| f.filter(ctx, view, slots)) {
-        return false;
+        return None;
     }
     for scorer in steps.scorers() {
         scorer.score(ctx, view, slots);
     }
-    true
+    Some(slots)
 }
 
 /// Runs the pipeline over `pool`; the candidate's `worker` is a
@@ -342,18 +378,64 @@ fn run_steps(ctx: &Context, steps: &Steps, view: &WorkerView, slots: &mut Vec<Sl
 /// no candidate leaves none (the router then retries without it).
 pub fn choose(pool: &Pool, ctx: &Context) -> Option<Candidate> {
     match ctx.pick {
-        Pick::LeastCost => choose_by::<least_cost::LeastCost>(pool, ctx),
-        Pick::Headroom { .. } => choose_by::<headroom::Headroom>(pool, ctx),
+        Pick::LeastCost => choose_by::<least_cost::LeastCost>(pool, ctx, None),
+        Pick::Headroom { .. } => choose_by::<headroom::Headroom>(pool, ctx, None),
     }
 }
 
-fn choose_by<P: Picker>(pool: &Pool, ctx: &Context) -> Option<Candidate> {
+/// `choose`, and up to `max` retry alternates for the candidate chosen:
+/// `alternates` under the same context without prefix affinity (a retry
+/// goes by load) and without the request's constraint. When the choice's
+/// costs are the alternates' (`folds`), both come from one pass over the
+/// pool; else the alternates take a second.
+pub fn choose_with_alternates(pool: &Pool, ctx: &Context, max: usize) -> Option<(Candidate, Vec<Candidate>)> {
+    let by_load = Context {
+        constraint: Constraint::default(),
+        affinity: None,
+        ..*ctx
+    };
+    if max == 0 || !folds(ctx) {
+        let chosen = choose(pool, ctx)?;
+        return Some((chosen, alternates(pool, &by_load, &chosen, max)));
+    }
+    BY_RANK.with_borrow_mut(|by_rank| {
+        // One more than wanted: the chosen worker may be among a rank's cheapest.
+        by_rank.reset(max + 1);
+        let chosen = match ctx.pick {
+            Pick::LeastCost => choose_by::<least_cost::LeastCost>(pool, ctx, Some(by_rank)),
+            Pick::Headroom { .. } => choose_by::<headroom::Headroom>(pool, ctx, Some(by_rank)),
+        }?;
+        let found = by_rank.alternates(chosen.rank, chosen.worker, pool.offset, max);
+        Some((chosen, found))
+    })
+}
+
+/// Whether every slot of the choice's pass, on every rank, holds what
+/// `alternates` computes for it: the same scorers (load only), no pin, and
+/// no worker or rank admitted only as a probe. `only_rank` may stay: the
+/// choice then has that rank, and its slots are computed alike.
+fn folds(ctx: &Context) -> bool {
+    ctx.affinity.is_none() && ctx.constraint.pin.is_none() && (!ctx.admit_probing || ctx.health.is_empty())
+}
+
+fn choose_by<P: Picker>(
+    pool: &Pool,
+    ctx: &Context,
+    mut by_rank: Option<&mut by_rank::ByRank>,
+) -> Option<Candidate> {
     let steps = Steps::of(ctx);
     let mut picker = P::new(ctx);
-    SLOTS.with_borrow_mut(|slots| {
+    SLOTS.with_borrow_mut(|buffer| {
+        let mut scratch = Scratch {
+            small: [0; SMALL],
+            buffer,
+        };
         for view in views(pool) {
-            if run_steps(ctx, &steps, &view, slots) {
+            if let Some(slots) = run_steps(ctx, &steps, &view, &mut scratch) {
                 picker.offer(view.index, slots);
+                if let Some(by_rank) = by_rank.as_deref_mut() {
+                    by_rank.offer(view.index, slots);
+                }
             }
         }
     });
@@ -384,12 +466,19 @@ pub fn alternates(pool: &Pool, ctx: &Context, chosen: &Candidate, max: usize) ->
     };
     let steps = Steps::of(&strict);
     let mut found = Vec::new();
-    SLOTS.with_borrow_mut(|slots| {
+    SLOTS.with_borrow_mut(|buffer| {
+        let mut scratch = Scratch {
+            small: [0; SMALL],
+            buffer,
+        };
         for view in views(pool) {
             let worker = view.index + pool.offset;
-            if worker == chosen.worker || !run_steps(&strict, &steps, &view, slots) {
+            if worker == chosen.worker {
                 continue;
             }
+            let Some(slots) = run_steps(&strict, &steps, &view, &mut scratch) else {
+                continue;
+            };
             if let Some(&cost) = slots.get(chosen.rank as usize).filter(|c| **c != REMOVED) {
                 found.push(Candidate {
                     worker,

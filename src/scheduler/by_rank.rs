@@ -1,0 +1,132 @@
+//! Collector `by_rank`: offered the same slots as the picker, keeps for
+//! every rank the few cheapest workers (by cost, then worker), so that
+//! `choose_with_alternates` finds the retry alternates of the rank it picks
+//! in the pass that picks it, instead of a second pass over the fleet.
+
+use super::{Candidate, Slot, REMOVED};
+
+/// An empty place in a rank's list: dearer than any cost offered.
+const EMPTY: (Slot, usize) = (REMOVED, 0);
+
+/// Per rank, the `keep` cheapest (cost, worker) offered.
+#[derive(Debug, Default)]
+pub struct ByRank {
+    keep: usize,
+    /// Per rank, the cost a worker must be below to be kept: the dearest of
+    /// its list (`REMOVED` while the list has room, so a removed slot never is).
+    bars: Vec<Slot>,
+    /// `keep` entries per rank, cheapest first, then `EMPTY`.
+    kept: Vec<(Slot, usize)>,
+}
+
+impl ByRank {
+    /// Empties it to keep `keep` (at least one) per rank; the buffers stay.
+    pub fn reset(&mut self, keep: usize) {
+        self.keep = keep.max(1);
+        self.bars.clear();
+        self.kept.clear();
+    }
+
+    /// Offers one worker's slots. Workers must be offered in increasing
+    /// order: a worker that only ties the dearest kept is then not kept.
+    #[inline(always)]
+    pub fn offer(&mut self, worker: usize, costs: &[Slot]) {
+        if self.bars.len() < costs.len() {
+            self.bars.resize(costs.len(), REMOVED);
+            self.kept.resize(costs.len() * self.keep, EMPTY);
+        }
+        let keep = self.keep;
+        for (r, (&cost, bar)) in costs.iter().zip(&mut self.bars).enumerate() {
+            // Most slots cost more than the rank's dearest kept: one comparison.
+            if cost < *bar {
+                if let Some(kept) = self.kept.get_mut(r * keep..(r + 1) * keep) {
+                    *bar = insert(kept, (cost, worker));
+                }
+            }
+        }
+    }
+
+    /// Up to `max` of `rank`'s kept workers other than `except`, cheapest
+    /// first, as candidates (`offset` added to the worker).
+    pub fn alternates(&self, rank: u32, except: usize, offset: usize, max: usize) -> Vec<Candidate> {
+        let at = rank as usize * self.keep;
+        let kept = self.kept.get(at..at + self.keep).unwrap_or_default();
+        kept.iter()
+            .take_while(|k| **k != EMPTY)
+            .map(|&(cost, worker)| Candidate {
+                worker: worker + offset,
+                rank,
+                cost,
+            })
+            .filter(|c| c.worker != except)
+            .take(max)
+            .collect()
+    }
+}
+
+/// Puts `new` into its place in the sorted `kept` (the dearest falls out)
+/// and returns the dearest kept now. Each place keeps the lesser of itself
+/// and what is carried down: no search, and no branch to mispredict.
+#[inline(never)]
+fn insert(kept: &mut [(Slot, usize)], new: (Slot, usize)) -> Slot {
+    let mut carried = new;
+    for place in kept.iter_mut() {
+        let lesser = carried.min(*place);
+        carried = carried.max(*place);
+        *place = lesser;
+    }
+    kept.last().map_or(REMOVED, |k| k.0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn c(worker: usize, rank: u32, cost: u64) -> Candidate {
+        Candidate { worker, rank, cost }
+    }
+
+    #[test]
+    fn keeps_the_cheapest_workers_of_each_rank_in_order() {
+        let mut by_rank = ByRank::default();
+        by_rank.reset(3);
+        by_rank.offer(0, &[5, 9]);
+        by_rank.offer(1, &[REMOVED, 4, 7]);
+        by_rank.offer(2, &[5, 4]);
+        by_rank.offer(3, &[1, 4, 8]);
+        by_rank.offer(4, &[2]);
+        // Rank 0: 1 (w3), 2 (w4), 5 (w0); w2 ties w0 and comes later.
+        assert_eq!(
+            by_rank.alternates(0, 99, 0, 5),
+            vec![c(3, 0, 1), c(4, 0, 2), c(0, 0, 5)]
+        );
+        // Rank 1: the ties stay in worker order; w0 (9) falls out.
+        assert_eq!(
+            by_rank.alternates(1, 99, 10, 5),
+            vec![c(11, 1, 4), c(12, 1, 4), c(13, 1, 4)]
+        );
+        assert_eq!(
+            by_rank.alternates(1, 12, 10, 5),
+            vec![c(11, 1, 4), c(13, 1, 4)],
+            "all but the chosen"
+        );
+        assert_eq!(by_rank.alternates(2, 1, 0, 1), vec![c(3, 2, 8)]);
+        assert!(
+            by_rank.alternates(3, 99, 0, 5).is_empty(),
+            "a rank nobody offered"
+        );
+        by_rank.reset(1);
+        by_rank.offer(0, &[REMOVED]);
+        assert!(
+            by_rank.alternates(0, 99, 0, 5).is_empty(),
+            "removed slots are never kept"
+        );
+        by_rank.reset(0);
+        by_rank.offer(7, &[3]);
+        assert_eq!(
+            by_rank.alternates(0, 99, 0, 5),
+            vec![c(7, 0, 3)],
+            "keeps one at least"
+        );
+    }
+}
