@@ -16,10 +16,11 @@ use std::path::PathBuf;
 use clap::Args;
 
 use crate::client::pooled_client;
-use crate::cpu::pin_threads;
-use crate::envoy::{Balancer, DprankSettings, NoopMode};
-use crate::fleet::{start_envoy, Front, SimFleet, SimOptions, Tools};
-use crate::overhead::{measure, with_interval, Cell, Shape, Target};
+use crate::envoy::{Balancer, NoopMode};
+use crate::fleet::{start_envoy, Front, Tools};
+use crate::overhead::{
+    header_mode, instant_worker, measure, pin_routers, with_interval, Cell, Shape, Target,
+};
 use crate::report::{fmt_spread, markdown_table, report_header};
 
 #[derive(Debug, Clone, Args)]
@@ -123,26 +124,11 @@ pub async fn host_calls(tools: &Tools, args: &HostCallsArgs, command_line: &str)
     }
     let client = pooled_client();
     let cores = crate::cpu::cores();
-    let sim = SimOptions {
-        workers: 1,
-        dp_size: 4,
-        time_scale: 1.0,
-        dispatch: "round_robin",
-        instant: true,
-        extra: Vec::new(),
-    };
-    let fleet = SimFleet::start(tools, &sim, "host-calls-sim")?;
-    let header_mode = DprankSettings {
-        poll_interval_ms: 1000,
-        set: serde_json::json!({"rank_transport": "header"})
-            .as_object()
-            .cloned()
-            .unwrap_or_default(),
-    };
+    let fleet = instant_worker(tools, "host-calls-sim")?;
     let mut variants: Vec<(&'static str, Balancer)> = vec![
         (PASS, Balancer::Noop(NoopMode::Pass)),
         (ROUTER, Balancer::Noop(NoopMode::RouteHeader)),
-        (DPRANK, Balancer::Dprank(header_mode)),
+        (DPRANK, Balancer::Dprank(header_mode())),
         (MIX, Balancer::Noop(NoopMode::Calls(DPRANK_CALLS))),
     ];
     for kind in &KINDS {
@@ -153,14 +139,7 @@ pub async fn host_calls(tools: &Tools, args: &HostCallsArgs, command_line: &str)
         let front = start_envoy(tools, &client, &fleet, &balancer, &format!("host-calls-{i}")).await?;
         fronts.push((name, front));
     }
-    let pinned = cores >= 2 && {
-        let rest: Vec<usize> = (0..cores - 1).collect();
-        let mut all = pin_threads(0, &rest) && pin_threads(fleet.pid(), &rest);
-        for (_, front) in &fronts {
-            all &= pin_threads(front.pid(), &[cores - 1]);
-        }
-        all
-    };
+    let pinned = cores >= 2 && pin_routers(&fleet, &fronts, cores);
     let targets: Vec<Target> = fronts
         .iter()
         .map(|(name, f)| Target {

@@ -238,9 +238,9 @@ pub(crate) fn with_interval(values: &[f64], decimals: usize) -> String {
     format!("{m:+.decimals$} [{lo:+.decimals$}, {hi:+.decimals$}]")
 }
 
-pub async fn overhead(tools: &Tools, args: &OverheadArgs, command_line: &str) -> Result<(), String> {
-    let client = pooled_client();
-    let cores = crate::cpu::cores();
+/// The instant worker both overhead benchmarks put behind every router:
+/// one `dprank-sim --instant` with 4 ranks.
+pub(crate) fn instant_worker(tools: &Tools, label: &str) -> Result<SimFleet, String> {
     let sim = SimOptions {
         workers: 1,
         dp_size: 4,
@@ -249,15 +249,37 @@ pub async fn overhead(tools: &Tools, args: &OverheadArgs, command_line: &str) ->
         instant: true,
         extra: Vec::new(),
     };
-    let fleet = SimFleet::start(tools, &sim, "overhead-sim")?;
-    let worker = *fleet.workers.first().ok_or("no worker")?;
-    let header_mode = DprankSettings {
+    SimFleet::start(tools, &sim, label)
+}
+
+/// dprank in header mode (default rank headers), polling every second.
+pub(crate) fn header_mode() -> DprankSettings {
+    DprankSettings {
         poll_interval_ms: 1000,
         set: serde_json::json!({"rank_transport": "header"})
             .as_object()
             .cloned()
             .unwrap_or_default(),
-    };
+    }
+}
+
+/// Routers on the last core; this process (the load generator) and the
+/// worker on the others. False if some process could not be pinned.
+pub(crate) fn pin_routers(fleet: &SimFleet, fronts: &[(&str, Front)], cores: usize) -> bool {
+    let router_cpu = [cores - 1];
+    let rest: Vec<usize> = (0..cores - 1).collect();
+    let mut all = pin_threads(0, &rest) && pin_threads(fleet.pid(), &rest);
+    for (_, front) in fronts {
+        all &= pin_threads(front.pid(), &router_cpu);
+    }
+    all
+}
+
+pub async fn overhead(tools: &Tools, args: &OverheadArgs, command_line: &str) -> Result<(), String> {
+    let client = pooled_client();
+    let cores = crate::cpu::cores();
+    let fleet = instant_worker(tools, "overhead-sim")?;
+    let worker = *fleet.workers.first().ok_or("no worker")?;
     let mut fronts: Vec<(&'static str, Front)> = Vec::new();
     for (name, balancer) in [
         (PLAIN, Balancer::RoundRobin),
@@ -265,7 +287,7 @@ pub async fn overhead(tools: &Tools, args: &OverheadArgs, command_line: &str) ->
         (NOOP_BUFFER, Balancer::Noop(NoopMode::Buffer)),
         (NOOP_ROUTE_HEADER, Balancer::Noop(NoopMode::RouteHeader)),
         (NOOP_ROUTE_BODY, Balancer::Noop(NoopMode::RouteBody)),
-        (DPRANK_HEADER, Balancer::Dprank(header_mode)),
+        (DPRANK_HEADER, Balancer::Dprank(header_mode())),
         (DPRANK_BODY, Balancer::Dprank(DprankSettings::polling_every(1000))),
     ] {
         let label = format!("overhead-{}", name.replace([' ', ',', '+', '(', ')', '-'], "_"));
@@ -288,18 +310,9 @@ pub async fn overhead(tools: &Tools, args: &OverheadArgs, command_line: &str) ->
             "overhead: smg skipped, not installed (DPRANK_WITH_SMG=1 ./scripts/setup.sh installs it)"
         ),
     }
-    // Routers on the last core; the load generator and the worker on the rest.
     let pinned = !args.no_pin && cores >= 2;
-    if pinned {
-        let router_cpu = [cores - 1];
-        let rest: Vec<usize> = (0..cores - 1).collect();
-        let mut all = pin_threads(0, &rest) && pin_threads(fleet.pid(), &rest);
-        for (_, front) in &fronts {
-            all &= pin_threads(front.pid(), &router_cpu);
-        }
-        if !all {
-            println!("overhead: could not pin every process; the figures may carry cross-talk");
-        }
+    if pinned && !pin_routers(&fleet, &fronts, cores) {
+        println!("overhead: could not pin every process; the figures may carry cross-talk");
     }
     let mut targets = vec![Target {
         name: DIRECT,
