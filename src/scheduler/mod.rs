@@ -331,6 +331,16 @@ struct Scratch<'a> {
     buffer: &'a mut Vec<Slot>,
 }
 
+/// Runs `f` with this thread's scratch for one worker's slots.
+fn with_scratch<R>(f: impl FnOnce(&mut Scratch) -> R) -> R {
+    SLOTS.with_borrow_mut(|buffer| {
+        f(&mut Scratch {
+            small: [0; SMALL],
+            buffer,
+        })
+    })
+}
+
 impl Scratch<'_> {
     /// `n` slots, zeroed.
     #[inline(always)]
@@ -377,9 +387,14 @@ fn run_steps<'s>(
 /// `Config::all_workers` index. The constraint is strict: a pin that names
 /// no candidate leaves none (the router then retries without it).
 pub fn choose(pool: &Pool, ctx: &Context) -> Option<Candidate> {
+    choose_offering(pool, ctx, None)
+}
+
+/// `choose` with `ctx`'s picker, offering every worker's slots to `by_rank` too.
+fn choose_offering(pool: &Pool, ctx: &Context, by_rank: Option<&mut by_rank::ByRank>) -> Option<Candidate> {
     match ctx.pick {
-        Pick::LeastCost => choose_by::<least_cost::LeastCost>(pool, ctx, None),
-        Pick::Headroom { .. } => choose_by::<headroom::Headroom>(pool, ctx, None),
+        Pick::LeastCost => choose_by::<least_cost::LeastCost>(pool, ctx, by_rank),
+        Pick::Headroom { .. } => choose_by::<headroom::Headroom>(pool, ctx, by_rank),
     }
 }
 
@@ -401,10 +416,7 @@ pub fn choose_with_alternates(pool: &Pool, ctx: &Context, max: usize) -> Option<
     BY_RANK.with_borrow_mut(|by_rank| {
         // One more than wanted: the chosen worker may be among a rank's cheapest.
         by_rank.reset(max + 1);
-        let chosen = match ctx.pick {
-            Pick::LeastCost => choose_by::<least_cost::LeastCost>(pool, ctx, Some(by_rank)),
-            Pick::Headroom { .. } => choose_by::<headroom::Headroom>(pool, ctx, Some(by_rank)),
-        }?;
+        let chosen = choose_offering(pool, ctx, Some(by_rank))?;
         let found = by_rank.alternates(chosen.rank, chosen.worker, pool.offset, max);
         Some((chosen, found))
     })
@@ -425,13 +437,9 @@ fn choose_by<P: Picker>(
 ) -> Option<Candidate> {
     let steps = Steps::of(ctx);
     let mut picker = P::new(ctx);
-    SLOTS.with_borrow_mut(|buffer| {
-        let mut scratch = Scratch {
-            small: [0; SMALL],
-            buffer,
-        };
+    with_scratch(|scratch| {
         for view in views(pool) {
-            if let Some(slots) = run_steps(ctx, &steps, &view, &mut scratch) {
+            if let Some(slots) = run_steps(ctx, &steps, &view, scratch) {
                 picker.offer(view.index, slots);
                 if let Some(by_rank) = by_rank.as_deref_mut() {
                     by_rank.offer(view.index, slots);
@@ -466,17 +474,13 @@ pub fn alternates(pool: &Pool, ctx: &Context, chosen: &Candidate, max: usize) ->
     };
     let steps = Steps::of(&strict);
     let mut found = Vec::new();
-    SLOTS.with_borrow_mut(|buffer| {
-        let mut scratch = Scratch {
-            small: [0; SMALL],
-            buffer,
-        };
+    with_scratch(|scratch| {
         for view in views(pool) {
             let worker = view.index + pool.offset;
             if worker == chosen.worker {
                 continue;
             }
-            let Some(slots) = run_steps(&strict, &steps, &view, &mut scratch) else {
+            let Some(slots) = run_steps(&strict, &steps, &view, scratch) else {
                 continue;
             };
             if let Some(&cost) = slots.get(chosen.rank as usize).filter(|c| **c != REMOVED) {
