@@ -418,13 +418,18 @@ pub fn update_worker<R>(
 /// Logs a successful write of the state at `state_key` when `config`'s
 /// readers follow the change log (`changes.rs`); every state write calls it.
 pub fn log_state_write(config: &Config, host: &dyn Host, state_key: &str) {
-    if !config.reads_change_log() {
-        return;
+    if config.reads_change_log() {
+        log_tagged_write(host, &Keys::of(config).changes(), changes::worker_tag(state_key));
     }
-    let tag = changes::worker_tag(state_key);
+}
+
+/// Logs a successful write of the state tagged `tag` in the log at
+/// `changes_key`, or keeps it for the end of `logged_together`. For callers
+/// that already know the log follows (`StateCache`, which holds both).
+pub fn log_tagged_write(host: &dyn Host, changes_key: &str, tag: u64) {
     let batched = BATCH.with_borrow_mut(|batch| batch.as_mut().map(|tags| tags.push(tag)).is_some());
     if !batched {
-        changes::append(host, &Keys::of(config).changes(), &[tag]);
+        changes::append(host, changes_key, &[tag]);
     }
 }
 

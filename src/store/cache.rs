@@ -28,7 +28,7 @@
 //! fail, and the write is then done on a fresh read, so nothing is lost.
 
 use super::changes::{self, ChangeLog, Place};
-use super::{decode, encode_into, log_state_write, update_worker, IfMissing, Keys};
+use super::{decode, encode_into, log_tagged_write, update_worker, IfMissing, Keys};
 use crate::config::Config;
 use crate::health::{Health, NO_HEALTH};
 use crate::host::Host;
@@ -41,6 +41,9 @@ use std::rc::Rc;
 #[derive(Default)]
 struct Entry {
     key: String,
+    /// The change log's tag of `key` (`changes::worker_tag`); 0 when the
+    /// configuration does not follow the log.
+    tag: u64,
     endpoint: Rc<str>,
     /// cas of the state as read; None: absent, or written by this VM since.
     cas: Option<u32>,
@@ -242,12 +245,10 @@ impl StateCache {
         self.log = LogReader::default();
         if config.reads_change_log() {
             self.log.key = keys.changes();
-            self.log.tags = self
-                .entries
-                .iter()
-                .enumerate()
-                .map(|(i, e)| (changes::worker_tag(&e.key), i))
-                .collect();
+            for entry in &mut self.entries {
+                entry.tag = changes::worker_tag(&entry.key);
+            }
+            self.log.tags = self.entries.iter().enumerate().map(|(i, e)| (e.tag, i)).collect();
             self.log.tags.sort_unstable();
         }
         self.config = Some(config.clone());
@@ -377,8 +378,8 @@ impl StateCache {
             self.forget(index);
             return None;
         }
-        if let Some(config) = &self.config {
-            log_state_write(config, host, &entry.key);
+        if !self.log.key.is_empty() {
+            log_tagged_write(host, &self.log.key, entry.tag);
         }
         // The new cas is unknown until the next read, which finds these bytes.
         entry.cas = None;
