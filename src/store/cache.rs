@@ -10,9 +10,13 @@
 //! workers (its estimate, another's release), so the rest of the fleet is not
 //! decoded again, and this VM's own writes are never decoded back. The cas
 //! read with a state also lets an estimate be written, or given back, in one
-//! call when nobody wrote the worker in between. The health record is read
-//! the same way: one read per request, decoded only when another request
-//! ended badly (or the poller changed it) since.
+//! call when nobody wrote the worker since this VM read it. A write returns
+//! no cas (Envoy draws them from one counter for the whole process, so the
+//! next cannot be guessed): after this VM's own write, giving an estimate
+//! back reads the state first (`reread_if_own`) unless another of its
+//! requests read it since. The health record is read the same way: one
+//! read per request, decoded only when another request ended badly (or the
+//! poller changed it) since.
 //!
 //! Under `state_reads` change_log (the default from `CHANGE_LOG_MIN_WORKERS`
 //! workers) a VM reads the change log instead (`changes.rs`), then only the
