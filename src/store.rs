@@ -419,17 +419,29 @@ pub fn update_worker<R>(
 /// readers follow the change log (`changes.rs`); every state write calls it.
 pub fn log_state_write(config: &Config, host: &dyn Host, state_key: &str) {
     if config.reads_change_log() {
-        log_tagged_write(host, &Keys::of(config).changes(), changes::worker_tag(state_key));
+        log_tagged_write(
+            host,
+            &Keys::of(config).changes(),
+            changes::worker_tag(state_key),
+            None,
+        );
     }
 }
 
 /// Logs a successful write of the state tagged `tag` in the log at
 /// `changes_key`, or keeps it for the end of `logged_together`. For callers
-/// that already know the log follows (`StateCache`, which holds both).
-pub fn log_tagged_write(host: &dyn Host, changes_key: &str, tag: u64) {
+/// that already know the log follows (`StateCache`, which holds both);
+/// `known` is the log as the caller read it, if it has it
+/// (`changes::append_onto`).
+pub fn log_tagged_write(
+    host: &dyn Host,
+    changes_key: &str,
+    tag: u64,
+    known: Option<(changes::ChangeLog, u32)>,
+) {
     let batched = BATCH.with_borrow_mut(|batch| batch.as_mut().map(|tags| tags.push(tag)).is_some());
     if !batched {
-        changes::append(host, changes_key, &[tag]);
+        changes::append_onto(host, changes_key, known, tag);
     }
 }
 

@@ -47,7 +47,7 @@ struct Kind {
     repeated: &'static [(&'static str, u32)],
 }
 
-const KINDS: [Kind; 7] = [
+const KINDS: [Kind; 8] = [
     Kind {
         name: "headers",
         what: "every request header, one call",
@@ -57,6 +57,11 @@ const KINDS: [Kind; 7] = [
         name: "set-header",
         what: "one request header written",
         repeated: &[("set-header", REPEAT)],
+    },
+    Kind {
+        name: "header-map",
+        what: "the whole request header map written, 3 headers more, one call",
+        repeated: &[("header-map", REPEAT)],
     },
     Kind {
         name: "shared-get",

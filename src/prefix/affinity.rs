@@ -49,7 +49,8 @@ impl fmt::Debug for Affinity<'_> {
 }
 
 impl<'a> Affinity<'a> {
-    /// For a pool whose first worker is `offset` in `Config::all_workers`.
+    /// For a pool whose first worker is `offset` in `Config::all_workers`,
+    /// now (one clock read).
     pub fn new(
         config: &'a Config,
         settings: &'a Prefix,
@@ -59,6 +60,23 @@ impl<'a> Affinity<'a> {
         streamed: bool,
         output: u64,
     ) -> Affinity<'a> {
+        let now_ms = host.now_ms();
+        Affinity::at(config, settings, host, offset, prompt, streamed, output, now_ms)
+    }
+
+    /// `new` at `now_ms`, the time the router already read for the same
+    /// decision: the clock is a host call.
+    #[allow(clippy::too_many_arguments)]
+    pub fn at(
+        config: &'a Config,
+        settings: &'a Prefix,
+        host: &'a dyn Host,
+        offset: usize,
+        prompt: PromptBlocks,
+        streamed: bool,
+        output: u64,
+        now_ms: u64,
+    ) -> Affinity<'a> {
         Affinity {
             settings,
             config,
@@ -67,7 +85,7 @@ impl<'a> Affinity<'a> {
             prompt,
             streamed,
             output,
-            now_ms: host.now_ms(),
+            now_ms,
             reads: RefCell::new(Vec::new()),
         }
     }

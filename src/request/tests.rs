@@ -642,9 +642,9 @@ fn host_calls_per_request() {
     // status 2.
     let load_only = r#","prefix_affinity":false"#;
     assert_eq!(count(load_only, &post, body), 15);
-    // Prefix affinity (the default) adds 3 here: a prefix-index read, the
-    // chosen worker's index written, and one more clock read.
-    assert_eq!(count("", &post, body), 18);
+    // Prefix affinity (the default) adds 2 here: a prefix-index read and
+    // the chosen worker's index written (its ages use the clock read above).
+    assert_eq!(count("", &post, body), 17);
     // Without passive health or alternates: no health record, no properties.
     let plain = r#","prefix_affinity":false,"passive_health":{"enabled":false},"retry_alternates":0"#;
     assert_eq!(count(plain, &post, body), 12);
@@ -702,9 +702,10 @@ fn host_calls_per_request_at_512_workers() {
     // Every state read: 512 reads, and the 14 of a 2-worker fleet less its 2.
     assert_eq!(count(r#","state_reads":"every_worker""#), 512 + 12);
     // The default there, the change log: its read instead of the 512, and
-    // the worker this VM wrote read back; the estimate's and the release's
-    // log entries, 2 calls each.
-    assert_eq!(count(""), 12 + 1 + 1 + 2 + 2);
+    // the worker this VM wrote read back; the estimate's log entry, 1 call
+    // (a compare-and-swap onto the log as read for the choice); the
+    // release's, 2 (the log read again, then written).
+    assert_eq!(count(""), 12 + 1 + 1 + 1 + 2);
 }
 
 #[test]

@@ -313,19 +313,20 @@ fn retry_targets(config: &Config, host: &dyn Host, cache: &StateCache, found: &[
 }
 
 /// Prefix affinity for one request over the pool starting at `offset` in
-/// `Config::all_workers`; None when it is off.
+/// `Config::all_workers`, at the decision's `now_ms`; None when it is off.
 fn affinity<'a>(
     config: &'a Config,
     host: &'a dyn Host,
     object: &JsonObject,
     offset: usize,
+    now_ms: u64,
 ) -> Option<Affinity<'a>> {
     let settings = config.prefix.as_ref()?;
     let streamed = object
         .raw_value("stream")
         .is_some_and(|v| v.trim_ascii() == b"true");
     let prompt = PromptBlocks::of(object, settings.block_bytes);
-    Some(Affinity::new(
+    Some(Affinity::at(
         config,
         settings,
         host,
@@ -333,6 +334,7 @@ fn affinity<'a>(
         prompt,
         streamed,
         output_budget(object),
+        now_ms,
     ))
 }
 
@@ -486,7 +488,7 @@ pub fn route(
         only_rank: trusted_rank,
         pin,
     };
-    let affinity = affinity(config, host, &object, pool.offset);
+    let affinity = affinity(config, host, &object, pool.offset, sight.now_ms);
     let Some((chosen, found)) = choose(
         config,
         host,

@@ -70,7 +70,7 @@ pub(super) fn route_pd(
     let sight = Sight::new(config, host, cache.health(), tie_breaker);
     // The prefill rank is chosen by prefix and load, the decode rank by load.
     let prefill_offset = pool(config, cache, true).offset;
-    let affinity = affinity(config, host, &object, prefill_offset);
+    let affinity = affinity(config, host, &object, prefill_offset, sight.now_ms);
     let pick = |prefill, pin| {
         let constraint = Constraint { only_rank: None, pin };
         choose(

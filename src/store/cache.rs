@@ -10,9 +10,13 @@
 //! workers (its estimate, another's release), so the rest of the fleet is not
 //! decoded again, and this VM's own writes are never decoded back. The cas
 //! read with a state also lets an estimate be written, or given back, in one
-//! call when nobody wrote the worker in between. The health record is read
-//! the same way: one read per request, decoded only when another request
-//! ended badly (or the poller changed it) since.
+//! call when nobody wrote the worker since this VM read it. A write returns
+//! no cas (Envoy draws them from one counter for the whole process, so the
+//! next cannot be guessed): after this VM's own write, giving an estimate
+//! back reads the state first (`reread_if_own`) unless another of its
+//! requests read it since. The health record is read the same way: one
+//! read per request, decoded only when another request ended badly (or the
+//! poller changed it) since.
 //!
 //! Under `state_reads` change_log (the default from `CHANGE_LOG_MIN_WORKERS`
 //! workers) a VM reads the change log instead (`changes.rs`), then only the
@@ -86,6 +90,11 @@ struct LogReader {
     tags: Vec<(u64, usize)>,
     /// The workers to read at this request, reused.
     wanted: Vec<usize>,
+    /// The log and its cas as the current routing decision read them, until
+    /// this VM appends: the decision's estimate is then logged with one
+    /// compare-and-swap onto it instead of a read and a write
+    /// (`changes::append_onto`). Dropped before a release (`write_as_routed`).
+    read: Option<(ChangeLog, u32)>,
 }
 
 /// The health record as last read.
@@ -140,12 +149,12 @@ impl StateCache {
     /// a new configuration).
     fn refresh_from_log(&mut self, host: &dyn Host) {
         // Read before the states: a write logged after this read is read at the next request.
-        let log = changes::read(host, &self.log.key);
+        let read = changes::read_with_cas(host, &self.log.key);
+        let log = read.as_ref().map(|(log, _)| log);
         let place = self.log.place.take();
         let mut wanted = std::mem::take(&mut self.log.wanted);
         wanted.clear();
-        let since = log.as_ref().zip(place).and_then(|(log, place)| log.since(place));
-        let read_all = match since {
+        let read_all = match log.zip(place).and_then(|(log, place)| log.since(place)) {
             Some(tags) => {
                 for tag in tags {
                     let at = self.log.tags.partition_point(|(t, _)| *t < tag);
@@ -158,7 +167,8 @@ impl StateCache {
             }
             None => true,
         };
-        self.log.place = log.as_ref().map(ChangeLog::place);
+        self.log.place = log.map(ChangeLog::place);
+        self.log.read = read;
         let mut relayout = false;
         if read_all {
             for index in 0..self.entries.len() {
@@ -327,6 +337,10 @@ impl StateCache {
         index: usize,
         mut change: impl FnMut(&mut WorkerState) -> Option<T>,
     ) -> Option<T> {
+        // The log as last read is as old as the request's routing, or older:
+        // others have most likely appended since, and a swap onto it would
+        // only add a failed call.
+        self.log.read = None;
         if self.config.as_ref().is_some_and(|c| Rc::ptr_eq(c, config)) {
             self.reread_if_own(host, index);
             if let Some(out) = self.write_cached(host, index, &mut change) {
@@ -379,7 +393,7 @@ impl StateCache {
             return None;
         }
         if !self.log.key.is_empty() {
-            log_tagged_write(host, &self.log.key, entry.tag);
+            log_tagged_write(host, &self.log.key, entry.tag, self.log.read.take());
         }
         // The new cas is unknown until the next read, which finds these bytes.
         entry.cas = None;
@@ -674,13 +688,32 @@ mod tests {
         assert_eq!(shared_reads(&h) - reads, 3);
         assert_eq!(cache.states()[1].as_ref().unwrap().polled_tokens(0), Some(7));
         assert_current(&cache, &c, &h);
-        // Its own estimate: one write and its log entry; read back once.
-        let writes = h.host_calls("shared_set");
+        // Its own estimate: one write and its log entry, swapped onto the
+        // log as just read (no read); the state is read back once.
+        let (reads, writes) = (shared_reads(&h), h.host_calls("shared_set"));
         cache.write(&c, &h, 0, |s| s.add(0, 1, 10)).unwrap();
-        assert_eq!(h.host_calls("shared_set") - writes, 2, "the state, then the log");
+        assert_eq!(
+            (shared_reads(&h) - reads, h.host_calls("shared_set") - writes),
+            (0, 2),
+            "the state, then the log"
+        );
         let reads = shared_reads(&h);
         cache.refresh(&c, &h);
         assert_eq!(shared_reads(&h) - reads, 3);
+        assert_current(&cache, &c, &h);
+        // A release comes later: its entry reads the log first.
+        let ticket = cache.write(&c, &h, 0, |s| s.add(0, 1, 10)).unwrap();
+        cache.refresh(&c, &h);
+        let (reads, writes) = (shared_reads(&h), h.host_calls("shared_set"));
+        cache.write_as_routed(&c, &h, 0, |s| {
+            s.release(&ticket);
+            Some(())
+        });
+        assert_eq!(
+            (shared_reads(&h) - reads, h.host_calls("shared_set") - writes),
+            (1, 2),
+            "the log read, the state and the log written"
+        );
         assert_current(&cache, &c, &h);
     }
 
@@ -808,6 +841,16 @@ mod tests {
                     assert_current(cache, &c, host);
                     let worker = (next(&mut seed) % 2) as usize;
                     let rank = (next(&mut seed) % 4) as u32;
+                    if next(&mut seed).is_multiple_of(2) {
+                        // Another VM writes (and logs) between this one's
+                        // read of the log and its estimate: the estimate's
+                        // swap onto the log as read fails, and is retried.
+                        let other = &hosts[(vm + 1) % 3];
+                        let written = (next(&mut seed) % 2) as usize;
+                        crate::store::update_worker(&c, other, written, IfMissing::Skip, |s| {
+                            s.add(written, 0, 1)
+                        });
+                    }
                     if let Some(t) = cache.write(&c, host, worker, |s| s.add(worker, rank, 5)) {
                         tickets.push(t);
                     }

@@ -5,7 +5,9 @@
 //! The value is an epoch, a sequence number and a ring of the last
 //! [`CHANGE_LOG_LEN`] writes, each the [`worker_tag`] of the state written.
 //! Every successful state write is followed by an append (compare-and-swap,
-//! retried), so the log entry becomes visible only after the state it names;
+//! retried; a request's estimate swaps onto the log as it read it for its
+//! choice, saving the read when nobody appended since), so the log entry
+//! becomes visible only after the state it names;
 //! writes made at once (a poll round's) are appended together after the last
 //! (`store::logged_together`).
 //! A reader reads the log first, then the states named since the sequence
@@ -108,7 +110,30 @@ pub fn worker_tag(state_key: &str) -> u64 {
 
 /// The log, if present and readable.
 pub fn read(host: &dyn Host, key: &str) -> Option<ChangeLog> {
-    host.shared_get(key).and_then(|(bytes, _)| super::decode(&bytes))
+    read_with_cas(host, key).map(|(log, _)| log)
+}
+
+/// The log and its cas, if present and readable: what [`append_onto`] needs.
+pub fn read_with_cas(host: &dyn Host, key: &str) -> Option<(ChangeLog, u32)> {
+    host.shared_get(key)
+        .and_then(|(bytes, cas)| Some((super::decode(&bytes)?, cas)))
+}
+
+/// Logs a write of the state tagged `tag` onto `known`, the log as this VM
+/// read it (with [`read_with_cas`]) earlier: one compare-and-swap when
+/// nobody appended since, instead of [`append`]'s read and write; else (the
+/// swap failed, or nothing known) [`append`].
+pub fn append_onto(host: &dyn Host, key: &str, known: Option<(ChangeLog, u32)>, tag: u64) {
+    if let Some((mut log, cas)) = known {
+        log.push(tag);
+        let mut buffer = Vec::new();
+        let written = encode_into(&log, &mut buffer)
+            .is_some_and(|bytes| host.shared_set(key, bytes, Some(cas)).is_ok());
+        if written {
+            return;
+        }
+    }
+    append(host, key, &[tag]);
 }
 
 /// Logs writes of the states tagged `tags`, in order; called after the
@@ -176,6 +201,44 @@ mod tests {
         assert_eq!(tags_since(&now, place), Some(vec![8, 7]));
         assert_eq!(tags_since(&now, now.place()), Some(vec![]));
         assert_eq!(decode::<ChangeLog>(&encode(&now)), Some(now));
+    }
+
+    #[test]
+    fn an_append_onto_the_log_as_read_is_one_write_unless_someone_appended_since() {
+        let h = FakeHost::default();
+        append(&h, KEY, &[1]);
+        // Nobody appended since the read: one compare-and-swap, no read.
+        let known = read_with_cas(&h, KEY);
+        let (reads, writes) = (h.host_calls("shared_get"), h.host_calls("shared_set"));
+        append_onto(&h, KEY, known, 2);
+        assert_eq!(
+            (
+                h.host_calls("shared_get") - reads,
+                h.host_calls("shared_set") - writes
+            ),
+            (0, 1)
+        );
+        assert_eq!(log(&h).tags, [1, 2]);
+        // Another VM appended in between: the swap fails, and the entry is
+        // appended after it by a read and a write, nothing lost.
+        let known = read_with_cas(&h, KEY);
+        let other = FakeHost::with_shared(h.shared.clone());
+        append(&other, KEY, &[3]);
+        let (reads, writes) = (h.host_calls("shared_get"), h.host_calls("shared_set"));
+        append_onto(&h, KEY, known, 4);
+        assert_eq!(
+            (
+                h.host_calls("shared_get") - reads,
+                h.host_calls("shared_set") - writes
+            ),
+            (1, 2)
+        );
+        let l = log(&h);
+        assert_eq!((l.seq, l.tags), (4, vec![1, 2, 3, 4]));
+        // Nothing known (the log missing when read): a plain append.
+        let h = FakeHost::default();
+        append_onto(&h, KEY, None, 7);
+        assert_eq!(log(&h).tags, [7]);
     }
 
     #[test]

@@ -33,6 +33,9 @@ proxy_wasm::main! {{
 const ROUTE_HEADER: &str = "x-dprank-endpoint";
 /// The rank headers dprank's header mode sets by default.
 const RANK_HEADERS: [&str; 2] = ["x-data-parallel-rank", "x-override-routed-dp-rank"];
+/// The headers `calls header-map` adds: as many as dprank's header mode
+/// sets, under names no route or upstream reads.
+const MAP_HEADERS: [&str; 3] = ["x-noop-route", "x-noop-rank", "x-noop-rank-too"];
 /// What `route-body` splices after the body's opening brace.
 const RANK_FIELD: &[u8] = b"\"routed_dp_rank\":0";
 /// The shared-data key `calls shared-get` reads and `calls shared-set`
@@ -47,6 +50,13 @@ enum HostCall {
     Headers,
     /// `set-header`: one request header written.
     SetHeader,
+    /// `header-map`: the whole request header map replaced in one call
+    /// (`proxy_set_header_map_pairs`) by the request's own headers with
+    /// three more (`MAP_HEADERS`), as a router could write its route and
+    /// two rank headers at once instead of three `set-header` calls. The
+    /// map is read once per request before these calls (a `headers` call,
+    /// not counted: a router has read them already).
+    HeaderMap,
     /// `shared-get`: a shared-data read of `SHARED_VALUE_BYTES`.
     SharedGet,
     /// `shared-set`: a shared-data write of as many bytes, without cas.
@@ -65,6 +75,7 @@ impl HostCall {
         Some(match word {
             "headers" => HostCall::Headers,
             "set-header" => HostCall::SetHeader,
+            "header-map" => HostCall::HeaderMap,
             "shared-get" => HostCall::SharedGet,
             "shared-set" => HostCall::SharedSet,
             "time" => HostCall::Time,
@@ -74,14 +85,20 @@ impl HostCall {
         })
     }
 
-    /// Makes the call once; `metric` is the counter `on_configure` defined.
-    fn make(self, metric: u32) {
+    /// Makes the call once; `metric` is the counter `on_configure` defined,
+    /// `routed` the header map `header-map` writes.
+    fn make(self, metric: u32, routed: &[(String, Vec<u8>)]) {
         match self {
             HostCall::Headers => {
                 black_box(hostcalls::get_map(MapType::HttpRequestHeaders).ok());
             }
             HostCall::SetHeader => {
                 let _ = hostcalls::set_map_value(MapType::HttpRequestHeaders, "x-noop-probe", Some("0"));
+            }
+            HostCall::HeaderMap => {
+                let pairs: Vec<(&str, &[u8])> =
+                    routed.iter().map(|(k, v)| (k.as_str(), v.as_slice())).collect();
+                let _ = hostcalls::set_map_bytes(MapType::HttpRequestHeaders, pairs);
             }
             HostCall::SharedGet => {
                 black_box(hostcalls::get_shared_data(SHARED_KEY).ok());
@@ -230,14 +247,32 @@ struct Calls {
 
 impl Calls {
     fn make(&self, at_end: bool) {
+        let routed = if !at_end && self.calls.iter().any(|(k, _)| *k == HostCall::HeaderMap) {
+            routed_headers()
+        } else {
+            Vec::new()
+        };
         for &(kind, n) in self.calls.iter() {
             if (kind == HostCall::Property) == at_end {
                 for _ in 0..n {
-                    kind.make(self.metric);
+                    kind.make(self.metric, &routed);
                 }
             }
         }
     }
+}
+
+/// The request's headers, in the order Envoy gave them, with `MAP_HEADERS` set.
+fn routed_headers() -> Vec<(String, Vec<u8>)> {
+    let mut pairs: Vec<(String, Vec<u8>)> = hostcalls::get_map_bytes(MapType::HttpRequestHeaders)
+        .unwrap_or_default()
+        .into_iter()
+        .filter(|(k, _)| !MAP_HEADERS.contains(&k.as_str()))
+        .collect();
+    for name in MAP_HEADERS {
+        pairs.push((name.to_string(), b"0".to_vec()));
+    }
+    pairs
 }
 
 impl Context for Calls {}
@@ -328,6 +363,9 @@ mod tests {
         assert!(Mode::parse("route-body a b").is_none());
         assert!(
             matches!(Mode::parse("calls shared-get=40"), Some(Mode::Calls(c)) if *c == [(HostCall::SharedGet, 40)])
+        );
+        assert!(
+            matches!(Mode::parse("calls header-map=1"), Some(Mode::Calls(c)) if *c == [(HostCall::HeaderMap, 1)])
         );
         assert!(matches!(
             Mode::parse("calls headers=1,property=2"),
