@@ -791,13 +791,13 @@ mod tests {
         let tag = |i: usize| changes::worker_tag(&Keys::of(&c).worker(&c.routed()[i].address));
         let log = changes::read(&h, &key).unwrap();
         assert_eq!(log.tags, [tag(1), tag(0)]);
-        assert_eq!(h.shared.get(&key).unwrap().1, 1, "one append");
+        assert_eq!(h.shared.writes(&key), 1, "one append");
         // Afterwards, writes are logged one by one again.
         update_worker(&c, &h, 0, IfMissing::Skip, |s| Some(s.begin_poll()));
         assert_eq!(changes::read(&h, &key).unwrap().tags, [tag(1), tag(0), tag(0)]);
         // Nothing written: nothing appended.
         logged_together(&c, &h, || ());
-        assert_eq!(h.shared.get(&key).unwrap().1, 2);
+        assert_eq!(h.shared.writes(&key), 2);
     }
 
     #[test]

@@ -11,49 +11,69 @@ use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 
-/// Every key's value and cas.
-type Values = HashMap<String, (Vec<u8>, u32)>;
+/// Every key's value and cas, and the next cas to hand out.
+#[derive(Debug, Default)]
+struct Values {
+    map: HashMap<String, (Vec<u8>, u32)>,
+    next_cas: u32,
+    /// Successful writes per key, for tests (a cas no longer counts them).
+    writes: HashMap<String, u32>,
+}
 
 /// Shared data of one VM id.
 #[derive(Debug, Clone, Default)]
 pub struct SharedData(Arc<Mutex<Values>>);
 
 impl SharedData {
-    fn map(&self) -> MutexGuard<'_, Values> {
+    fn values(&self) -> MutexGuard<'_, Values> {
         // A thread that panicked holding the lock left the map whole.
         self.0.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// Value and cas of a key.
     pub fn get(&self, key: &str) -> Option<(Vec<u8>, u32)> {
-        self.map().get(key).cloned()
+        self.values().map.get(key).cloned()
     }
 
-    /// Writes a key, only if its cas is still `cas` when one is given.
+    /// Writes a key, only if its cas is still `cas` when one other than 0 is
+    /// given and the key exists, as Envoy does (proxy-wasm-cpp-host
+    /// `SharedData::set`): a missing key is written whatever the cas, and
+    /// every write takes the next cas of one counter over all keys, so a
+    /// write's new cas cannot be guessed from the old one.
     pub fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), SharedSetError> {
-        let mut map = self.map();
-        let current = map.get(key).map(|(_, c)| *c).unwrap_or(0);
-        if cas.is_some_and(|cas| cas != current) {
-            return Err(SharedSetError::CasMismatch);
+        let mut values = self.values();
+        let current = values.map.get(key).map(|(_, c)| *c);
+        if let (Some(current), Some(cas)) = (current, cas.filter(|&c| c != 0)) {
+            if cas != current {
+                return Err(SharedSetError::CasMismatch);
+            }
         }
-        map.insert(key.to_string(), (value.to_vec(), current + 1));
+        values.next_cas = values.next_cas.wrapping_add(1).max(1);
+        let next = values.next_cas;
+        values.map.insert(key.to_string(), (value.to_vec(), next));
+        *values.writes.entry(key.to_string()).or_default() += 1;
         Ok(())
+    }
+
+    /// How many times a key was written.
+    pub fn writes(&self, key: &str) -> u32 {
+        self.values().writes.get(key).copied().unwrap_or(0)
     }
 
     /// Every key, sorted.
     pub fn keys(&self) -> Vec<String> {
-        let mut keys: Vec<String> = self.map().keys().cloned().collect();
+        let mut keys: Vec<String> = self.values().map.keys().cloned().collect();
         keys.sort();
         keys
     }
 
     /// Bytes of every value.
     pub fn bytes(&self) -> u64 {
-        self.map().values().map(|(b, _)| b.len() as u64).sum()
+        self.values().map.values().map(|(b, _)| b.len() as u64).sum()
     }
 
     pub fn is_empty(&self) -> bool {
-        self.map().is_empty()
+        self.values().map.is_empty()
     }
 }
 

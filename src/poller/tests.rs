@@ -458,7 +458,7 @@ fn a_poll_round_logs_its_writes_in_one_append() {
         .collect();
     assert_eq!(log.tags, tags, "both workers' first states, in order");
     let key = Keys::of(&c).changes();
-    assert_eq!(h.shared.get(&key).unwrap().1, 1, "written once");
+    assert_eq!(h.shared.writes(&key), 1, "written once");
     // Reading every state (the default on 2 workers): no log.
     let (c, h, _) = first_round("");
     assert!(h.shared_get(&Keys::of(&c).changes()).is_none());
