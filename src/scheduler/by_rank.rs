@@ -17,6 +17,9 @@ pub struct ByRank {
     bars: Vec<Slot>,
     /// `keep` entries per rank, cheapest first, then `EMPTY`.
     kept: Vec<(Slot, usize)>,
+    /// The dearest of `bars`: a worker costing at least this on every rank
+    /// there is a bar for is kept nowhere (`refuses`).
+    dearest: Slot,
 }
 
 impl ByRank {
@@ -25,6 +28,15 @@ impl ByRank {
         self.keep = keep.max(1);
         self.bars.clear();
         self.kept.clear();
+        self.dearest = REMOVED;
+    }
+
+    /// Whether a worker with at most `ranks` slots, none cheaper than
+    /// `least`, would be kept nowhere if offered: every rank it has already
+    /// has a bar, and `least` is not below any.
+    #[inline(always)]
+    pub fn refuses(&self, least: Slot, ranks: usize) -> bool {
+        ranks <= self.bars.len() && least >= self.dearest
     }
 
     /// Offers one worker's slots. Workers must be offered in increasing
@@ -34,15 +46,21 @@ impl ByRank {
         if self.bars.len() < costs.len() {
             self.bars.resize(costs.len(), REMOVED);
             self.kept.resize(costs.len() * self.keep, EMPTY);
+            self.dearest = REMOVED;
         }
         let keep = self.keep;
+        let mut lowered = false;
         for (r, (&cost, bar)) in costs.iter().zip(&mut self.bars).enumerate() {
             // Most slots cost more than the rank's dearest kept: one comparison.
             if cost < *bar {
                 if let Some(kept) = self.kept.get_mut(r * keep..(r + 1) * keep) {
                     *bar = insert(kept, (cost, worker));
+                    lowered = true;
                 }
             }
+        }
+        if lowered {
+            self.dearest = self.bars.iter().copied().max().unwrap_or(REMOVED);
         }
     }
 
@@ -122,7 +140,13 @@ mod tests {
             "removed slots are never kept"
         );
         by_rank.reset(0);
+        assert!(!by_rank.refuses(5, 1), "no bar yet");
         by_rank.offer(7, &[3]);
+        assert!(by_rank.refuses(3, 1), "a tie of the dearest kept is not kept");
+        assert!(
+            !by_rank.refuses(2, 1) && !by_rank.refuses(3, 2),
+            "cheaper, or a rank without a bar"
+        );
         assert_eq!(
             by_rank.alternates(0, 99, 0, 5),
             vec![c(7, 0, 3)],

@@ -52,6 +52,14 @@ impl Picker for Headroom {
         }
     }
 
+    /// Full, only a cost up to the dearest kept's can enter (a tie by its order).
+    fn bound(&self) -> Slot {
+        match self.kept.get(self.choices) {
+            Some(dearest) if self.len > self.choices => dearest.cost,
+            _ => Slot::MAX,
+        }
+    }
+
     fn pick(self) -> Option<Candidate> {
         let kept = self.kept.get(..self.len)?;
         let first = kept.first()?;

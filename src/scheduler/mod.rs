@@ -15,6 +15,7 @@
 //! chosen are collected from the same slots (`by_rank`) where their costs
 //! are the choice's, rather than in a second pass.
 
+mod bound;
 mod by_rank;
 #[cfg(test)]
 mod equivalence;
@@ -237,6 +238,9 @@ pub trait Picker {
     fn new(ctx: &Context) -> Self;
     /// Offers one worker's candidates: its pool index and one slot per rank.
     fn offer(&mut self, worker: usize, costs: &[Slot]);
+    /// A cost above which an offer changes nothing (`bound.rs`); `Slot::MAX`
+    /// while any may.
+    fn bound(&self) -> Slot;
     /// The candidate taken among all those offered.
     fn pick(self) -> Option<Candidate>;
 }
@@ -436,9 +440,21 @@ fn choose_by<P: Picker>(
     mut by_rank: Option<&mut by_rank::ByRank>,
 ) -> Option<Candidate> {
     let steps = Steps::of(ctx);
+    let bounded = bound::applies(ctx, &steps);
     let mut picker = P::new(ctx);
     with_scratch(|scratch| {
-        for view in views(pool) {
+        for (index, (worker, state)) in pool.workers.iter().zip(pool.states).enumerate() {
+            let at = index + pool.offset;
+            if bounded && bound::passes_over(pool.loads, at, &picker, by_rank.as_deref()) {
+                continue;
+            }
+            let Some(state) = state else { continue };
+            let view = WorkerView {
+                index,
+                worker,
+                state,
+                loads: pool.loads.worker(at),
+            };
             if let Some(slots) = run_steps(ctx, &steps, &view, scratch) {
                 picker.offer(view.index, slots);
                 if let Some(by_rank) = by_rank.as_deref_mut() {
