@@ -2,7 +2,8 @@
 //! scorer unweighted, `peers`: no prefix affinity), no cost a worker's ranks
 //! can carry is below its least load (`Loads::least`; filters only remove).
 //! A worker whose least load is above what the picker could still take and
-//! not below any rank's bar in the alternates' collector changes nothing
+//! whose ranks' loads are not below their bars in the alternates' collector
+//! changes nothing
 //! when offered, so it is passed over before its steps run. Choices,
 //! alternates and tie-breaking are those of the full pass
 //! (`equivalence.rs`); only the work differs. A fleet of spread loads skips
@@ -21,11 +22,11 @@ pub(super) fn applies(ctx: &Context, steps: &Steps) -> bool {
 
 /// Whether offering worker `at` (a `Loads` index) could change neither the
 /// picker nor `by_rank`: its least load is above the picker's bound and
-/// not below any bar of the ranks it has.
+/// no rank's load is below that rank's bar.
 #[inline(always)]
 pub(super) fn passes_over(loads: &Loads, at: usize, picker: &impl Picker, by_rank: Option<&ByRank>) -> bool {
     let least = loads.least(at);
-    let over = least > picker.bound() && by_rank.is_none_or(|b| b.refuses(least, loads.worker(at).len()));
+    let over = least > picker.bound() && by_rank.is_none_or(|b| b.refuses(least, loads.worker(at)));
     #[cfg(test)]
     PASSED_OVER.set(PASSED_OVER.get() + usize::from(over));
     over
@@ -64,7 +65,7 @@ mod tests {
         by_rank.offer(1, &[REMOVED, 6]);
         assert!(
             passes_over(&loads, 1, &picker, Some(&by_rank)),
-            "7 >= every bar (5, 6)"
+            "7 >= 5 and 8 >= 6"
         );
         let mut tie = LeastCost::new(&plain);
         tie.offer(0, &[7]);
@@ -84,5 +85,28 @@ mod tests {
             ..plain
         };
         assert!(applies(&peers, &Steps::of(&peers)));
+        let config = crate::config::Config::from_json(
+            br#"{"workers":[{"address":"127.0.0.1:1"}],"prefix_load_weight":0.5}"#,
+        )
+        .unwrap();
+        let settings = config.prefix.clone().unwrap();
+        let host = crate::host::fake::FakeHost::default();
+        let affinity = crate::prefix::Affinity::new(
+            &config,
+            &settings,
+            &host,
+            0,
+            crate::prefix::PromptBlocks::default(),
+            true,
+            0,
+        );
+        let prefix = super::super::Context {
+            affinity: Some(&affinity),
+            ..plain
+        };
+        assert!(
+            !applies(&prefix, &Steps::of(&prefix)),
+            "prefix affinity weights the load and adds other costs"
+        );
     }
 }

@@ -31,12 +31,14 @@ impl ByRank {
         self.dearest = REMOVED;
     }
 
-    /// Whether a worker with at most `ranks` slots, none cheaper than
-    /// `least`, would be kept nowhere if offered: every rank it has already
-    /// has a bar, and `least` is not below any.
+    /// Whether a worker whose slots cost at least `floors` (one per rank,
+    /// the least of them `least`) would be kept nowhere if offered: every
+    /// rank it has already has a bar, and no floor is below its rank's bar
+    /// (`least` not below the dearest bar says so in one comparison).
     #[inline(always)]
-    pub fn refuses(&self, least: Slot, ranks: usize) -> bool {
-        ranks <= self.bars.len() && least >= self.dearest
+    pub fn refuses(&self, least: Slot, floors: &[Slot]) -> bool {
+        floors.len() <= self.bars.len()
+            && (least >= self.dearest || floors.iter().zip(&self.bars).all(|(floor, bar)| floor >= bar))
     }
 
     /// Offers one worker's slots. Workers must be offered in increasing
@@ -140,13 +142,14 @@ mod tests {
             "removed slots are never kept"
         );
         by_rank.reset(0);
-        assert!(!by_rank.refuses(5, 1), "no bar yet");
+        assert!(!by_rank.refuses(5, &[5]), "no bar yet");
         by_rank.offer(7, &[3]);
-        assert!(by_rank.refuses(3, 1), "a tie of the dearest kept is not kept");
-        assert!(
-            !by_rank.refuses(2, 1) && !by_rank.refuses(3, 2),
-            "cheaper, or a rank without a bar"
-        );
+        assert!(by_rank.refuses(3, &[3]), "a tie of the dearest kept is not kept");
+        assert!(!by_rank.refuses(2, &[2]), "cheaper");
+        assert!(!by_rank.refuses(3, &[3, 3]), "a rank without a bar");
+        by_rank.offer(8, &[4, 9]);
+        assert!(by_rank.refuses(5, &[5, 9]), "at least each rank's bar (3, 9)");
+        assert!(!by_rank.refuses(5, &[5, 8]), "below rank 1's");
         assert_eq!(
             by_rank.alternates(0, 99, 0, 5),
             vec![c(7, 0, 3)],

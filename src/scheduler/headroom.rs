@@ -182,6 +182,18 @@ mod tests {
     }
 
     #[test]
+    fn bound_is_the_dearest_kept_once_full() {
+        let mut p = Headroom::new(&Context {
+            pick: Pick::Headroom { choices: 2 },
+            ..ctx(Constraint::default())
+        });
+        p.offer(0, &[9, REMOVED, 4]);
+        assert_eq!(p.bound(), Slot::MAX, "room for one more");
+        p.offer(1, &[6, 1]);
+        assert_eq!(p.bound(), 6, "keeps 1, 4 and 6");
+    }
+
+    #[test]
     fn deterministic_for_a_tie_breaker() {
         let offers: &[(usize, &[Slot])] = &[(0, &[3, 4, 6])];
         assert_eq!(draws(2, offers, 1), draws(2, offers, 1));
