@@ -13,7 +13,9 @@
 //! statically, and those with nothing to do for a request are left out once
 //! per choice), and no candidate list. The retry alternates of the rank
 //! chosen are collected from the same slots (`by_rank`) where their costs
-//! are the choice's, rather than in a second pass.
+//! are the choice's, rather than in a second pass. Under load-only scoring a
+//! worker whose loads can neither be picked nor enter any rank's alternates
+//! is passed over before its steps run (`bound`).
 
 mod bound;
 mod by_rank;
