@@ -11,13 +11,13 @@
 //! none.
 
 use super::by_rank::ByRank;
-use super::{Context, Loads, Picker, Step, Steps, LOAD_SCORERS};
+use super::{Context, Loads, Picker};
 
-/// Whether costs under `steps` are at least each rank's load.
-pub(super) fn applies(ctx: &Context, steps: &Steps) -> bool {
+/// Whether every cost is at least its rank's load: without prefix
+/// affinity the scorers are `LOAD_SCORERS` (`Steps::of`), the load
+/// unweighted, and they only add.
+pub(super) fn applies(ctx: &Context) -> bool {
     ctx.affinity.is_none()
-        && steps.scorers().iter().all(|s| LOAD_SCORERS.contains(s))
-        && steps.scorers().contains(&Step::Load)
 }
 
 /// Whether offering worker `at` (a `Loads` index) could change neither the
@@ -78,13 +78,24 @@ mod tests {
     #[test]
     fn applies_only_where_costs_are_at_least_the_loads() {
         let plain = ctx(Constraint::default());
-        assert!(applies(&plain, &Steps::of(&plain)));
+        assert!(applies(&plain));
         let peers = super::super::Context {
             gateways: 3,
             pick: Pick::Headroom { choices: 2 },
             ..plain
         };
-        assert!(applies(&peers, &Steps::of(&peers)));
+        assert!(applies(&peers));
+        for ctx in [plain, peers] {
+            let steps = super::super::Steps::of(&ctx);
+            assert!(
+                steps.scorers().contains(&super::super::Step::Load)
+                    && steps
+                        .scorers()
+                        .iter()
+                        .all(|s| super::super::LOAD_SCORERS.contains(s)),
+                "the unweighted load, and scorers that only add"
+            );
+        }
         let config = crate::config::Config::from_json(
             br#"{"workers":[{"address":"127.0.0.1:1"}],"prefix_load_weight":0.5}"#,
         )
@@ -105,7 +116,7 @@ mod tests {
             ..plain
         };
         assert!(
-            !applies(&prefix, &Steps::of(&prefix)),
+            !applies(&prefix),
             "prefix affinity weights the load and adds other costs"
         );
     }

@@ -51,18 +51,19 @@ impl ByRank {
             self.dearest = REMOVED;
         }
         let keep = self.keep;
-        let mut lowered = false;
+        // Only lowering the dearest bar can lower `dearest`.
+        let mut stale = false;
         for (r, (&cost, bar)) in costs.iter().zip(&mut self.bars).enumerate() {
             // Most slots cost more than the rank's dearest kept: one comparison.
             if cost < *bar {
                 if let Some(kept) = self.kept.get_mut(r * keep..(r + 1) * keep) {
+                    stale |= *bar == self.dearest;
                     *bar = insert(kept, (cost, worker));
-                    lowered = true;
                 }
             }
         }
-        if lowered {
-            self.dearest = self.bars.iter().copied().max().unwrap_or(REMOVED);
+        if stale {
+            self.dearest = self.bars.iter().fold(0, |dearest, bar| dearest.max(*bar));
         }
     }
 

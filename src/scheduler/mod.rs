@@ -442,7 +442,7 @@ fn choose_by<P: Picker>(
     mut by_rank: Option<&mut by_rank::ByRank>,
 ) -> Option<Candidate> {
     let steps = Steps::of(ctx);
-    let bounded = bound::applies(ctx, &steps);
+    let bounded = bound::applies(ctx);
     let mut picker = P::new(ctx);
     with_scratch(|scratch| {
         for (index, (worker, state)) in pool.workers.iter().zip(pool.states).enumerate() {
