@@ -3,12 +3,11 @@
 //! can carry is below its least load (`Loads::least`; filters only remove).
 //! A worker whose least load is above what the picker could still take and
 //! whose ranks' loads are not below their bars in the alternates' collector
-//! changes nothing
-//! when offered, so it is passed over before its steps run. Choices,
-//! alternates and tie-breaking are those of the full pass
-//! (`equivalence.rs`); only the work differs. A fleet of spread loads skips
-//! most workers once a few cheap ones are seen; one of equal loads skips
-//! none.
+//! changes nothing when offered, so it is passed over before its steps run
+//! (its state is not even read). Choices, alternates and tie-breaking are
+//! those of the full pass (`equivalence.rs`); only the work differs. A
+//! fleet of spread loads skips most workers once a few cheap ones are seen;
+//! one of equal loads (idle) skips none.
 
 use super::by_rank::ByRank;
 use super::{Context, Loads, Picker};
