@@ -17,6 +17,9 @@ pub struct ByRank {
     bars: Vec<Slot>,
     /// `keep` entries per rank, cheapest first, then `EMPTY`.
     kept: Vec<(Slot, usize)>,
+    /// The dearest of `bars`: a worker costing at least this on every rank
+    /// there is a bar for is kept nowhere (`refuses`).
+    dearest: Slot,
 }
 
 impl ByRank {
@@ -25,6 +28,17 @@ impl ByRank {
         self.keep = keep.max(1);
         self.bars.clear();
         self.kept.clear();
+        self.dearest = REMOVED;
+    }
+
+    /// Whether a worker whose slots cost at least `floors` (one per rank,
+    /// the least of them `least`) would be kept nowhere if offered: every
+    /// rank it has already has a bar, and no floor is below its rank's bar
+    /// (`least` not below the dearest bar says so in one comparison).
+    #[inline(always)]
+    pub fn refuses(&self, least: Slot, floors: &[Slot]) -> bool {
+        floors.len() <= self.bars.len()
+            && (least >= self.dearest || floors.iter().zip(&self.bars).all(|(floor, bar)| floor >= bar))
     }
 
     /// Offers one worker's slots. Workers must be offered in increasing
@@ -34,15 +48,22 @@ impl ByRank {
         if self.bars.len() < costs.len() {
             self.bars.resize(costs.len(), REMOVED);
             self.kept.resize(costs.len() * self.keep, EMPTY);
+            self.dearest = REMOVED;
         }
         let keep = self.keep;
+        // Only lowering the dearest bar can lower `dearest`.
+        let mut stale = false;
         for (r, (&cost, bar)) in costs.iter().zip(&mut self.bars).enumerate() {
             // Most slots cost more than the rank's dearest kept: one comparison.
             if cost < *bar {
                 if let Some(kept) = self.kept.get_mut(r * keep..(r + 1) * keep) {
+                    stale |= *bar == self.dearest;
                     *bar = insert(kept, (cost, worker));
                 }
             }
+        }
+        if stale {
+            self.dearest = self.bars.iter().fold(0, |dearest, bar| dearest.max(*bar));
         }
     }
 
@@ -122,7 +143,14 @@ mod tests {
             "removed slots are never kept"
         );
         by_rank.reset(0);
+        assert!(!by_rank.refuses(5, &[5]), "no bar yet");
         by_rank.offer(7, &[3]);
+        assert!(by_rank.refuses(3, &[3]), "a tie of the dearest kept is not kept");
+        assert!(!by_rank.refuses(2, &[2]), "cheaper");
+        assert!(!by_rank.refuses(3, &[3, 3]), "a rank without a bar");
+        by_rank.offer(8, &[4, 9]);
+        assert!(by_rank.refuses(5, &[5, 9]), "at least each rank's bar (3, 9)");
+        assert!(!by_rank.refuses(5, &[5, 8]), "below rank 1's");
         assert_eq!(
             by_rank.alternates(0, 99, 0, 5),
             vec![c(7, 0, 3)],

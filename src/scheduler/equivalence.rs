@@ -5,7 +5,8 @@
 //! documents, or `headroom` offered the same candidates. The pipeline's
 //! shortcuts (steps skipped when they do not apply, the slots past
 //! `only_rank`, the picker's early exit, the load scorer's branch-free loop,
-//! the alternates collected in the choice's pass) must never change a choice.
+//! the alternates collected in the choice's pass, the workers passed over by
+//! `bound`) must never change a choice.
 
 use super::least_cost::mix;
 use super::testing::{loads_at, policy, state, worker};
@@ -173,8 +174,11 @@ fn choices_and_alternates_match_a_straightforward_implementation() {
     let mut draw = Draw(7);
     let (mut chosen, mut ties_broken, mut pinned, mut only, mut probed, mut alternated) = (0, 0, 0, 0, 0, 0);
     let mut folded = 0;
+    let passed_over = bound::PASSED_OVER.get();
     for _fleet in 0..3000 {
-        let n = 1 + draw.below(12) as usize;
+        // Now and then a larger fleet, where most workers are passed over (`bound`).
+        let most = if draw.chance(10) { 64 } else { 12 };
+        let n = 1 + draw.below(most) as usize;
         let workers: Vec<Worker> = (0..n)
             .map(|i| {
                 let dp = draw.chance(30).then(|| 1 + draw.below(6) as u32);
@@ -335,6 +339,7 @@ fn choices_and_alternates_match_a_straightforward_implementation() {
         ("probing", probed),
         ("several alternates", alternated),
         ("several alternates in one pass", folded),
+        ("a worker passed over", bound::PASSED_OVER.get() - passed_over),
     ] {
         assert!(count > 50, "{what}: only {count} cases");
     }

@@ -52,6 +52,14 @@ impl Picker for Headroom {
         }
     }
 
+    /// Full, only a cost up to the dearest kept's can enter (a tie by its order).
+    fn bound(&self) -> Slot {
+        match self.kept.get(self.choices) {
+            Some(dearest) if self.len > self.choices => dearest.cost,
+            _ => Slot::MAX,
+        }
+    }
+
     fn pick(self) -> Option<Candidate> {
         let kept = self.kept.get(..self.len)?;
         let first = kept.first()?;
@@ -171,6 +179,18 @@ mod tests {
             ..ctx(Constraint::default())
         });
         assert_eq!(none.pick(), None);
+    }
+
+    #[test]
+    fn bound_is_the_dearest_kept_once_full() {
+        let mut p = Headroom::new(&Context {
+            pick: Pick::Headroom { choices: 2 },
+            ..ctx(Constraint::default())
+        });
+        p.offer(0, &[9, REMOVED, 4]);
+        assert_eq!(p.bound(), Slot::MAX, "room for one more");
+        p.offer(1, &[6, 1]);
+        assert_eq!(p.bound(), 6, "keeps 1, 4 and 6");
     }
 
     #[test]

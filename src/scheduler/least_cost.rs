@@ -33,6 +33,11 @@ impl Picker for LeastCost {
         }
     }
 
+    /// Only a cost up to the pick's, a tie, can change it.
+    fn bound(&self) -> Slot {
+        self.cost
+    }
+
     fn pick(self) -> Option<Candidate> {
         self.pick
     }
@@ -93,6 +98,7 @@ mod tests {
         picker.offer(0, &[5, REMOVED, 7]);
         picker.offer(3, &[REMOVED, 2]);
         picker.offer(4, &[]);
+        assert_eq!(picker.bound(), 2, "a tie may still be taken");
         assert_eq!(picker.pick(), Some(c(3, 1, 2)));
         assert_eq!(LeastCost::new(&ctx(Constraint::default())).pick(), None);
     }

@@ -13,8 +13,11 @@
 //! statically, and those with nothing to do for a request are left out once
 //! per choice), and no candidate list. The retry alternates of the rank
 //! chosen are collected from the same slots (`by_rank`) where their costs
-//! are the choice's, rather than in a second pass.
+//! are the choice's, rather than in a second pass. Under load-only scoring a
+//! worker whose loads can neither be picked nor enter any rank's alternates
+//! is passed over before its steps run (`bound`).
 
+mod bound;
 mod by_rank;
 #[cfg(test)]
 mod equivalence;
@@ -237,6 +240,9 @@ pub trait Picker {
     fn new(ctx: &Context) -> Self;
     /// Offers one worker's candidates: its pool index and one slot per rank.
     fn offer(&mut self, worker: usize, costs: &[Slot]);
+    /// A cost above which an offer changes nothing (`bound.rs`); `Slot::MAX`
+    /// while any may.
+    fn bound(&self) -> Slot;
     /// The candidate taken among all those offered.
     fn pick(self) -> Option<Candidate>;
 }
@@ -436,9 +442,21 @@ fn choose_by<P: Picker>(
     mut by_rank: Option<&mut by_rank::ByRank>,
 ) -> Option<Candidate> {
     let steps = Steps::of(ctx);
+    let bounded = bound::applies(ctx);
     let mut picker = P::new(ctx);
     with_scratch(|scratch| {
-        for view in views(pool) {
+        for (index, (worker, state)) in pool.workers.iter().zip(pool.states).enumerate() {
+            let at = index + pool.offset;
+            if bounded && bound::passes_over(pool.loads, at, &picker, by_rank.as_deref()) {
+                continue;
+            }
+            let Some(state) = state else { continue };
+            let view = WorkerView {
+                index,
+                worker,
+                state,
+                loads: pool.loads.worker(at),
+            };
             if let Some(slots) = run_steps(ctx, &steps, &view, scratch) {
                 picker.offer(view.index, slots);
                 if let Some(by_rank) = by_rank.as_deref_mut() {
