@@ -30,6 +30,9 @@ impl Picker for LeastCost {
     }
 
     fn offer(&mut self, worker: usize, costs: &[Slot]) {
+        if self.only_ties(costs) {
+            return;
+        }
         for (rank, &cost) in costs.iter().enumerate() {
             // Most candidates cost more than the pick so far: one comparison.
             if cost <= self.cost && cost != REMOVED {
@@ -49,6 +52,24 @@ impl Picker for LeastCost {
 }
 
 impl LeastCost {
+    /// Counts a worker at once when it has nothing below the pick's cost and
+    /// none of its ties is the next taken (most workers of an idle fleet):
+    /// branch-free over its slots, instead of a turn per tie.
+    #[inline(always)]
+    fn only_ties(&mut self, costs: &[Slot]) -> bool {
+        if self.pick.is_none() {
+            return false;
+        }
+        let (least, tied) = costs.iter().fold((REMOVED, 0u64), |(least, tied), &cost| {
+            (least.min(cost), tied + u64::from(cost == self.cost))
+        });
+        let counted = least > self.cost || (least == self.cost && self.ties + tied < self.next_take);
+        if counted {
+            self.ties += tied;
+        }
+        counted
+    }
+
     #[inline]
     fn consider(&mut self, worker: usize, rank: usize, cost: u64) {
         if cost > self.cost {
@@ -128,6 +149,30 @@ mod tests {
 
     fn c(worker: usize, rank: u32, cost: u64) -> Candidate {
         Candidate { worker, rank, cost }
+    }
+
+    #[test]
+    fn a_worker_of_ties_only_is_counted_at_once() {
+        // The same picks as considering each slot in turn.
+        for t in 0..500 {
+            let mut by_worker = LeastCost::new(&Context {
+                tie_breaker: t,
+                ..ctx(Constraint::default())
+            });
+            let mut by_slot = LeastCost::new(&Context {
+                tie_breaker: t,
+                ..ctx(Constraint::default())
+            });
+            let workers: [&[Slot]; 5] = [&[4, 4], &[4, REMOVED, 4, 4], &[9], &[4; 8], &[3, 4, 3]];
+            for (w, costs) in workers.iter().enumerate() {
+                by_worker.offer(w, costs);
+                for (r, &cost) in costs.iter().enumerate().filter(|(_, c)| **c != REMOVED) {
+                    by_slot.consider(w, r, cost);
+                }
+            }
+            assert_eq!(by_worker.ties, 2, "the 3s of the last worker");
+            assert_eq!(by_worker.pick(), by_slot.pick(), "tie breaker {t}");
+        }
     }
 
     #[test]
