@@ -300,7 +300,7 @@ pub fn selection(args: &SelectionArgs, command_line: &str) -> Result<(), String>
         });
         // The same on a fleet whose ranks all carry the same load (an idle
         // fleet): every rank ties the least, so no worker can be passed over
-        // (`scheduler/bound.rs`) and every tie is sampled: the worst case.
+        // (`scheduler/bound.rs`) and every tie is counted: the worst case.
         let even: Vec<Option<WorkerState>> = states
             .iter()
             .map(|_| {

@@ -12,10 +12,11 @@ impl Scorer for Load {
     fn score(&self, ctx: &Context, worker: &WorkerView, costs: &mut [Slot]) {
         let weight = ctx.affinity.map_or(1.0, |a| a.settings.load_weight);
         if weight == 1.0 {
-            // Load only: selects rather than branches, a few instructions a rank.
+            // Load only: selects rather than branches, a few instructions a
+            // rank; removed if either is (`REMOVED` is the largest slot).
             for (cost, &load) in costs.iter_mut().zip(worker.loads) {
                 let sum = cost.saturating_add(load).min(MAX_COST);
-                *cost = if *cost == REMOVED || load == REMOVED {
+                *cost = if (*cost).max(load) == REMOVED {
                     REMOVED
                 } else {
                     sum
