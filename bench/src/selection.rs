@@ -257,6 +257,7 @@ pub fn selection(args: &SelectionArgs, command_line: &str) -> Result<(), String>
     let mut at_4096_min = f64::NAN;
     let mut with_read_4096 = f64::NAN;
     let mut lazy_4096 = f64::NAN;
+    let mut idle_4096 = f64::NAN;
     let mut every_4096 = f64::NAN;
     let mut default_4096 = "";
     for ranks in TOTAL_RANKS {
@@ -299,7 +300,7 @@ pub fn selection(args: &SelectionArgs, command_line: &str) -> Result<(), String>
         });
         // The same on a fleet whose ranks all carry the same load (an idle
         // fleet): every rank ties the least, so no worker can be passed over
-        // (`scheduler/bound.rs`) and every tie is sampled: the worst case.
+        // (`scheduler/bound.rs`) and every tie is counted: the worst case.
         let even: Vec<Option<WorkerState>> = states
             .iter()
             .map(|_| {
@@ -363,12 +364,16 @@ pub fn selection(args: &SelectionArgs, command_line: &str) -> Result<(), String>
         // (the steady state under load). Once with every state read per
         // request, once with the change log; `state_reads: auto` is one of
         // the two by the fleet's size.
-        let host = MemoryHost::default();
         let keys = store::Keys::of(&config);
-        for (w, bytes) in config.routed().iter().zip(&encoded) {
-            let _ = host.shared_set(&keys.worker(&w.address), bytes, None);
-        }
-        let per_request = |config: &Config, state_reads: StateReads, refresh_ms: u64| {
+        let host_of = |states: &[Option<WorkerState>]| {
+            let host = MemoryHost::default();
+            for (w, state) in config.routed().iter().zip(states.iter().flatten()) {
+                let _ = host.shared_set(&keys.worker(&w.address), &store::encode(state), None);
+            }
+            host
+        };
+        let host = host_of(&states);
+        let per_request = |host: &MemoryHost, config: &Config, state_reads: StateReads, refresh_ms: u64| {
             let mut config = config.clone();
             config.state_reads = state_reads;
             config.state_refresh_ms = refresh_ms;
@@ -384,16 +389,19 @@ pub fn selection(args: &SelectionArgs, command_line: &str) -> Result<(), String>
                 if refresh_ms > 0 {
                     host.requests.set(host.requests.get() + 1);
                 }
-                filter_request(&config, &host, &mut cache, &mut previous, tie)
+                filter_request(&config, host, &mut cache, &mut previous, tie)
             });
             let calls = (host.shared_calls.get() - calls_before) as f64 / requests as f64;
             (timing, calls)
         };
-        let (every, every_calls) = per_request(&config, StateReads::EveryWorker, 0);
-        let (logged, logged_calls) = per_request(&config, StateReads::ChangeLog, 0);
+        let (every, every_calls) = per_request(&host, &config, StateReads::EveryWorker, 0);
+        let (logged, logged_calls) = per_request(&host, &config, StateReads::ChangeLog, 0);
         // The same with `state_refresh_ms`: each request reads the states
         // this VM wrote, and every state once per `REFRESH_MS`.
-        let (lazy, _) = per_request(&config, StateReads::Auto, REFRESH_MS);
+        let (lazy, _) = per_request(&host, &config, StateReads::Auto, REFRESH_MS);
+        // The default (`state_reads: auto`) on the idle fleet: the worst
+        // case of the choice beside the headline's spread loads.
+        let (idle, _) = per_request(&host_of(&even), &config, StateReads::Auto, 0);
         let default_logs = Config {
             state_reads: StateReads::Auto,
             ..config.clone()
@@ -410,6 +418,7 @@ pub fn selection(args: &SelectionArgs, command_line: &str) -> Result<(), String>
                 "every state"
             };
             lazy_4096 = lazy.median;
+            idle_4096 = idle.median;
         }
         rows.push(vec![
             ranks.to_string(),
@@ -431,6 +440,7 @@ pub fn selection(args: &SelectionArgs, command_line: &str) -> Result<(), String>
             logged.cell(),
             format!("{logged_calls:.1}"),
             lazy.cell(),
+            idle.cell(),
         ]);
     }
     let table = markdown_table(
@@ -449,6 +459,7 @@ pub fn selection(args: &SelectionArgs, command_line: &str) -> Result<(), String>
             "the same with `state_reads: change_log`: read the change log and the health record, then only the states written since (here this VM's own), writes logged, ns",
             "its shared-data host calls per request",
             &format!("the same with `state_reads: every_worker` and `state_refresh_ms: {REFRESH_MS}` at {REQUESTS_PER_MS} requests per ms per VM (every state read once per {} requests, else only those this VM wrote), ns", REFRESH_MS * REQUESTS_PER_MS),
+            "per request in the filter under the default `state_reads: auto`, every rank's load equal (idle fleet: all tie), ns",
         ],
         &rows,
     );
@@ -492,10 +503,11 @@ pub fn selection(args: &SelectionArgs, command_line: &str) -> Result<(), String>
     let (prefix_table, prefix_cost) = prefix::rows(args.batches)?;
     println!("\n{table}\n{body_table}\n{prefix_table}");
     let verdict = format!(
-        "Selection at 4096 ranks: **{:.1} us** per call, median (target < 10 us); fastest batch {:.1} us. With the state and health reads, the alternates, the estimate's write and the previous release, under the default `state_reads: auto` ({default_4096} at this size): **{:.1} us**; reading every state: **{:.1} us**; reading every state with `state_refresh_ms: {REFRESH_MS}`: **{:.1} us**.",
+        "Selection at 4096 ranks: **{:.1} us** per call, median (target < 10 us); fastest batch {:.1} us. With the state and health reads, the alternates, the estimate's write and the previous release, under the default `state_reads: auto` ({default_4096} at this size): **{:.1} us**, and on an idle fleet (every rank's load equal, all tie): **{:.1} us**; reading every state: **{:.1} us**; reading every state with `state_refresh_ms: {REFRESH_MS}`: **{:.1} us**.",
         at_4096 / 1000.0,
         at_4096_min / 1000.0,
         with_read_4096 / 1000.0,
+        idle_4096 / 1000.0,
         every_4096 / 1000.0,
         lazy_4096 / 1000.0
     );
@@ -507,7 +519,7 @@ pub fn selection(args: &SelectionArgs, command_line: &str) -> Result<(), String>
     println!("{verdict}");
 
     let mut md = report_header("dprank selection cost (host micro-benchmark)", command_line);
-    let _ = writeln!(md, "ns per call over {} timed batches of ~2 ms each: the median batch, and in brackets the fastest batch (the machine is shared with other work; the fastest batch is the cost without interference), native release build of the `dprank` crate (inside Envoy the same code runs as wasm in V8). Fleets of workers with 8 ranks each; every worker's state holds a polled snapshot and three pending estimates, as between two polls. Columns: the selection step (`scheduler::choose`: filters, the load scorer and the least-cost picker, over the loads each VM derives once per state change); the same with the retry alternates the filter lists after the choice (`scheduler::choose_with_alternates`, the default 2, collected in the same pass), and the same on a fleet whose ranks all carry the same load (idle), where every rank ties and no worker can be passed over early (`scheduler/bound.rs`: on spread loads most are, as soon as they can neither be picked nor enter any rank's alternates); a hand-written one-pass reference over the same loads, ties to the first (a floor for the step as the data is laid out); what the filter did per request before its cache (decode every worker's shared-data bytes, choose, `add` + `encode` the chosen state), without host calls; and what it does now with the state read included, per request: `StateCache::refresh` (the health record and the workers' states, read through a host that keeps shared data in a hash map: one lookup and one copy of the value per key, as a shared-data read copies it in Envoy; only the one or two states that changed are decoded), then the choice and its retry alternates (`scheduler::choose_with_alternates`, the default 2, collected in the choice's pass), the estimate's write (`StateCache::write`, one compare-and-swap) and the release of the previous request's estimate (a read-modify-write). That request is measured under each `state_reads` mode, and a column says which one the default `auto` takes at that fleet size: `every_worker` reads every worker's state; `change_log` reads the change log (`<p>.changes`) and then only the states written since this VM's last request (in this single-VM loop, the one or two it wrote itself; under several threads, theirs too), and appends an entry to the log after each state write (a read and a compare-and-swap of the log). Beside each, its shared-data host calls per request: inside Envoy each is also a host call, which costs about 1-2 us more than the copy and is not in these ns figures. The last column is `every_worker` with the opt-in `state_refresh_ms` ({REFRESH_MS} ms), the host's clock moving 1 ms every {REQUESTS_PER_MS} requests: each request reads the health record and the states this VM wrote since its last read, and every state once per {} requests; the other threads' estimates are then seen up to {REFRESH_MS} ms late (README, configuration). Bodies are `/generate` requests of the given size; `with_fields` splices `routed_dp_rank` in.\n", args.batches, REFRESH_MS * REQUESTS_PER_MS);
+    let _ = writeln!(md, "ns per call over {} timed batches of ~2 ms each: the median batch, and in brackets the fastest batch (the machine is shared with other work; the fastest batch is the cost without interference), native release build of the `dprank` crate (inside Envoy the same code runs as wasm in V8). Fleets of workers with 8 ranks each; every worker's state holds a polled snapshot and three pending estimates, as between two polls. Columns: the selection step (`scheduler::choose`: filters, the load scorer and the least-cost picker, over the loads each VM derives once per state change); the same with the retry alternates the filter lists after the choice (`scheduler::choose_with_alternates`, the default 2, collected in the same pass), and the same on a fleet whose ranks all carry the same load (idle), where every rank ties and no worker can be passed over early (`scheduler/bound.rs`: on spread loads most are, as soon as they can neither be picked nor enter any rank's alternates); a hand-written one-pass reference over the same loads, ties to the first (a floor for the step as the data is laid out); what the filter did per request before its cache (decode every worker's shared-data bytes, choose, `add` + `encode` the chosen state), without host calls; and what it does now with the state read included, per request: `StateCache::refresh` (the health record and the workers' states, read through a host that keeps shared data in a hash map: one lookup and one copy of the value per key, as a shared-data read copies it in Envoy; only the one or two states that changed are decoded), then the choice and its retry alternates (`scheduler::choose_with_alternates`, the default 2, collected in the choice's pass), the estimate's write (`StateCache::write`, one compare-and-swap) and the release of the previous request's estimate (a read-modify-write). That request is measured under each `state_reads` mode, and a column says which one the default `auto` takes at that fleet size: `every_worker` reads every worker's state; `change_log` reads the change log (`<p>.changes`) and then only the states written since this VM's last request (in this single-VM loop, the one or two it wrote itself; under several threads, theirs too), and appends an entry to the log after each state write (a read and a compare-and-swap of the log). Beside each, its shared-data host calls per request: inside Envoy each is also a host call, which costs about 1-2 us more than the copy and is not in these ns figures. The next column is `every_worker` with the opt-in `state_refresh_ms` ({REFRESH_MS} ms), the host's clock moving 1 ms every {REQUESTS_PER_MS} requests: each request reads the health record and the states this VM wrote since its last read, and every state once per {} requests; the other threads' estimates are then seen up to {REFRESH_MS} ms late (README, configuration). The last is the default's request again on the idle fleet, where every rank ties. Bodies are `/generate` requests of the given size; `with_fields` splices `routed_dp_rank` in.\n", args.batches, REFRESH_MS * REQUESTS_PER_MS);
     md.push_str(&table);
     md.push('\n');
     md.push_str(&body_table);

@@ -4,7 +4,8 @@
 //! A worker whose least load is above what the picker could still take and
 //! whose ranks' loads are not below their bars in the alternates' collector
 //! changes nothing when offered, so it is passed over before its steps run
-//! (its state is not even read). Choices, alternates and tie-breaking are
+//! (its state is not even read); one that can change only one of them is
+//! offered to that one. Choices, alternates and tie-breaking are
 //! those of the full pass (`equivalence.rs`); only the work differs. A
 //! fleet of spread loads skips most workers once a few cheap ones are seen;
 //! one of equal loads (idle) skips none.
@@ -19,16 +20,41 @@ pub(super) fn applies(ctx: &Context) -> bool {
     ctx.affinity.is_none()
 }
 
-/// Whether offering worker `at` (a `Loads` index) could change neither the
-/// picker nor `by_rank`: its least load is above the picker's bound and
-/// no rank's load is below that rank's bar.
+/// Which of the picker and the alternates' collector offering a worker
+/// could change: a worker that can change neither is passed over, and one
+/// is offered only to the one it can change (on an idle fleet every worker
+/// ties the pick, while the alternates are full after the first few).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct Reach {
+    pub picker: bool,
+    pub by_rank: bool,
+}
+
+impl Reach {
+    /// Offered to both, as without the shortcut.
+    pub const BOTH: Reach = Reach {
+        picker: true,
+        by_rank: true,
+    };
+
+    pub fn nothing(&self) -> bool {
+        !self.picker && !self.by_rank
+    }
+}
+
+/// What offering worker `at` (a `Loads` index) could change: the picker
+/// unless its least load is above the picker's bound, `by_rank` unless no
+/// rank's load is below that rank's bar.
 #[inline(always)]
-pub(super) fn passes_over(loads: &Loads, at: usize, picker: &impl Picker, by_rank: Option<&ByRank>) -> bool {
+pub(super) fn reach(loads: &Loads, at: usize, picker: &impl Picker, by_rank: Option<&ByRank>) -> Reach {
     let least = loads.least(at);
-    let over = least > picker.bound() && by_rank.is_none_or(|b| b.refuses(least, loads.worker(at)));
+    let reach = Reach {
+        picker: least <= picker.bound(),
+        by_rank: by_rank.is_some_and(|b| !b.refuses(least, loads.worker(at))),
+    };
     #[cfg(test)]
-    PASSED_OVER.set(PASSED_OVER.get() + usize::from(over));
-    over
+    PASSED_OVER.set(PASSED_OVER.get() + usize::from(reach.nothing()));
+    reach
 }
 
 #[cfg(test)]
@@ -49,28 +75,42 @@ mod tests {
     fn passes_over_workers_that_cannot_enter_the_pick_or_the_alternates() {
         let loads = Loads::of(&[Some(state(&[5, 9], 1000)), Some(state(&[7, 8], 1000)), None]);
         let plain = ctx(Constraint::default());
+        let passes_over = |at, picker: &LeastCost, by_rank| reach(&loads, at, picker, by_rank).nothing();
         let mut picker = LeastCost::new(&plain);
-        assert!(!passes_over(&loads, 1, &picker, None), "nothing picked yet");
+        assert!(!passes_over(1, &picker, None), "nothing picked yet");
         picker.offer(0, loads.worker(0));
-        assert!(passes_over(&loads, 1, &picker, None), "7 > 5");
-        assert!(passes_over(&loads, 2, &picker, None), "no loads at all");
+        assert!(passes_over(1, &picker, None), "7 > 5");
+        assert!(passes_over(2, &picker, None), "no loads at all");
         let mut by_rank = ByRank::default();
         by_rank.reset(1);
         by_rank.offer(0, loads.worker(0));
-        assert!(
-            !passes_over(&loads, 1, &picker, Some(&by_rank)),
+        assert_eq!(
+            reach(&loads, 1, &picker, Some(&by_rank)),
+            Reach {
+                picker: false,
+                by_rank: true
+            },
             "8 < 9 for rank 1's alternates"
         );
         by_rank.offer(1, &[REMOVED, 6]);
-        assert!(
-            passes_over(&loads, 1, &picker, Some(&by_rank)),
-            "7 >= 5 and 8 >= 6"
-        );
+        assert!(passes_over(1, &picker, Some(&by_rank)), "7 >= 5 and 8 >= 6");
         let mut tie = LeastCost::new(&plain);
         tie.offer(0, &[7]);
+        assert_eq!(
+            reach(&loads, 1, &tie, Some(&by_rank)),
+            Reach {
+                picker: true,
+                by_rank: false
+            },
+            "a tie of the pick may be taken; the alternates are full"
+        );
         assert!(
-            !passes_over(&loads, 1, &tie, None),
-            "a tie of the pick may be taken"
+            Reach {
+                picker: false,
+                by_rank: false
+            }
+            .nothing()
+                && !Reach::BOTH.nothing()
         );
     }
 

@@ -8,7 +8,7 @@
 //! the alternates collected in the choice's pass, the workers passed over by
 //! `bound`) must never change a choice.
 
-use super::least_cost::mix;
+use super::least_cost::{mix, next_take};
 use super::testing::{loads_at, policy, state, worker};
 use super::*;
 use crate::health::{Outcome, Target};
@@ -101,7 +101,8 @@ fn straightforward_choice(pool: &Pool, ctx: &Context) -> Option<Candidate> {
     let chosen = match ctx.pick {
         Pick::LeastCost => {
             let mut best: Option<Candidate> = None;
-            let mut ties = 0u64;
+            // Reservoir sampling as `least_cost` skips through it.
+            let (mut ties, mut next) = (0u64, 0u64);
             for (worker, slots) in &listed {
                 for (rank, &cost) in slots.iter().enumerate() {
                     if cost == REMOVED {
@@ -116,13 +117,15 @@ fn straightforward_choice(pool: &Pool, ctx: &Context) -> Option<Candidate> {
                         Some(b) if cost > b.cost => {}
                         Some(b) if cost == b.cost => {
                             ties += 1;
-                            if mix(ctx.tie_breaker, ties).is_multiple_of(ties) {
+                            if ties == next {
                                 best = Some(c);
+                                next = next_take(ctx.tie_breaker, ties);
                             }
                         }
                         _ => {
                             best = Some(c);
                             ties = 1;
+                            next = next_take(ctx.tie_breaker, ties);
                         }
                     }
                 }

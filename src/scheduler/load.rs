@@ -3,9 +3,7 @@
 //! `Loads`); a rank the report gave no usable figure for is removed. Under
 //! prefix affinity the tokens are weighted by `prefix_load_weight`.
 
-#[cfg(test)]
-use super::MAX_COST;
-use super::{add_cost, Context, Scorer, Slot, WorkerView, REMOVED};
+use super::{add_cost, Context, Scorer, Slot, WorkerView, MAX_COST, REMOVED};
 use crate::prefix::affinity::weighted;
 
 pub struct Load;
@@ -13,17 +11,36 @@ pub struct Load;
 impl Scorer for Load {
     fn score(&self, ctx: &Context, worker: &WorkerView, costs: &mut [Slot]) {
         let weight = ctx.affinity.map_or(1.0, |a| a.settings.load_weight);
-        for (cost, load) in costs.iter_mut().zip(worker.loads) {
-            if *load == REMOVED {
-                *cost = REMOVED;
-            } else {
-                add_cost(cost, weighted(*load, weight));
+        if weight == 1.0 {
+            // Load only: selects rather than branches, a few instructions a
+            // rank; removed if either is (`REMOVED` is the largest slot).
+            for (cost, &load) in costs.iter_mut().zip(worker.loads) {
+                let sum = cost.saturating_add(load).min(MAX_COST);
+                *cost = if (*cost).max(load) == REMOVED {
+                    REMOVED
+                } else {
+                    sum
+                };
             }
+        } else {
+            Self::add_weighted(weight, worker.loads, costs);
         }
         // Checked first: a fill of nothing still calls `memset`.
         if costs.len() > worker.loads.len() {
             if let Some(unlisted) = costs.get_mut(worker.loads.len()..) {
                 unlisted.fill(REMOVED);
+            }
+        }
+    }
+}
+
+impl Load {
+    fn add_weighted(weight: f64, loads: &[Slot], costs: &mut [Slot]) {
+        for (cost, load) in costs.iter_mut().zip(loads) {
+            if *load == REMOVED {
+                *cost = REMOVED;
+            } else {
+                add_cost(cost, weighted(*load, weight));
             }
         }
     }

@@ -447,7 +447,12 @@ fn choose_by<P: Picker>(
     with_scratch(|scratch| {
         for (index, (worker, state)) in pool.workers.iter().zip(pool.states).enumerate() {
             let at = index + pool.offset;
-            if bounded && bound::passes_over(pool.loads, at, &picker, by_rank.as_deref()) {
+            let reach = if bounded {
+                bound::reach(pool.loads, at, &picker, by_rank.as_deref())
+            } else {
+                bound::Reach::BOTH
+            };
+            if reach.nothing() {
                 continue;
             }
             let Some(state) = state else { continue };
@@ -458,8 +463,10 @@ fn choose_by<P: Picker>(
                 loads: pool.loads.worker(at),
             };
             if let Some(slots) = run_steps(ctx, &steps, &view, scratch) {
-                picker.offer(view.index, slots);
-                if let Some(by_rank) = by_rank.as_deref_mut() {
+                if reach.picker {
+                    picker.offer(view.index, slots);
+                }
+                if let Some(by_rank) = by_rank.as_deref_mut().filter(|_| reach.by_rank) {
                     by_rank.offer(view.index, slots);
                 }
             }
