@@ -49,25 +49,11 @@ impl fmt::Debug for Affinity<'_> {
 }
 
 impl<'a> Affinity<'a> {
-    /// For a pool whose first worker is `offset` in `Config::all_workers`,
-    /// now (one clock read).
-    pub fn new(
-        config: &'a Config,
-        settings: &'a Prefix,
-        host: &'a dyn Host,
-        offset: usize,
-        prompt: PromptBlocks,
-        streamed: bool,
-        output: u64,
-    ) -> Affinity<'a> {
-        let now_ms = host.now_ms();
-        Affinity::at(config, settings, host, offset, prompt, streamed, output, now_ms)
-    }
-
-    /// `new` at `now_ms`, the time the router already read for the same
-    /// decision: the clock is a host call.
+    /// For a pool whose first worker is `offset` in `Config::all_workers`, at
+    /// `now_ms`: the time the router already read for the same decision (the
+    /// clock is a host call).
     #[allow(clippy::too_many_arguments)]
-    pub fn at(
+    pub fn new(
         config: &'a Config,
         settings: &'a Prefix,
         host: &'a dyn Host,

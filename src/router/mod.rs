@@ -326,7 +326,7 @@ fn affinity<'a>(
         .raw_value("stream")
         .is_some_and(|v| v.trim_ascii() == b"true");
     let prompt = PromptBlocks::of(object, settings.block_bytes);
-    Some(Affinity::at(
+    Some(Affinity::new(
         config,
         settings,
         host,

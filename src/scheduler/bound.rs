@@ -149,6 +149,7 @@ mod tests {
             crate::prefix::PromptBlocks::default(),
             true,
             0,
+            host.now.get(),
         );
         let prefix = super::super::Context {
             affinity: Some(&affinity),

@@ -68,7 +68,7 @@ mod tests {
         let body = format!(r#"{{"text":"{text}"}}"#);
         let object = JsonObject::parse(body.as_bytes()).unwrap();
         let prompt = PromptBlocks::of(&object, settings.block_bytes);
-        let affinity = Affinity::new(&config, &settings, &h, 0, prompt, true, 0);
+        let affinity = Affinity::new(&config, &settings, &h, 0, prompt, true, 0, h.now.get());
         let w = worker("a", port, None);
         let s = state(&[0; 8], 1000);
         let loads = Loads::of(std::slice::from_ref(&Some(s.clone())));

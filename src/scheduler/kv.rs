@@ -55,7 +55,7 @@ mod tests {
         let h = FakeHost::default();
         let body = format!(r#"{{"text":"{}"}}"#, "k".repeat(800)); // 200 tokens
         let prompt = PromptBlocks::of(&JsonObject::parse(body.as_bytes()).unwrap(), 512);
-        let affinity = Affinity::new(&config, &settings, &h, 0, prompt, true, 100);
+        let affinity = Affinity::new(&config, &settings, &h, 0, prompt, true, 100, h.now.get());
         let w = worker("a", 1, None);
         let mut s = state(&[0, 0, 0], 1000);
         let figures = |used| RankFigures {

@@ -106,7 +106,16 @@ mod tests {
                 .unwrap();
         let settings = config.prefix.clone().unwrap();
         let h = FakeHost::default();
-        let affinity = Affinity::new(&config, &settings, &h, 0, PromptBlocks::default(), true, 0);
+        let affinity = Affinity::new(
+            &config,
+            &settings,
+            &h,
+            0,
+            PromptBlocks::default(),
+            true,
+            0,
+            h.now.get(),
+        );
         let w = worker("a", 1, None);
         let s = state(&[100, 7, 0], 1000);
         let loads = super::super::Loads::of(std::slice::from_ref(&Some(s.clone())));

@@ -38,8 +38,8 @@ mod tests {
         let blocks = || PromptBlocks::of(&object, 64);
         // Rank 1 was sent the same prompt before (into the index a poll created).
         crate::store::create_index(&config, &h, 0);
-        Affinity::new(&config, &settings, &h, 0, blocks(), true, 0).record(0, 1, None);
-        let affinity = Affinity::new(&config, &settings, &h, 0, blocks(), true, 0);
+        Affinity::new(&config, &settings, &h, 0, blocks(), true, 0, h.now.get()).record(0, 1, None);
+        let affinity = Affinity::new(&config, &settings, &h, 0, blocks(), true, 0, h.now.get());
         let w = worker("a", 1, None);
         let s = state(&[0, 0, 0], 1000);
         let view = WorkerView {

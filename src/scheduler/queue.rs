@@ -41,7 +41,16 @@ mod tests {
             Config::from_json(br#"{"workers":[{"address":"127.0.0.1:1"}],"prefix_queue":"polled"}"#).unwrap();
         let settings = config.prefix.clone().unwrap();
         let h = FakeHost::default();
-        let affinity = Affinity::new(&config, &settings, &h, 0, PromptBlocks::default(), true, 0);
+        let affinity = Affinity::new(
+            &config,
+            &settings,
+            &h,
+            0,
+            PromptBlocks::default(),
+            true,
+            0,
+            h.now.get(),
+        );
         let w = worker("a", 1, None);
         let mut s = state(&[0, 0], 1000);
         let figures = [

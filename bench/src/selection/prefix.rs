@@ -134,7 +134,7 @@ pub fn rows(batches: usize) -> Result<(String, Timing), String> {
         let mut tie = 0u64;
         let mut score = |prompt: PromptBlocks| {
             tie = tie.wrapping_add(1);
-            let affinity = Affinity::new(&config, &settings, &host, 0, prompt, true, 256);
+            let affinity = Affinity::new(&config, &settings, &host, 0, prompt, true, 256, host.now.get());
             let ctx = Context {
                 now_ms: NOW_MS,
                 stale_after_ms: u64::MAX,
@@ -158,7 +158,16 @@ pub fn rows(batches: usize) -> Result<(String, Timing), String> {
                 .sum::<usize>();
         // The write: the chosen worker's index rebuilt and encoded.
         let record = time_ns(batches, || {
-            let affinity = Affinity::new(&config, &settings, &host, 0, prompt.clone(), true, 256);
+            let affinity = Affinity::new(
+                &config,
+                &settings,
+                &host,
+                0,
+                prompt.clone(),
+                true,
+                256,
+                host.now.get(),
+            );
             affinity.record(0, 3, Some(CAPACITY_TOKENS));
             host.now
                 .set(host.now.get() + 2 * dprank::prefix::index::TOUCH_AFTER_MS);
