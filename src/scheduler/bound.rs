@@ -67,7 +67,7 @@ thread_local! {
 #[cfg(test)]
 mod tests {
     use super::super::least_cost::LeastCost;
-    use super::super::testing::{ctx, state};
+    use super::super::testing::{ctx, prefix_affinity, state};
     use super::super::{Constraint, Pick, REMOVED};
     use super::*;
 
@@ -141,15 +141,12 @@ mod tests {
         .unwrap();
         let settings = config.prefix.clone().unwrap();
         let host = crate::host::fake::FakeHost::default();
-        let affinity = crate::prefix::Affinity::new(
+        let affinity = prefix_affinity(
             &config,
             &settings,
             &host,
-            0,
             crate::prefix::PromptBlocks::default(),
-            true,
             0,
-            host.now.get(),
         );
         let prefix = super::super::Context {
             affinity: Some(&affinity),

@@ -59,7 +59,7 @@ mod tests {
     use crate::body::JsonObject;
     use crate::config::Config;
     use crate::host::fake::FakeHost;
-    use crate::prefix::{Affinity, PromptBlocks};
+    use crate::prefix::PromptBlocks;
 
     fn scored(gateways: u32, text: &str, port: u16) -> Vec<Slot> {
         let config = Config::from_json(br#"{"workers":[{"address":"127.0.0.1:1","name":"a"}]}"#).unwrap();
@@ -68,7 +68,7 @@ mod tests {
         let body = format!(r#"{{"text":"{text}"}}"#);
         let object = JsonObject::parse(body.as_bytes()).unwrap();
         let prompt = PromptBlocks::of(&object, settings.block_bytes);
-        let affinity = Affinity::new(&config, &settings, &h, 0, prompt, true, 0, h.now.get());
+        let affinity = prefix_affinity(&config, &settings, &h, prompt, 0);
         let w = worker("a", port, None);
         let s = state(&[0; 8], 1000);
         let loads = Loads::of(std::slice::from_ref(&Some(s.clone())));

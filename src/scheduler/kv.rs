@@ -44,7 +44,7 @@ mod tests {
     use crate::body::JsonObject;
     use crate::config::Config;
     use crate::host::fake::FakeHost;
-    use crate::prefix::{Affinity, PromptBlocks};
+    use crate::prefix::PromptBlocks;
     use crate::state::RankFigures;
 
     #[test]
@@ -55,7 +55,7 @@ mod tests {
         let h = FakeHost::default();
         let body = format!(r#"{{"text":"{}"}}"#, "k".repeat(800)); // 200 tokens
         let prompt = PromptBlocks::of(&JsonObject::parse(body.as_bytes()).unwrap(), 512);
-        let affinity = Affinity::new(&config, &settings, &h, 0, prompt, true, 100, h.now.get());
+        let affinity = prefix_affinity(&config, &settings, &h, prompt, 100);
         let w = worker("a", 1, None);
         let mut s = state(&[0, 0, 0], 1000);
         let figures = |used| RankFigures {

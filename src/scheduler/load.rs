@@ -53,7 +53,7 @@ mod tests {
     use super::*;
     use crate::config::Config;
     use crate::host::fake::FakeHost;
-    use crate::prefix::{Affinity, PromptBlocks};
+    use crate::prefix::PromptBlocks;
     use crate::state::WorkerState;
 
     fn score(state: &WorkerState, mut costs: Vec<Slot>) -> Vec<Slot> {
@@ -106,16 +106,7 @@ mod tests {
                 .unwrap();
         let settings = config.prefix.clone().unwrap();
         let h = FakeHost::default();
-        let affinity = Affinity::new(
-            &config,
-            &settings,
-            &h,
-            0,
-            PromptBlocks::default(),
-            true,
-            0,
-            h.now.get(),
-        );
+        let affinity = prefix_affinity(&config, &settings, &h, PromptBlocks::default(), 0);
         let w = worker("a", 1, None);
         let s = state(&[100, 7, 0], 1000);
         let loads = super::super::Loads::of(std::slice::from_ref(&Some(s.clone())));

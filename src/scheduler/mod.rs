@@ -558,6 +558,18 @@ pub(crate) mod testing {
         }
     }
 
+    /// Prefix affinity for a streamed request of `prompt` over a pool at
+    /// offset 0, at the host's clock.
+    pub fn prefix_affinity<'a>(
+        config: &'a crate::config::Config,
+        settings: &'a crate::config::Prefix,
+        host: &'a crate::host::fake::FakeHost,
+        prompt: crate::prefix::PromptBlocks,
+        output: u64,
+    ) -> crate::prefix::Affinity<'a> {
+        crate::prefix::Affinity::new(config, settings, host, 0, prompt, true, output, host.now.get())
+    }
+
     /// Passive health that ejects after 3 failures for 1 s, doubling to 4 s.
     pub fn policy() -> crate::config::PassiveHealth {
         crate::config::PassiveHealth {

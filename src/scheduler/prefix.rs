@@ -22,7 +22,7 @@ mod tests {
     use crate::body::JsonObject;
     use crate::config::Config;
     use crate::host::fake::FakeHost;
-    use crate::prefix::{Affinity, PromptBlocks};
+    use crate::prefix::PromptBlocks;
 
     #[test]
     fn adds_the_uncached_tokens_of_each_rank() {
@@ -38,8 +38,8 @@ mod tests {
         let blocks = || PromptBlocks::of(&object, 64);
         // Rank 1 was sent the same prompt before (into the index a poll created).
         crate::store::create_index(&config, &h, 0);
-        Affinity::new(&config, &settings, &h, 0, blocks(), true, 0, h.now.get()).record(0, 1, None);
-        let affinity = Affinity::new(&config, &settings, &h, 0, blocks(), true, 0, h.now.get());
+        prefix_affinity(&config, &settings, &h, blocks(), 0).record(0, 1, None);
+        let affinity = prefix_affinity(&config, &settings, &h, blocks(), 0);
         let w = worker("a", 1, None);
         let s = state(&[0, 0, 0], 1000);
         let view = WorkerView {

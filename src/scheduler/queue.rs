@@ -32,7 +32,7 @@ mod tests {
     use super::*;
     use crate::config::Config;
     use crate::host::fake::FakeHost;
-    use crate::prefix::{Affinity, PromptBlocks};
+    use crate::prefix::PromptBlocks;
     use crate::state::{Charge, RankFigures};
 
     #[test]
@@ -41,16 +41,7 @@ mod tests {
             Config::from_json(br#"{"workers":[{"address":"127.0.0.1:1"}],"prefix_queue":"polled"}"#).unwrap();
         let settings = config.prefix.clone().unwrap();
         let h = FakeHost::default();
-        let affinity = Affinity::new(
-            &config,
-            &settings,
-            &h,
-            0,
-            PromptBlocks::default(),
-            true,
-            0,
-            h.now.get(),
-        );
+        let affinity = prefix_affinity(&config, &settings, &h, PromptBlocks::default(), 0);
         let w = worker("a", 1, None);
         let mut s = state(&[0, 0], 1000);
         let figures = [
