@@ -316,14 +316,18 @@ fn kept<const N: usize>(list: &[Step], keep: impl Fn(&Step) -> bool) -> ([Step; 
 /// The pool's workers that have a state, as the steps see them.
 fn views<'a>(pool: &'a Pool) -> impl Iterator<Item = WorkerView<'a>> {
     let states = pool.workers.iter().zip(pool.states).enumerate();
-    states.filter_map(|(index, (worker, state))| {
-        Some(WorkerView {
-            index,
-            worker,
-            state: state.as_ref()?,
-            loads: pool.loads.worker(index + pool.offset),
-        })
-    })
+    states.filter_map(|(index, (worker, state))| Some(view(pool, index, worker, state.as_ref()?)))
+}
+
+/// Pool worker `index` with its state, as the steps see it.
+#[inline(always)]
+fn view<'a>(pool: &'a Pool, index: usize, worker: &'a Worker, state: &'a WorkerState) -> WorkerView<'a> {
+    WorkerView {
+        index,
+        worker,
+        state,
+        loads: pool.loads.worker(index + pool.offset),
+    }
 }
 
 /// Workers with at most this many ranks (an 8-GPU node) are scored in a
@@ -455,13 +459,9 @@ fn choose_by<P: Picker>(
             if reach.nothing() {
                 continue;
             }
+            // Only now is the state looked at (a cache miss per worker on a large fleet).
             let Some(state) = state else { continue };
-            let view = WorkerView {
-                index,
-                worker,
-                state,
-                loads: pool.loads.worker(at),
-            };
+            let view = view(pool, index, worker, state);
             if let Some(slots) = run_steps(ctx, &steps, &view, scratch) {
                 if reach.picker {
                     picker.offer(view.index, slots);
