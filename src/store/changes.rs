@@ -207,32 +207,25 @@ mod tests {
     fn an_append_onto_the_log_as_read_is_one_write_unless_someone_appended_since() {
         let h = FakeHost::default();
         append(&h, KEY, &[1]);
-        // Nobody appended since the read: one compare-and-swap, no read.
-        let known = read_with_cas(&h, KEY);
-        let (reads, writes) = (h.host_calls("shared_get"), h.host_calls("shared_set"));
-        append_onto(&h, KEY, known, 2);
-        assert_eq!(
+        // The shared-data reads and writes of one append onto `known`.
+        let calls = |h: &FakeHost, known, tag| {
+            let (reads, writes) = (h.host_calls("shared_get"), h.host_calls("shared_set"));
+            append_onto(h, KEY, known, tag);
             (
                 h.host_calls("shared_get") - reads,
-                h.host_calls("shared_set") - writes
-            ),
-            (0, 1)
-        );
+                h.host_calls("shared_set") - writes,
+            )
+        };
+        // Nobody appended since the read: one compare-and-swap, no read.
+        let known = read_with_cas(&h, KEY);
+        assert_eq!(calls(&h, known, 2), (0, 1));
         assert_eq!(log(&h).tags, [1, 2]);
         // Another VM appended in between: the swap fails, and the entry is
         // appended after it by a read and a write, nothing lost.
         let known = read_with_cas(&h, KEY);
         let other = FakeHost::with_shared(h.shared.clone());
         append(&other, KEY, &[3]);
-        let (reads, writes) = (h.host_calls("shared_get"), h.host_calls("shared_set"));
-        append_onto(&h, KEY, known, 4);
-        assert_eq!(
-            (
-                h.host_calls("shared_get") - reads,
-                h.host_calls("shared_set") - writes
-            ),
-            (1, 2)
-        );
+        assert_eq!(calls(&h, known, 4), (1, 2));
         let l = log(&h);
         assert_eq!((l.seq, l.tags), (4, vec![1, 2, 3, 4]));
         // Nothing known (the log missing when read): a plain append.
