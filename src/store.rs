@@ -287,6 +287,20 @@ pub fn encode_into<'b, R: Record>(record: &R, buffer: &'b mut Vec<u8>) -> Option
     Some(buffer.as_slice())
 }
 
+/// Writes `record` at `key`, by compare-and-swap against `cas` when given,
+/// encoded in this thread's reused buffer (no allocation per write).
+pub fn write_record<R: Record>(
+    host: &dyn Host,
+    key: &str,
+    record: &R,
+    cas: Option<u32>,
+) -> Result<(), SharedSetError> {
+    ENCODED.with_borrow_mut(|buffer| match encode_into(record, buffer) {
+        Some(bytes) => host.shared_set(key, bytes, cas),
+        None => Err(SharedSetError::Failed),
+    })
+}
+
 /// What `encode` wrote; None for anything else (the caller starts afresh).
 pub fn decode<R: Record>(bytes: &[u8]) -> Option<R> {
     let body = bytes.strip_prefix(&R::TAG)?;
@@ -308,11 +322,7 @@ pub fn update<T: Record, R>(
         let value = current.as_ref().and_then(|(bytes, _)| decode(bytes));
         let (new, result) = update(value)?;
         let cas = current.map(|(_, cas)| cas);
-        let written = ENCODED.with_borrow_mut(|buffer| match encode_into(&new, buffer) {
-            Some(bytes) => host.shared_set(key, bytes, cas),
-            None => Err(SharedSetError::Failed),
-        });
-        match written {
+        match write_record(host, key, &new, cas) {
             Ok(()) => return Some(result),
             Err(SharedSetError::CasMismatch) => continue,
             Err(SharedSetError::Failed) => return None,

@@ -24,7 +24,7 @@
 //! sends every reader to a full read: a change is not lost, at worst read
 //! along with every other state (unless the host refuses that write too).
 
-use super::{encode_into, update, Record, SharedSetError};
+use super::{update, write_record, Record};
 use crate::host::Host;
 use serde::{Deserialize, Serialize};
 
@@ -126,10 +126,7 @@ pub fn read_with_cas(host: &dyn Host, key: &str) -> Option<(ChangeLog, u32)> {
 pub fn append_onto(host: &dyn Host, key: &str, known: Option<(ChangeLog, u32)>, tag: u64) {
     if let Some((mut log, cas)) = known {
         log.push(tag);
-        let mut buffer = Vec::new();
-        let written = encode_into(&log, &mut buffer)
-            .is_some_and(|bytes| host.shared_set(key, bytes, Some(cas)).is_ok());
-        if written {
+        if write_record(host, key, &log, Some(cas)).is_ok() {
             return;
         }
     }
@@ -156,12 +153,7 @@ pub fn append(host: &dyn Host, key: &str, tags: &[u64]) {
 /// made (`update` counted the conflict): every reader then reads every
 /// state once, this write's included.
 fn restart(host: &dyn Host, key: &str) {
-    let mut buffer = Vec::new();
-    let written = encode_into(&ChangeLog::new(host.random_u64()), &mut buffer)
-        .map_or(Err(SharedSetError::Failed), |bytes| {
-            host.shared_set(key, bytes, None)
-        });
-    if written.is_err() {
+    if write_record(host, key, &ChangeLog::new(host.random_u64()), None).is_err() {
         // Nothing more to try here: the writer's own next refresh reads
         // its write anyway (its cas is unknown), the others' at the next
         // logged write of this worker or at their next full read.
