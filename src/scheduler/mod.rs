@@ -243,6 +243,13 @@ pub trait Picker {
     /// A cost above which an offer changes nothing (`bound.rs`); `Slot::MAX`
     /// while any may.
     fn bound(&self) -> Slot;
+    /// Counts a worker whose candidates cost at least `least`, `tied` of
+    /// them exactly the bound, without its slots, when offering them could
+    /// change nothing but the picker's count of ties (`bound::tally`); false
+    /// (and nothing counted) when it might, or when the picker does not count.
+    fn tally(&mut self, _least: Slot, _tied: u64) -> bool {
+        false
+    }
     /// The candidate taken among all those offered.
     fn pick(self) -> Option<Candidate>;
 }
