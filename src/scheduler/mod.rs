@@ -102,6 +102,17 @@ impl Filter for Step {
             _ => true,
         }
     }
+
+    fn whole(&self) -> bool {
+        match self {
+            Step::Fresh => fresh::Fresh.whole(),
+            Step::Healthy => healthy::Healthy.whole(),
+            Step::OnlyRank => only_rank::OnlyRank.whole(),
+            Step::Pinned => pinned::Pinned.whole(),
+            // Not a filter: removes nothing.
+            _ => true,
+        }
+    }
 }
 
 impl Scorer for Step {
@@ -223,6 +234,12 @@ pub trait Filter {
     /// Clears the slots of ranks that may not be chosen; false drops the
     /// whole worker (the cheap way to remove every rank).
     fn filter(&self, ctx: &Context, worker: &WorkerView, ranks: &mut [Slot]) -> bool;
+    /// Whether the filter only keeps or drops whole workers, never reading
+    /// or clearing a rank's slot (it may then be run without slots,
+    /// `bound::tally`).
+    fn whole(&self) -> bool {
+        false
+    }
 }
 
 pub trait Scorer {
