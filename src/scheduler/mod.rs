@@ -15,7 +15,9 @@
 //! chosen are collected from the same slots (`by_rank`) where their costs
 //! are the choice's, rather than in a second pass. Under load-only scoring a
 //! worker whose loads can neither be picked nor enter any rank's alternates
-//! is passed over before its steps run (`bound`).
+//! is passed over before its steps run (`bound`), and one that could only
+//! add ties the picker will not take is counted after its filters alone
+//! (`bound::tally`: an idle fleet's workers, where every rank ties).
 
 mod bound;
 mod by_rank;
@@ -471,6 +473,7 @@ fn choose_by<P: Picker>(
 ) -> Option<Candidate> {
     let steps = Steps::of(ctx);
     let bounded = bound::applies(ctx);
+    let tallied = bound::tallies(ctx, &steps);
     let mut picker = P::new(ctx);
     with_scratch(|scratch| {
         for (index, (worker, state)) in pool.workers.iter().zip(pool.states).enumerate() {
@@ -486,6 +489,9 @@ fn choose_by<P: Picker>(
             // Only now is the state looked at (a cache miss per worker on a large fleet).
             let Some(state) = state else { continue };
             let view = view(pool, index, worker, state);
+            if tallied && !reach.by_rank && bound::tally(ctx, &steps, &view, &mut picker) {
+                continue;
+            }
             if let Some(slots) = run_steps(ctx, &steps, &view, scratch) {
                 if reach.picker {
                     picker.offer(view.index, slots);
