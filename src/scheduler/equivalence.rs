@@ -6,7 +6,7 @@
 //! shortcuts (steps skipped when they do not apply, the slots past
 //! `only_rank`, the picker's early exit, the load scorer's branch-free loop,
 //! the alternates collected in the choice's pass, the workers passed over by
-//! `bound`) must never change a choice.
+//! `bound`, the ties counted by `bound::tally`) must never change a choice.
 
 use super::least_cost::{mix, next_take};
 use super::testing::{loads_at, policy, state, worker};
@@ -178,6 +178,7 @@ fn choices_and_alternates_match_a_straightforward_implementation() {
     let (mut chosen, mut ties_broken, mut pinned, mut only, mut probed, mut alternated) = (0, 0, 0, 0, 0, 0);
     let mut folded = 0;
     let passed_over = bound::PASSED_OVER.get();
+    let tallied = bound::TALLIED.get();
     for _fleet in 0..3000 {
         // Now and then a larger fleet, where most workers are passed over (`bound`).
         let most = if draw.chance(10) { 64 } else { 12 };
@@ -190,7 +191,12 @@ fn choices_and_alternates_match_a_straightforward_implementation() {
             .collect();
         // Small token counts so that ties are common; a few unknown ranks,
         // stale, unreachable and unpolled workers, and pending estimates.
-        let spread = if draw.chance(50) { 4 } else { 60_000 };
+        // Now and then an idle fleet: every known rank at 0, all tie.
+        let spread = match draw.below(10) {
+            0..=1 => 1,
+            2..=5 => 4,
+            _ => 60_000,
+        };
         let states: Vec<Option<WorkerState>> = (0..n)
             .map(|i| {
                 if draw.chance(8) {
@@ -343,7 +349,116 @@ fn choices_and_alternates_match_a_straightforward_implementation() {
         ("several alternates", alternated),
         ("several alternates in one pass", folded),
         ("a worker passed over", bound::PASSED_OVER.get() - passed_over),
+        ("a worker tallied", bound::TALLIED.get() - tallied),
     ] {
         assert!(count > 50, "{what}: only {count} cases");
     }
+}
+
+#[test]
+fn idle_fleets_match_a_straightforward_implementation() {
+    // Every rank at the same load: every worker ties the pick and most are
+    // counted by `bound::tally`; some are stale, unpolled, unreachable,
+    // capped by dp_size, out of rotation or cheaper (a tie taken or beaten).
+    let mut draw = Draw(13);
+    let tallied = bound::TALLIED.get();
+    let (mut checked, mut not_first) = (0, 0);
+    for _fleet in 0..400 {
+        let n = 1 + draw.below(80) as usize;
+        let workers: Vec<Worker> = (0..n)
+            .map(|i| {
+                let dp = draw.chance(20).then(|| 1 + draw.below(8) as u32);
+                worker(&format!("w{i}"), 2000 + i as u16, dp)
+            })
+            .collect();
+        let load = draw.below(3) * 100;
+        let states: Vec<Option<WorkerState>> = (0..n)
+            .map(|_| {
+                if draw.chance(5) {
+                    return None;
+                }
+                if draw.chance(3) {
+                    return Some(WorkerState::default());
+                }
+                let most = if draw.chance(10) { 12 } else { 8 };
+                let ranks = 1 + draw.below(most) as usize;
+                let tokens: Vec<u64> = (0..ranks)
+                    .map(|_| {
+                        if draw.chance(2) {
+                            load.saturating_sub(1)
+                        } else {
+                            load
+                        }
+                    })
+                    .collect();
+                let at = if draw.chance(8) { 0 } else { 1000 };
+                let mut s = state(&tokens, at);
+                if draw.chance(3) {
+                    s.mark_unreachable();
+                }
+                Some(s)
+            })
+            .collect();
+        let mut health = Health::default();
+        if draw.chance(25) {
+            let w = &workers[draw.below(n as u64) as usize];
+            let rank = draw.chance(50).then(|| draw.below(8) as u32);
+            for _ in 0..3 {
+                let target = Target {
+                    worker: w.address,
+                    rank,
+                };
+                health.observe(&policy(), target, Outcome::Failure, 1400, 1400);
+            }
+        }
+        let offset = draw.below(3) as usize;
+        let loads = loads_at(offset, &states);
+        let pool = Pool {
+            workers: &workers,
+            states: &states,
+            loads: &loads,
+            offset,
+        };
+        for _request in 0..10 {
+            let ctx = Context {
+                now_ms: 1500 + if draw.chance(10) { 3000 } else { 0 },
+                stale_after_ms: 3000,
+                constraint: Constraint {
+                    only_rank: draw.chance(10).then(|| draw.below(9) as u32),
+                    pin: None,
+                },
+                tie_breaker: draw.next(),
+                health: &health,
+                admit_probing: draw.chance(20),
+                affinity: None,
+                pick: Pick::LeastCost,
+                gateways: if draw.chance(15) { 2 } else { 1 },
+            };
+            let expected = straightforward_choice(&pool, &ctx);
+            assert_eq!(choose(&pool, &ctx), expected, "ctx {ctx:?}\nstates {states:?}");
+            let Some(c) = expected else {
+                assert_eq!(choose_with_alternates(&pool, &ctx, 2), None);
+                continue;
+            };
+            checked += 1;
+            not_first += usize::from(c.worker != candidates(&pool, &ctx).first().map_or(0, |w| w.0 + offset));
+            let by_load = Context {
+                constraint: Constraint::default(),
+                ..ctx
+            };
+            for max in [0, 1, 2, 5] {
+                let alts = straightforward_alternates(&pool, &by_load, &c, max);
+                assert_eq!(
+                    choose_with_alternates(&pool, &ctx, max),
+                    Some((c, alts)),
+                    "max {max}, ctx {ctx:?}"
+                );
+            }
+        }
+    }
+    let tallied = bound::TALLIED.get() - tallied;
+    assert!(
+        checked > 1000 && not_first > 500 && tallied > 10_000,
+        "{checked} {not_first} {tallied}"
+    );
 }

@@ -10,6 +10,11 @@ impl Filter for Fresh {
     fn filter(&self, ctx: &Context, worker: &WorkerView, _ranks: &mut [Slot]) -> bool {
         worker.state.is_fresh(ctx.now_ms, ctx.stale_after_ms)
     }
+
+    /// Looks at the state only.
+    fn whole(&self) -> bool {
+        true
+    }
 }
 
 #[cfg(test)]

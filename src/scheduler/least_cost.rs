@@ -46,6 +46,18 @@ impl Picker for LeastCost {
         self.cost
     }
 
+    /// Nothing below the pick's cost and none of the ties the next taken:
+    /// the ties are only counted.
+    #[inline(always)]
+    fn tally(&mut self, least: Slot, tied: u64) -> bool {
+        let counted = self.pick.is_some()
+            && (least > self.cost || (least == self.cost && self.ties + tied < self.next_take));
+        if counted {
+            self.ties += tied;
+        }
+        counted
+    }
+
     fn pick(self) -> Option<Candidate> {
         self.pick
     }
@@ -60,14 +72,8 @@ impl LeastCost {
         if self.pick.is_none() {
             return false;
         }
-        let (least, tied) = costs.iter().fold((REMOVED, 0u64), |(least, tied), &cost| {
-            (least.min(cost), tied + u64::from(cost == self.cost))
-        });
-        let counted = least > self.cost || (least == self.cost && self.ties + tied < self.next_take);
-        if counted {
-            self.ties += tied;
-        }
-        counted
+        let (least, tied) = ties(self.cost, costs);
+        self.tally(least, tied)
     }
 
     #[inline]
@@ -92,6 +98,14 @@ impl LeastCost {
             cost,
         });
     }
+}
+
+/// The least of `costs` and how many of them are `cost`, branch-free.
+#[inline(always)]
+pub(super) fn ties(cost: Slot, costs: &[Slot]) -> (Slot, u64) {
+    costs.iter().fold((REMOVED, 0u64), |(least, tied), &c| {
+        (least.min(c), tied + u64::from(c == cost))
+    })
 }
 
 /// Reservoir sampling by skips: when the `taken`-th tie has just become the
@@ -173,6 +187,39 @@ mod tests {
             assert_eq!(by_worker.ties, 2, "the 3s of the last worker");
             assert_eq!(by_worker.pick(), by_slot.pick(), "tie breaker {t}");
         }
+    }
+
+    #[test]
+    fn a_tally_counts_what_offering_would_only_count() {
+        for t in 0..500 {
+            let plain = Context {
+                tie_breaker: t,
+                ..ctx(Constraint::default())
+            };
+            let mut tallied = LeastCost::new(&plain);
+            let mut offered = LeastCost::new(&plain);
+            assert!(!tallied.tally(4, 2), "nothing picked yet");
+            let workers: [&[Slot]; 6] = [&[4, 4], &[4, REMOVED, 4, 4], &[9], &[4; 8], &[3, 4, 3], &[3; 5]];
+            for (w, costs) in workers.iter().enumerate() {
+                let (least, tied) = ties(tallied.bound(), costs);
+                if !tallied.tally(least, tied) {
+                    tallied.offer(w, costs);
+                }
+                offered.offer(w, costs);
+                assert_eq!(tallied.ties, offered.ties, "tie breaker {t}, worker {w}");
+            }
+            assert_eq!(tallied.pick(), offered.pick(), "tie breaker {t}");
+        }
+        let mut picker = LeastCost::new(&ctx(Constraint::default()));
+        picker.offer(0, &[4]);
+        assert!(!picker.tally(3, 0), "below the pick");
+        let room = picker.next_take - picker.ties - 1;
+        assert!(!picker.tally(4, room + 1), "reaches the next take");
+        assert!(
+            picker.tally(9, 0) && picker.tally(4, room),
+            "dearer, or ties short of it"
+        );
+        assert_eq!(picker.ties, 1 + room);
     }
 
     #[test]

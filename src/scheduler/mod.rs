@@ -15,7 +15,9 @@
 //! chosen are collected from the same slots (`by_rank`) where their costs
 //! are the choice's, rather than in a second pass. Under load-only scoring a
 //! worker whose loads can neither be picked nor enter any rank's alternates
-//! is passed over before its steps run (`bound`).
+//! is passed over before its steps run (`bound`), and one that could only
+//! add ties the picker will not take is counted after its filters alone
+//! (`bound::tally`: an idle fleet's workers, where every rank ties).
 
 mod bound;
 mod by_rank;
@@ -99,6 +101,17 @@ impl Filter for Step {
             Step::Healthy => healthy::Healthy.filter(ctx, worker, ranks),
             Step::OnlyRank => only_rank::OnlyRank.filter(ctx, worker, ranks),
             Step::Pinned => pinned::Pinned.filter(ctx, worker, ranks),
+            _ => true,
+        }
+    }
+
+    fn whole(&self) -> bool {
+        match self {
+            Step::Fresh => fresh::Fresh.whole(),
+            Step::Healthy => healthy::Healthy.whole(),
+            Step::OnlyRank => only_rank::OnlyRank.whole(),
+            Step::Pinned => pinned::Pinned.whole(),
+            // Not a filter: removes nothing.
             _ => true,
         }
     }
@@ -223,6 +236,12 @@ pub trait Filter {
     /// Clears the slots of ranks that may not be chosen; false drops the
     /// whole worker (the cheap way to remove every rank).
     fn filter(&self, ctx: &Context, worker: &WorkerView, ranks: &mut [Slot]) -> bool;
+    /// Whether the filter only keeps or drops whole workers, never reading
+    /// or clearing a rank's slot (it may then be run without slots,
+    /// `bound::tally`).
+    fn whole(&self) -> bool {
+        false
+    }
 }
 
 pub trait Scorer {
@@ -243,6 +262,13 @@ pub trait Picker {
     /// A cost above which an offer changes nothing (`bound.rs`); `Slot::MAX`
     /// while any may.
     fn bound(&self) -> Slot;
+    /// Counts a worker whose candidates cost at least `least`, `tied` of
+    /// them exactly the bound, without its slots, when offering them could
+    /// change nothing but the picker's count of ties (`bound::tally`); false
+    /// (and nothing counted) when it might, or when the picker does not count.
+    fn tally(&mut self, _least: Slot, _tied: u64) -> bool {
+        false
+    }
     /// The candidate taken among all those offered.
     fn pick(self) -> Option<Candidate>;
 }
@@ -447,6 +473,7 @@ fn choose_by<P: Picker>(
 ) -> Option<Candidate> {
     let steps = Steps::of(ctx);
     let bounded = bound::applies(ctx);
+    let tallied = bound::tallies(ctx, &steps);
     let mut picker = P::new(ctx);
     with_scratch(|scratch| {
         for (index, (worker, state)) in pool.workers.iter().zip(pool.states).enumerate() {
@@ -462,6 +489,9 @@ fn choose_by<P: Picker>(
             // Only now is the state looked at (a cache miss per worker on a large fleet).
             let Some(state) = state else { continue };
             let view = view(pool, index, worker, state);
+            if tallied && !reach.by_rank && bound::tally(ctx, &steps, &view, &mut picker) {
+                continue;
+            }
             if let Some(slots) = run_steps(ctx, &steps, &view, scratch) {
                 if reach.picker {
                     picker.offer(view.index, slots);
