@@ -9,9 +9,9 @@
 //! `bound`, the ties counted by `bound::tally`) must never change a choice.
 
 use super::least_cost::{mix, next_take};
-use super::testing::{loads_at, policy, state, worker};
+use super::testing::{eject, loads_at, state, worker};
 use super::*;
-use crate::health::{Outcome, Target};
+use crate::health::Target;
 
 /// A small deterministic generator (splitmix64 steps).
 struct Draw(u64);
@@ -237,13 +237,11 @@ fn choices_and_alternates_match_a_straightforward_implementation() {
                 let w = &workers[draw.below(n as u64) as usize];
                 let rank = draw.chance(60).then(|| draw.below(8) as u32);
                 let at = now_ms.saturating_sub(draw.below(2500));
-                for _ in 0..3 {
-                    let target = Target {
-                        worker: w.address,
-                        rank,
-                    };
-                    health.observe(&policy(), target, Outcome::Failure, at, at);
-                }
+                let target = Target {
+                    worker: w.address,
+                    rank,
+                };
+                eject(&mut health, target, at);
             }
             if draw.chance(30) {
                 health
@@ -403,13 +401,11 @@ fn idle_fleets_match_a_straightforward_implementation() {
         if draw.chance(25) {
             let w = &workers[draw.below(n as u64) as usize];
             let rank = draw.chance(50).then(|| draw.below(8) as u32);
-            for _ in 0..3 {
-                let target = Target {
-                    worker: w.address,
-                    rank,
-                };
-                health.observe(&policy(), target, Outcome::Failure, 1400, 1400);
-            }
+            let target = Target {
+                worker: w.address,
+                rank,
+            };
+            eject(&mut health, target, 1400);
         }
         let offset = draw.below(3) as usize;
         let loads = loads_at(offset, &states);

@@ -610,6 +610,14 @@ pub(crate) mod testing {
         }
     }
 
+    /// Takes `target` out of rotation at `at_ms`: `policy()`'s failures in a row.
+    pub fn eject(health: &mut Health, target: crate::health::Target, at_ms: u64) {
+        let policy = policy();
+        for _ in 0..policy.consecutive_failures {
+            health.observe(&policy, target, crate::health::Outcome::Failure, at_ms, at_ms);
+        }
+    }
+
     /// The loads of a pool whose first worker sits at `offset`.
     pub fn loads_at(offset: usize, states: &[Option<WorkerState>]) -> Loads {
         let mut all = vec![None; offset];
@@ -774,15 +782,12 @@ mod tests {
             loads: &loads,
             offset: 10,
         };
-        let policy = policy();
         let mut health = Health::default();
-        for _ in 0..3 {
-            let f = crate::health::Target {
-                worker: workers[5].address,
-                rank: None,
-            };
-            health.observe(&policy, f, crate::health::Outcome::Failure, 3000, 3000);
-        }
+        let f = crate::health::Target {
+            worker: workers[5].address,
+            rank: None,
+        };
+        eject(&mut health, f, 3000);
         let ctx = Context {
             now_ms: 3500,
             health: &health,
