@@ -196,22 +196,32 @@ impl WorkerState {
         }
     }
 
-    /// Removes an ended request's estimate if no snapshot has covered it yet.
-    pub fn release(&mut self, ticket: &Ticket) {
-        if let Some(i) = self.pending.iter().position(|p| p.seq == ticket.seq) {
-            let empty = match self.pending.get_mut(i) {
-                Some(p) => {
-                    if let Some(slot) = p.tokens.get_mut(ticket.rank as usize) {
-                        *slot = slot.saturating_sub(ticket.cost);
-                    }
-                    p.tokens.iter().all(|t| *t == 0)
+    /// Whether a snapshot has counted the ticket's request, which took its
+    /// estimate out: from this state and from every later one, since
+    /// snapshots only move forward.
+    pub fn covers(&self, ticket: &Ticket) -> bool {
+        ticket.seq < self.snapshot_seq
+    }
+
+    /// Removes an ended request's estimate if no snapshot has covered it
+    /// yet; false when there was nothing to remove.
+    pub fn release(&mut self, ticket: &Ticket) -> bool {
+        let Some(i) = self.pending.iter().position(|p| p.seq == ticket.seq) else {
+            return false;
+        };
+        let empty = match self.pending.get_mut(i) {
+            Some(p) => {
+                if let Some(slot) = p.tokens.get_mut(ticket.rank as usize) {
+                    *slot = slot.saturating_sub(ticket.cost);
                 }
-                None => false,
-            };
-            if empty {
-                self.pending.remove(i);
+                p.tokens.iter().all(|t| *t == 0)
             }
+            None => false,
+        };
+        if empty {
+            self.pending.remove(i);
         }
+        true
     }
 }
 
@@ -265,9 +275,10 @@ mod tests {
         let t2_seq = w.begin_poll();
         let t2 = w.add(0, 0, 3).unwrap();
         w.apply_snapshot(t2_seq, 2000, &[Some(17)]);
-        w.release(&t);
+        assert!(w.covers(&t) && !w.covers(&t2));
+        assert!(!w.release(&t), "covered: nothing to give back");
         assert_eq!(w.effective_tokens(0), Some(20));
-        w.release(&t2);
+        assert!(w.release(&t2));
         assert_eq!(w.effective_tokens(0), Some(17));
     }
 

@@ -592,6 +592,50 @@ fn header_mode_routes_encoded_bodies_it_does_not_need_to_read() {
     assert_eq!(h.header("x-data-parallel-rank").as_deref(), Some("2"));
 }
 
+#[test]
+fn a_request_a_poll_has_counted_gives_nothing_back() {
+    let (c, h) = fleet(r#","prefix_affinity":false"#);
+    let routing = Rc::new(Routing::new(c.clone(), 0));
+    let routed = |body: &[u8]| {
+        let mut r = Request::new(routing.clone());
+        post(&h, "/generate", body, &[]);
+        send(&mut r, &h);
+        r
+    };
+    let mut first = routed(br#"{"text":"hello there"}"#);
+    assert!(pending(&c, &h) > 0);
+    // Polls that left after it count it, and drop its estimate.
+    crate::router::testing::poll(&c, &h, 0, &[100, 50, 100, 100]);
+    crate::router::testing::poll(&c, &h, 1, &[100, 100, 25, 100]);
+    assert_eq!(pending(&c, &h), 0);
+    // A request routed since brings the new snapshots into this VM's copy.
+    let _second = routed(br#"{"text":"hi"}"#);
+    let second_estimate = pending(&c, &h);
+    assert!(second_estimate > 0);
+    h.finish_request(200, "via_upstream", Some("127.0.0.1:2"), 1);
+    let (gets, sets) = (h.host_calls("shared_get"), h.host_calls("shared_set"));
+    first.on_done(&h);
+    assert_eq!(
+        (
+            h.host_calls("shared_get") - gets,
+            h.host_calls("shared_set") - sets
+        ),
+        (0, 0),
+        "nothing to give back: no shared-data call"
+    );
+    assert_eq!(pending(&c, &h), second_estimate, "the other estimate stays");
+    // Counted by a poll this VM has not seen yet: the end reads the state,
+    // finds nothing to give back, and writes nothing.
+    let mut third = routed(br#"{"text":"third"}"#);
+    crate::router::testing::poll(&c, &h, 0, &[100, 50, 100, 100]);
+    crate::router::testing::poll(&c, &h, 1, &[100, 100, 30, 100]);
+    assert_eq!(pending(&c, &h), 0);
+    let sets = h.host_calls("shared_set");
+    third.on_done(&h);
+    assert_eq!(h.host_calls("shared_set") - sets, 0);
+    assert_eq!(pending(&c, &h), 0);
+}
+
 /// Host calls one request costs, callbacks from headers to log, where
 /// Envoy answered with the chosen worker's 200. The routed cases are the
 /// second request of a VM on a 2-worker fleet, so both states are in the

@@ -437,12 +437,19 @@ pub fn release(
     ticket: &Ticket,
     prefill: Option<&PrefillTicket>,
 ) {
+    if prefill.is_none() && cache.covers(config, ticket) {
+        // A snapshot counted the request: nothing is left to give back.
+        return;
+    }
     cache.write_as_routed(config, host, ticket.worker, |state| {
-        state.release(ticket);
-        if let Some(prefill) = prefill {
-            state.prefill_started(prefill);
+        let released = state.release(ticket);
+        match prefill {
+            Some(prefill) => {
+                state.prefill_started(prefill);
+                Some(())
+            }
+            None => released.then_some(()),
         }
-        Some(())
     });
 }
 

@@ -14,7 +14,11 @@
 //! no cas (Envoy draws them from one counter for the whole process, so the
 //! next cannot be guessed): after this VM's own write, giving an estimate
 //! back reads the state first (`reread_if_own`) unless another of its
-//! requests read it since. The health record is read the same way: one
+//! requests read it since. A request that a snapshot has counted since it
+//! was routed (most, when requests outlast the poll interval) has nothing
+//! to give back: when this VM's copy shows that snapshot, its end makes no
+//! call at all (`covers`), and when the fresh read shows it, no write.
+//! The health record is read the same way: one
 //! read per request, decoded only when another request ended badly (or the
 //! poller changed it) since.
 //!
@@ -38,7 +42,7 @@ use crate::health::{Health, NO_HEALTH};
 use crate::host::Host;
 use crate::metrics;
 use crate::scheduler::Loads;
-use crate::state::WorkerState;
+use crate::state::{Ticket, WorkerState};
 use std::rc::Rc;
 
 /// What the cache keeps per worker besides its decoded state.
@@ -348,6 +352,20 @@ impl StateCache {
             }
         }
         update_worker(config, host, index, IfMissing::Skip, change)
+    }
+
+    /// Whether this VM's copy of the state of a request routed under
+    /// `config` shows a snapshot that counted it (`WorkerState::covers`):
+    /// the shared state, as new or newer, shows it too, so giving the
+    /// estimate back needs no call. False when `config` is not the one
+    /// followed (its indices may differ).
+    pub fn covers(&self, config: &Rc<Config>, ticket: &Ticket) -> bool {
+        self.config.as_ref().is_some_and(|c| Rc::ptr_eq(c, config))
+            && self
+                .states
+                .get(ticket.worker)
+                .and_then(Option::as_ref)
+                .is_some_and(|s| s.covers(ticket))
     }
 
     /// When worker `index`'s cas is unknown because this VM wrote last,
