@@ -8,7 +8,7 @@ PY_SOURCES := scripts docker tests
 VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' Cargo.toml | head -n 1)
 IMAGE ?= dprank-wasm:$(VERSION)
 
-.PHONY: help setup build wasm noop-wasm tools test demo bench bench-pd bench-quick bench-full image lint clean
+.PHONY: help setup build wasm noop-wasm tools test demo bench bench-pd bench-quick bench-full gateways-figure image lint clean
 
 help:
 	@echo "make demo   - one seeded trace through Envoy round robin, then Envoy + dprank, side by side"
@@ -17,6 +17,7 @@ help:
 	@echo "make bench-pd    - PD fleet: dprank vs the old rule vs smg, equal freshness and defaults (~9 min)"
 	@echo "make bench-quick - a quick look (~6 min)"
 	@echo "make bench-full  - everything for the committed results (~6 h; dprank-bench full --resume continues one)"
+	@echo "make gateways-figure - redraw bench-results/gateways-ttft-p99.png from the stored several-gateways runs (seconds)"
 	@echo "make build  - build the filter ($(WASM)), the simulator and the bench tool"
 	@echo "make image  - package the filter as an OCI image $(IMAGE) (needs a Docker engine; IMAGE=registry/name:tag)"
 	@echo "make wasm   - build $(WASM)"
@@ -68,6 +69,15 @@ bench-quick: setup wasm noop-wasm tools
 bench-full: setup wasm noop-wasm tools
 	DPRANK_WITH_SMG=1 ./scripts/setup.sh
 	./target/release/dprank-bench full
+
+# The README's several-gateways figure, from runs already in bench-results/.
+gateways-figure: tools
+	./target/release/dprank-bench gateways-figure --out bench-results/gateways-ttft-p99.png \
+	  --target 4=1.15 --target 8=1.3 \
+	  --series "no shared prefixes, today's rule (1000 ms polls);bench-results/gateways;dprank,dprank:gw=2,dprank:gw=4,dprank:gw=8" \
+	  --series "no shared prefixes, gateways: N, 200 ms polls;bench-results/gateways;dprank:set.gateways=4:poll=200:gw=4,dprank:set.gateways=8:poll=200:gw=8" \
+	  --series "tenants (shared prefixes), gateways: N, 200 ms polls;bench-results/gateways-tenants;dprank:poll=200,dprank:set.gateways=4:poll=200:gw=4,dprank:set.gateways=8:poll=200:gw=8" \
+	  --series "tenants, smg cache_aware replicas (÷ one smg);bench-results/gateways-tenants-smg;smg-cache-aware,smg-cache-aware:gw=4;smg-cache-aware"
 
 image: wasm
 	docker build -f docker/wasm-image.Dockerfile -t $(IMAGE) .

@@ -6,6 +6,7 @@ mod client;
 mod cpu;
 mod demo;
 mod envoy;
+mod figure;
 mod fleet;
 mod host_calls;
 mod loadgen;
@@ -90,6 +91,8 @@ enum Command {
     HostCalls(host_calls::HostCallsArgs),
     /// Cost of the filter's selection step and body handling (host micro-benchmark).
     Selection(selection::SelectionArgs),
+    /// The several-gateways figure from stored runs: TTFT p99 ÷ one gateway's against the number of gateways.
+    GatewaysFigure(figure::GatewaysFigureArgs),
     /// Routing rules compared in virtual time (a model without Envoy): fast, deterministic.
     Offline(offline::OfflineArgs),
 }
@@ -336,6 +339,7 @@ async fn run(cli: Cli) -> Result<(), String> {
             Ok(())
         }
         Command::Report { out } => rebuild_reports(out, &command_line),
+        Command::GatewaysFigure(args) => figure::gateways_figure(args),
         Command::Demo(args) => demo::demo(&tools()?, args).await,
         Command::MakeTrace { seed, requests, out } => {
             let lines = workload::synth::generate(*seed, *requests);

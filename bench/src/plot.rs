@@ -39,6 +39,20 @@ fn err<E: std::fmt::Display>(e: E) -> String {
     format!("plot: {e}")
 }
 
+/// The series' legend box, at `position`.
+fn legend<'a, DB: DrawingBackend + 'a, CT: CoordTranslate>(
+    chart: &mut ChartContext<'a, DB, CT>,
+    position: SeriesLabelPosition,
+) -> Result<(), String> {
+    chart
+        .configure_series_labels()
+        .position(position)
+        .background_style(WHITE.mix(0.85))
+        .border_style(BLACK)
+        .draw()
+        .map_err(err)
+}
+
 fn color(i: usize) -> RGBColor {
     const COLORS: [RGBColor; 10] = [
         RGBColor(31, 119, 180),
@@ -115,13 +129,7 @@ pub fn rank_tokens(path: &Path, panels: &[RankPanel], dp_size: usize) -> Result<
             }
         }
         if text {
-            chart
-                .configure_series_labels()
-                .position(SeriesLabelPosition::UpperRight)
-                .background_style(WHITE.mix(0.85))
-                .border_style(BLACK)
-                .draw()
-                .map_err(err)?;
+            legend(&mut chart, SeriesLabelPosition::UpperRight)?;
         }
     }
     root.present().map_err(err)
@@ -178,13 +186,7 @@ pub fn cdf(path: &Path, title: &str, x_desc: &str, series: &[(String, Vec<f64>)]
         }
     }
     if text {
-        chart
-            .configure_series_labels()
-            .position(SeriesLabelPosition::LowerRight)
-            .background_style(WHITE.mix(0.85))
-            .border_style(BLACK)
-            .draw()
-            .map_err(err)?;
+        legend(&mut chart, SeriesLabelPosition::LowerRight)?;
     }
     root.present().map_err(err)
 }
@@ -265,13 +267,7 @@ pub fn lines(
                 }
             }
             if text {
-                chart
-                    .configure_series_labels()
-                    .position(SeriesLabelPosition::UpperLeft)
-                    .background_style(WHITE.mix(0.85))
-                    .border_style(BLACK)
-                    .draw()
-                    .map_err(err)?;
+                legend(&mut chart, SeriesLabelPosition::UpperLeft)?;
             }
         }};
     }
@@ -287,6 +283,100 @@ pub fn lines(
     } else {
         let hi = if y_hi > 0.0 { y_hi * 1.05 } else { 1.0 };
         draw!(builder.build_cartesian_2d(x_lo..x_hi, 0f64..hi).map_err(err)?);
+    }
+    root.present().map_err(err)
+}
+
+/// One point of [`ratios`]: a median ratio and its interval at `x`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RatioPoint {
+    pub x: f64,
+    pub median: f64,
+    pub lo: f64,
+    pub hi: f64,
+}
+
+/// Ratios with their intervals against a small integer x (gateways), one
+/// line per series, each series nudged sideways so the bars do not overlap;
+/// `targets` are drawn as black bars (the most a ratio may reach there).
+pub fn ratios(
+    path: &Path,
+    title: &str,
+    x_desc: &str,
+    y_desc: &str,
+    series: &[(String, Vec<RatioPoint>)],
+    targets: &[(f64, f64)],
+) -> Result<(), String> {
+    let text = has_font();
+    let root = BitMapBackend::new(path, (1000, 650)).into_drawing_area();
+    root.fill(&WHITE).map_err(err)?;
+    let finite =
+        |p: &&RatioPoint| p.x.is_finite() && p.median.is_finite() && p.lo.is_finite() && p.hi.is_finite();
+    let all = || series.iter().flat_map(|(_, p)| p.iter()).filter(finite);
+    let x_hi = all()
+        .map(|p| p.x)
+        .chain(targets.iter().map(|t| t.0))
+        .fold(1.0, f64::max);
+    let y_hi = all()
+        .map(|p| p.hi)
+        .chain(targets.iter().map(|t| t.1))
+        .fold(1.0, f64::max);
+    let y_lo = all().map(|p| p.lo).fold(1.0, f64::min);
+    let mut builder = ChartBuilder::on(&root);
+    builder.margin(15).x_label_area_size(45).y_label_area_size(70);
+    if text {
+        builder.caption(title, ("sans-serif", 22));
+    }
+    let mut chart = builder
+        .build_cartesian_2d(0.5..x_hi + 0.5, (y_lo - 0.05).min(0.95)..y_hi + 0.05)
+        .map_err(err)?;
+    let mut mesh = chart.configure_mesh();
+    if text {
+        mesh.x_desc(x_desc)
+            .y_desc(y_desc)
+            .x_label_formatter(&|v: &f64| format!("{v:.0}"));
+    } else {
+        mesh.x_labels(0).y_labels(0);
+    }
+    mesh.draw().map_err(err)?;
+    let width = 0.5 / series.len().max(1) as f64;
+    for (i, (name, points)) in series.iter().enumerate() {
+        let c = color(i);
+        let nudge = (i as f64 - (series.len() as f64 - 1.0) / 2.0) * width;
+        let points: Vec<RatioPoint> = points.iter().filter(finite).copied().collect();
+        chart
+            .draw_series(
+                points
+                    .iter()
+                    .map(|p| ErrorBar::new_vertical(p.x + nudge, p.lo, p.median, p.hi, c.filled(), 10)),
+            )
+            .map_err(err)?;
+        let drawn = chart
+            .draw_series(LineSeries::new(
+                points.iter().map(|p| (p.x + nudge, p.median)),
+                c.stroke_width(2),
+            ))
+            .map_err(err)?;
+        if text {
+            drawn
+                .label(name.clone())
+                .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], c.stroke_width(2)));
+        }
+    }
+    let drawn = chart
+        .draw_series(
+            targets
+                .iter()
+                .map(|(x, y)| PathElement::new(vec![(x - 0.3, *y), (x + 0.3, *y)], BLACK.stroke_width(3))),
+        )
+        .map_err(err)?;
+    if text {
+        if !targets.is_empty() {
+            drawn
+                .label("target (at most)")
+                .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], BLACK.stroke_width(3)));
+        }
+        legend(&mut chart, SeriesLabelPosition::UpperLeft)?;
     }
     root.present().map_err(err)
 }
@@ -322,7 +412,26 @@ mod tests {
             },
         ];
         rank_tokens(&dir.join("r.png"), &panels, 4).unwrap();
-        for f in ["l.png", "g.png", "r.png"] {
+        let point = |x, median| RatioPoint {
+            x,
+            median,
+            lo: median - 0.05,
+            hi: median + 0.1,
+        };
+        let ratio_series = vec![
+            ("a".to_string(), vec![point(1.0, 1.0), point(4.0, 1.2)]),
+            ("b".to_string(), vec![point(4.0, f64::NAN), point(8.0, 1.4)]),
+        ];
+        ratios(
+            &dir.join("q.png"),
+            "t",
+            "gateways",
+            "ratio",
+            &ratio_series,
+            &[(4.0, 1.15)],
+        )
+        .unwrap();
+        for f in ["l.png", "g.png", "r.png", "q.png"] {
             assert!(std::fs::metadata(dir.join(f)).unwrap().len() > 1000, "{f}");
         }
         std::fs::remove_dir_all(&dir).unwrap();

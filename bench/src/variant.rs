@@ -343,14 +343,21 @@ impl Variant {
         }
     }
 
-    /// A sentence for result files.
+    /// A sentence for result files: an alias's own text when the spec only
+    /// adds gateways or simulator flags to it (said after it), else what
+    /// the front runs.
     pub fn describe(&self) -> String {
-        let alias = ALIASES.iter().find(|(a, _, _)| *a == self.name).map(|a| a.2);
-        let base = match alias {
+        let bare: Vec<&str> = self
+            .name
+            .split(':')
+            .filter(|part| !part.starts_with("gw=") && !part.starts_with("sim."))
+            .collect();
+        let bare = bare.join(":");
+        let alias = ALIASES.iter().find(|(a, _, _)| *a == bare).map(|a| a.2);
+        let mut out = match alias {
             Some(text) => text.to_string(),
-            None => format!("{:?}", self.front),
+            None => self.describe_front(),
         };
-        let mut out = base;
         if self.gateways > 1 {
             out.push_str(&format!("; {} gateways share the fleet", self.gateways));
         }
@@ -358,6 +365,59 @@ impl Variant {
             out.push_str(&format!("; simulator flags `{}`", self.sim_args.join(" ")));
         }
         out
+    }
+}
+
+impl Variant {
+    fn describe_front(&self) -> String {
+        let poll = |p: &Poll| match p {
+            Poll::SimMs(ms) => format!("every {ms} ms simulated"),
+            Poll::WallMs(ms) => format!("every {ms} ms wall"),
+        };
+        let keys = |set: &Map<String, Value>| {
+            set.iter()
+                .map(|(k, v)| format!("; `{k}: {v}`"))
+                .collect::<String>()
+        };
+        let interval = |i: &Option<u32>| {
+            i.map(|s| format!(" --load-monitor-interval {s}"))
+                .unwrap_or_default()
+        };
+        let args = |a: &[String]| a.iter().map(|x| format!(" {x}")).collect::<String>();
+        match &self.front {
+            Front::Envoy(balancer) => format!("Envoy, {balancer:?}"),
+            Front::Dprank { poll: p, set } => format!("Envoy + dprank polling {}{}", poll(p), keys(set)),
+            Front::DprankPd { poll: p, set } => {
+                format!("Envoy + dprank in PD mode polling {}{}", poll(p), keys(set))
+            }
+            Front::Smg {
+                policy,
+                interval_s,
+                dp_aware,
+                args: a,
+            } => format!(
+                "smg{} --policy {policy}{}{}",
+                if *dp_aware { " --dp-aware" } else { "" },
+                interval(interval_s),
+                args(a)
+            ),
+            Front::SmgPd {
+                prefill,
+                decode,
+                minimum_tokens,
+                interval_s,
+                args: a,
+            } => format!(
+                "smg --pd-disaggregation{} --prefill-policy {prefill} --decode-policy {decode}{}{}",
+                if *minimum_tokens {
+                    " --dp-minimum-tokens-scheduler"
+                } else {
+                    ""
+                },
+                interval(interval_s),
+                args(a)
+            ),
+        }
     }
 }
 
@@ -448,6 +508,32 @@ impl SimFeatures {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn descriptions_say_what_runs() {
+        let with_gateways = Variant::parse("smg-cache-aware:gw=4").unwrap().describe();
+        assert_eq!(
+            with_gateways,
+            "smg --dp-aware --policy cache_aware (smg's default policy); 4 gateways share the fleet"
+        );
+        let keyed = Variant::parse("dprank:set.gateways=4:poll=200:gw=4")
+            .unwrap()
+            .describe();
+        assert_eq!(
+            keyed,
+            "Envoy + dprank polling every 200 ms simulated; `gateways: 4`; 4 gateways share the fleet"
+        );
+        let smg = Variant::parse("smg:policy=least_load:interval=1")
+            .unwrap()
+            .describe();
+        assert_eq!(
+            smg,
+            "smg --dp-aware --policy least_load --load-monitor-interval 1"
+        );
+        for v in ["dprank:poll=200", "dprank:gw=1", "smg-pd:policy=least_load:gw=2"] {
+            assert!(!Variant::parse(v).unwrap().describe().contains('{'), "{v}");
+        }
+    }
 
     #[test]
     fn aliases_expand_and_keys_apply() {
