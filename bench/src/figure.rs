@@ -25,6 +25,9 @@ pub struct GatewaysFigureArgs {
     /// `GATEWAYS=RATIO`: a target to draw (repeat for more).
     #[arg(long = "target")]
     targets: Vec<String>,
+    /// Top of the ratio axis: intervals above it are cut there and their top written beside them.
+    #[arg(long, default_value_t = 2.6)]
+    y_max: f64,
     #[arg(long, default_value = "bench-results/gateways-ttft-p99.png")]
     out: PathBuf,
 }
@@ -181,6 +184,7 @@ pub fn gateways_figure(args: &GatewaysFigureArgs) -> Result<(), String> {
         "TTFT p99 ratio",
         &series,
         &targets,
+        args.y_max,
     )?;
     println!("wrote {}", args.out.display());
     Ok(())

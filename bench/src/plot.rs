@@ -299,6 +299,8 @@ pub struct RatioPoint {
 /// Ratios with their intervals against a small integer x (gateways), one
 /// line per series, each series nudged sideways so the bars do not overlap;
 /// `targets` are drawn as black bars (the most a ratio may reach there).
+/// Intervals reaching above `y_max` are cut there and their top written
+/// beside them, so one wide interval does not flatten the rest.
 pub fn ratios(
     path: &Path,
     title: &str,
@@ -306,6 +308,7 @@ pub fn ratios(
     y_desc: &str,
     series: &[(String, Vec<RatioPoint>)],
     targets: &[(f64, f64)],
+    y_max: f64,
 ) -> Result<(), String> {
     let text = has_font();
     let root = BitMapBackend::new(path, (1000, 650)).into_drawing_area();
@@ -320,7 +323,8 @@ pub fn ratios(
     let y_hi = all()
         .map(|p| p.hi)
         .chain(targets.iter().map(|t| t.1))
-        .fold(1.0, f64::max);
+        .fold(1.0, f64::max)
+        .min(y_max);
     let y_lo = all().map(|p| p.lo).fold(1.0, f64::min);
     let mut builder = ChartBuilder::on(&root);
     builder.margin(15).x_label_area_size(45).y_label_area_size(70);
@@ -345,12 +349,28 @@ pub fn ratios(
         let nudge = (i as f64 - (series.len() as f64 - 1.0) / 2.0) * width;
         let points: Vec<RatioPoint> = points.iter().filter(finite).copied().collect();
         chart
-            .draw_series(
-                points
-                    .iter()
-                    .map(|p| ErrorBar::new_vertical(p.x + nudge, p.lo, p.median, p.hi, c.filled(), 10)),
-            )
+            .draw_series(points.iter().map(|p| {
+                ErrorBar::new_vertical(
+                    p.x + nudge,
+                    p.lo.min(y_hi),
+                    p.median.min(y_hi),
+                    p.hi.min(y_hi),
+                    c.filled(),
+                    10,
+                )
+            }))
             .map_err(err)?;
+        if text {
+            chart
+                .draw_series(points.iter().filter(|p| p.hi > y_hi).map(|p| {
+                    Text::new(
+                        format!("to {:.1}", p.hi),
+                        (p.x + nudge + 0.05, y_hi),
+                        ("sans-serif", 14).into_font().color(&c),
+                    )
+                }))
+                .map_err(err)?;
+        }
         let drawn = chart
             .draw_series(LineSeries::new(
                 points.iter().map(|p| (p.x + nudge, p.median)),
@@ -429,6 +449,7 @@ mod tests {
             "ratio",
             &ratio_series,
             &[(4.0, 1.15)],
+            1.3,
         )
         .unwrap();
         for f in ["l.png", "g.png", "r.png", "q.png"] {

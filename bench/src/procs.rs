@@ -178,11 +178,46 @@ impl Drop for Managed {
     }
 }
 
-/// A port that was free a moment ago (bind to port 0 and release it).
+/// Ports handed out lately are not handed out again: the kernel can give
+/// the port just released back to the next bind to port 0, so two asks in
+/// a row (smg's `--port` and `--prometheus-port`) could get the same one
+/// before either process binds it.
+const RECENT_PORTS: usize = 256;
+
+/// A port that was free a moment ago (bind to port 0 and release it) and
+/// is none of the last `RECENT_PORTS` this process handed out.
 pub fn free_port() -> Result<u16, String> {
-    let listener = TcpListener::bind("127.0.0.1:0").map_err(|e| format!("no free port: {e}"))?;
-    listener
-        .local_addr()
-        .map(|a| a.port())
-        .map_err(|e| format!("no free port: {e}"))
+    static RECENT: Mutex<std::collections::VecDeque<u16>> = Mutex::new(std::collections::VecDeque::new());
+    for _ in 0..64 {
+        let listener = TcpListener::bind("127.0.0.1:0").map_err(|e| format!("no free port: {e}"))?;
+        let port = listener
+            .local_addr()
+            .map(|a| a.port())
+            .map_err(|e| format!("no free port: {e}"))?;
+        let mut recent = RECENT.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        if !recent.contains(&port) {
+            if recent.len() == RECENT_PORTS {
+                recent.pop_front();
+            }
+            recent.push_back(port);
+            return Ok(port);
+        }
+    }
+    Err("no free port that was not handed out lately".into())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ports_handed_out_lately_are_not_handed_out_again() {
+        let ports: Vec<u16> = (0..RECENT_PORTS).map(|_| free_port().unwrap()).collect();
+        let distinct: std::collections::BTreeSet<u16> = ports.iter().copied().collect();
+        assert_eq!(
+            distinct.len(),
+            ports.len(),
+            "a port came back within {RECENT_PORTS} asks"
+        );
+    }
 }
