@@ -8,8 +8,9 @@ use std::path::{Path, PathBuf};
 use clap::Args;
 
 use crate::plot::{self, RatioPoint};
+use crate::report;
 use crate::runner::{ResultsFile, RunRecord};
-use crate::stats::paired_ratio;
+use crate::stats::{median, paired_ratio};
 use crate::variant::Variant;
 
 #[derive(Debug, Clone, Args)]
@@ -81,56 +82,51 @@ fn parse_target(spec: &str) -> Result<(f64, f64), String> {
     (x >= 1.0 && y > 0.0).then_some((x, y)).ok_or_else(bad)
 }
 
-/// `(seed, TTFT p99)` of `variant`'s runs.
-fn p99_by_seed(records: &[RunRecord], variant: &str) -> Vec<(u64, f64)> {
-    records
-        .iter()
-        .filter(|r| r.variant == variant)
-        .map(|r| (r.seed, r.ttft_p99))
-        .collect()
-}
-
 /// The points of one series: each variant's TTFT p99 ÷ the reference's,
 /// at the variant's number of gateways, with the median polls per second
-/// per worker it measured.
+/// per worker it measured. The runs must form one of the reports' groups
+/// (`report::group`: one workload, KV size, rate and time scale).
 fn points(
     records: &[RunRecord],
     spec: &SeriesSpec,
     reference: &str,
 ) -> Result<Vec<(RatioPoint, f64)>, String> {
-    let regimes: std::collections::BTreeSet<(&str, &str, String)> = records
+    let groups = report::group(records);
+    let wanted = |v: &str| v == reference || spec.variants.iter().any(|s| s == v);
+    let mut holding = groups
         .iter()
-        .filter(|r| r.variant == reference || spec.variants.contains(&r.variant))
-        .map(|r| (r.workload.as_str(), r.kv.as_str(), format!("{:?}", r.load)))
-        .collect();
-    if regimes.len() > 1 {
+        .filter(|g| g.variants.iter().any(|(v, _)| wanted(v)));
+    let no_reference = || format!("{}: no runs of the reference `{reference}`", spec.dir.display());
+    let group = holding.next().ok_or_else(no_reference)?;
+    if holding.next().is_some() {
         return Err(format!(
-            "{}: the runs of these variants span several workloads, KV sizes or loads ({regimes:?}); keep one regime per directory",
+            "{}: the runs of these variants span several workloads, KV sizes, rates or time scales; keep one regime per directory",
             spec.dir.display()
         ));
     }
-    let base = p99_by_seed(records, reference);
+    let runs_of = |name: &str| {
+        group
+            .variants
+            .iter()
+            .find(|(v, _)| v == name)
+            .map_or(&[][..], |(_, runs)| runs.as_slice())
+    };
+    let base = report::per_seed(runs_of(reference), |r| r.ttft_p99);
     if base.is_empty() {
-        return Err(format!(
-            "{}: no runs of the reference `{reference}`",
-            spec.dir.display()
-        ));
+        return Err(no_reference());
     }
     spec.variants
         .iter()
         .map(|name| {
             let gateways = Variant::parse(name)?.gateways as f64;
-            let ratio = paired_ratio(&p99_by_seed(records, name), &base).ok_or_else(|| {
+            let runs = runs_of(name);
+            let ratio = paired_ratio(&report::per_seed(runs, |r| r.ttft_p99), &base).ok_or_else(|| {
                 format!(
                     "{}: no seed of `{name}` pairs with `{reference}`",
                     spec.dir.display()
                 )
             })?;
-            let mut polls: Vec<f64> = records
-                .iter()
-                .filter(|r| &r.variant == name)
-                .map(|r| r.load_polls_per_worker_s)
-                .collect();
+            let mut polls = report::values(runs, |r| r.load_polls_per_worker_s);
             polls.retain(|p| p.is_finite());
             let point = RatioPoint {
                 x: gateways,
@@ -138,7 +134,7 @@ fn points(
                 lo: ratio.lo,
                 hi: ratio.hi,
             };
-            Ok((point, crate::stats::median(&polls)))
+            Ok((point, median(&polls)))
         })
         .collect()
 }

@@ -120,11 +120,11 @@ pub fn group(records: &[RunRecord]) -> Vec<Group<'_>> {
     groups
 }
 
-fn per_seed(runs: &[&RunRecord], f: impl Fn(&RunRecord) -> f64) -> Vec<(u64, f64)> {
+pub fn per_seed(runs: &[&RunRecord], f: impl Fn(&RunRecord) -> f64) -> Vec<(u64, f64)> {
     runs.iter().map(|r| (r.seed, f(r))).collect()
 }
 
-fn values(runs: &[&RunRecord], f: impl Fn(&RunRecord) -> f64) -> Vec<f64> {
+pub fn values(runs: &[&RunRecord], f: impl Fn(&RunRecord) -> f64) -> Vec<f64> {
     runs.iter().map(|r| f(r)).collect()
 }
 

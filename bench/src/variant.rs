@@ -366,9 +366,7 @@ impl Variant {
         }
         out
     }
-}
 
-impl Variant {
     fn describe_front(&self) -> String {
         let poll = |p: &Poll| match p {
             Poll::SimMs(ms) => format!("every {ms} ms simulated"),
