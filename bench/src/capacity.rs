@@ -184,6 +184,7 @@ pub async fn measure(
         let fronts = start_fronts(tools, &client, &variant, &fleets, time_scale, &name).await?;
         let options = LoadOptions {
             gateways: fronts.iter().map(|f| f.url.clone()).collect(),
+            spread: variant.spread,
             workers: Vec::new(),
             time_scale,
             sample_every: std::time::Duration::from_secs(1),

@@ -3,9 +3,10 @@
 //! meanwhile the workers' `/v1/loads` are sampled for the per-rank picture.
 //!
 //! Several gateways stand for replicas behind an L4 balancer: each open-loop
-//! request lands on a gateway drawn from (seed, request) and each session
-//! keeps one gateway for all its turns (its connection), so the spread is
-//! random but the same for every variant run on the same seed.
+//! request lands on a gateway drawn from (seed, request), or under
+//! [`Spread::Tenant`] from (seed, tenant), and each session keeps one gateway
+//! for all its turns (its connection), so the spread is random but the same
+//! for every variant run on the same seed.
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -21,10 +22,26 @@ use crate::client::{
 };
 use crate::workload::{bodies, text, Api, Plan, Session};
 
+/// How the L4 balancer in front of several gateways spreads open-loop
+/// requests.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Spread {
+    /// Each request on its own draw: clients with many connections, or a
+    /// balancer that spreads connections without regard to who opened them.
+    #[default]
+    Request,
+    /// All requests of one tenant on one gateway: each tenant a client whose
+    /// connections a balancer with source-address affinity (consistent
+    /// hashing on the client address) keeps on one replica. Requests of no
+    /// tenant are drawn one by one.
+    Tenant,
+}
+
 #[derive(Debug, Clone)]
 pub struct LoadOptions {
     /// Gateway base URLs (`http://host:port`).
     pub gateways: Vec<String>,
+    pub spread: Spread,
     /// Workers whose `/v1/loads` are sampled (may be empty).
     pub workers: Vec<SocketAddr>,
     /// Plan times are simulated seconds; wall time = simulated / time_scale.
@@ -213,9 +230,18 @@ async fn sample_loads(
     samples
 }
 
-/// Which of `n` gateways gets `key` (a request index or a session id).
+/// Which of `n` gateways gets `key` (a request index, a session id or a
+/// tenant: see [`spread_key`]).
 pub fn gateway_for(seed: u64, key: u64, n: usize) -> usize {
     (text::seed_of(&[0x6a7e, seed, key]) % n.max(1) as u64) as usize
+}
+
+/// The key an open-loop request is spread by; sessions use `1 << 40 | id`.
+pub fn spread_key(spread: Spread, index: usize, tenant: Option<u32>) -> u64 {
+    match (spread, tenant) {
+        (Spread::Tenant, Some(t)) => 1 << 41 | u64::from(t),
+        _ => index as u64,
+    }
 }
 
 /// Shared by every task of one run.
@@ -416,7 +442,7 @@ pub async fn run_plan(plan: &Plan, options: &LoadOptions) -> Result<RunOutput, S
         tokio::time::sleep_until(ctx.wall(request.at_s).into()).await;
         let ctx = ctx.clone();
         let request = request.clone();
-        let gateway = gateway_for(options.seed, i as u64, n);
+        let gateway = gateway_for(options.seed, spread_key(options.spread, i, request.tenant), n);
         tasks.spawn(async move {
             let sent = Instant::now();
             let outcome = ctx.send(gateway, request.api, request.body, false).await;
@@ -553,6 +579,7 @@ mod tests {
     fn options(server: &dprank_sim::SimServer, time_scale: f64, drain: Drain) -> LoadOptions {
         LoadOptions {
             gateways: vec![format!("http://{}", server.addr)],
+            spread: Spread::Request,
             workers: vec![server.addr],
             time_scale,
             sample_every: Duration::from_millis(20),
@@ -674,5 +701,22 @@ mod tests {
         assert!(counts.iter().all(|c| (850..1150).contains(c)), "{counts:?}");
         assert_eq!(gateway_for(7, 11, 4), gateway_for(7, 11, 4));
         assert_eq!(gateway_for(7, 11, 1), 0);
+    }
+
+    #[test]
+    fn tenant_spread_keeps_a_tenant_on_one_gateway_and_the_rest_per_request() {
+        let (t, r) = (Spread::Tenant, Spread::Request);
+        assert_eq!(spread_key(t, 3, Some(5)), spread_key(t, 900, Some(5)));
+        assert_ne!(spread_key(t, 3, Some(5)), spread_key(t, 3, Some(6)));
+        // A tenant's key is no request's index, nor a session's.
+        assert_ne!(spread_key(t, 3, Some(3)), 3);
+        assert_ne!(spread_key(t, 3, Some(3)), 1 << 40 | 3);
+        assert_eq!(spread_key(t, 3, None), 3);
+        assert_eq!(spread_key(r, 3, Some(5)), 3);
+        // Over four gateways the tenants land on more than one.
+        let used: std::collections::BTreeSet<usize> = (0..16)
+            .map(|tenant| gateway_for(7, spread_key(t, 0, Some(tenant)), 4))
+            .collect();
+        assert!(used.len() > 1, "{used:?}");
     }
 }

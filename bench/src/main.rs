@@ -189,6 +189,7 @@ async fn load(args: LoadArgs) -> Result<(), String> {
     })?;
     let options = LoadOptions {
         gateways: args.targets,
+        spread: loadgen::Spread::Request,
         workers: args.workers,
         time_scale: args.time_scale,
         sample_every: Duration::from_millis(100),

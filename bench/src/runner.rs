@@ -501,6 +501,7 @@ pub async fn run_cell(
     let polls_before = fleets.load_polls(&client).await;
     let options = LoadOptions {
         gateways: fronts.iter().map(|f| f.url.clone()).collect(),
+        spread: cell.variant.spread,
         workers,
         time_scale: cell.time_scale,
         sample_every: Duration::from_millis(100),

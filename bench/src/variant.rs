@@ -15,6 +15,7 @@ use std::process::Command;
 use serde_json::{Map, Value};
 
 use crate::envoy::Balancer;
+use crate::loadgen::Spread;
 
 /// The workers' own choice of rank for a request that names none.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -94,6 +95,8 @@ pub struct Variant {
     pub dispatch: Dispatch,
     /// Gateways sharing the fleet (separate processes).
     pub gateways: usize,
+    /// How the L4 balancer spreads requests over them (`spread=`).
+    pub spread: Spread,
     /// Extra simulator flags for this variant.
     pub sim_args: Vec<String>,
 }
@@ -169,6 +172,7 @@ impl Variant {
                 _ => Dispatch::RoundRobin,
             },
             gateways: 1,
+            spread: Spread::Request,
             sim_args: Vec::new(),
         };
         for token in &tokens[1..] {
@@ -193,6 +197,14 @@ impl Variant {
                 .ok_or("`gw` must be 1..=32")?;
             return Ok(());
         }
+        if key == "spread" {
+            self.spread = match need("request or tenant")? {
+                "request" => Spread::Request,
+                "tenant" => Spread::Tenant,
+                other => return Err(format!("`spread` is request or tenant, not `{other}`")),
+            };
+            return Ok(());
+        }
         if let Some(flag) = key.strip_prefix("sim.") {
             self.sim_args.push(format!("--{flag}"));
             self.sim_args.extend(value.map(str::to_string));
@@ -207,7 +219,7 @@ impl Variant {
                     let parsed: Value = serde_json::from_str(raw).unwrap_or_else(|_| Value::String(raw.to_string()));
                     set.insert(key["set.".len()..].to_string(), parsed);
                 }
-                _ => return Err(format!("unknown key `{key}` (dprank keys: gw, poll, poll-wall, set.<filter key>, sim.<flag>)")),
+                _ => return Err(format!("unknown key `{key}` (dprank keys: gw, spread, poll, poll-wall, set.<filter key>, sim.<flag>)")),
             },
             Front::Smg {
                 policy,
@@ -237,7 +249,7 @@ impl Variant {
                 }
                 _ => {
                     return Err(format!(
-                        "unknown key `{key}` (smg keys: gw, policy, interval, dp-aware, dispatch, arg.<flag>, sim.<flag>)"
+                        "unknown key `{key}` (smg keys: gw, spread, policy, interval, dp-aware, dispatch, arg.<flag>, sim.<flag>)"
                     ))
                 }
             },
@@ -261,11 +273,11 @@ impl Variant {
                 }
                 _ => {
                     return Err(format!(
-                        "unknown key `{key}` (smg PD keys: gw, policy, prefill, decode, interval, arg.<flag>, sim.<flag>)"
+                        "unknown key `{key}` (smg PD keys: gw, spread, policy, prefill, decode, interval, arg.<flag>, sim.<flag>)"
                     ))
                 }
             },
-            Front::Envoy(_) => return Err(format!("unknown key `{key}` (keys: gw, sim.<flag>)")),
+            Front::Envoy(_) => return Err(format!("unknown key `{key}` (keys: gw, spread, sim.<flag>)")),
         }
         Ok(())
     }
@@ -350,7 +362,7 @@ impl Variant {
         let bare: Vec<&str> = self
             .name
             .split(':')
-            .filter(|part| !part.starts_with("gw=") && !part.starts_with("sim."))
+            .filter(|part| !["gw=", "spread=", "sim."].iter().any(|p| part.starts_with(p)))
             .collect();
         let bare = bare.join(":");
         let alias = ALIASES.iter().find(|(a, _, _)| *a == bare).map(|a| a.2);
@@ -360,6 +372,9 @@ impl Variant {
         };
         if self.gateways > 1 {
             out.push_str(&format!("; {} gateways share the fleet", self.gateways));
+            if self.spread == Spread::Tenant {
+                out.push_str(", each tenant kept on one");
+            }
         }
         if !self.sim_args.is_empty() {
             out.push_str(&format!("; simulator flags `{}`", self.sim_args.join(" ")));
@@ -528,6 +543,13 @@ mod tests {
             smg,
             "smg --dp-aware --policy least_load --load-monitor-interval 1"
         );
+        let by_tenant = Variant::parse("dprank:gw=4:spread=tenant").unwrap();
+        assert_eq!(by_tenant.spread, Spread::Tenant);
+        assert_eq!(
+            by_tenant.describe(),
+            "Envoy + dprank, shipped configuration, polling every simulated second; 4 gateways share the fleet, each tenant kept on one"
+        );
+        assert!(Variant::parse("dprank:spread=client").is_err());
         for v in ["dprank:poll=200", "dprank:gw=1", "smg-pd:policy=least_load:gw=2"] {
             assert!(!Variant::parse(v).unwrap().describe().contains('{'), "{v}");
         }

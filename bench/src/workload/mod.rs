@@ -103,6 +103,9 @@ pub struct OpenRequest {
     /// Prompt tokens as the simulator counts them.
     pub input_tokens: u32,
     pub output_tokens: u32,
+    /// The tenant sending it, in workloads whose clients share a prompt
+    /// (`tenants`); the load generator can keep a tenant on one gateway.
+    pub tenant: Option<u32>,
 }
 
 /// One closed-loop chat session.

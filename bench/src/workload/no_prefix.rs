@@ -36,6 +36,7 @@ pub fn with_lengths(arrivals: &[f64], shape: &Shape, tag: u64, rng: &mut StdRng)
                 body: bodies::generate(&prompt, output_tokens, true),
                 input_tokens,
                 output_tokens,
+                tenant: None,
             }
         })
         .collect()

@@ -124,6 +124,7 @@ pub fn from_lines(lines: &[TraceLine], source: &ReplaySource, shape: &Shape) -> 
                 body: bodies::generate(&prompt, output_tokens, true),
                 input_tokens,
                 output_tokens,
+                tenant: None,
             }
         })
         .collect()

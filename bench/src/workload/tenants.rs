@@ -61,6 +61,7 @@ pub fn requests(shape: &Shape) -> Result<Vec<OpenRequest>, String> {
                 body: bodies::chat(&[("system", system), ("user", &question)], output_tokens),
                 input_tokens: text::chat_tokens(&[("system", system), ("user", &question)]) as u32,
                 output_tokens,
+                tenant: Some(tenant as u32),
             }
         })
         .collect())
