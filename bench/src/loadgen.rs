@@ -24,11 +24,10 @@ use crate::workload::{bodies, text, Api, Plan, Session};
 
 /// How the L4 balancer in front of several gateways spreads open-loop
 /// requests.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Spread {
     /// Each request on its own draw: clients with many connections, or a
     /// balancer that spreads connections without regard to who opened them.
-    #[default]
     Request,
     /// All requests of one tenant on one gateway: each tenant a client whose
     /// connections a balancer with source-address affinity (consistent
@@ -236,7 +235,12 @@ pub fn gateway_for(seed: u64, key: u64, n: usize) -> usize {
     (text::seed_of(&[0x6a7e, seed, key]) % n.max(1) as u64) as usize
 }
 
-/// The key an open-loop request is spread by; sessions use `1 << 40 | id`.
+/// The key a session is spread by (one gateway for all its turns).
+pub fn session_key(id: u32) -> u64 {
+    1 << 40 | u64::from(id)
+}
+
+/// The key an open-loop request is spread by.
 pub fn spread_key(spread: Spread, index: usize, tenant: Option<u32>) -> u64 {
     match (spread, tenant) {
         (Spread::Tenant, Some(t)) => 1 << 41 | u64::from(t),
@@ -430,7 +434,7 @@ pub async fn run_plan(plan: &Plan, options: &LoadOptions) -> Result<RunOutput, S
     let mut tasks: JoinSet<TaskResult> = JoinSet::new();
     for session in plan.sessions.iter().cloned() {
         let ctx = ctx.clone();
-        let gateway = gateway_for(options.seed, 1 << 40 | u64::from(session.id), n);
+        let gateway = gateway_for(options.seed, session_key(session.id), n);
         tasks.spawn(run_session(ctx, session, gateway));
     }
     let mut results: Vec<TaskResult> = Vec::new();
@@ -710,7 +714,7 @@ mod tests {
         assert_ne!(spread_key(t, 3, Some(5)), spread_key(t, 3, Some(6)));
         // A tenant's key is no request's index, nor a session's.
         assert_ne!(spread_key(t, 3, Some(3)), 3);
-        assert_ne!(spread_key(t, 3, Some(3)), 1 << 40 | 3);
+        assert_ne!(spread_key(t, 3, Some(3)), session_key(3));
         assert_eq!(spread_key(t, 3, None), 3);
         assert_eq!(spread_key(r, 3, Some(5)), 3);
         // Over four gateways the tenants land on more than one.
