@@ -77,7 +77,9 @@ gateways-figure: tools
 	  --series "no shared prefixes, today's rule (1000 ms polls);bench-results/gateways;dprank,dprank:gw=2,dprank:gw=4,dprank:gw=8" \
 	  --series "no shared prefixes, gateways: N, 200 ms polls;bench-results/gateways;dprank:set.gateways=4:poll=200:gw=4,dprank:set.gateways=8:poll=200:gw=8" \
 	  --series "tenants (shared prefixes), gateways: N, 200 ms polls;bench-results/gateways-tenants;dprank:poll=200,dprank:set.gateways=4:poll=200:gw=4,dprank:set.gateways=8:poll=200:gw=8" \
-	  --series "tenants, smg cache_aware replicas (÷ one smg);bench-results/gateways-tenants-smg;smg-cache-aware,smg-cache-aware:gw=4,smg-cache-aware:gw=8;smg-cache-aware"
+	  --series "tenants, smg cache_aware replicas (÷ one smg);bench-results/gateways-tenants-smg;smg-cache-aware,smg-cache-aware:gw=4,smg-cache-aware:gw=8;smg-cache-aware" \
+	  --series "tenants, today's rule (1000 ms polls);bench-results/gateways-tenants-plain;dprank:gw=1,dprank:gw=4,dprank:gw=8;dprank:gw=1" \
+	  --series "tenants, each tenant kept on one gateway, today's rule;bench-results/gateways-tenants-affine;dprank:gw=1,dprank:gw=4:spread=tenant,dprank:gw=8:spread=tenant;dprank:gw=1"
 
 image: wasm
 	docker build -f docker/wasm-image.Dockerfile -t $(IMAGE) .
