@@ -14,7 +14,8 @@
 //! no cas (Envoy draws them from one counter for the whole process, so the
 //! next cannot be guessed): after this VM's own write, giving an estimate
 //! back reads the state first (`reread_if_own`) unless another of its
-//! requests read it since. A request that a snapshot has counted since it
+//! requests read it since, and writes under the cas of that read, whoever
+//! wrote last. A request that a snapshot has counted since it
 //! was routed (most, when requests outlast the poll interval) has nothing
 //! to give back: when this VM's copy shows that snapshot, its end makes no
 //! call at all (`covers`), and when the fresh read shows it, no write.
@@ -368,20 +369,16 @@ impl StateCache {
                 .is_some_and(|s| s.covers(ticket))
     }
 
-    /// When worker `index`'s cas is unknown because this VM wrote last,
-    /// reads it: if the stored bytes are still the ones written, the cached
-    /// state is current under that cas.
+    /// When worker `index`'s cas is unknown (this VM wrote last), reads the
+    /// state: the bytes it wrote need no decoding, another thread's are
+    /// decoded here, so either way the write that follows is one call under
+    /// the cas just read, not a second read.
     fn reread_if_own(&mut self, host: &dyn Host, index: usize) {
-        let Some(entry) = self.entries.get_mut(index) else {
-            return;
-        };
-        if entry.cas.is_some() || entry.encoding.is_empty() {
+        if self.entries.get(index).is_none_or(|e| e.cas.is_some()) {
             return;
         }
-        if let Some((bytes, cas)) = host.shared_get(&entry.key) {
-            if bytes == entry.encoding {
-                entry.cas = Some(cas);
-            }
+        if self.read(host, index, false) {
+            self.loads.rebuild(&self.states);
         }
     }
 
@@ -579,6 +576,31 @@ mod tests {
             Some(())
         });
         assert_eq!(shared_reads(&h) - reads, 1);
+        // Another thread wrote after this VM's own write: still one read and one write.
+        let ticket = cache.write(&c, &h, 1, |s| s.add(1, 2, 30)).unwrap();
+        let mut other = StateCache::default();
+        other.refresh(&c, &h);
+        let theirs = other.write(&c, &h, 1, |s| s.add(1, 3, 7)).unwrap();
+        let (reads, writes) = (shared_reads(&h), h.host_calls("shared_set"));
+        cache.write_as_routed(&c, &h, ticket.worker, |s| {
+            s.release(&ticket);
+            Some(())
+        });
+        assert_eq!(
+            (shared_reads(&h) - reads, h.host_calls("shared_set") - writes),
+            (1, 1)
+        );
+        assert_current(&cache, &c, &h);
+        let state = cache.states()[1].clone().unwrap();
+        assert_eq!(
+            (state.effective_tokens(2), state.pending_total()),
+            (Some(20), 7),
+            "the other's estimate kept"
+        );
+        other.write_as_routed(&c, &h, theirs.worker, |s| {
+            s.release(&theirs);
+            Some(())
+        });
         // Routed with another configuration (a membership change): by its own indices.
         let ticket = cache.write(&c, &h, 1, |s| s.add(1, 2, 30)).unwrap();
         cache.refresh(&c, &h);
