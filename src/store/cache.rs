@@ -369,12 +369,17 @@ impl StateCache {
                 .is_some_and(|s| s.covers(ticket))
     }
 
-    /// When worker `index`'s cas is unknown (this VM wrote last), reads the
-    /// state: the bytes it wrote need no decoding, another thread's are
-    /// decoded here, so either way the write that follows is one call under
-    /// the cas just read, not a second read.
+    /// When worker `index`'s cas is unknown because this VM wrote last,
+    /// reads the state: the bytes it wrote need no decoding, another
+    /// thread's are decoded here, so either way the write that follows is
+    /// one call under the cas just read, not a second read. Nothing cached
+    /// (the state absent or dropped): the read-modify-write reads it anyway.
     fn reread_if_own(&mut self, host: &dyn Host, index: usize) {
-        if self.entries.get(index).is_none_or(|e| e.cas.is_some()) {
+        if self
+            .entries
+            .get(index)
+            .is_none_or(|e| e.cas.is_some() || e.encoding.is_empty())
+        {
             return;
         }
         if self.read(host, index, false) {
@@ -444,6 +449,17 @@ mod tests {
 
     fn shared_reads(h: &FakeHost) -> u64 {
         h.host_calls("shared_get")
+    }
+
+    /// Gives `ticket`'s estimate back as a request's end does; the
+    /// shared-data reads and writes that took.
+    fn give_back(cache: &mut StateCache, c: &Rc<Config>, h: &FakeHost, ticket: &Ticket) -> (u64, u64) {
+        let (reads, writes) = (shared_reads(h), h.host_calls("shared_set"));
+        cache.write_as_routed(c, h, ticket.worker, |s| {
+            s.release(ticket);
+            Some(())
+        });
+        (shared_reads(h) - reads, h.host_calls("shared_set") - writes)
     }
 
     #[test]
@@ -556,40 +572,19 @@ mod tests {
         cache.refresh(&c, &h);
         let ticket = cache.write(&c, &h, 1, |s| s.add(1, 2, 30)).unwrap();
         cache.refresh(&c, &h); // another request of this VM read it since
-        let (reads, writes) = (shared_reads(&h), h.host_calls("shared_set"));
-        cache.write_as_routed(&c, &h, ticket.worker, |s| {
-            s.release(&ticket);
-            Some(())
-        });
-        assert_eq!(
-            (shared_reads(&h) - reads, h.host_calls("shared_set") - writes),
-            (0, 1)
-        );
+        assert_eq!(give_back(&mut cache, &c, &h, &ticket), (0, 1));
         cache.refresh(&c, &h);
         assert_eq!(cache.states()[1].as_ref().unwrap().pending_total(), 0);
 
         // Not read since its own write: read-modify-write.
         let ticket = cache.write(&c, &h, 1, |s| s.add(1, 2, 30)).unwrap();
-        let reads = shared_reads(&h);
-        cache.write_as_routed(&c, &h, ticket.worker, |s| {
-            s.release(&ticket);
-            Some(())
-        });
-        assert_eq!(shared_reads(&h) - reads, 1);
+        assert_eq!(give_back(&mut cache, &c, &h, &ticket).0, 1);
         // Another thread wrote after this VM's own write: still one read and one write.
         let ticket = cache.write(&c, &h, 1, |s| s.add(1, 2, 30)).unwrap();
         let mut other = StateCache::default();
         other.refresh(&c, &h);
         let theirs = other.write(&c, &h, 1, |s| s.add(1, 3, 7)).unwrap();
-        let (reads, writes) = (shared_reads(&h), h.host_calls("shared_set"));
-        cache.write_as_routed(&c, &h, ticket.worker, |s| {
-            s.release(&ticket);
-            Some(())
-        });
-        assert_eq!(
-            (shared_reads(&h) - reads, h.host_calls("shared_set") - writes),
-            (1, 1)
-        );
+        assert_eq!(give_back(&mut cache, &c, &h, &ticket), (1, 1));
         assert_current(&cache, &c, &h);
         let state = cache.states()[1].clone().unwrap();
         assert_eq!(
@@ -597,18 +592,12 @@ mod tests {
             (Some(20), 7),
             "the other's estimate kept"
         );
-        other.write_as_routed(&c, &h, theirs.worker, |s| {
-            s.release(&theirs);
-            Some(())
-        });
+        give_back(&mut other, &c, &h, &theirs);
         // Routed with another configuration (a membership change): by its own indices.
         let ticket = cache.write(&c, &h, 1, |s| s.add(1, 2, 30)).unwrap();
         cache.refresh(&c, &h);
-        let older = Rc::new((*c).clone());
-        cache.write_as_routed(&older, &h, ticket.worker, |s| {
-            s.release(&ticket);
-            Some(())
-        });
+        let older = Rc::new(Config::clone(&c));
+        give_back(&mut cache, &older, &h, &ticket);
         cache.refresh(&c, &h);
         assert_eq!(cache.states()[1].as_ref().unwrap().pending_total(), 0);
     }
@@ -633,14 +622,8 @@ mod tests {
         mine.refresh(&c, &h);
         assert_current(&mine, &c, &h);
         assert_eq!(mine.states()[1].as_ref().unwrap().effective_tokens(2), Some(50));
-        mine.write_as_routed(&c, &h, a.worker, |s| {
-            s.release(&a);
-            Some(())
-        });
-        other.write_as_routed(&c, &h, b.worker, |s| {
-            s.release(&b);
-            Some(())
-        }); // its cas is stale again: read-modify-write
+        give_back(&mut mine, &c, &h, &a);
+        give_back(&mut other, &c, &h, &b); // its cas is stale again: read-modify-write
         for cache in [&mut mine, &mut other] {
             cache.refresh(&c, &h);
             assert_current(cache, &c, &h);
@@ -744,13 +727,8 @@ mod tests {
         // A release comes later: its entry reads the log first.
         let ticket = cache.write(&c, &h, 0, |s| s.add(0, 1, 10)).unwrap();
         cache.refresh(&c, &h);
-        let (reads, writes) = (shared_reads(&h), h.host_calls("shared_set"));
-        cache.write_as_routed(&c, &h, 0, |s| {
-            s.release(&ticket);
-            Some(())
-        });
         assert_eq!(
-            (shared_reads(&h) - reads, h.host_calls("shared_set") - writes),
+            give_back(&mut cache, &c, &h, &ticket),
             (1, 2),
             "the log read, the state and the log written"
         );
