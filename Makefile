@@ -19,7 +19,7 @@ help:
 	@echo "make bench-full  - everything for the committed results (~6 h; dprank-bench full --resume continues one)"
 	@echo "make gateways-figure - redraw bench-results/gateways-ttft-p99.png from the stored several-gateways runs (seconds)"
 	@echo "make build  - build the filter ($(WASM)), the simulator and the bench tool"
-	@echo "make image  - package the filter as an OCI image $(IMAGE) (needs a Docker engine; IMAGE=registry/name:tag)"
+	@echo "make image  - build the filter in Docker and package it as an OCI image $(IMAGE) (needs a Docker engine; IMAGE=registry/name:tag)"
 	@echo "make wasm   - build $(WASM)"
 	@echo "make lint   - rustfmt, clippy (unwrap/expect/panic denied outside tests), ruff for the Python"
 
@@ -81,7 +81,8 @@ gateways-figure: tools
 	  --series "tenants, today's rule (1000 ms polls);bench-results/gateways-tenants-plain;dprank:gw=1,dprank:gw=4,dprank:gw=8;dprank:gw=1" \
 	  --series "tenants, each tenant kept on one gateway, today's rule;bench-results/gateways-tenants-affine;dprank:gw=1,dprank:gw=4:spread=tenant,dprank:gw=8:spread=tenant;dprank:gw=1"
 
-image: wasm
+# Builds the filter from source inside Docker (docker/wasm-image.Dockerfile).
+image:
 	docker build -f docker/wasm-image.Dockerfile -t $(IMAGE) .
 
 clean:
