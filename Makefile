@@ -12,7 +12,7 @@ IMAGE ?= dprank-wasm:$(VERSION)
 
 help:
 	@echo "make demo   - one seeded trace through Envoy round robin, then Envoy + dprank, side by side"
-	@echo "make test   - every test: unit, simulator, end-to-end in a real Envoy, deployment files, fuzz smoke"
+	@echo "make test   - every test: unit, simulator, end-to-end in a real Envoy, doc links, deployment files, fuzz smoke"
 	@echo "make bench  - headline tables (54 min measured): dprank vs round robin, SGLang's balancer, smg, the oracle; overhead"
 	@echo "make bench-pd    - PD fleet: dprank vs the old rule vs smg, equal freshness and defaults (~9 min)"
 	@echo "make bench-quick - a quick look (~6 min)"
@@ -47,7 +47,7 @@ lint: setup
 	$(RUFF) check $(PY_SOURCES)
 	$(RUFF) format --check $(PY_SOURCES)
 
-# Rust, the scripts' Python, deployment files, fuzz smoke; ends with a summary.
+# Rust, the scripts' Python, doc links, deployment files, fuzz smoke; ends with a summary.
 test: setup wasm tools lint
 	./scripts/test.sh 15
 
