@@ -30,7 +30,7 @@ DEFAULT_FILES = [
 
 FENCE = re.compile(r"^ {0,3}(`{3,}|~{3,})")
 HEADING = re.compile(r"^ {0,3}(#{1,6})[ \t]+(.*?)[ \t]*#*[ \t]*$")
-CODE_SPAN = re.compile(r"(`+)(.+?)\1")
+CODE_SPAN = re.compile(r"(`+)((?:[^`\n]|\n(?!\s*\n)|(?!\1)`+)+?)\1")
 # [text](target "title") and ![alt](target); the text may hold one level of
 # brackets (an image inside a link).
 INLINE_LINK = re.compile(
@@ -60,20 +60,25 @@ def slug(heading):
     return "".join(out)
 
 
-def lines_outside_code(text):
-    """(line number, line) for each line not in a fenced code block, with
-    code spans blanked out."""
+def outside_code(text):
+    """The text with fenced code blocks and code spans blanked out (line
+    breaks kept, so positions map to the same line numbers). A code span may
+    continue on the next line, as in Markdown, but not across a blank line."""
+    kept = []
     fence = None
-    for number, line in enumerate(text.splitlines(), 1):
+    for line in text.split("\n"):
         m = FENCE.match(line)
         if fence:
             if m and m.group(1)[0] == fence[0] and len(m.group(1)) >= len(fence):
                 fence = None
+            kept.append("")
             continue
         if m:
             fence = m.group(1)
+            kept.append("")
             continue
-        yield number, CODE_SPAN.sub(lambda s: " " * len(s.group(0)), line)
+        kept.append(line)
+    return CODE_SPAN.sub(lambda s: re.sub(r"[^\n]", " ", s.group(0)), "\n".join(kept))
 
 
 def anchors(text):
@@ -102,13 +107,17 @@ def anchors(text):
 
 
 def links(text):
-    """(line number, target) for every link and image of a Markdown text."""
-    for number, line in lines_outside_code(text):
-        for m in INLINE_LINK.finditer(line):
-            yield number, m.group(1)
+    """(line number, target) for every link and image of a Markdown text,
+    including links whose text runs over several lines."""
+    masked = outside_code(text)
+    found = [(m.start(1), m.group(1)) for m in INLINE_LINK.finditer(masked)]
+    offset = 0
+    for line in masked.split("\n"):
         m = REFERENCE_DEF.match(line)
         if m:
-            yield number, m.group(1)
+            found.append((offset + m.start(1), m.group(1)))
+        offset += len(line) + 1
+    return [(masked.count("\n", 0, pos) + 1, target) for pos, target in sorted(found)]
 
 
 def check_file(path, root=ROOT, anchor_cache=None):

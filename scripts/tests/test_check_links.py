@@ -52,6 +52,10 @@ class Links(unittest.TestCase):
             ],
         )
 
+    def test_link_text_over_two_lines_and_code_spans_over_two_lines(self):
+        text = "Intro line\nsee [the\nguide](docs/a.md) and `a code\nspan [no](x.md)` then [b](b.md)\n\n`open\n\n[c](c.md)\n"
+        self.assertEqual(list(cl.links(text)), [(3, "docs/a.md"), (4, "b.md"), (8, "c.md")])
+
     def test_code_is_not_a_link(self):
         text = "`[no](missing.md)` and\n```\n[no](missing.md)\n```\n~~~~\n```\n[no](x)\n~~~~\n[yes](y.md)\n"
         self.assertEqual(list(cl.links(text)), [(9, "y.md")])
