@@ -45,10 +45,8 @@
 //! healthy, so on a healthy fleet it is empty, routing reads a few bytes and
 //! a successful request writes nothing.
 
-pub mod observe;
-
+use crate::codec::Record;
 use crate::config::PassiveHealth;
-use crate::scheduler::{Slot, REMOVED};
 use serde::{Deserialize, Serialize};
 use std::net::SocketAddr;
 
@@ -250,6 +248,14 @@ pub struct Health {
     pub envoy_unhealthy: Vec<SocketAddr>,
 }
 
+/// Kept at `<p>.health` (`store.rs`).
+impl Record for Health {
+    const TAG: [u8; 4] = *b"DPH1";
+    fn within_limits(&self) -> bool {
+        Health::within_limits(self)
+    }
+}
+
 /// A record with nothing in it (every worker in rotation).
 pub static NO_HEALTH: Health = Health {
     entries: Vec::new(),
@@ -287,26 +293,22 @@ impl Health {
         self.entries.iter().any(|e| e.phase(now_ms) == Phase::Probing)
     }
 
-    /// For the scheduler: false when `worker` may not be chosen at all;
-    /// otherwise clears the slots of its ranks that may not be.
-    pub fn admit(&self, worker: SocketAddr, now_ms: u64, admit_probing: bool, ranks: &mut [Slot]) -> bool {
-        if self.envoy_unhealthy.contains(&worker) {
-            return false;
-        }
-        for e in self.entries.iter().filter(|e| e.target.worker == worker) {
-            if e.admits(now_ms, admit_probing) {
-                continue;
-            }
-            match e.target.rank {
-                None => return false,
-                Some(rank) => {
-                    if let Some(slot) = ranks.get_mut(rank as usize) {
-                        *slot = REMOVED;
-                    }
-                }
-            }
-        }
-        true
+    /// Whether `worker` may be chosen now (a probe only if `admit_probing`):
+    /// None when not at all, else the ranks of it that may not be.
+    pub fn admitted(
+        &self,
+        worker: SocketAddr,
+        now_ms: u64,
+        admit_probing: bool,
+    ) -> Option<impl Iterator<Item = u32> + '_> {
+        let closed = move |e: &&Entry| e.target.worker == worker && !e.admits(now_ms, admit_probing);
+        let whole_out = self.envoy_unhealthy.contains(&worker)
+            || self
+                .entries
+                .iter()
+                .filter(closed)
+                .any(|e| e.target.rank.is_none());
+        (!whole_out).then(|| self.entries.iter().filter(closed).filter_map(|e| e.target.rank))
     }
 
     /// A worker's standing for its gauge (its ranks are not shown there).

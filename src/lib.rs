@@ -12,12 +12,15 @@
 //! `filter` only translates callbacks.
 
 pub mod body;
+pub mod codec;
 pub mod config;
+pub mod cost;
 pub mod discovery;
 pub mod envoy_host;
 pub mod filter;
 pub mod headers;
 pub mod health;
+pub mod health_updates;
 pub mod host;
 pub mod load;
 pub mod metrics;

@@ -4,7 +4,7 @@
 
 use crate::config::{Config, Discovery, LoadEndpoint, Worker};
 use crate::discovery;
-use crate::health::observe;
+use crate::health_updates;
 use crate::host::{Callout, Host};
 use crate::load::{parse_load_details, LoadError, LoadReport};
 use crate::metrics::{self, PerWorker};
@@ -125,7 +125,7 @@ impl Poller {
         if let Some(envoy_health) = &config.envoy_health {
             self.dispatch_admin(config, envoy_health, Call::EnvoyHealth, host);
         }
-        observe::poll_round(config, host);
+        health_updates::poll_round(config, host);
         let now = host.now_ms();
         let states = store::read_worker_states(config, host);
         // Every worker's state is written here at once: logged in one append.
@@ -304,7 +304,7 @@ impl Poller {
             Ok(report) => {
                 apply_report(config, host, index, w, call.seq, report);
                 self.create_index(config, host, index, w);
-                observe::poll_answered(config, host, w.address);
+                health_updates::poll_answered(config, host, w.address);
                 if store::set_refused(config, host, w.address, false) {
                     log::info!("{} reports sensible ranks again", w.endpoint());
                 }
@@ -315,7 +315,7 @@ impl Poller {
                 // Envoy answers 503 itself when it cannot connect; 502/504
                 // say the same from a proxy in between.
                 if matches!(status, None | Some(502..=504)) {
-                    observe::poll_unanswered(config, host, w.address);
+                    health_updates::poll_unanswered(config, host, w.address);
                 }
                 if self.healthy.get(&call.worker) != Some(&false) {
                     log::warn!(
@@ -412,7 +412,7 @@ fn on_envoy_health_response(config: &Config, host: &dyn Host, status: Option<u32
         None => Err("admin did not answer".to_string()),
     };
     match unhealthy {
-        Ok(list) => observe::set_envoy_unhealthy(config, host, list),
+        Ok(list) => health_updates::set_envoy_unhealthy(config, host, list),
         Err(e) => {
             // The last view stays: a lost admin read makes nobody healthy or unhealthy.
             host.count(metrics::ENVOY_HEALTH_FAILED, 1);

@@ -10,7 +10,7 @@
 
 use crate::config::{Config, Transport};
 use crate::discovery::Membership;
-use crate::health::observe::{self, Watch};
+use crate::health_updates::{self, Watch};
 use crate::host::{Callout, HeaderMap, Host};
 use crate::poller::POLL_DESTINATION_HEADER;
 use crate::router::{self, route_value, Chosen, Decision, PassReason, PdRouted, Reply, Routed};
@@ -250,7 +250,7 @@ impl Request {
             router::prefill_started(&self.config, host, &mut self.routing.states.borrow_mut(), &charge);
         }
         if let Some(watch) = self.watch.take() {
-            observe::request_ended(&self.config, host, &watch);
+            health_updates::request_ended(&self.config, host, &watch);
         }
     }
 

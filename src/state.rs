@@ -12,8 +12,11 @@
 /// Tokens value stored for a rank the report said nothing usable about.
 const UNKNOWN: u64 = u64::MAX;
 
+mod load_table;
 mod prefill;
 
+use crate::codec::Record;
+pub use load_table::LoadTable;
 pub use prefill::{Charge, PrefillState, PrefillTicket, RankFigures};
 use serde::{Deserialize, Serialize};
 
@@ -30,7 +33,7 @@ pub struct WorkerState {
     /// `load_endpoint: auto` found no `/v1/loads` here: poll `/get_load`.
     pub get_load_only: bool,
     /// Polled tokens per rank, `UNKNOWN` where the report had no usable figure.
-    #[serde(with = "crate::store::words")]
+    #[serde(with = "crate::codec::words")]
     tokens: Vec<u64>,
     /// Estimates of requests not yet covered by a snapshot, by poll bucket.
     pending: Vec<Pending>,
@@ -41,8 +44,16 @@ pub struct WorkerState {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 struct Pending {
     seq: u64,
-    #[serde(with = "crate::store::words")]
+    #[serde(with = "crate::codec::words")]
     tokens: Vec<u64>,
+}
+
+/// Kept at `<p>.w.<ip:port>` (`store.rs`).
+impl Record for WorkerState {
+    const TAG: [u8; 4] = *b"DPW6";
+    fn within_limits(&self) -> bool {
+        WorkerState::within_limits(self)
+    }
 }
 
 /// What a routed request must give back when it ends.

@@ -9,11 +9,12 @@ use std::time::Instant;
 
 use clap::Args;
 use dprank::body::JsonObject;
+use dprank::codec;
 use dprank::config::{Config, StateReads, Worker};
 use dprank::health::Health;
 use dprank::host::{Callout, HeaderMap, Host, SharedSetError};
-use dprank::scheduler::{choose, choose_with_alternates, Constraint, Context, Loads, Pool};
-use dprank::state::{Ticket, WorkerState};
+use dprank::scheduler::{choose, choose_with_alternates, Constraint, Context, Pool};
+use dprank::state::{LoadTable, Ticket, WorkerState};
 use dprank::store::{self, cache::StateCache, IfMissing};
 use std::cell::{Cell, RefCell};
 use std::rc::Rc;
@@ -276,7 +277,11 @@ pub fn selection(args: &SelectionArgs, command_line: &str) -> Result<(), String>
             gateways: config.gateways,
             affinity: None,
         };
-        fn pool<'a>(workers: &'a [Worker], states: &'a [Option<WorkerState>], loads: &'a Loads) -> Pool<'a> {
+        fn pool<'a>(
+            workers: &'a [Worker],
+            states: &'a [Option<WorkerState>],
+            loads: &'a LoadTable,
+        ) -> Pool<'a> {
             Pool {
                 workers,
                 states,
@@ -284,7 +289,7 @@ pub fn selection(args: &SelectionArgs, command_line: &str) -> Result<(), String>
                 offset: 0,
             }
         }
-        let loads = Loads::of(&states);
+        let loads = LoadTable::of(&states);
         let mut tie = 0u64;
         let select = time_ns(args.batches, || {
             tie = tie.wrapping_add(1);
@@ -310,7 +315,7 @@ pub fn selection(args: &SelectionArgs, command_line: &str) -> Result<(), String>
                 Some(s)
             })
             .collect();
-        let even_loads = Loads::of(&even);
+        let even_loads = LoadTable::of(&even);
         let even_alternates = time_ns(args.batches, || {
             tie = tie.wrapping_add(1);
             let pool = pool(workers, &even, &even_loads);
@@ -333,7 +338,7 @@ pub fn selection(args: &SelectionArgs, command_line: &str) -> Result<(), String>
                     .dp_size
                     .map_or(state.ranks(), |dp| state.ranks().min(dp as usize));
                 for &load in loads.worker(index).iter().take(ranks) {
-                    if load != dprank::scheduler::REMOVED && best.is_none_or(|b| load < b) {
+                    if load != dprank::cost::REMOVED && best.is_none_or(|b| load < b) {
                         best = Some(load);
                     }
                 }
@@ -342,11 +347,11 @@ pub fn selection(args: &SelectionArgs, command_line: &str) -> Result<(), String>
         });
         // What the filter did per request around the choice before its
         // cache: decode every worker's state, choose, re-encode the chosen one.
-        let encoded: Vec<Vec<u8>> = states.iter().flatten().map(store::encode).collect();
+        let encoded: Vec<Vec<u8>> = states.iter().flatten().map(codec::encode).collect();
         let uncached = time_ns(args.batches, || {
             tie = tie.wrapping_add(1);
-            let decoded: Vec<Option<WorkerState>> = encoded.iter().map(|b| store::decode(b)).collect();
-            let loads = Loads::of(&decoded);
+            let decoded: Vec<Option<WorkerState>> = encoded.iter().map(|b| codec::decode(b)).collect();
+            let loads = LoadTable::of(&decoded);
             let Some(choice) = choose(&pool(workers, &decoded, &loads), &ctx(tie)) else {
                 return 0;
             };
@@ -356,7 +361,7 @@ pub fn selection(args: &SelectionArgs, command_line: &str) -> Result<(), String>
                 .flatten()
                 .unwrap_or_default();
             state.add(choice.worker, choice.rank, 100);
-            store::encode(&state).len() as u64
+            codec::encode(&state).len() as u64
         });
         // What it does now, through a host: the VM's cache, the choice, the
         // estimate's write, and the release of the request before. Each
@@ -368,7 +373,7 @@ pub fn selection(args: &SelectionArgs, command_line: &str) -> Result<(), String>
         let host_of = |states: &[Option<WorkerState>]| {
             let host = MemoryHost::default();
             for (w, state) in config.routed().iter().zip(states.iter().flatten()) {
-                let _ = host.shared_set(&keys.worker(&w.address), &store::encode(state), None);
+                let _ = host.shared_set(&keys.worker(&w.address), &codec::encode(state), None);
             }
             host
         };

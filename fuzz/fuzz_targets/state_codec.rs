@@ -1,4 +1,4 @@
-//! The shared-data codec (`store.rs`) of `WorkerState`, and the accounting it carries.
+//! The shared-data codec (`codec.rs`) of `WorkerState`, and the accounting it carries.
 //!
 //! Properties:
 //! - `store::decode` never panics on arbitrary bytes; what it accepts
@@ -20,7 +20,7 @@
 use arbitrary::{Arbitrary, Result, Unstructured};
 use dprank::config::MAX_DP_SIZE;
 use dprank::state::{Ticket, WorkerState};
-use dprank::store::{decode, encode};
+use dprank::codec::{decode, encode};
 use libfuzzer_sys::fuzz_target;
 
 #[derive(Debug)]

@@ -373,7 +373,7 @@ fn membership_is_read_from_the_admin_api_and_published() {
         .is_some_and(|(b, _)| b.is_empty()));
     let published = h.shared_get(&Keys::of(&base).members()).unwrap().0;
     assert_eq!(
-        store::decode(&published),
+        crate::codec::decode(&published),
         Some(Members(vec!["10.0.0.2:1".parse().unwrap()]))
     );
     assert_eq!(h.counter("dprank.membership_changes"), 2);
@@ -405,7 +405,8 @@ fn a_reloaded_configuration_takes_the_lease_at_once() {
 
 #[test]
 fn a_worker_ejected_for_broken_streams_then_gone_returns_at_its_first_good_poll() {
-    use crate::health::{observe, Outcome, Phase, Target};
+    use crate::health::{Outcome, Phase, Target};
+    use crate::health_updates as observe;
     let (c, h, mut p) = first_round("");
     let a = Target {
         worker: c.routed()[0].address,

@@ -6,10 +6,12 @@
 
 use super::blocks::PromptBlocks;
 use super::index::{IndexRecord, IndexView};
+use crate::codec::decode_view;
 use crate::config::{Config, Prefix};
+use crate::cost::weighted;
 use crate::host::Host;
 use crate::state::Charge;
-use crate::store::{self, decode_view};
+use crate::store;
 use std::cell::RefCell;
 use std::fmt;
 
@@ -132,13 +134,13 @@ impl<'a> Affinity<'a> {
 
     /// Adds `uncached_weight` x the prompt tokens each rank of pool worker
     /// `worker` is thought not to hold to its slot.
-    pub fn add_uncached(&self, worker: usize, costs: &mut [crate::scheduler::Slot]) {
+    pub fn add_uncached(&self, worker: usize, costs: &mut [crate::cost::Slot]) {
         let total = self.prompt.tokens();
         let weight = self.settings.uncached_weight;
         self.with_cached(worker, |cached| {
             for (rank, cost) in costs.iter_mut().enumerate() {
                 let held = cached.get(rank).copied().unwrap_or(0);
-                crate::scheduler::add_cost(cost, weighted(total.saturating_sub(held), weight));
+                crate::cost::add_cost(cost, weighted(total.saturating_sub(held), weight));
             }
         });
     }
@@ -180,14 +182,5 @@ impl<'a> Affinity<'a> {
                     .then_some(record)
             },
         );
-    }
-}
-
-/// `tokens x weight`, rounded.
-pub fn weighted(tokens: u64, weight: f64) -> u64 {
-    if weight == 1.0 {
-        tokens
-    } else {
-        (tokens as f64 * weight).round() as u64
     }
 }

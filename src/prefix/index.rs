@@ -20,9 +20,9 @@
 //! entries when the rank reports far fewer cache hits than the index
 //! expected (`state/prefill.rs`).
 
-use crate::config::prefix::MAX_BLOCKS_PER_RANK;
+use crate::codec::{bytes, Record, RecordView};
+use crate::config::prefix::{MAX_BLOCKS_PER_RANK, MAX_TTL_MS};
 use crate::config::MAX_DP_SIZE;
-use crate::store::bytes;
 use serde::{Deserialize, Serialize};
 
 /// Milliseconds per stamp unit.
@@ -30,8 +30,6 @@ pub const STAMP_MS: u64 = 100;
 /// A stamp is refreshed (and the record written) when a routed prompt
 /// finds its blocks older than this; fresher ones are left as they are.
 pub const TOUCH_AFTER_MS: u64 = 1000;
-/// Longest TTL the stamps can express with room to spare (an hour).
-pub const MAX_TTL_MS: u64 = 3_600_000;
 /// Rebase the stamps when they reach this many units (of 65535).
 const REBASE_AFTER_UNITS: u64 = 60_000;
 /// A rebased or fresh record's base lies this far back (in units), so deeper
@@ -41,6 +39,10 @@ const BASE_MARGIN_UNITS: u64 = 16;
 const MAX_DEPTH_OFFSET: u16 = 7;
 /// Bytes of a stored key (the top 24 bits of a block hash).
 const KEY_BYTES: usize = 3;
+// The longest TTL, the base's margin and the deepest offset fit below the
+// rebase point: a live stamp is never cut off by a rebase.
+const _: () =
+    assert!(MAX_TTL_MS / STAMP_MS + BASE_MARGIN_UNITS + MAX_DEPTH_OFFSET as u64 <= REBASE_AFTER_UNITS);
 
 /// The stored form of a worker's index (tag `DPX1`), built to write.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -75,6 +77,18 @@ pub struct IndexView<'a> {
 pub struct RankView<'a> {
     keys: &'a [u8],
     stamps: &'a [u8],
+}
+
+/// Kept at `<p>.px.<ip:port>` (`store.rs`).
+impl Record for IndexRecord {
+    const TAG: [u8; 4] = *b"DPX1";
+}
+
+impl<'a> RecordView<'a> for IndexView<'a> {
+    const TAG: [u8; 4] = IndexRecord::TAG;
+    fn within_limits(&self) -> bool {
+        IndexView::within_limits(self)
+    }
 }
 
 /// The stored key of a block hash.
@@ -391,7 +405,7 @@ impl IndexRecord {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::store::{decode_view, encode};
+    use crate::codec::{decode_view, encode};
 
     const NOW: u64 = 1_800_000_000_000;
     const TTL: u64 = 60_000;

@@ -429,7 +429,7 @@ fn with_every_worker_out_of_rotation_requests_pass_through_until_a_poll_reaches_
         );
         // b answers its load poll: probed at once, and (nothing else being in
         // rotation) by every request until it answers one.
-        crate::health::observe::poll_answered(&c, &h, "127.0.0.1:2".parse().unwrap());
+        crate::health_updates::poll_answered(&c, &h, "127.0.0.1:2".parse().unwrap());
         let route = routed_and_ended(&c, &h, 200, "via_upstream", "127.0.0.1:2", 1);
         assert_eq!(route, "127.0.0.1:2", "a is still out: no alternate");
         let route = routed_and_ended(&c, &h, 200, "via_upstream", "127.0.0.1:2", 1);

@@ -3,10 +3,11 @@
 
 use super::testing::*;
 use super::*;
+use crate::codec::decode_view;
 use crate::host::fake::FakeHost;
 use crate::host::memory::{MemoryHost, SharedData};
 use crate::prefix::index::IndexView;
-use crate::store::{decode_view, read_worker_states, Keys};
+use crate::store::{read_worker_states, Keys};
 
 /// Routes with a fresh copy of the states, as a VM that has not routed before.
 fn route(c: &Rc<Config>, h: &dyn Host, body: &[u8], pin: Option<&str>, tie_breaker: u64) -> Decision {

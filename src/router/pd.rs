@@ -8,8 +8,8 @@ use super::{
 };
 use crate::body::bootstrap_fields;
 use crate::config::{Config, Pd, RankOf};
-use crate::health::observe;
 use crate::health::{classify, targets, Outcome};
+use crate::health_updates;
 use crate::host::Host;
 use crate::metrics::{self, PerWorker};
 use crate::scheduler::Constraint;
@@ -215,7 +215,7 @@ pub fn prefill_health(
         return;
     }
     let observed = targets(w.address, rank, outcome);
-    observe::record(config, host, &observed, routed_at_ms, false);
+    health_updates::record(config, host, &observed, routed_at_ms, false);
 }
 
 /// The prefill leg could not even be dispatched (Envoy refused the call).

@@ -1,6 +1,6 @@
 //! Shortcut `bound`: when every scorer only adds to a rank's load (the load
 //! scorer unweighted, `peers`: no prefix affinity), no cost a worker's ranks
-//! can carry is below its least load (`Loads::least`; filters only remove).
+//! can carry is below its least load (`LoadTable::least`; filters only remove).
 //! A worker whose least load is above what the picker could still take and
 //! whose ranks' loads are not below their bars in the alternates' collector
 //! changes nothing when offered, so it is passed over before its steps run
@@ -15,7 +15,8 @@
 
 use super::by_rank::ByRank;
 use super::least_cost::ties;
-use super::{offered_ranks, Context, Filter, Loads, Picker, Step, Steps, WorkerView};
+use super::{offered_ranks, Context, Filter, Picker, Step, Steps, WorkerView};
+use crate::state::LoadTable;
 
 /// Whether every cost is at least its rank's load: without prefix
 /// affinity the scorers are `LOAD_SCORERS` (`Steps::of`), the load
@@ -46,11 +47,11 @@ impl Reach {
     }
 }
 
-/// What offering worker `at` (a `Loads` index) could change: the picker
+/// What offering worker `at` (a `LoadTable` index) could change: the picker
 /// unless its least load is above the picker's bound, `by_rank` unless no
 /// rank's load is below that rank's bar.
 #[inline(always)]
-pub(super) fn reach(loads: &Loads, at: usize, picker: &impl Picker, by_rank: Option<&ByRank>) -> Reach {
+pub(super) fn reach(loads: &LoadTable, at: usize, picker: &impl Picker, by_rank: Option<&ByRank>) -> Reach {
     let least = loads.least(at);
     let reach = Reach {
         picker: least <= picker.bound(),
@@ -112,7 +113,7 @@ mod tests {
 
     #[test]
     fn passes_over_workers_that_cannot_enter_the_pick_or_the_alternates() {
-        let loads = Loads::of(&[Some(state(&[5, 9], 1000)), Some(state(&[7, 8], 1000)), None]);
+        let loads = LoadTable::of(&[Some(state(&[5, 9], 1000)), Some(state(&[7, 8], 1000)), None]);
         let plain = ctx(Constraint::default());
         let passes_over = |at, picker: &LeastCost, by_rank| reach(&loads, at, picker, by_rank).nothing();
         let mut picker = LeastCost::new(&plain);
@@ -185,7 +186,7 @@ mod tests {
         let w = [worker("a", 1, None), worker("b", 2, Some(2))];
         let states = [state(&[4, 4, 4], 1000), state(&[4, 4, 4], 1000), state(&[4], 0)];
         let all: Vec<_> = states.iter().cloned().map(Some).collect();
-        let loads = Loads::of(&all);
+        let loads = LoadTable::of(&all);
         let view = |i: usize, worker| WorkerView {
             index: i,
             worker,

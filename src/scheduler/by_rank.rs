@@ -3,7 +3,8 @@
 //! `choose_with_alternates` finds the retry alternates of the rank it picks
 //! in the pass that picks it, instead of a second pass over the fleet.
 
-use super::{Candidate, Slot, REMOVED};
+use super::Candidate;
+use crate::cost::{Slot, REMOVED};
 
 /// An empty place in a rank's list: dearer than any cost offered.
 const EMPTY: (Slot, usize) = (REMOVED, 0);

@@ -11,6 +11,7 @@
 use super::least_cost::{mix, next_take};
 use super::testing::{eject, loads_at, state, worker};
 use super::*;
+use crate::cost::MAX_COST;
 use crate::health::Target;
 
 /// A small deterministic generator (splitmix64 steps).
@@ -30,7 +31,7 @@ impl Draw {
 }
 
 /// Each worker's candidates as the policy defines them, costs from the
-/// state (not from `Loads`): `REMOVED` for a rank that may not be chosen.
+/// state (not from `LoadTable`): `REMOVED` for a rank that may not be chosen.
 fn candidates(pool: &Pool, ctx: &Context) -> Vec<(usize, Vec<Slot>)> {
     let mut out = Vec::new();
     for (index, (w, state)) in pool.workers.iter().zip(pool.states).enumerate() {
@@ -42,11 +43,13 @@ fn candidates(pool: &Pool, ctx: &Context) -> Vec<(usize, Vec<Slot>)> {
             .dp_size
             .map_or(state.ranks(), |dp| state.ranks().min(dp as usize));
         let mut slots = vec![0; ranks];
-        if !ctx
-            .health
-            .admit(w.address, ctx.now_ms, ctx.admit_probing, &mut slots)
-        {
+        let Some(ranks_out) = ctx.health.admitted(w.address, ctx.now_ms, ctx.admit_probing) else {
             continue;
+        };
+        for rank in ranks_out {
+            if let Some(slot) = slots.get_mut(rank as usize) {
+                *slot = REMOVED;
+            }
         }
         if let Some(only) = ctx.constraint.only_rank {
             let only = only as usize;

@@ -2,7 +2,8 @@
 //! that were never polled, or that are out of rotation (a request to them
 //! failed to connect).
 
-use super::{Context, Filter, Slot, WorkerView};
+use super::{Context, Filter, WorkerView};
+use crate::cost::Slot;
 
 pub struct Fresh;
 

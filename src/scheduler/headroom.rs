@@ -6,9 +6,10 @@
 //! minima while a clearly cheaper candidate still takes nearly every request.
 
 use super::least_cost::mix;
-use super::{Candidate, Context, Picker, Slot, REMOVED};
+use super::{Candidate, Context, Picker};
 use crate::config::gateways::MAX_CHOICES;
 use crate::config::Pick;
+use crate::cost::{Slot, REMOVED};
 
 /// Salt for the draw, apart from `least_cost`'s tie sampling.
 const DRAW_SALT: u64 = 0xA076_1D64_78BD_642F;

@@ -2,7 +2,8 @@
 //! passive health ejected, and clears ejected ranks (`health.rs`). A worker
 //! or rank past its cooldown stays only for the requests that may probe it.
 
-use super::{Context, Filter, Slot, WorkerView};
+use super::{Context, Filter, WorkerView};
+use crate::cost::{Slot, REMOVED};
 
 pub struct Healthy;
 
@@ -13,8 +14,18 @@ impl Filter for Healthy {
     }
 
     fn filter(&self, ctx: &Context, worker: &WorkerView, ranks: &mut [Slot]) -> bool {
-        ctx.health
-            .admit(worker.worker.address, ctx.now_ms, ctx.admit_probing, ranks)
+        let Some(ranks_out) = ctx
+            .health
+            .admitted(worker.worker.address, ctx.now_ms, ctx.admit_probing)
+        else {
+            return false;
+        };
+        for rank in ranks_out {
+            if let Some(slot) = ranks.get_mut(rank as usize) {
+                *slot = REMOVED;
+            }
+        }
+        true
     }
 }
 

@@ -6,7 +6,8 @@
 //! its own; a rank this gateway's index says holds the prompt pays less.
 
 use super::least_cost::mix;
-use super::{add_cost, Context, Scorer, Slot, WorkerView};
+use super::{Context, Scorer, WorkerView};
+use crate::cost::{add_cost, Slot};
 use std::net::{IpAddr, SocketAddr};
 
 /// The share's resolution: a rank pays `uncached x h / SHARES`, `h` in 0..SHARES.
@@ -54,7 +55,7 @@ fn endpoint_key(address: &SocketAddr) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::super::testing::*;
-    use super::super::{Constraint, Loads, WorkerView};
+    use super::super::{Constraint, LoadTable, WorkerView};
     use super::*;
     use crate::body::JsonObject;
     use crate::config::Config;
@@ -71,7 +72,7 @@ mod tests {
         let affinity = prefix_affinity(&config, &settings, &h, prompt, 0);
         let w = worker("a", port, None);
         let s = state(&[0; 8], 1000);
-        let loads = Loads::of(std::slice::from_ref(&Some(s.clone())));
+        let loads = LoadTable::of(std::slice::from_ref(&Some(s.clone())));
         let view = WorkerView {
             index: 0,
             worker: &w,

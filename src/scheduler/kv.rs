@@ -4,8 +4,8 @@
 //! requests sent since the poll). A full rank admits a request only as
 //! running ones finish, which its queued prefill does not show.
 
-use super::{add_cost, Context, Scorer, Slot, WorkerView};
-use crate::prefix::affinity::weighted;
+use super::{Context, Scorer, WorkerView};
+use crate::cost::{add_cost, weighted, Slot};
 
 pub struct Kv;
 

@@ -4,7 +4,8 @@
 //! spread instead of all landing on rank 0, and an idle fleet's thousands of
 //! ties cost a count each rather than a draw each.
 
-use super::{Candidate, Context, Picker, Slot, REMOVED};
+use super::{Candidate, Context, Picker};
+use crate::cost::{Slot, REMOVED};
 
 /// The least cost offered so far, ties sampled uniformly.
 pub struct LeastCost {

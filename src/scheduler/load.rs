@@ -1,10 +1,10 @@
 //! Scorer `load`: adds each rank's effective tokens (the last polled figure
 //! plus the estimates of requests the poll has not seen yet, as derived in
-//! `Loads`); a rank the report gave no usable figure for is removed. Under
+//! `LoadTable`); a rank the report gave no usable figure for is removed. Under
 //! prefix affinity the tokens are weighted by `prefix_load_weight`.
 
-use super::{add_cost, Context, Scorer, Slot, WorkerView, MAX_COST, REMOVED};
-use crate::prefix::affinity::weighted;
+use super::{Context, Scorer, WorkerView};
+use crate::cost::{add_cost, weighted, Slot, MAX_COST, REMOVED};
 
 pub struct Load;
 
@@ -58,7 +58,7 @@ mod tests {
 
     fn score(state: &WorkerState, mut costs: Vec<Slot>) -> Vec<Slot> {
         let w = worker("a", 1, None);
-        let loads = super::super::Loads::of(std::slice::from_ref(&Some(state.clone())));
+        let loads = super::super::LoadTable::of(std::slice::from_ref(&Some(state.clone())));
         let view = WorkerView {
             index: 0,
             worker: &w,
@@ -109,7 +109,7 @@ mod tests {
         let affinity = prefix_affinity(&config, &settings, &h, PromptBlocks::default(), 0);
         let w = worker("a", 1, None);
         let s = state(&[100, 7, 0], 1000);
-        let loads = super::super::Loads::of(std::slice::from_ref(&Some(s.clone())));
+        let loads = super::super::LoadTable::of(std::slice::from_ref(&Some(s.clone())));
         let view = WorkerView {
             index: 0,
             worker: &w,

@@ -30,19 +30,17 @@ mod home;
 mod kv;
 mod least_cost;
 mod load;
-mod loads;
 mod only_rank;
 mod peers;
 mod pinned;
 mod prefix;
 mod queue;
 
-pub use loads::Loads;
-
 use crate::config::{Pick, Worker};
+use crate::cost::{Slot, REMOVED};
 use crate::health::Health;
 use crate::prefix::Affinity;
-use crate::state::WorkerState;
+use crate::state::{LoadTable, WorkerState};
 
 /// Filters, in order: the first that drops a worker ends its turn.
 const FILTERS: &[Step] = &[Step::Fresh, Step::Healthy, Step::OnlyRank, Step::Pinned];
@@ -148,21 +146,6 @@ impl Scorer for Step {
 // The picker takes one candidate from those left, as `pick` says:
 // `least_cost`, or `headroom` among the few cheapest (`choose`).
 
-/// A candidate's cost slot: its cost so far, or [`REMOVED`].
-pub type Slot = u64;
-/// The slot of a candidate a step removed. Costs saturate just below it.
-pub const REMOVED: Slot = u64::MAX;
-/// The highest cost a candidate can carry.
-pub const MAX_COST: Slot = u64::MAX - 1;
-
-/// Adds `extra` to a candidate's cost (saturating at `MAX_COST`); a removed
-/// candidate stays removed.
-pub fn add_cost(slot: &mut Slot, extra: u64) {
-    if *slot != REMOVED {
-        *slot = slot.saturating_add(extra).min(MAX_COST);
-    }
-}
-
 /// A (worker, rank) a request could be sent to, with its cost (for now, the
 /// rank's effective tokens).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -181,7 +164,7 @@ pub struct Pool<'a> {
     pub states: &'a [Option<WorkerState>],
     /// The loads derived from the states, indexed like `Config::all_workers`
     /// (`workers[0]` is at `offset`).
-    pub loads: &'a Loads,
+    pub loads: &'a LoadTable,
     /// Index of `workers[0]` in `Config::all_workers`.
     pub offset: usize,
 }
@@ -222,7 +205,7 @@ pub struct WorkerView<'a> {
     pub index: usize,
     pub worker: &'a Worker,
     pub state: &'a WorkerState,
-    /// Effective tokens per rank its state lists (`Loads`; `REMOVED` for a
+    /// Effective tokens per rank its state lists (`LoadTable`; `REMOVED` for a
     /// rank without a usable figure).
     pub loads: &'a [Slot],
 }
@@ -619,10 +602,10 @@ pub(crate) mod testing {
     }
 
     /// The loads of a pool whose first worker sits at `offset`.
-    pub fn loads_at(offset: usize, states: &[Option<WorkerState>]) -> Loads {
+    pub fn loads_at(offset: usize, states: &[Option<WorkerState>]) -> LoadTable {
         let mut all = vec![None; offset];
         all.extend_from_slice(states);
-        Loads::of(&all)
+        LoadTable::of(&all)
     }
 
     /// Runs one filter on a worker with `ranks` slots; None if it dropped the worker.
@@ -634,7 +617,7 @@ pub(crate) mod testing {
         state: &WorkerState,
     ) -> Option<Vec<Slot>> {
         let mut ranks = vec![0; state.ranks()];
-        let loads = Loads::of(std::slice::from_ref(&Some(state.clone())));
+        let loads = LoadTable::of(std::slice::from_ref(&Some(state.clone())));
         let view = WorkerView {
             index,
             worker,
@@ -660,7 +643,11 @@ mod tests {
         let states = [Some(state(&[50, 40], 1000)), Some(state(&[1], 0)), None];
         let none: [Option<WorkerState>; 3] = [None, None, None];
         let (loads, no_loads) = (loads_at(3, &states), loads_at(3, &none));
-        fn pool<'a>(workers: &'a [Worker], states: &'a [Option<WorkerState>], loads: &'a Loads) -> Pool<'a> {
+        fn pool<'a>(
+            workers: &'a [Worker],
+            states: &'a [Option<WorkerState>],
+            loads: &'a LoadTable,
+        ) -> Pool<'a> {
             Pool {
                 workers,
                 states,
@@ -716,7 +703,7 @@ mod tests {
     fn configured_dp_size_caps_the_offered_ranks() {
         let workers = [worker("a", 1, Some(2))];
         let states = [Some(state(&[5, 6, 0, 0], 1000))];
-        let loads = Loads::of(&states);
+        let loads = LoadTable::of(&states);
         let pool = Pool {
             workers: &workers,
             states: &states,
@@ -730,7 +717,7 @@ mod tests {
     fn constraints_are_strict() {
         let workers = [worker("a", 1, None), worker("b", 2, None)];
         let states = [Some(state(&[9, 1], 1000)), Some(state(&[5, 7], 1000))];
-        let loads = Loads::of(&states);
+        let loads = LoadTable::of(&states);
         let pool = Pool {
             workers: &workers,
             states: &states,

@@ -1,7 +1,8 @@
 //! Filter `only_rank`: with a rank in the constraint (a trusted client's own
 //! rank field), keeps only that rank of each worker; without, keeps all.
 
-use super::{Context, Filter, Slot, WorkerView, REMOVED};
+use super::{Context, Filter, WorkerView};
+use crate::cost::{Slot, REMOVED};
 
 pub struct OnlyRank;
 

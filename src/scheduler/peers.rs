@@ -5,8 +5,8 @@
 //! poll is about `gateways` times this gateway's. Without it every gateway
 //! keeps sending to the stale minimum until its next poll.
 
-use super::{add_cost, Context, Scorer, Slot, WorkerView};
-use crate::prefix::affinity::weighted;
+use super::{Context, Scorer, WorkerView};
+use crate::cost::{add_cost, weighted, Slot};
 
 pub struct Peers;
 
@@ -44,7 +44,7 @@ impl Scorer for Peers {
 #[cfg(test)]
 mod tests {
     use super::super::testing::*;
-    use super::super::{Constraint, Loads, WorkerView, REMOVED};
+    use super::super::{Constraint, LoadTable, WorkerView, REMOVED};
     use super::*;
 
     #[test]
@@ -52,7 +52,7 @@ mod tests {
         let w = worker("a", 1, None);
         let mut s = state(&[100, 100], 1000);
         s.add(0, 0, 10);
-        let loads = Loads::of(std::slice::from_ref(&Some(s.clone())));
+        let loads = LoadTable::of(std::slice::from_ref(&Some(s.clone())));
         let view = WorkerView {
             index: 0,
             worker: &w,

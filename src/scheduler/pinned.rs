@@ -2,7 +2,8 @@
 //! in the constraint, keeps only that (worker, rank). The router treats a pin
 //! as a preference: when nothing is left it chooses again without the pin.
 
-use super::{Context, Filter, Slot, WorkerView, REMOVED};
+use super::{Context, Filter, WorkerView};
+use crate::cost::{Slot, REMOVED};
 
 pub struct Pinned;
 

@@ -2,7 +2,8 @@
 //! prompt tokens the rank is thought not to hold in cache: the request's
 //! own prefill there. The worker's index is read here, once per request.
 
-use super::{Context, Scorer, Slot, WorkerView};
+use super::{Context, Scorer, WorkerView};
+use crate::cost::Slot;
 
 pub struct Prefix;
 

@@ -2,8 +2,8 @@
 //! of the request, measured as `prefix_queue` says (`state/prefill.rs`):
 //! its uncached prompt tokens, plus `prefix_wait_weight` per queued request.
 
-use super::{add_cost, Context, Scorer, Slot, WorkerView};
-use crate::prefix::affinity::weighted;
+use super::{Context, Scorer, WorkerView};
+use crate::cost::{add_cost, weighted, Slot};
 
 pub struct Queue;
 

@@ -23,8 +23,8 @@
 //! `s + 1` onward may count it.
 
 use super::UNKNOWN;
+use crate::codec::words;
 use crate::config::QueueMeasure;
-use crate::store::words;
 use serde::{Deserialize, Serialize};
 
 /// Prompt tokens routed to a rank since its last feedback check below which

@@ -37,13 +37,13 @@
 //! fail, and the write is then done on a fresh read, so nothing is lost.
 
 use super::changes::{self, ChangeLog, Place};
-use super::{decode, encode_into, log_tagged_write, update_worker, IfMissing, Keys};
+use super::{log_tagged_write, update_worker, IfMissing, Keys};
+use crate::codec::{decode, encode_into};
 use crate::config::Config;
 use crate::health::{Health, NO_HEALTH};
 use crate::host::Host;
 use crate::metrics;
-use crate::scheduler::Loads;
-use crate::state::{Ticket, WorkerState};
+use crate::state::{LoadTable, Ticket, WorkerState};
 use std::rc::Rc;
 
 /// What the cache keeps per worker besides its decoded state.
@@ -72,7 +72,7 @@ pub struct StateCache {
     /// The decoded states, indexed like `Config::all_workers`.
     states: Vec<Option<WorkerState>>,
     /// Effective tokens per rank, derived from `states` when they change.
-    loads: Loads,
+    loads: LoadTable,
     /// Encoding buffer, reused.
     encoded: Vec<u8>,
     /// `<p>.health`, when the configuration reads it.
@@ -255,7 +255,7 @@ impl StateCache {
             })
             .collect();
         self.states = vec![None; self.entries.len()];
-        self.loads = Loads::of(&self.states);
+        self.loads = LoadTable::of(&self.states);
         self.read_all_at_ms = None;
         self.log = LogReader::default();
         if config.reads_change_log() {
@@ -284,7 +284,7 @@ impl StateCache {
     }
 
     /// The loads derived from the states, indexed like them.
-    pub fn loads(&self) -> &Loads {
+    pub fn loads(&self) -> &LoadTable {
         &self.loads
     }
 
@@ -485,7 +485,7 @@ mod tests {
         assert_eq!(cache.states()[1].as_ref().unwrap().polled_tokens(0), Some(7));
         assert_eq!(
             cache.loads(),
-            &Loads::of(cache.states()),
+            &LoadTable::of(cache.states()),
             "loads follow the states"
         );
         // A key emptied (a worker that left) reads as no state.
@@ -493,7 +493,7 @@ mod tests {
             .unwrap();
         cache.refresh(&c, &h);
         assert_eq!(cache.states()[0], None);
-        assert_eq!(cache.loads(), &Loads::of(cache.states()));
+        assert_eq!(cache.loads(), &LoadTable::of(cache.states()));
     }
 
     #[test]
@@ -605,7 +605,7 @@ mod tests {
     /// The cache's view is always what a fresh read of shared data decodes to.
     fn assert_current(cache: &StateCache, c: &Config, h: &FakeHost) {
         assert_eq!(cache.states(), crate::store::read_worker_states(c, h).as_slice());
-        assert_eq!(cache.loads(), &Loads::of(cache.states()));
+        assert_eq!(cache.loads(), &LoadTable::of(cache.states()));
     }
 
     #[test]
@@ -745,7 +745,7 @@ mod tests {
         let (bytes, _) = h.shared_get(&key).unwrap();
         let mut newer: WorkerState = decode(&bytes).unwrap();
         newer.add(1, 0, 500).unwrap();
-        h.shared_set(&key, &crate::store::encode(&newer), None).unwrap();
+        h.shared_set(&key, &crate::codec::encode(&newer), None).unwrap();
         cache.refresh(&c, &h);
         assert_ne!(
             cache.states()[1].as_ref(),
@@ -802,7 +802,7 @@ mod tests {
         let key = Keys::of(&c).worker(&c.routed()[1].address);
         let mut newer = cache.states()[1].clone().unwrap();
         newer.add(1, 0, 40).unwrap();
-        h.shared_set(&key, &crate::store::encode(&newer), None).unwrap();
+        h.shared_set(&key, &crate::codec::encode(&newer), None).unwrap();
         h.conflicts.set(crate::store::CAS_ATTEMPTS);
         changes::append(&h, &Keys::of(&c).changes(), &[changes::worker_tag(&key)]);
         assert_ne!(log_place(&h, &c).epoch, before.epoch);

@@ -24,7 +24,8 @@
 //! sends every reader to a full read: a change is not lost, at worst read
 //! along with every other state (unless the host refuses that write too).
 
-use super::{update, write_record, Record};
+use super::{update, write_record};
+use crate::codec::Record;
 use crate::host::Host;
 use serde::{Deserialize, Serialize};
 
@@ -43,7 +44,7 @@ pub struct ChangeLog {
     pub seq: u64,
     /// Tag of write `q` (1-based) at `(q - 1) % CHANGE_LOG_LEN`: the last
     /// `min(seq, CHANGE_LOG_LEN)` writes.
-    #[serde(with = "super::words")]
+    #[serde(with = "crate::codec::words")]
     pub tags: Vec<u64>,
 }
 
@@ -164,9 +165,10 @@ fn restart(host: &dyn Host, key: &str) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::codec::{decode, encode};
     use crate::host::fake::FakeHost;
     use crate::host::memory::SharedData;
-    use crate::store::{decode, encode, CAS_ATTEMPTS};
+    use crate::store::CAS_ATTEMPTS;
 
     const KEY: &str = "fleet.changes";
 

@@ -5,12 +5,13 @@
 use std::fmt::Write as _;
 
 use dprank::body::JsonObject;
+use dprank::codec;
 use dprank::config::Config;
 use dprank::host::memory::MemoryHost;
 use dprank::prefix::index::IndexRecord;
 use dprank::prefix::{Affinity, PromptBlocks};
-use dprank::scheduler::{choose, Constraint, Context, Loads, Pool};
-use dprank::state::WorkerState;
+use dprank::scheduler::{choose, Constraint, Context, Pool};
+use dprank::state::{LoadTable, WorkerState};
 use dprank::store::{self, Keys};
 
 use super::{time_ns, Timing, RANKS_PER_WORKER};
@@ -57,7 +58,7 @@ fn fleet(workers: usize, prompt: &PromptBlocks) -> Result<(Config, MemoryHost), 
         let mut state = WorkerState::default();
         let seq = state.begin_poll();
         state.apply_snapshot(seq, NOW_MS, &[Some(1000); RANKS_PER_WORKER]);
-        host.shared_set_state(&keys.worker(&worker.address), &store::encode(&state));
+        host.shared_set_state(&keys.worker(&worker.address), &codec::encode(&state));
         let mut record = IndexRecord::empty(settings.block_bytes, NOW_MS);
         let mut seed = (w as u32 + 1).wrapping_mul(0x9E37_79B9);
         for rank in 0..RANKS_PER_WORKER {
@@ -82,7 +83,7 @@ fn fleet(workers: usize, prompt: &PromptBlocks) -> Result<(Config, MemoryHost), 
                 .collect();
             record.touch(3, &half, NOW_MS - 10, u64::MAX, capacity);
         }
-        host.shared_set_state(&keys.prefix_index(&worker.address), &store::encode(&record));
+        host.shared_set_state(&keys.prefix_index(&worker.address), &codec::encode(&record));
     }
     Ok((config, host))
 }
@@ -124,7 +125,7 @@ pub fn rows(batches: usize) -> Result<(String, Timing), String> {
         let (config, host) = fleet(workers, &prompt)?;
         let settings = config.prefix.clone().ok_or("no prefix settings")?;
         let states = store::read_worker_states(&config, &host);
-        let loads = Loads::of(&states);
+        let loads = LoadTable::of(&states);
         let pool = Pool {
             workers: config.routed(),
             states: &states,
@@ -154,7 +155,7 @@ pub fn rows(batches: usize) -> Result<(String, Timing), String> {
             - states
                 .iter()
                 .flatten()
-                .map(|s| store::encode(s).len())
+                .map(|s| codec::encode(s).len())
                 .sum::<usize>();
         // The write: the chosen worker's index rebuilt and encoded.
         let record = time_ns(batches, || {

@@ -1,10 +1,10 @@
-//! Passive health in the filter: reading how a request ended from Envoy's
-//! properties, writing the outcomes to the shared health record, and the
-//! stats and logs that go with it. The state machine itself is in
-//! `health.rs`.
+//! Every write to the shared health record, with the stats and logs that
+//! go with it: how a request ended (read from Envoy's properties), what
+//! load polls and Envoy's admin API tell. The state machine itself is in
+//! `health.rs`; the record's key and read-modify-write in `store.rs`.
 
-use super::{classify, outcomes, Change, Finished, Outcome, Standing, Target};
 use crate::config::Config;
+use crate::health::{classify, outcomes, Change, Finished, Outcome, Standing, Target};
 use crate::host::Host;
 use crate::metrics::{self, PerWorker};
 use crate::store;

@@ -5,11 +5,11 @@
 //! Each worker's least load is kept beside them: a lower bound on any cost
 //! the load-only pipeline gives its ranks (`bound.rs`).
 
-use super::{Slot, MAX_COST, REMOVED};
+use crate::cost::{Slot, MAX_COST, REMOVED};
 use crate::state::WorkerState;
 
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct Loads {
+pub struct LoadTable {
     values: Vec<Slot>,
     /// Where each worker's ranks start in `values`; one more entry than workers.
     starts: Vec<usize>,
@@ -17,10 +17,10 @@ pub struct Loads {
     least: Vec<Slot>,
 }
 
-impl Loads {
+impl LoadTable {
     /// The loads of these states (indexed like them).
-    pub fn of(states: &[Option<WorkerState>]) -> Loads {
-        let mut loads = Loads::default();
+    pub fn of(states: &[Option<WorkerState>]) -> LoadTable {
+        let mut loads = LoadTable::default();
         loads.rebuild(states);
         loads
     }
@@ -90,15 +90,21 @@ fn derive(state: &WorkerState, slots: &mut [Slot]) -> Slot {
 
 #[cfg(test)]
 mod tests {
-    use super::super::testing::state;
     use super::*;
+
+    fn state(tokens: &[u64], at: u64) -> WorkerState {
+        let mut s = WorkerState::default();
+        let seq = s.begin_poll();
+        s.apply_snapshot(seq, at, &tokens.iter().map(|t| Some(*t)).collect::<Vec<_>>());
+        s
+    }
 
     #[test]
     fn loads_follow_their_states() {
         let mut busy = state(&[5, 6], 1000);
         busy.add(0, 1, 10).unwrap();
         let states = vec![Some(busy.clone()), None, Some(state(&[1, 2, 3], 1000))];
-        let mut loads = Loads::of(&states);
+        let mut loads = LoadTable::of(&states);
         assert_eq!(loads.worker(0), [5, 16]);
         assert_eq!((loads.least(0), loads.least(1), loads.least(2)), (5, REMOVED, 1));
         assert_eq!(loads.least(3), REMOVED, "past the workers");
@@ -115,7 +121,7 @@ mod tests {
         let mut grown = states.clone();
         grown[1] = Some(busy);
         loads.rebuild(&grown);
-        assert_eq!(loads, Loads::of(&grown));
+        assert_eq!(loads, LoadTable::of(&grown));
         assert_eq!(loads.worker(1), [6, 16]);
     }
 }
