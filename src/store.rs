@@ -224,6 +224,12 @@ pub fn create_index(config: &Config, host: &dyn Host, index: usize) -> bool {
     host.shared_set(&key, &encode(&empty), None).is_ok()
 }
 
+/// Worker `index`'s prefix index as stored, with its cas (None: absent).
+pub fn read_prefix_index(config: &Config, host: &dyn Host, index: usize) -> Option<(Vec<u8>, u32)> {
+    let worker = config.worker(index)?;
+    host.shared_get(&Keys::of(config).prefix_index(&worker.address))
+}
+
 /// Read-modify-write of worker `index`'s prefix index under
 /// compare-and-swap. `first` is a value already read (None: read it here);
 /// `change` gets the current index, if readable, and returns the new one, or

@@ -205,7 +205,7 @@ fn filter_request(
         admit_probing: false,
         pick: config.pick,
         gateways: config.gateways,
-        affinity: None,
+        prefix: None,
     };
     let alternates = config.retry_alternates as usize;
     let Some((choice, found)) = choose_with_alternates(&pool, &ctx, alternates) else {
@@ -275,7 +275,7 @@ pub fn selection(args: &SelectionArgs, command_line: &str) -> Result<(), String>
             admit_probing: false,
             pick: config.pick,
             gateways: config.gateways,
-            affinity: None,
+            prefix: None,
         };
         fn pool<'a>(
             workers: &'a [Worker],

@@ -15,10 +15,10 @@ use crate::config::{Config, CostEstimate, FailMode};
 use crate::health::{self, Health};
 use crate::host::Host;
 use crate::metrics;
-use crate::prefix::{Affinity, PromptBlocks};
+use crate::prefix::{PromptBlocks, RequestPrefix};
 use crate::scheduler::{self, Candidate, Constraint, Context, Pool};
 use crate::state::{Charge, PrefillTicket, Ticket};
-use crate::store::cache::StateCache;
+use crate::store::{self, cache::StateCache};
 use std::borrow::Cow;
 use std::rc::Rc;
 
@@ -220,7 +220,7 @@ impl<'h> Sight<'h> {
             tie_breaker,
             health: self.health,
             admit_probing: self.admit_probing,
-            affinity: None,
+            prefix: None,
             pick: config.pick,
             gateways: config.gateways,
         }
@@ -229,17 +229,30 @@ impl<'h> Sight<'h> {
     /// The best candidate: in rotation; else, when nothing is (and the
     /// request was not already a probe), one past its cooldown, like
     /// Envoy's panic threshold, rather than the fallback policy's pick. With
-    /// up to `alternates` retry alternates for it, by load.
-    fn pick(&self, pool: &Pool, ctx: &Context, alternates: usize) -> Option<(Candidate, Vec<Candidate>)> {
-        scheduler::choose_with_alternates(pool, ctx, alternates).or_else(|| {
+    /// up to `alternates` retry alternates for it, by load. Under prefix
+    /// affinity the indexes of the workers each attempt scores are read
+    /// into `prefix` first.
+    #[allow(clippy::too_many_arguments)]
+    fn pick(
+        &self,
+        config: &Config,
+        host: &dyn Host,
+        pool: &Pool,
+        constraint: Constraint,
+        tie_breaker: u64,
+        mut prefix: Option<&mut RequestPrefix>,
+        alternates: usize,
+    ) -> Option<(Candidate, Vec<Candidate>)> {
+        let ctx = self.context(config, constraint, tie_breaker);
+        choose_reading(config, host, pool, ctx, prefix.as_deref_mut(), alternates).or_else(|| {
             let probing = !ctx.admit_probing && self.health.any_probing(self.now_ms);
             probing
                 .then(|| {
                     let panic = Context {
                         admit_probing: true,
-                        ..*ctx
+                        ..ctx
                     };
-                    scheduler::choose_with_alternates(pool, &panic, alternates)
+                    choose_reading(config, host, pool, panic, prefix, alternates)
                 })
                 .flatten()
         })
@@ -262,6 +275,36 @@ impl<'h> Sight<'h> {
     }
 }
 
+/// `scheduler::choose_with_alternates` under `ctx`, with prefix affinity
+/// when `prefix` is given: the indexes of the workers the choice will
+/// score, those the filters keep, are read into it first (each once per
+/// request), so the scorers score what was read.
+fn choose_reading(
+    config: &Config,
+    host: &dyn Host,
+    pool: &Pool,
+    ctx: Context,
+    prefix: Option<&mut RequestPrefix>,
+    alternates: usize,
+) -> Option<(Candidate, Vec<Candidate>)> {
+    let Some(prefix) = prefix else {
+        return scheduler::choose_with_alternates(pool, &ctx, alternates);
+    };
+    scheduler::scored_workers(pool, &ctx, |worker| {
+        if prefix.wants(worker) {
+            prefix.insert(
+                worker,
+                store::read_prefix_index(config, host, pool.offset + worker),
+            );
+        }
+    });
+    let ctx = Context {
+        prefix: Some(prefix),
+        ..ctx
+    };
+    scheduler::choose_with_alternates(pool, &ctx, alternates)
+}
+
 /// The best (worker, rank) of a pool under a constraint, and up to
 /// `alternates` workers Envoy should retry it on (by load, with its rank);
 /// `worker` indexes `Config::all_workers`. A pin that names no candidate is
@@ -274,25 +317,25 @@ fn choose(
     pool: &Pool,
     constraint: Constraint,
     tie_breaker: u64,
-    affinity: Option<&Affinity>,
+    mut prefix: Option<&mut RequestPrefix>,
     alternates: usize,
 ) -> Option<(Candidate, Vec<Candidate>)> {
-    let ctx = Context {
-        affinity,
-        ..sight.context(config, constraint, tie_breaker)
-    };
-    let mut pick = sight.pick(pool, &ctx, alternates);
+    let mut pick = sight.pick(
+        config,
+        host,
+        pool,
+        constraint,
+        tie_breaker,
+        prefix.as_deref_mut(),
+        alternates,
+    );
     if pick.is_none() && constraint.pin.is_some() {
         host.count(metrics::PIN_IGNORED, 1);
         let unpinned = Constraint {
             pin: None,
             ..constraint
         };
-        let ctx = Context {
-            affinity,
-            ..sight.context(config, unpinned, tie_breaker)
-        };
-        pick = sight.pick(pool, &ctx, alternates);
+        pick = sight.pick(config, host, pool, unpinned, tie_breaker, prefix, alternates);
     }
     pick
 }
@@ -312,25 +355,16 @@ fn retry_targets(config: &Config, host: &dyn Host, cache: &StateCache, found: &[
         .collect()
 }
 
-/// Prefix affinity for one request over the pool starting at `offset` in
-/// `Config::all_workers`, at the decision's `now_ms`; None when it is off.
-fn affinity<'a>(
-    config: &'a Config,
-    host: &'a dyn Host,
-    object: &JsonObject,
-    offset: usize,
-    now_ms: u64,
-) -> Option<Affinity<'a>> {
+/// Prefix affinity for one request, at the decision's `now_ms`; None when
+/// it is off.
+fn prefix_request<'a>(config: &'a Config, object: &JsonObject, now_ms: u64) -> Option<RequestPrefix<'a>> {
     let settings = config.prefix.as_ref()?;
     let streamed = object
         .raw_value("stream")
         .is_some_and(|v| v.trim_ascii() == b"true");
     let prompt = PromptBlocks::of(object, settings.block_bytes);
-    Some(Affinity::new(
-        config,
+    Some(RequestPrefix::new(
         settings,
-        host,
-        offset,
         prompt,
         streamed,
         output_budget(object),
@@ -340,8 +374,8 @@ fn affinity<'a>(
 
 /// The request's estimated tokens (`cost_estimate`); under prefix affinity
 /// the `bytes` estimate is the hashed prompt's, saving a pass over the body.
-fn estimated_tokens(config: &Config, object: &JsonObject, affinity: Option<&Affinity>) -> u64 {
-    match (config.cost_estimate, affinity) {
+fn estimated_tokens(config: &Config, object: &JsonObject, prefix: Option<&RequestPrefix>) -> u64 {
+    match (config.cost_estimate, prefix) {
         (CostEstimate::Bytes, Some(a)) => a.prompt.tokens().max(1),
         (how, _) => object.estimated_tokens(how),
     }
@@ -373,10 +407,13 @@ struct Prefill {
 }
 
 impl Prefill {
-    fn of(affinity: Option<&Affinity>, pool_worker: usize, rank: u32) -> Option<Prefill> {
-        affinity.map(|a| Prefill {
-            charge: a.charge(pool_worker, rank),
-            streamed: a.streamed,
+    fn of(prefix: Option<&RequestPrefix>, pool_worker: usize, rank: u32) -> Option<Prefill> {
+        prefix.map(|p| Prefill {
+            charge: Charge {
+                prompt: p.prompt.tokens(),
+                cached: p.cached(pool_worker, rank as usize),
+            },
+            streamed: p.streamed,
         })
     }
 }
@@ -406,16 +443,28 @@ fn account(
     tickets.map_or((None, None), |(t, p)| (Some(t), p))
 }
 
-/// Records the routed prompt in the chosen worker's prefix index.
-fn record(affinity: Option<&Affinity>, cache: &StateCache, pool_offset: usize, worker: usize, rank: u32) {
-    if let Some(a) = affinity {
-        let capacity = cache
-            .states()
-            .get(worker)
-            .and_then(Option::as_ref)
-            .and_then(|s| s.prefill.capacity(rank as usize));
-        a.record(worker - pool_offset, rank, capacity);
-    }
+/// Records the routed prompt in the chosen worker's prefix index, under
+/// the cas of the value this request read (read again only if another
+/// thread wrote in between).
+fn record(
+    config: &Config,
+    host: &dyn Host,
+    prefix: Option<&mut RequestPrefix>,
+    cache: &StateCache,
+    pool_offset: usize,
+    worker: usize,
+    rank: u32,
+) {
+    let Some(prefix) = prefix.filter(|p| p.records()) else {
+        return;
+    };
+    let capacity = cache
+        .states()
+        .get(worker)
+        .and_then(Option::as_ref)
+        .and_then(|s| s.prefill.capacity(rank as usize));
+    let first = prefix.take_value(worker - pool_offset);
+    store::update_index(config, host, worker, first, prefix.record_on(rank, capacity));
 }
 
 /// Under prefix affinity, the request's prefill is over: its first response
@@ -495,7 +544,7 @@ pub fn route(
         only_rank: trusted_rank,
         pin,
     };
-    let affinity = affinity(config, host, &object, pool.offset, sight.now_ms);
+    let mut prefix = prefix_request(config, &object, sight.now_ms);
     let Some((chosen, found)) = choose(
         config,
         host,
@@ -503,7 +552,7 @@ pub fn route(
         &pool,
         constraint,
         tie_breaker,
-        affinity.as_ref(),
+        prefix.as_mut(),
         config.retry_alternates as usize,
     ) else {
         let unconstrained = choose(config, host, &sight, &pool, Constraint::default(), 0, None, 0);
@@ -519,10 +568,10 @@ pub fn route(
     let alternates = retry_targets(config, host, cache, &found);
     let (health_was_clean, routed_at_ms, offset) =
         (sight.health.entries.is_empty(), sight.now_ms, pool.offset);
-    let cost = estimated_tokens(config, &object, affinity.as_ref());
-    let prefill = Prefill::of(affinity.as_ref(), worker - offset, rank);
+    let cost = estimated_tokens(config, &object, prefix.as_ref());
+    let prefill = Prefill::of(prefix.as_ref(), worker - offset, rank);
     let (ticket, prefill) = account(config, host, cache, worker, rank, cost, prefill);
-    record(affinity.as_ref(), cache, offset, worker, rank);
+    record(config, host, prefix.as_mut(), cache, offset, worker, rank);
     let body = trusted_rank.is_none().then(|| {
         let set = [(config.rank_field.as_str(), rank.to_string())];
         object.rewritten(&set, &rank_names)

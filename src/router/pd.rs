@@ -3,8 +3,8 @@
 //! and what the prefill leg's outcome means for the client.
 
 use super::{
-    account, affinity, choose, parse_body, pool, record, reject, retry_targets, Chosen, Decision, PassReason,
-    Prefill, Reply, Sight,
+    account, choose, parse_body, pool, prefix_request, record, reject, retry_targets, Chosen, Decision,
+    PassReason, Prefill, Reply, Sight,
 };
 use crate::body::bootstrap_fields;
 use crate::config::{Config, Pd, RankOf};
@@ -70,26 +70,35 @@ pub(super) fn route_pd(
     let sight = Sight::new(config, host, cache.health(), tie_breaker);
     // The prefill rank is chosen by prefix and load, the decode rank by load.
     let prefill_offset = pool(config, cache, true).offset;
-    let affinity = affinity(config, host, &object, prefill_offset, sight.now_ms);
-    let pick = |prefill, pin| {
-        let constraint = Constraint { only_rank: None, pin };
-        choose(
-            config,
-            host,
-            &sight,
-            &pool(config, cache, prefill),
-            constraint,
-            tie_breaker,
-            if prefill { affinity.as_ref() } else { None },
-            // Alternates are listed for the decode leg only.
-            if prefill {
-                0
-            } else {
-                config.retry_alternates as usize
-            },
-        )
-    };
-    let (p, d) = (pick(true, prefill_pin).map(|(c, _)| c), pick(false, decode_pin));
+    let mut prefix = prefix_request(config, &object, sight.now_ms);
+    let p = choose(
+        config,
+        host,
+        &sight,
+        &pool(config, cache, true),
+        Constraint {
+            only_rank: None,
+            pin: prefill_pin,
+        },
+        tie_breaker,
+        prefix.as_mut(),
+        // Alternates are listed for the decode leg only.
+        0,
+    )
+    .map(|(c, _)| c);
+    let d = choose(
+        config,
+        host,
+        &sight,
+        &pool(config, cache, false),
+        Constraint {
+            only_rank: None,
+            pin: decode_pin,
+        },
+        tie_breaker,
+        None,
+        config.retry_alternates as usize,
+    );
     let decode_alternates = d
         .as_ref()
         .map(|(_, found)| retry_targets(config, host, cache, found))
@@ -110,12 +119,20 @@ pub(super) fn route_pd(
         return reject(host, PassReason::NoFreshData, Reply::no_fresh_data());
     };
 
-    let cost = super::estimated_tokens(config, &object, affinity.as_ref());
+    let cost = super::estimated_tokens(config, &object, prefix.as_ref());
     let (prefill_ticket, prefill_charge) = match p {
         Some(c) => {
-            let charge = Prefill::of(affinity.as_ref(), c.worker - prefill_offset, c.rank);
+            let charge = Prefill::of(prefix.as_ref(), c.worker - prefill_offset, c.rank);
             let tickets = account(config, host, cache, c.worker, c.rank, cost, charge);
-            record(affinity.as_ref(), cache, prefill_offset, c.worker, c.rank);
+            record(
+                config,
+                host,
+                prefix.as_mut(),
+                cache,
+                prefill_offset,
+                c.worker,
+                c.rank,
+            );
             tickets
         }
         None => (None, None),

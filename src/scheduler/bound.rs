@@ -22,7 +22,7 @@ use crate::state::LoadTable;
 /// affinity the scorers are `LOAD_SCORERS` (`Steps::of`), the load
 /// unweighted, and they only add.
 pub(super) fn applies(ctx: &Context) -> bool {
-    ctx.affinity.is_none()
+    ctx.prefix.is_none()
 }
 
 /// Which of the picker and the alternates' collector offering a worker
@@ -107,7 +107,7 @@ thread_local! {
 #[cfg(test)]
 mod tests {
     use super::super::least_cost::LeastCost;
-    use super::super::testing::{ctx, prefix_affinity, state, worker};
+    use super::super::testing::{ctx, prefix_request, state, worker};
     use super::super::{Constraint, Pick, REMOVED};
     use super::*;
 
@@ -266,16 +266,9 @@ mod tests {
         )
         .unwrap();
         let settings = config.prefix.clone().unwrap();
-        let host = crate::host::fake::FakeHost::default();
-        let affinity = prefix_affinity(
-            &config,
-            &settings,
-            &host,
-            crate::prefix::PromptBlocks::default(),
-            0,
-        );
+        let request = prefix_request(&settings, crate::prefix::PromptBlocks::default(), 0);
         let prefix = super::super::Context {
-            affinity: Some(&affinity),
+            prefix: Some(&request),
             ..plain
         };
         assert!(

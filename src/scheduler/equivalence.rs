@@ -290,7 +290,7 @@ fn choices_and_alternates_match_a_straightforward_implementation() {
                 tie_breaker: draw.next(),
                 health: &health,
                 admit_probing: draw.chance(30),
-                affinity: None,
+                prefix: None,
                 pick,
                 gateways: 1 + draw.below(4) as u32,
             };
@@ -327,7 +327,7 @@ fn choices_and_alternates_match_a_straightforward_implementation() {
                 // choice, and the alternates of the same context by load.
                 let by_load = Context {
                     constraint: Constraint::default(),
-                    affinity: None,
+                    prefix: None,
                     ..ctx
                 };
                 let expected = alternates(&pool, &by_load, &c, max);
@@ -429,7 +429,7 @@ fn idle_fleets_match_a_straightforward_implementation() {
                 tie_breaker: draw.next(),
                 health: &health,
                 admit_probing: draw.chance(20),
-                affinity: None,
+                prefix: None,
                 pick: Pick::LeastCost,
                 gateways: if draw.chance(15) { 2 } else { 1 },
             };

@@ -18,21 +18,21 @@ pub struct Home;
 impl Scorer for Home {
     /// Only gateways that share a fleet need to lean alike.
     fn applies(&self, ctx: &Context) -> bool {
-        ctx.affinity.is_some() && ctx.gateways > 1
+        ctx.prefix.is_some() && ctx.gateways > 1
     }
 
     fn score(&self, ctx: &Context, worker: &WorkerView, costs: &mut [Slot]) {
-        let Some(affinity) = ctx.affinity else { return };
+        let Some(prefix) = ctx.prefix else { return };
         if ctx.gateways <= 1 {
             return;
         }
-        let Some(head) = affinity.prompt.chains.first().and_then(|c| c.hashes.first()) else {
+        let Some(head) = prefix.prompt.chains.first().and_then(|c| c.hashes.first()) else {
             return;
         };
-        let total = affinity.prompt.tokens();
+        let total = prefix.prompt.tokens();
         let seed = u64::from(*head) ^ endpoint_key(&worker.worker.address);
         for (rank, cost) in costs.iter_mut().enumerate() {
-            let uncached = total.saturating_sub(affinity.cached(worker.index, rank));
+            let uncached = total.saturating_sub(prefix.cached(worker.index, rank));
             let share = mix(seed, rank as u64 + 1) % SHARES;
             add_cost(cost, uncached.saturating_mul(share) / SHARES);
         }
@@ -59,17 +59,15 @@ mod tests {
     use super::*;
     use crate::body::JsonObject;
     use crate::config::Config;
-    use crate::host::fake::FakeHost;
     use crate::prefix::PromptBlocks;
 
     fn scored(gateways: u32, text: &str, port: u16) -> Vec<Slot> {
         let config = Config::from_json(br#"{"workers":[{"address":"127.0.0.1:1","name":"a"}]}"#).unwrap();
         let settings = config.prefix.clone().unwrap();
-        let h = FakeHost::default();
         let body = format!(r#"{{"text":"{text}"}}"#);
         let object = JsonObject::parse(body.as_bytes()).unwrap();
         let prompt = PromptBlocks::of(&object, settings.block_bytes);
-        let affinity = prefix_affinity(&config, &settings, &h, prompt, 0);
+        let prefix = prefix_request(&settings, prompt, 0);
         let w = worker("a", port, None);
         let s = state(&[0; 8], 1000);
         let loads = LoadTable::of(std::slice::from_ref(&Some(s.clone())));
@@ -80,7 +78,7 @@ mod tests {
             loads: loads.worker(0),
         };
         let ctx = Context {
-            affinity: Some(&affinity),
+            prefix: Some(&prefix),
             gateways,
             ..ctx(Constraint::default())
         };

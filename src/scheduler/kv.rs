@@ -11,15 +11,15 @@ pub struct Kv;
 
 impl Scorer for Kv {
     fn score(&self, ctx: &Context, worker: &WorkerView, costs: &mut [Slot]) {
-        let Some(affinity) = ctx.affinity else {
+        let Some(prefix) = ctx.prefix else {
             return;
         };
-        let weight = affinity.settings.kv_weight;
+        let weight = prefix.settings.kv_weight;
         if weight == 0.0 {
             return;
         }
         let state = worker.state;
-        let prompt = affinity.prompt.tokens();
+        let prompt = prefix.prompt.tokens();
         for (rank, cost) in costs.iter_mut().enumerate() {
             let (Some(capacity), Some(used)) = (state.prefill.capacity(rank), state.prefill.used(rank))
             else {
@@ -29,8 +29,8 @@ impl Scorer for Kv {
                 .saturating_sub(used)
                 .saturating_sub(state.pending_tokens(rank));
             let need = prompt
-                .saturating_sub(affinity.cached(worker.index, rank))
-                .saturating_add(affinity.output);
+                .saturating_sub(prefix.cached(worker.index, rank))
+                .saturating_add(prefix.output);
             add_cost(cost, weighted(need.saturating_sub(free), weight));
         }
     }
@@ -43,7 +43,6 @@ mod tests {
     use super::*;
     use crate::body::JsonObject;
     use crate::config::Config;
-    use crate::host::fake::FakeHost;
     use crate::prefix::PromptBlocks;
     use crate::state::RankFigures;
 
@@ -52,10 +51,9 @@ mod tests {
         let config =
             Config::from_json(br#"{"workers":[{"address":"127.0.0.1:1"}],"prefix_kv_weight":2}"#).unwrap();
         let settings = config.prefix.clone().unwrap();
-        let h = FakeHost::default();
         let body = format!(r#"{{"text":"{}"}}"#, "k".repeat(800)); // 200 tokens
         let prompt = PromptBlocks::of(&JsonObject::parse(body.as_bytes()).unwrap(), 512);
-        let affinity = prefix_affinity(&config, &settings, &h, prompt, 100);
+        let prefix = prefix_request(&settings, prompt, 100);
         let w = worker("a", 1, None);
         let mut s = state(&[0, 0, 0], 1000);
         let figures = |used| RankFigures {
@@ -75,7 +73,7 @@ mod tests {
             loads: &[],
         };
         let ctx = Context {
-            affinity: Some(&affinity),
+            prefix: Some(&prefix),
             ..ctx(Constraint::default())
         };
         let mut costs = vec![1, 1, 1];

@@ -10,7 +10,7 @@ pub struct Load;
 
 impl Scorer for Load {
     fn score(&self, ctx: &Context, worker: &WorkerView, costs: &mut [Slot]) {
-        let weight = ctx.affinity.map_or(1.0, |a| a.settings.load_weight);
+        let weight = ctx.prefix.map_or(1.0, |a| a.settings.load_weight);
         if weight == 1.0 {
             // Load only: selects rather than branches, a few instructions a
             // rank; removed if either is (`REMOVED` is the largest slot).
@@ -52,7 +52,6 @@ mod tests {
     use super::super::{Constraint, WorkerView};
     use super::*;
     use crate::config::Config;
-    use crate::host::fake::FakeHost;
     use crate::prefix::PromptBlocks;
     use crate::state::WorkerState;
 
@@ -105,8 +104,7 @@ mod tests {
             Config::from_json(br#"{"workers":[{"address":"127.0.0.1:1"}],"prefix_load_weight":0.5}"#)
                 .unwrap();
         let settings = config.prefix.clone().unwrap();
-        let h = FakeHost::default();
-        let affinity = prefix_affinity(&config, &settings, &h, PromptBlocks::default(), 0);
+        let prefix = prefix_request(&settings, PromptBlocks::default(), 0);
         let w = worker("a", 1, None);
         let s = state(&[100, 7, 0], 1000);
         let loads = super::super::LoadTable::of(std::slice::from_ref(&Some(s.clone())));
@@ -117,7 +115,7 @@ mod tests {
             loads: loads.worker(0),
         };
         let ctx = Context {
-            affinity: Some(&affinity),
+            prefix: Some(&prefix),
             ..ctx(Constraint::default())
         };
         let mut costs = vec![3, 3, REMOVED];

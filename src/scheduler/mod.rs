@@ -39,7 +39,7 @@ mod queue;
 use crate::config::{Pick, Worker};
 use crate::cost::{Slot, REMOVED};
 use crate::health::Health;
-use crate::prefix::Affinity;
+use crate::prefix::RequestPrefix;
 use crate::state::{LoadTable, WorkerState};
 
 /// Filters, in order: the first that drops a worker ends its turn.
@@ -190,8 +190,9 @@ pub struct Context<'a> {
     pub health: &'a Health,
     /// This request may go to a worker or rank whose cooldown is over (a probe).
     pub admit_probing: bool,
-    /// Prefix affinity for this request and pool (None: load only).
-    pub affinity: Option<&'a Affinity<'a>>,
+    /// Prefix affinity for this request and pool (None: load only), its
+    /// candidates' indexes read before the choice.
+    pub prefix: Option<&'a RequestPrefix<'a>>,
     /// The picker in force.
     pub pick: Pick,
     /// Gateways sharing the fleet (`peers`, `home`).
@@ -284,7 +285,7 @@ struct Steps {
 
 impl Steps {
     fn of(ctx: &Context) -> Steps {
-        let scorers = if ctx.affinity.is_some() {
+        let scorers = if ctx.prefix.is_some() {
             PREFIX_SCORERS
         } else {
             LOAD_SCORERS
@@ -376,6 +377,29 @@ impl Scratch<'_> {
     }
 }
 
+/// Runs the filters on one worker in `scratch`: its slots (one per rank,
+/// `REMOVED`: removed) with nothing scored yet; None when a filter dropped
+/// the whole worker.
+#[inline(always)]
+fn run_filters<'s>(
+    ctx: &Context,
+    steps: &Steps,
+    view: &WorkerView,
+    scratch: &'s mut Scratch,
+) -> Option<&'s mut [Slot]> {
+    let mut ranks = offered_ranks(view.worker, view.state);
+    if let Some(only) = ctx.constraint.only_rank {
+        // The slots past the one rank allowed would only be removed.
+        ranks = ranks.min(only as usize + 1);
+    }
+    let slots = scratch.zeroed(ranks);
+    steps
+        .filters()
+        .iter()
+        .all(|f| f.filter(ctx, view, slots))
+        .then_some(slots)
+}
+
 /// Runs the filters and scorers on one worker in `scratch`: its cost slots
 /// (one per rank, `REMOVED`: removed); None when a filter dropped the whole
 /// worker. Inlined into the loop over the workers: it runs once per
@@ -387,19 +411,25 @@ fn run_steps<'s>(
     view: &WorkerView,
     scratch: &'s mut Scratch,
 ) -> Option<&'s [Slot]> {
-    let mut ranks = offered_ranks(view.worker, view.state);
-    if let Some(only) = ctx.constraint.only_rank {
-        // The slots past the one rank allowed would only be removed.
-        ranks = ranks.min(only as usize + 1);
-    }
-    let slots = scratch.zeroed(ranks);
-    if !steps.filters().iter().all(|f| f.filter(ctx, view, slots)) {
-        return None;
-    }
+    let slots = run_filters(ctx, steps, view, scratch)?;
     for scorer in steps.scorers() {
         scorer.score(ctx, view, slots);
     }
     Some(slots)
+}
+
+/// The pool index of every worker `choose` would score under `ctx`: those
+/// with a state that the filters keep. Under prefix affinity the router
+/// reads these workers' indexes before the choice (and no others).
+pub fn scored_workers(pool: &Pool, ctx: &Context, mut f: impl FnMut(usize)) {
+    let steps = Steps::of(ctx);
+    with_scratch(|scratch| {
+        for view in views(pool) {
+            if run_filters(ctx, &steps, &view, scratch).is_some() {
+                f(view.index);
+            }
+        }
+    });
 }
 
 /// Runs the pipeline over `pool`; the candidate's `worker` is a
@@ -425,7 +455,7 @@ fn choose_offering(pool: &Pool, ctx: &Context, by_rank: Option<&mut by_rank::ByR
 pub fn choose_with_alternates(pool: &Pool, ctx: &Context, max: usize) -> Option<(Candidate, Vec<Candidate>)> {
     let by_load = Context {
         constraint: Constraint::default(),
-        affinity: None,
+        prefix: None,
         ..*ctx
     };
     if max == 0 || !folds(ctx) {
@@ -446,7 +476,7 @@ pub fn choose_with_alternates(pool: &Pool, ctx: &Context, max: usize) -> Option<
 /// no worker or rank admitted only as a probe. `only_rank` may stay: the
 /// choice then has that rank, and its slots are computed alike.
 fn folds(ctx: &Context) -> bool {
-    ctx.affinity.is_none() && ctx.constraint.pin.is_none() && (!ctx.admit_probing || ctx.health.is_empty())
+    ctx.prefix.is_none() && ctx.constraint.pin.is_none() && (!ctx.admit_probing || ctx.health.is_empty())
 }
 
 fn choose_by<P: Picker>(
@@ -565,22 +595,20 @@ pub(crate) mod testing {
             tie_breaker: 0,
             health: &crate::health::NO_HEALTH,
             admit_probing: false,
-            affinity: None,
+            prefix: None,
             pick: Pick::LeastCost,
             gateways: 1,
         }
     }
 
-    /// Prefix affinity for a streamed request of `prompt` over a pool at
-    /// offset 0, at the host's clock.
-    pub fn prefix_affinity<'a>(
-        config: &'a crate::config::Config,
-        settings: &'a crate::config::Prefix,
-        host: &'a crate::host::fake::FakeHost,
+    /// Prefix affinity for a streamed request of `prompt` at t = 1000 s,
+    /// no index read yet.
+    pub fn prefix_request(
+        settings: &crate::config::Prefix,
         prompt: crate::prefix::PromptBlocks,
         output: u64,
-    ) -> crate::prefix::Affinity<'a> {
-        crate::prefix::Affinity::new(config, settings, host, 0, prompt, true, output, host.now.get())
+    ) -> RequestPrefix<'_> {
+        RequestPrefix::new(settings, prompt, true, output, 1_000_000)
     }
 
     /// Passive health that ejects after 3 failures for 1 s, doubling to 4 s.

@@ -21,7 +21,7 @@ impl Scorer for Peers {
         if others == 0 {
             return;
         }
-        let settings = ctx.affinity.map(|a| a.settings);
+        let settings = ctx.prefix.map(|a| a.settings);
         for (rank, cost) in costs.iter_mut().enumerate() {
             let pending = worker.state.pending_tokens(rank).saturating_mul(others);
             let extra = match settings {

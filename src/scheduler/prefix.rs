@@ -1,16 +1,23 @@
 //! Scorer `prefix` (prefix affinity): adds `prefix_uncached_weight` x the
 //! prompt tokens the rank is thought not to hold in cache: the request's
-//! own prefill there. The worker's index is read here, once per request.
+//! own prefill there, from the worker's index as read before the choice.
 
 use super::{Context, Scorer, WorkerView};
-use crate::cost::Slot;
+use crate::cost::{add_cost, weighted, Slot};
 
 pub struct Prefix;
 
 impl Scorer for Prefix {
     fn score(&self, ctx: &Context, worker: &WorkerView, costs: &mut [Slot]) {
-        if let Some(affinity) = ctx.affinity {
-            affinity.add_uncached(worker.index, costs);
+        let Some(prefix) = ctx.prefix else {
+            return;
+        };
+        let total = prefix.prompt.tokens();
+        let weight = prefix.settings.uncached_weight;
+        let cached = prefix.cached_ranks(worker.index);
+        for (rank, cost) in costs.iter_mut().enumerate() {
+            let held = cached.get(rank).copied().unwrap_or(0);
+            add_cost(cost, weighted(total.saturating_sub(held), weight));
         }
     }
 }
@@ -18,11 +25,13 @@ impl Scorer for Prefix {
 #[cfg(test)]
 mod tests {
     use super::super::testing::*;
-    use super::super::{Constraint, REMOVED};
+    use super::super::Constraint;
     use super::*;
     use crate::body::JsonObject;
+    use crate::codec::encode;
     use crate::config::Config;
-    use crate::host::fake::FakeHost;
+    use crate::cost::REMOVED;
+    use crate::prefix::index::IndexRecord;
     use crate::prefix::PromptBlocks;
 
     #[test]
@@ -32,15 +41,15 @@ mod tests {
         )
         .unwrap();
         let settings = config.prefix.clone().unwrap();
-        let h = FakeHost::default();
-        h.now.set(1_000_000);
         let body = format!(r#"{{"text":"{}"}}"#, "p".repeat(256));
         let object = JsonObject::parse(body.as_bytes()).unwrap();
-        let blocks = || PromptBlocks::of(&object, 64);
-        // Rank 1 was sent the same prompt before (into the index a poll created).
-        crate::store::create_index(&config, &h, 0);
-        prefix_affinity(&config, &settings, &h, blocks(), 0).record(0, 1, None);
-        let affinity = prefix_affinity(&config, &settings, &h, blocks(), 0);
+        let blocks = PromptBlocks::of(&object, 64);
+        // Rank 1 was sent the same prompt before.
+        let mut index = IndexRecord::empty(64, 1_000_000);
+        let chains: Vec<&[u32]> = blocks.chains.iter().map(|c| c.hashes.as_slice()).collect();
+        index.touch(1, &chains, 1_000_000, settings.ttl_ms, 1000);
+        let mut prefix = prefix_request(&settings, blocks, 0);
+        prefix.insert(0, Some((encode(&index), 7)));
         let w = worker("a", 1, None);
         let s = state(&[0, 0, 0], 1000);
         let view = WorkerView {
@@ -50,20 +59,17 @@ mod tests {
             loads: &[],
         };
         let with = Context {
-            affinity: Some(&affinity),
+            prefix: Some(&prefix),
             ..ctx(Constraint::default())
         };
         let mut costs = vec![5, 5, REMOVED];
-        let reads = h.host_calls("shared_get");
         Prefix.score(&with, &view, &mut costs);
-        Prefix.score(&with, &view, &mut costs);
-        assert_eq!(
-            h.host_calls("shared_get") - reads,
-            1,
-            "one read per worker and request"
-        );
-        // 256 bytes = 64 tokens, all held by rank 1: x2, twice.
-        assert_eq!(costs, vec![5 + 2 * 2 * 64, 5, REMOVED]);
+        // 256 bytes = 64 tokens, all held by rank 1: x2.
+        assert_eq!(costs, vec![5 + 2 * 64, 5, REMOVED]);
+        let unread = WorkerView { index: 1, ..view };
+        let mut costs = vec![5];
+        Prefix.score(&with, &unread, &mut costs);
+        assert_eq!(costs, vec![5 + 2 * 64], "an index not read: nothing held");
         let mut without = vec![5];
         Prefix.score(&ctx(Constraint::default()), &view, &mut without);
         assert_eq!(without, vec![5], "no affinity, no cost");

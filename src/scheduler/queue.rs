@@ -9,10 +9,10 @@ pub struct Queue;
 
 impl Scorer for Queue {
     fn score(&self, ctx: &Context, worker: &WorkerView, costs: &mut [Slot]) {
-        let Some(affinity) = ctx.affinity else {
+        let Some(prefix) = ctx.prefix else {
             return;
         };
-        let (measure, per_request) = (affinity.settings.queue, affinity.settings.wait_weight);
+        let (measure, per_request) = (prefix.settings.queue, prefix.settings.wait_weight);
         for (rank, cost) in costs.iter_mut().enumerate() {
             let queued = worker.state.prefill.queued(rank, measure);
             add_cost(
@@ -31,7 +31,6 @@ mod tests {
     use super::super::Constraint;
     use super::*;
     use crate::config::Config;
-    use crate::host::fake::FakeHost;
     use crate::prefix::PromptBlocks;
     use crate::state::{Charge, RankFigures};
 
@@ -40,8 +39,7 @@ mod tests {
         let config =
             Config::from_json(br#"{"workers":[{"address":"127.0.0.1:1"}],"prefix_queue":"polled"}"#).unwrap();
         let settings = config.prefix.clone().unwrap();
-        let h = FakeHost::default();
-        let affinity = prefix_affinity(&config, &settings, &h, PromptBlocks::default(), 0);
+        let prefix = prefix_request(&settings, PromptBlocks::default(), 0);
         let w = worker("a", 1, None);
         let mut s = state(&[0, 0], 1000);
         let figures = [
@@ -68,7 +66,7 @@ mod tests {
             loads: &[],
         };
         let ctx = Context {
-            affinity: Some(&affinity),
+            prefix: Some(&prefix),
             ..ctx(Constraint::default())
         };
         let mut costs = vec![1, 1];

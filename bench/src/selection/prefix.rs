@@ -9,8 +9,8 @@ use dprank::codec;
 use dprank::config::Config;
 use dprank::host::memory::MemoryHost;
 use dprank::prefix::index::IndexRecord;
-use dprank::prefix::{Affinity, PromptBlocks};
-use dprank::scheduler::{choose, Constraint, Context, Pool};
+use dprank::prefix::{PromptBlocks, RequestPrefix};
+use dprank::scheduler::{choose, scored_workers, Constraint, Context, Pool};
 use dprank::state::{LoadTable, WorkerState};
 use dprank::store::{self, Keys};
 
@@ -135,7 +135,6 @@ pub fn rows(batches: usize) -> Result<(String, Timing), String> {
         let mut tie = 0u64;
         let mut score = |prompt: PromptBlocks| {
             tie = tie.wrapping_add(1);
-            let affinity = Affinity::new(&config, &settings, &host, 0, prompt, true, 256, host.now.get());
             let ctx = Context {
                 now_ms: NOW_MS,
                 stale_after_ms: u64::MAX,
@@ -145,7 +144,16 @@ pub fn rows(batches: usize) -> Result<(String, Timing), String> {
                 admit_probing: false,
                 pick: config.pick,
                 gateways: config.gateways,
-                affinity: Some(&affinity),
+                prefix: None,
+            };
+            // As the router does: the indexes of the workers the filters keep, then the choice.
+            let mut request = RequestPrefix::new(&settings, prompt, true, 256, host.now.get());
+            scored_workers(&pool, &ctx, |w| {
+                request.insert(w, store::read_prefix_index(&config, &host, w));
+            });
+            let ctx = Context {
+                prefix: Some(&request),
+                ..ctx
             };
             choose(&pool, &ctx).map_or(0, |c| c.cost)
         };
@@ -159,17 +167,14 @@ pub fn rows(batches: usize) -> Result<(String, Timing), String> {
                 .sum::<usize>();
         // The write: the chosen worker's index rebuilt and encoded.
         let record = time_ns(batches, || {
-            let affinity = Affinity::new(
+            let request = RequestPrefix::new(&settings, prompt.clone(), true, 256, host.now.get());
+            store::update_index(
                 &config,
-                &settings,
                 &host,
                 0,
-                prompt.clone(),
-                true,
-                256,
-                host.now.get(),
+                None,
+                request.record_on(3, Some(CAPACITY_TOKENS)),
             );
-            affinity.record(0, 3, Some(CAPACITY_TOKENS));
             host.now
                 .set(host.now.get() + 2 * dprank::prefix::index::TOUCH_AFTER_MS);
             1
