@@ -1,44 +1,29 @@
 //! Load polling: one poller per Envoy process, elected through a lease in
-//! shared data, sends one load request per worker per interval and stores the
-//! parsed snapshots where every thread's router reads them.
+//! shared data, sends one load request per worker per interval (what to
+//! request, and what the answer means, is the load source's: `load/`) and
+//! stores the snapshots where every thread's router reads them.
 
-use crate::config::{Config, Discovery, LoadEndpoint, Worker};
+use crate::config::{Config, Discovery, Worker};
 use crate::discovery;
 use crate::health_updates;
 use crate::host::{Callout, Host};
-use crate::load::{parse_load_details, LoadError, LoadReport};
+use crate::load::{Answer, LoadReport, LoadSource, Poll, Source};
 use crate::metrics::{self, PerWorker};
 use crate::prefix::index::IndexRecord;
+use crate::state::RankFigures;
 use crate::store::{self, IfMissing, Members};
 use hashbrown::{HashMap, HashSet};
 use std::net::SocketAddr;
 
 /// Header that tells the ORIGINAL_DST poll cluster which host to connect to.
 pub const POLL_DESTINATION_HEADER: &str = "x-envoy-original-dst-host";
-const V1_LOADS_PATH: &str = "/v1/loads?include=core";
-const GET_LOAD_PATH: &str = "/get_load";
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Endpoint {
-    V1Loads,
-    GetLoad,
-}
-
-impl Endpoint {
-    fn path(self) -> &'static str {
-        match self {
-            Endpoint::V1Loads => V1_LOADS_PATH,
-            Endpoint::GetLoad => GET_LOAD_PATH,
-        }
-    }
-}
 
 /// A load poll in flight.
 #[derive(Debug, Clone, Copy)]
 struct LoadCall {
     worker: SocketAddr,
     seq: u64,
-    endpoint: Endpoint,
+    poll: Poll,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -199,26 +184,21 @@ impl Poller {
             return;
         };
         let polled = store::update_worker(config, host, index, IfMissing::Create, |state| {
-            Some((state.begin_poll(), state.get_load_only))
+            Some((state.begin_poll(), state.load_fallback))
         });
-        let Some((seq, get_load_only)) = polled else {
+        let Some((seq, fallback)) = polled else {
             return;
         };
-        let endpoint = match config.load_endpoint {
-            LoadEndpoint::GetLoad => Endpoint::GetLoad,
-            LoadEndpoint::V1Loads => Endpoint::V1Loads,
-            LoadEndpoint::Auto if get_load_only => Endpoint::GetLoad,
-            LoadEndpoint::Auto => Endpoint::V1Loads,
-        };
+        let poll = Source::of(config).poll(fallback);
         let authority = w.endpoint();
         let call = Callout {
             cluster: &config.poll_cluster,
             headers: &[
                 (":method", "GET"),
-                (":path", endpoint.path()),
+                (":path", poll.path),
                 (":authority", authority.as_str()),
                 (POLL_DESTINATION_HEADER, authority.as_str()),
-                ("accept", "application/json"),
+                ("accept", poll.accept),
             ],
             body: None,
             timeout_ms: config.poll_timeout_ms,
@@ -226,14 +206,8 @@ impl Poller {
         match host.http_call(&call) {
             Ok(token) => {
                 let worker = w.address;
-                self.outstanding.insert(
-                    token,
-                    Call::Load(LoadCall {
-                        worker,
-                        seq,
-                        endpoint,
-                    }),
-                );
+                self.outstanding
+                    .insert(token, Call::Load(LoadCall { worker, seq, poll }));
             }
             Err(e) => {
                 host.count(&PerWorker::PollFailed.of(&w.name), 1);
@@ -279,25 +253,29 @@ impl Poller {
         else {
             return;
         };
-        let outcome = match status {
-            Some(200) => match parse_load_details(body) {
-                Err(LoadError::BadRanks(why)) => {
-                    refuse(config, host, w, &why);
-                    return;
-                }
-                parsed => parsed.map_err(|e| e.to_string()),
-            },
-            Some(404) if call.endpoint == Endpoint::V1Loads && config.load_endpoint == LoadEndpoint::Auto => {
-                log::info!("{} has no /v1/loads; polling /get_load from now on", w.endpoint());
+        let source = Source::of(config);
+        let outcome = match status.map(|code| source.answer(&call.poll, code, body)) {
+            Some(Answer::Report(report)) => Ok(report),
+            Some(Answer::Refused(why)) => {
+                refuse(config, host, w, &why);
+                return;
+            }
+            Some(Answer::FallBack) => {
+                log::info!(
+                    "{} has no {}; polling {} from now on",
+                    w.endpoint(),
+                    call.poll.path,
+                    source.poll(true).path
+                );
                 // Kept with the worker's state, so whichever thread polls next knows.
                 store::update_worker(config, host, index, IfMissing::Create, |state| {
-                    state.get_load_only = true;
+                    state.load_fallback = true;
                     Some(())
                 });
                 self.dispatch(config, host, index);
                 return;
             }
-            Some(code) => Err(format!("HTTP {code} from {}", call.endpoint.path())),
+            Some(Answer::Failed(reason)) => Err(reason),
             None => Err("no response (timeout or connection failure)".to_string()),
         };
         let ok = match outcome {
@@ -350,22 +328,20 @@ fn refuse(config: &Config, host: &dyn Host, w: &Worker, why: &str) {
 /// affinity, ranks reporting far fewer cache hits than their index
 /// expected lose part of their index.
 fn apply_report(config: &Config, host: &dyn Host, index: usize, w: &Worker, seq: u64, report: LoadReport) {
-    let LoadReport {
-        mut tokens,
-        mut figures,
-    } = report;
+    let mut ranks = report.ranks;
     if let Some(dp) = w.dp_size {
-        if tokens.len() != dp as usize {
+        if ranks.len() != dp as usize {
             host.count(&PerWorker::DpSizeMismatch.of(&w.name), 1);
             log::warn!(
                 "{} reports {} ranks but dp_size is {dp}; using ranks below {dp}",
                 w.endpoint(),
-                tokens.len()
+                ranks.len()
             );
-            tokens.truncate(dp as usize);
+            ranks.truncate(dp as usize);
         }
-        figures.truncate(dp as usize);
     }
+    let tokens: Vec<Option<u64>> = ranks.iter().map(|r| r.tokens).collect();
+    let figures: Vec<RankFigures> = ranks.iter().map(RankFigures::from).collect();
     let now = host.now_ms();
     let shrink = store::update_worker(config, host, index, IfMissing::Create, |state| {
         if !state.apply_snapshot(seq, now, &tokens) {

@@ -30,8 +30,9 @@ pub struct WorkerState {
     pub snapshot_at_ms: u64,
     /// A request to this worker failed to connect: out of rotation until the next good poll.
     pub unreachable: bool,
-    /// `load_endpoint: auto` found no `/v1/loads` here: poll `/get_load`.
-    pub get_load_only: bool,
+    /// The worker's load source fell back to its second endpoint here
+    /// (SGLang under `load_endpoint: auto`: no `/v1/loads`, poll `/get_load`).
+    pub load_fallback: bool,
     /// Polled tokens per rank, `UNKNOWN` where the report had no usable figure.
     #[serde(with = "crate::codec::words")]
     tokens: Vec<u64>,

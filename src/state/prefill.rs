@@ -25,6 +25,7 @@
 use super::UNKNOWN;
 use crate::codec::words;
 use crate::config::QueueMeasure;
+use crate::load::RankLoad;
 use serde::{Deserialize, Serialize};
 
 /// Prompt tokens routed to a rank since its last feedback check below which
@@ -152,6 +153,18 @@ pub struct RankFigures {
     pub capacity: Option<u64>,
     /// 0..=1.
     pub cache_hit_rate: Option<f64>,
+}
+
+impl From<&RankLoad> for RankFigures {
+    fn from(rank: &RankLoad) -> RankFigures {
+        RankFigures {
+            waiting_uncached: rank.waiting_uncached_tokens,
+            waiting_requests: rank.waiting_requests,
+            used: rank.used_tokens,
+            capacity: rank.capacity_tokens,
+            cache_hit_rate: rank.cache_hit_rate,
+        }
+    }
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]

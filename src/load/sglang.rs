@@ -1,48 +1,53 @@
-//! Parsing of the workers' load reports (`/v1/loads` and `/get_load`) into
-//! tokens per rank. Unknown keys are ignored; a rank whose figures are missing
-//! or unusable is reported as unknown rather than guessed. The ranks
-//! themselves must make sense: exactly 0..N-1, each once, where N is the
-//! report's `dp_rank_count` or else its number of entries. A report naming
-//! any other rank, a rank twice, or leaving a gap is refused whole
+//! SGLang's load endpoints: `/v1/loads?include=core`, or the older
+//! `/get_load` (`load_endpoint`; `auto` tries the first and falls back for
+//! good on a 404), and their reports read into a [`LoadReport`]. Unknown
+//! keys are ignored; a rank whose figures are missing or unusable is
+//! reported as unknown rather than guessed. The ranks themselves must make
+//! sense: exactly 0..N-1, each once, where N is the report's
+//! `dp_rank_count` or else its number of entries. A report naming any
+//! other rank, a rank twice, or leaving a gap is refused whole
 //! ([`LoadError::BadRanks`]): a rank dprank cannot trust is a rank it might
 //! write into a request, and the server answers that with a 400.
 
-use crate::config::MAX_DP_SIZE;
-use crate::state::RankFigures;
+use super::{Answer, LoadError, LoadReport, LoadSource, Poll, RankLoad};
+use crate::config::{LoadEndpoint, MAX_DP_SIZE};
 use serde::Deserialize;
 use serde_json::Value;
-use std::fmt;
 
-/// Tokens per rank, indexed by `dp_rank`; `None` = the report said nothing usable.
-pub type RankTokens = Vec<Option<u64>>;
+const V1_LOADS: Poll = Poll {
+    path: "/v1/loads?include=core",
+    accept: "application/json",
+};
+const GET_LOAD: Poll = Poll {
+    path: "/get_load",
+    accept: "application/json",
+};
 
-/// A report's tokens per rank and the figures prefix affinity reads (those
-/// of ranks the report lists without tokens are kept too).
-#[derive(Debug, Clone, PartialEq, Default)]
-pub struct LoadReport {
-    pub tokens: RankTokens,
-    pub figures: Vec<RankFigures>,
+/// SGLang's load source, polling as `load_endpoint` says.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Sglang {
+    pub endpoint: LoadEndpoint,
 }
 
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum LoadError {
-    NotJson(String),
-    NoRanks,
-    RankOutOfRange(u64),
-    /// The ranks are not exactly 0..N-1 (another rank, a duplicate, a gap,
-    /// or a `dp_rank` that is not a rank number).
-    BadRanks(String),
-}
+impl LoadSource for Sglang {
+    fn poll(&self, fallback: bool) -> Poll {
+        match self.endpoint {
+            LoadEndpoint::GetLoad => GET_LOAD,
+            LoadEndpoint::V1Loads => V1_LOADS,
+            LoadEndpoint::Auto if fallback => GET_LOAD,
+            LoadEndpoint::Auto => V1_LOADS,
+        }
+    }
 
-impl fmt::Display for LoadError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            LoadError::NotJson(e) => write!(f, "load report is not a known JSON shape: {e}"),
-            LoadError::NoRanks => write!(f, "load report lists no ranks"),
-            LoadError::RankOutOfRange(r) => {
-                write!(f, "load report names dp_rank {r} (limit {MAX_DP_SIZE})")
-            }
-            LoadError::BadRanks(why) => write!(f, "load report refused: its ranks are not 0..N-1 ({why})"),
+    fn answer(&self, poll: &Poll, status: u32, body: &[u8]) -> Answer {
+        match status {
+            200 => match parse(body) {
+                Ok(report) => Answer::Report(report),
+                Err(LoadError::BadRanks(why)) => Answer::Refused(why),
+                Err(e) => Answer::Failed(e.to_string()),
+            },
+            404 if *poll == V1_LOADS && self.endpoint == LoadEndpoint::Auto => Answer::FallBack,
+            code => Answer::Failed(format!("HTTP {code} from {}", poll.path)),
         }
     }
 }
@@ -62,6 +67,10 @@ struct RankEntry {
     #[serde(default)]
     num_waiting_reqs: Option<Value>,
     #[serde(default)]
+    num_running_reqs: Option<Value>,
+    #[serde(default)]
+    token_usage: Option<Value>,
+    #[serde(default)]
     max_total_num_tokens: Option<Value>,
     #[serde(default)]
     cache_hit_rate: Option<Value>,
@@ -79,7 +88,7 @@ enum Report {
     /// `/get_load`: one object per rank.
     Array(Vec<RankEntry>),
     /// `/get_load` on builds that return a single object.
-    Single(RankEntry),
+    Single(Box<RankEntry>),
 }
 
 /// A non-negative token count; finite floats are rounded to the nearest integer.
@@ -111,33 +120,35 @@ impl RankEntry {
             .find_map(token_count)
     }
 
-    fn figures(&self) -> RankFigures {
-        RankFigures {
-            waiting_uncached: self.num_waiting_uncached_tokens.as_ref().and_then(token_count),
-            waiting_requests: self.num_waiting_reqs.as_ref().and_then(token_count),
-            used: self.num_used_tokens.as_ref().and_then(token_count),
-            capacity: self.max_total_num_tokens.as_ref().and_then(token_count),
-            cache_hit_rate: self
-                .cache_hit_rate
-                .as_ref()
-                .and_then(Value::as_f64)
-                .filter(|h| (0.0..=1.0).contains(h)),
+    fn rank_load(&self) -> RankLoad {
+        let count = |v: &Option<Value>| v.as_ref().and_then(token_count);
+        RankLoad {
+            tokens: self.tokens(),
+            waiting_requests: count(&self.num_waiting_reqs),
+            running_requests: count(&self.num_running_reqs),
+            waiting_uncached_tokens: count(&self.num_waiting_uncached_tokens),
+            used_tokens: count(&self.num_used_tokens),
+            capacity_tokens: count(&self.max_total_num_tokens),
+            kv_usage: share(&self.token_usage),
+            cache_hit_rate: share(&self.cache_hit_rate),
         }
     }
 }
 
-/// Tokens per rank of a report.
-pub fn parse_load_report(body: &[u8]) -> Result<RankTokens, LoadError> {
-    parse_load_details(body).map(|report| report.tokens)
+/// A share (0..=1); anything else is unusable.
+fn share(v: &Option<Value>) -> Option<f64> {
+    v.as_ref()
+        .and_then(Value::as_f64)
+        .filter(|h| (0.0..=1.0).contains(h))
 }
 
-/// Tokens per rank and the figures prefix affinity reads.
-pub fn parse_load_details(body: &[u8]) -> Result<LoadReport, LoadError> {
+/// A report of either endpoint, rank by rank.
+pub fn parse(body: &[u8]) -> Result<LoadReport, LoadError> {
     let report: Report = serde_json::from_slice(body).map_err(|e| LoadError::NotJson(e.to_string()))?;
     let (entries, rank_count) = match report {
         Report::V1 { loads, dp_rank_count } => (loads, dp_rank_count),
         Report::Array(entries) => (entries, None),
-        Report::Single(entry) if entry.looks_like_rank() => (vec![entry], None),
+        Report::Single(entry) if entry.looks_like_rank() => (vec![*entry], None),
         Report::Single(_) => {
             return Err(LoadError::NotJson(
                 "an object with neither `loads` nor rank fields".into(),
@@ -156,8 +167,7 @@ pub fn parse_load_details(body: &[u8]) -> Result<LoadReport, LoadError> {
     if count > u64::from(MAX_DP_SIZE) {
         return Err(LoadError::RankOutOfRange(count));
     }
-    let mut ranks: RankTokens = vec![None; count as usize];
-    let mut figures: Vec<RankFigures> = vec![RankFigures::default(); count as usize];
+    let mut ranks: Vec<RankLoad> = vec![RankLoad::default(); count as usize];
     let mut seen = vec![false; count as usize];
     for (index, entry) in entries.iter().enumerate() {
         let rank = match &entry.dp_rank {
@@ -176,10 +186,7 @@ pub fn parse_load_details(body: &[u8]) -> Result<LoadReport, LoadError> {
             return Err(LoadError::BadRanks(format!("dp_rank {rank} listed twice")));
         }
         if let Some(slot) = ranks.get_mut(rank as usize) {
-            *slot = entry.tokens();
-        }
-        if let Some(slot) = figures.get_mut(rank as usize) {
-            *slot = entry.figures();
+            *slot = entry.rank_load();
         }
     }
     if let Some(gap) = seen.iter().position(|s| !s) {
@@ -187,15 +194,51 @@ pub fn parse_load_details(body: &[u8]) -> Result<LoadReport, LoadError> {
             "no entry for dp_rank {gap} of {count}"
         )));
     }
-    Ok(LoadReport {
-        tokens: ranks,
-        figures,
-    })
+    Ok(LoadReport { ranks })
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Tokens per rank of a report.
+    fn parse_load_report(body: &[u8]) -> Result<Vec<Option<u64>>, LoadError> {
+        parse(body).map(|r| r.tokens())
+    }
+
+    #[test]
+    fn polls_as_load_endpoint_says_and_falls_back_on_404_only_under_auto() {
+        let source = |endpoint| Sglang { endpoint };
+        let auto = source(LoadEndpoint::Auto);
+        assert_eq!(auto.poll(false).path, "/v1/loads?include=core");
+        assert_eq!(auto.poll(true).path, "/get_load");
+        assert_eq!(
+            source(LoadEndpoint::V1Loads).poll(true).path,
+            "/v1/loads?include=core"
+        );
+        assert_eq!(source(LoadEndpoint::GetLoad).poll(false).path, "/get_load");
+        assert_eq!(auto.answer(&auto.poll(false), 404, b""), Answer::FallBack);
+        assert_eq!(
+            auto.answer(&auto.poll(true), 404, b""),
+            Answer::Failed("HTTP 404 from /get_load".into())
+        );
+        let v1 = source(LoadEndpoint::V1Loads);
+        assert!(matches!(v1.answer(&v1.poll(false), 404, b""), Answer::Failed(_)));
+        assert_eq!(
+            auto.answer(&auto.poll(false), 503, b""),
+            Answer::Failed("HTTP 503 from /v1/loads?include=core".into())
+        );
+        let report = auto.answer(&auto.poll(false), 200, br#"[{"num_tokens":4}]"#);
+        assert!(matches!(report, Answer::Report(r) if r.tokens() == [Some(4)]));
+        let twice = br#"[{"dp_rank":0},{"dp_rank":0}]"#;
+        assert!(
+            matches!(auto.answer(&auto.poll(false), 200, twice), Answer::Refused(why) if why.contains("twice"))
+        );
+        assert!(matches!(
+            auto.answer(&auto.poll(false), 200, b"<html>"),
+            Answer::Failed(_)
+        ));
+    }
 
     #[test]
     fn get_load_array_with_extra_keys() {
@@ -227,25 +270,38 @@ mod tests {
                                    "max_total_num_tokens":200000,"cache_hit_rate":0.625},
                                   {"dp_rank":0,"num_total_tokens":1,"cache_hit_rate":1.5,
                                    "num_waiting_uncached_tokens":-1}]}"#;
-        let report = parse_load_details(body).unwrap();
-        assert_eq!(report.tokens, vec![Some(1), Some(5)]);
+        let report = parse(body).unwrap();
+        assert_eq!(report.tokens(), vec![Some(1), Some(5)]);
         assert_eq!(
-            report.figures[1],
-            RankFigures {
-                waiting_uncached: Some(700),
+            report.ranks[1],
+            RankLoad {
+                tokens: Some(5),
+                waiting_uncached_tokens: Some(700),
                 waiting_requests: Some(3),
-                used: None,
-                capacity: Some(200000),
+                capacity_tokens: Some(200000),
                 cache_hit_rate: Some(0.625),
+                ..RankLoad::default()
             }
         );
         assert_eq!(
-            report.figures[0],
-            RankFigures::default(),
+            report.ranks[0],
+            RankLoad {
+                tokens: Some(1),
+                ..RankLoad::default()
+            },
             "unusable figures are unknown"
         );
-        let get_load = parse_load_details(br#"[{"dp_rank":0,"num_tokens":3}]"#).unwrap();
-        assert_eq!(get_load.figures, vec![RankFigures::default()]);
+        let get_load =
+            parse(br#"[{"dp_rank":0,"num_tokens":3,"num_running_reqs":2,"token_usage":0.5}]"#).unwrap();
+        assert_eq!(
+            get_load.ranks,
+            vec![RankLoad {
+                tokens: Some(3),
+                running_requests: Some(2),
+                kv_usage: Some(0.5),
+                ..RankLoad::default()
+            }]
+        );
     }
 
     #[test]
