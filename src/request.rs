@@ -327,7 +327,7 @@ impl Request {
                 self.watch_fallback(host);
                 Action::Continue
             }
-            Decision::Reject(reply) => {
+            Decision::Reject { reply, .. } => {
                 reply.send(host);
                 Action::Pause
             }
@@ -361,7 +361,7 @@ impl Request {
                 self.ticket = routed.ticket;
                 Action::Continue
             }
-            Decision::Reject(reply) => {
+            Decision::Reject { reply, .. } => {
                 reply.send(host);
                 Action::Pause
             }

@@ -1,12 +1,16 @@
 //! Prefix affinity through the router: where prompts sharing a prefix go,
 //! how a hot prefix spills, and the index shared by several VMs.
 
+use super::body_fields::output_budget;
 use super::testing::*;
 use super::*;
+use crate::body::JsonObject;
 use crate::codec::decode_view;
 use crate::host::fake::FakeHost;
 use crate::host::memory::{MemoryHost, SharedData};
+use crate::metrics;
 use crate::prefix::index::IndexView;
+use crate::prefix::PromptBlocks;
 use crate::store::{read_worker_states, Keys};
 
 /// Routes with a fresh copy of the states, as a VM that has not routed before.
