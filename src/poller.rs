@@ -237,6 +237,17 @@ impl Poller {
         }
     }
 
+    /// Polls worker `index` on its source's fallback endpoint, now and from
+    /// now on: kept with the worker's state, so whichever thread polls next
+    /// knows.
+    fn fall_back(&mut self, config: &Config, host: &dyn Host, index: usize) {
+        store::update_worker(config, host, index, IfMissing::Create, |state| {
+            state.load_fallback = true;
+            Some(())
+        });
+        self.dispatch(config, host, index);
+    }
+
     fn on_load_response(
         &mut self,
         config: &Config,
@@ -267,12 +278,7 @@ impl Poller {
                     call.poll.path,
                     source.poll(true).path
                 );
-                // Kept with the worker's state, so whichever thread polls next knows.
-                store::update_worker(config, host, index, IfMissing::Create, |state| {
-                    state.load_fallback = true;
-                    Some(())
-                });
-                self.dispatch(config, host, index);
+                self.fall_back(config, host, index);
                 return;
             }
             Some(Answer::Failed(reason)) => Err(reason),
