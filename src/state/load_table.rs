@@ -3,7 +3,7 @@
 //! out flat and derived once per state change: the `load` scorer then reads
 //! one contiguous array per choice instead of walking each state's buckets.
 //! Each worker's least load is kept beside them: a lower bound on any cost
-//! the load-only pipeline gives its ranks (`bound.rs`).
+//! the load-only pipeline gives its ranks (the scheduler's `pruning/`).
 
 use crate::cost::{Slot, MAX_COST, REMOVED};
 use crate::state::WorkerState;

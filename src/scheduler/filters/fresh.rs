@@ -2,8 +2,8 @@
 //! that were never polled, or that are out of rotation (a request to them
 //! failed to connect).
 
-use super::{Context, Filter, WorkerView};
 use crate::cost::Slot;
+use crate::scheduler::{Context, Filter, WorkerView};
 
 pub struct Fresh;
 
@@ -13,16 +13,16 @@ impl Filter for Fresh {
     }
 
     /// Looks at the state only.
-    fn whole(&self) -> bool {
+    fn drops_whole_workers_only(&self) -> bool {
         true
     }
 }
 
 #[cfg(test)]
 mod tests {
-    use super::super::testing::*;
-    use super::super::Constraint;
     use super::*;
+    use crate::scheduler::testing::*;
+    use crate::scheduler::Constraint;
     use crate::state::WorkerState;
 
     #[test]

@@ -2,8 +2,8 @@
 //! prompt tokens the rank is thought not to hold in cache: the request's
 //! own prefill there, from the worker's index as read before the choice.
 
-use super::{Context, Scorer, WorkerView};
 use crate::cost::{add_cost, weighted, Slot};
+use crate::scheduler::{Context, Scorer, WorkerView};
 
 pub struct Prefix;
 
@@ -24,8 +24,6 @@ impl Scorer for Prefix {
 
 #[cfg(test)]
 mod tests {
-    use super::super::testing::*;
-    use super::super::Constraint;
     use super::*;
     use crate::body::JsonObject;
     use crate::codec::encode;
@@ -33,6 +31,8 @@ mod tests {
     use crate::cost::REMOVED;
     use crate::prefix::index::IndexRecord;
     use crate::prefix::PromptBlocks;
+    use crate::scheduler::testing::*;
+    use crate::scheduler::Constraint;
 
     #[test]
     fn adds_the_uncached_tokens_of_each_rank() {

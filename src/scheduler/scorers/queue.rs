@@ -2,8 +2,8 @@
 //! of the request, measured as `prefix_queue` says (`state/prefill.rs`):
 //! its uncached prompt tokens, plus `prefix_wait_weight` per queued request.
 
-use super::{Context, Scorer, WorkerView};
 use crate::cost::{add_cost, weighted, Slot};
+use crate::scheduler::{Context, Scorer, WorkerView};
 
 pub struct Queue;
 
@@ -27,11 +27,11 @@ impl Scorer for Queue {
 
 #[cfg(test)]
 mod tests {
-    use super::super::testing::*;
-    use super::super::Constraint;
     use super::*;
     use crate::config::Config;
     use crate::prefix::PromptBlocks;
+    use crate::scheduler::testing::*;
+    use crate::scheduler::Constraint;
     use crate::state::{Charge, RankFigures};
 
     #[test]

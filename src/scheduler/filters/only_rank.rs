@@ -1,8 +1,8 @@
 //! Filter `only_rank`: with a rank in the constraint (a trusted client's own
 //! rank field), keeps only that rank of each worker; without, keeps all.
 
-use super::{Context, Filter, WorkerView};
 use crate::cost::{Slot, REMOVED};
+use crate::scheduler::{Context, Filter, WorkerView};
 
 pub struct OnlyRank;
 
@@ -28,9 +28,9 @@ impl Filter for OnlyRank {
 
 #[cfg(test)]
 mod tests {
-    use super::super::testing::*;
-    use super::super::Constraint;
     use super::*;
+    use crate::scheduler::testing::*;
+    use crate::scheduler::Constraint;
 
     #[test]
     fn keeps_the_requested_rank_only() {

@@ -1,17 +1,17 @@
-//! Collector `by_rank`: offered the same slots as the picker, keeps for
+//! Collector `collector`: offered the same slots as the picker, keeps for
 //! every rank the few cheapest workers (by cost, then worker), so that
 //! `choose_with_alternates` finds the retry alternates of the rank it picks
 //! in the pass that picks it, instead of a second pass over the fleet.
 
-use super::Candidate;
 use crate::cost::{Slot, REMOVED};
+use crate::scheduler::Candidate;
 
 /// An empty place in a rank's list: dearer than any cost offered.
 const EMPTY: (Slot, usize) = (REMOVED, 0);
 
 /// Per rank, the `keep` cheapest (cost, worker) offered.
 #[derive(Debug, Default)]
-pub struct ByRank {
+pub struct AlternatesCollector {
     keep: usize,
     /// Per rank, the cost a worker must be below to be kept: the dearest of
     /// its list (`REMOVED` while the list has room, so a removed slot never is).
@@ -23,7 +23,7 @@ pub struct ByRank {
     dearest: Slot,
 }
 
-impl ByRank {
+impl AlternatesCollector {
     /// Empties it to keep `keep` (at least one) per rank; the buffers stay.
     pub fn reset(&mut self, keep: usize) {
         self.keep = keep.max(1);
@@ -110,50 +110,53 @@ mod tests {
 
     #[test]
     fn keeps_the_cheapest_workers_of_each_rank_in_order() {
-        let mut by_rank = ByRank::default();
-        by_rank.reset(3);
-        by_rank.offer(0, &[5, 9]);
-        by_rank.offer(1, &[REMOVED, 4, 7]);
-        by_rank.offer(2, &[5, 4]);
-        by_rank.offer(3, &[1, 4, 8]);
-        by_rank.offer(4, &[2]);
+        let mut collector = AlternatesCollector::default();
+        collector.reset(3);
+        collector.offer(0, &[5, 9]);
+        collector.offer(1, &[REMOVED, 4, 7]);
+        collector.offer(2, &[5, 4]);
+        collector.offer(3, &[1, 4, 8]);
+        collector.offer(4, &[2]);
         // Rank 0: 1 (w3), 2 (w4), 5 (w0); w2 ties w0 and comes later.
         assert_eq!(
-            by_rank.alternates(0, 99, 0, 5),
+            collector.alternates(0, 99, 0, 5),
             vec![c(3, 0, 1), c(4, 0, 2), c(0, 0, 5)]
         );
         // Rank 1: the ties stay in worker order; w0 (9) falls out.
         assert_eq!(
-            by_rank.alternates(1, 99, 10, 5),
+            collector.alternates(1, 99, 10, 5),
             vec![c(11, 1, 4), c(12, 1, 4), c(13, 1, 4)]
         );
         assert_eq!(
-            by_rank.alternates(1, 12, 10, 5),
+            collector.alternates(1, 12, 10, 5),
             vec![c(11, 1, 4), c(13, 1, 4)],
             "all but the chosen"
         );
-        assert_eq!(by_rank.alternates(2, 1, 0, 1), vec![c(3, 2, 8)]);
+        assert_eq!(collector.alternates(2, 1, 0, 1), vec![c(3, 2, 8)]);
         assert!(
-            by_rank.alternates(3, 99, 0, 5).is_empty(),
+            collector.alternates(3, 99, 0, 5).is_empty(),
             "a rank nobody offered"
         );
-        by_rank.reset(1);
-        by_rank.offer(0, &[REMOVED]);
+        collector.reset(1);
+        collector.offer(0, &[REMOVED]);
         assert!(
-            by_rank.alternates(0, 99, 0, 5).is_empty(),
+            collector.alternates(0, 99, 0, 5).is_empty(),
             "removed slots are never kept"
         );
-        by_rank.reset(0);
-        assert!(!by_rank.refuses(5, &[5]), "no bar yet");
-        by_rank.offer(7, &[3]);
-        assert!(by_rank.refuses(3, &[3]), "a tie of the dearest kept is not kept");
-        assert!(!by_rank.refuses(2, &[2]), "cheaper");
-        assert!(!by_rank.refuses(3, &[3, 3]), "a rank without a bar");
-        by_rank.offer(8, &[4, 9]);
-        assert!(by_rank.refuses(5, &[5, 9]), "at least each rank's bar (3, 9)");
-        assert!(!by_rank.refuses(5, &[5, 8]), "below rank 1's");
+        collector.reset(0);
+        assert!(!collector.refuses(5, &[5]), "no bar yet");
+        collector.offer(7, &[3]);
+        assert!(
+            collector.refuses(3, &[3]),
+            "a tie of the dearest kept is not kept"
+        );
+        assert!(!collector.refuses(2, &[2]), "cheaper");
+        assert!(!collector.refuses(3, &[3, 3]), "a rank without a bar");
+        collector.offer(8, &[4, 9]);
+        assert!(collector.refuses(5, &[5, 9]), "at least each rank's bar (3, 9)");
+        assert!(!collector.refuses(5, &[5, 8]), "below rank 1's");
         assert_eq!(
-            by_rank.alternates(0, 99, 0, 5),
+            collector.alternates(0, 99, 0, 5),
             vec![c(7, 0, 3)],
             "keeps one at least"
         );

@@ -2,8 +2,8 @@
 //! in the constraint, keeps only that (worker, rank). The router treats a pin
 //! as a preference: when nothing is left it chooses again without the pin.
 
-use super::{Context, Filter, WorkerView};
 use crate::cost::{Slot, REMOVED};
+use crate::scheduler::{Context, Filter, WorkerView};
 
 pub struct Pinned;
 
@@ -36,9 +36,9 @@ impl Filter for Pinned {
 
 #[cfg(test)]
 mod tests {
-    use super::super::testing::*;
-    use super::super::Constraint;
     use super::*;
+    use crate::scheduler::testing::*;
+    use crate::scheduler::Constraint;
 
     #[test]
     fn a_pin_by_name_or_endpoint_keeps_one_candidate() {

@@ -2,8 +2,8 @@
 //! passive health ejected, and clears ejected ranks (`health.rs`). A worker
 //! or rank past its cooldown stays only for the requests that may probe it.
 
-use super::{Context, Filter, WorkerView};
 use crate::cost::{Slot, REMOVED};
+use crate::scheduler::{Context, Filter, WorkerView};
 
 pub struct Healthy;
 
@@ -31,10 +31,10 @@ impl Filter for Healthy {
 
 #[cfg(test)]
 mod tests {
-    use super::super::testing::*;
-    use super::super::{Constraint, Context, REMOVED};
     use super::*;
     use crate::health::{Health, Outcome, Target};
+    use crate::scheduler::testing::*;
+    use crate::scheduler::{Constraint, Context};
 
     #[test]
     fn drops_ejected_and_envoy_unhealthy_workers_and_clears_ejected_ranks() {

@@ -1,21 +1,21 @@
-//! Scorer `home` (prefix affinity, `gateways` > 1): adds to each rank a
+//! Scorer `rendezvous` (prefix affinity, `gateways` > 1): adds to each rank a
 //! share of the prompt tokens it is thought not to hold, the share drawn
 //! from a hash of the prompt's first block and the (worker, rank). Every
 //! gateway computes the same shares, so gateways that have never seen a
 //! prefix lean toward the same ranks for it instead of each placing it on
 //! its own; a rank this gateway's index says holds the prompt pays less.
 
-use super::least_cost::mix;
-use super::{Context, Scorer, WorkerView};
 use crate::cost::{add_cost, Slot};
+use crate::scheduler::pickers::least_cost::mix;
+use crate::scheduler::{Context, Scorer, WorkerView};
 use std::net::{IpAddr, SocketAddr};
 
 /// The share's resolution: a rank pays `uncached x h / SHARES`, `h` in 0..SHARES.
 const SHARES: u64 = 1024;
 
-pub struct Home;
+pub struct Rendezvous;
 
-impl Scorer for Home {
+impl Scorer for Rendezvous {
     /// Only gateways that share a fleet need to lean alike.
     fn applies(&self, ctx: &Context) -> bool {
         ctx.prefix.is_some() && ctx.gateways > 1
@@ -54,12 +54,12 @@ fn endpoint_key(address: &SocketAddr) -> u64 {
 
 #[cfg(test)]
 mod tests {
-    use super::super::testing::*;
-    use super::super::{Constraint, LoadTable, WorkerView};
     use super::*;
     use crate::body::JsonObject;
     use crate::config::Config;
     use crate::prefix::PromptBlocks;
+    use crate::scheduler::testing::*;
+    use crate::scheduler::{Constraint, LoadTable, WorkerView};
 
     fn scored(gateways: u32, text: &str, port: u16) -> Vec<Slot> {
         let config = Config::from_json(br#"{"workers":[{"address":"127.0.0.1:1","name":"a"}]}"#).unwrap();
@@ -83,7 +83,7 @@ mod tests {
             ..ctx(Constraint::default())
         };
         let mut costs = vec![0; 8];
-        Home.score(&ctx, &view, &mut costs);
+        Rendezvous.score(&ctx, &view, &mut costs);
         costs
     }
 

@@ -6,10 +6,10 @@
 //! minima while a clearly cheaper candidate still takes nearly every request.
 
 use super::least_cost::mix;
-use super::{Candidate, Context, Picker};
 use crate::config::gateways::MAX_CHOICES;
 use crate::config::Pick;
 use crate::cost::{Slot, REMOVED};
+use crate::scheduler::{Candidate, Context, Picker};
 
 /// Salt for the draw, apart from `least_cost`'s tie sampling.
 const DRAW_SALT: u64 = 0xA076_1D64_78BD_642F;
@@ -54,7 +54,7 @@ impl Picker for Headroom {
     }
 
     /// Full, only a cost up to the dearest kept's can enter (a tie by its order).
-    fn bound(&self) -> Slot {
+    fn max_useful_cost(&self) -> Slot {
         match self.kept.get(self.choices) {
             Some(dearest) if self.len > self.choices => dearest.cost,
             _ => Slot::MAX,
@@ -130,9 +130,9 @@ impl Headroom {
 
 #[cfg(test)]
 mod tests {
-    use super::super::testing::ctx;
-    use super::super::Constraint;
     use super::*;
+    use crate::scheduler::testing::ctx;
+    use crate::scheduler::Constraint;
     use std::collections::HashMap;
 
     fn draws(choices: u32, offers: &[(usize, &[Slot])], n: u64) -> HashMap<(usize, u32), u64> {
@@ -183,15 +183,15 @@ mod tests {
     }
 
     #[test]
-    fn bound_is_the_dearest_kept_once_full() {
+    fn max_useful_cost_is_the_dearest_kept_once_full() {
         let mut p = Headroom::new(&Context {
             pick: Pick::Headroom { choices: 2 },
             ..ctx(Constraint::default())
         });
         p.offer(0, &[9, REMOVED, 4]);
-        assert_eq!(p.bound(), Slot::MAX, "room for one more");
+        assert_eq!(p.max_useful_cost(), Slot::MAX, "room for one more");
         p.offer(1, &[6, 1]);
-        assert_eq!(p.bound(), 6, "keeps 1, 4 and 6");
+        assert_eq!(p.max_useful_cost(), 6, "keeps 1, 4 and 6");
     }
 
     #[test]

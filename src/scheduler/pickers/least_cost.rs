@@ -4,8 +4,8 @@
 //! spread instead of all landing on rank 0, and an idle fleet's thousands of
 //! ties cost a count each rather than a draw each.
 
-use super::{Candidate, Context, Picker};
 use crate::cost::{Slot, REMOVED};
+use crate::scheduler::{Candidate, Context, Picker};
 
 /// The least cost offered so far, ties sampled uniformly.
 pub struct LeastCost {
@@ -43,14 +43,14 @@ impl Picker for LeastCost {
     }
 
     /// Only a cost up to the pick's, a tie, can change it.
-    fn bound(&self) -> Slot {
+    fn max_useful_cost(&self) -> Slot {
         self.cost
     }
 
     /// Nothing below the pick's cost and none of the ties the next taken:
     /// the ties are only counted.
     #[inline(always)]
-    fn tally(&mut self, least: Slot, tied: u64) -> bool {
+    fn count_ties(&mut self, least: Slot, tied: u64) -> bool {
         let counted = self.pick.is_some()
             && (least > self.cost || (least == self.cost && self.ties + tied < self.next_take));
         if counted {
@@ -74,7 +74,7 @@ impl LeastCost {
             return false;
         }
         let (least, tied) = ties(self.cost, costs);
-        self.tally(least, tied)
+        self.count_ties(least, tied)
     }
 
     #[inline]
@@ -103,7 +103,7 @@ impl LeastCost {
 
 /// The least of `costs` and how many of them are `cost`, branch-free.
 #[inline(always)]
-pub(super) fn ties(cost: Slot, costs: &[Slot]) -> (Slot, u64) {
+pub(in crate::scheduler) fn ties(cost: Slot, costs: &[Slot]) -> (Slot, u64) {
     costs.iter().fold((REMOVED, 0u64), |(least, tied), &c| {
         (least.min(c), tied + u64::from(c == cost))
     })
@@ -115,7 +115,7 @@ pub(super) fn ties(cost: Slot, costs: &[Slot]) -> (Slot, u64) {
 /// among ties `taken + 1..=m` with chance `taken / m`, so P(J > m) =
 /// `taken / m`, and J = floor(`taken` / u) + 1 for u uniform in (0, 1]
 /// (here in steps of 2^-32, from one `mix`). About ln(n) draws for n ties.
-pub(super) fn next_take(seed: u64, taken: u64) -> u64 {
+pub(in crate::scheduler) fn next_take(seed: u64, taken: u64) -> u64 {
     // u = (draw + 1) / 2^32.
     let draw = (mix(seed, taken) >> 32) + 1;
     let skip = match taken.checked_mul(1 << 32) {
@@ -127,7 +127,7 @@ pub(super) fn next_take(seed: u64, taken: u64) -> u64 {
 }
 
 /// splitmix64 of the tie breaker and the tie's position: a cheap, well-spread hash.
-pub(super) fn mix(seed: u64, n: u64) -> u64 {
+pub(in crate::scheduler) fn mix(seed: u64, n: u64) -> u64 {
     let mut z = seed ^ n.wrapping_mul(0x9E37_79B9_7F4A_7C15);
     z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
     z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
@@ -136,9 +136,9 @@ pub(super) fn mix(seed: u64, n: u64) -> u64 {
 
 #[cfg(test)]
 mod tests {
-    use super::super::testing::ctx;
-    use super::super::Constraint;
     use super::*;
+    use crate::scheduler::testing::ctx;
+    use crate::scheduler::Constraint;
 
     fn least_cost(candidates: impl Iterator<Item = Candidate>, tie_breaker: u64) -> Option<Candidate> {
         let mut picker = LeastCost::new(&Context {
@@ -157,7 +157,7 @@ mod tests {
         picker.offer(0, &[5, REMOVED, 7]);
         picker.offer(3, &[REMOVED, 2]);
         picker.offer(4, &[]);
-        assert_eq!(picker.bound(), 2, "a tie may still be taken");
+        assert_eq!(picker.max_useful_cost(), 2, "a tie may still be taken");
         assert_eq!(picker.pick(), Some(c(3, 1, 2)));
         assert_eq!(LeastCost::new(&ctx(Constraint::default())).pick(), None);
     }
@@ -191,7 +191,7 @@ mod tests {
     }
 
     #[test]
-    fn a_tally_counts_what_offering_would_only_count() {
+    fn counting_ties_unscored_counts_what_offering_would_only_count() {
         for t in 0..500 {
             let plain = Context {
                 tie_breaker: t,
@@ -199,11 +199,11 @@ mod tests {
             };
             let mut tallied = LeastCost::new(&plain);
             let mut offered = LeastCost::new(&plain);
-            assert!(!tallied.tally(4, 2), "nothing picked yet");
+            assert!(!tallied.count_ties(4, 2), "nothing picked yet");
             let workers: [&[Slot]; 6] = [&[4, 4], &[4, REMOVED, 4, 4], &[9], &[4; 8], &[3, 4, 3], &[3; 5]];
             for (w, costs) in workers.iter().enumerate() {
-                let (least, tied) = ties(tallied.bound(), costs);
-                if !tallied.tally(least, tied) {
+                let (least, tied) = ties(tallied.max_useful_cost(), costs);
+                if !tallied.count_ties(least, tied) {
                     tallied.offer(w, costs);
                 }
                 offered.offer(w, costs);
@@ -213,11 +213,11 @@ mod tests {
         }
         let mut picker = LeastCost::new(&ctx(Constraint::default()));
         picker.offer(0, &[4]);
-        assert!(!picker.tally(3, 0), "below the pick");
+        assert!(!picker.count_ties(3, 0), "below the pick");
         let room = picker.next_take - picker.ties - 1;
-        assert!(!picker.tally(4, room + 1), "reaches the next take");
+        assert!(!picker.count_ties(4, room + 1), "reaches the next take");
         assert!(
-            picker.tally(9, 0) && picker.tally(4, room),
+            picker.count_ties(9, 0) && picker.count_ties(4, room),
             "dearer, or ties short of it"
         );
         assert_eq!(picker.ties, 1 + room);

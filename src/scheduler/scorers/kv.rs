@@ -4,8 +4,8 @@
 //! requests sent since the poll). A full rank admits a request only as
 //! running ones finish, which its queued prefill does not show.
 
-use super::{Context, Scorer, WorkerView};
 use crate::cost::{add_cost, weighted, Slot};
+use crate::scheduler::{Context, Scorer, WorkerView};
 
 pub struct Kv;
 
@@ -38,12 +38,12 @@ impl Scorer for Kv {
 
 #[cfg(test)]
 mod tests {
-    use super::super::testing::*;
-    use super::super::Constraint;
     use super::*;
     use crate::body::JsonObject;
     use crate::config::Config;
     use crate::prefix::PromptBlocks;
+    use crate::scheduler::testing::*;
+    use crate::scheduler::Constraint;
     use crate::state::RankFigures;
 
     #[test]

@@ -3,8 +3,8 @@
 //! `LoadTable`); a rank the report gave no usable figure for is removed. Under
 //! prefix affinity the tokens are weighted by `prefix_load_weight`.
 
-use super::{Context, Scorer, WorkerView};
 use crate::cost::{add_cost, weighted, Slot, MAX_COST, REMOVED};
+use crate::scheduler::{Context, Scorer, WorkerView};
 
 pub struct Load;
 
@@ -48,16 +48,16 @@ impl Load {
 
 #[cfg(test)]
 mod tests {
-    use super::super::testing::*;
-    use super::super::{Constraint, WorkerView};
     use super::*;
     use crate::config::Config;
     use crate::prefix::PromptBlocks;
+    use crate::scheduler::testing::*;
+    use crate::scheduler::{Constraint, WorkerView};
     use crate::state::WorkerState;
 
     fn score(state: &WorkerState, mut costs: Vec<Slot>) -> Vec<Slot> {
         let w = worker("a", 1, None);
-        let loads = super::super::LoadTable::of(std::slice::from_ref(&Some(state.clone())));
+        let loads = crate::scheduler::LoadTable::of(std::slice::from_ref(&Some(state.clone())));
         let view = WorkerView {
             index: 0,
             worker: &w,
@@ -107,7 +107,7 @@ mod tests {
         let prefix = prefix_request(&settings, PromptBlocks::default(), 0);
         let w = worker("a", 1, None);
         let s = state(&[100, 7, 0], 1000);
-        let loads = super::super::LoadTable::of(std::slice::from_ref(&Some(s.clone())));
+        let loads = crate::scheduler::LoadTable::of(std::slice::from_ref(&Some(s.clone())));
         let view = WorkerView {
             index: 0,
             worker: &w,

@@ -1,16 +1,16 @@
-//! Scorer `peers` (`gateways` > 1): counts this gateway's requests since the
+//! Scorer `other_gateways` (`gateways` > 1): counts this gateway's requests since the
 //! last poll `gateways - 1` more times. Gateways sharing a fleet each see
 //! their own requests between polls; the others, spread alike by the L4
 //! balancer, are sending about as many, so the work a rank got since the
 //! poll is about `gateways` times this gateway's. Without it every gateway
 //! keeps sending to the stale minimum until its next poll.
 
-use super::{Context, Scorer, WorkerView};
 use crate::cost::{add_cost, weighted, Slot};
+use crate::scheduler::{Context, Scorer, WorkerView};
 
-pub struct Peers;
+pub struct OtherGateways;
 
-impl Scorer for Peers {
+impl Scorer for OtherGateways {
     /// Alone on the fleet there are no others' requests to count.
     fn applies(&self, ctx: &Context) -> bool {
         ctx.gateways > 1
@@ -43,9 +43,11 @@ impl Scorer for Peers {
 
 #[cfg(test)]
 mod tests {
-    use super::super::testing::*;
-    use super::super::{Constraint, LoadTable, WorkerView, REMOVED};
     use super::*;
+    use crate::cost::REMOVED;
+    use crate::scheduler::testing::*;
+    use crate::scheduler::{Constraint, WorkerView};
+    use crate::state::LoadTable;
 
     #[test]
     fn counts_own_requests_since_the_poll_once_per_other_gateway() {
@@ -65,7 +67,7 @@ mod tests {
                 ..ctx(Constraint::default())
             };
             let mut costs = vec![1, 1, REMOVED];
-            Peers.score(&ctx, &view, &mut costs);
+            OtherGateways.score(&ctx, &view, &mut costs);
             costs
         };
         assert_eq!(score(1), vec![1, 1, REMOVED], "alone: nothing");
