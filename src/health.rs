@@ -41,7 +41,7 @@
 //!   through to the fallback policy.
 //!
 //! The state of every thread lives in one shared-data record
-//! ([`Health`], `store.rs`) that lists only targets that are not plainly
+//! ([`Health`], `shared_data.rs`) that lists only targets that are not plainly
 //! healthy, so on a healthy fleet it is empty, routing reads a few bytes and
 //! a successful request writes nothing.
 
@@ -237,7 +237,7 @@ pub fn cooldown(policy: &PassiveHealth, ejections: u32) -> u64 {
         .min(policy.max_cooldown_ms)
 }
 
-/// The health record of one configuration, in shared data (`store.rs`).
+/// The health record of one configuration, in shared data (`shared_data.rs`).
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Health {
     /// Targets that are not plainly healthy (failures counted, ejected,
@@ -248,7 +248,7 @@ pub struct Health {
     pub envoy_unhealthy: Vec<SocketAddr>,
 }
 
-/// Kept at `<p>.health` (`store.rs`).
+/// Kept at `<p>.health` (`shared_data.rs`).
 impl Record for Health {
     const TAG: [u8; 4] = *b"DPH1";
     fn within_limits(&self) -> bool {

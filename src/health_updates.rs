@@ -1,18 +1,18 @@
 //! Every write to the shared health record, with the stats and logs that
 //! go with it: how a request ended (read from Envoy's properties), what
 //! load polls and Envoy's admin API tell. The state machine itself is in
-//! `health.rs`; the record's key and read-modify-write in `store.rs`.
+//! `health.rs`; the record's key and read-modify-write in `shared_data.rs`.
 
 use crate::config::Config;
 use crate::health::{classify, outcomes, Change, Finished, Outcome, Standing, Target};
 use crate::host::Host;
 use crate::metrics::{self, PerWorker};
-use crate::store;
+use crate::shared_data;
 use std::net::SocketAddr;
 
 /// What a request needs to report when it ends.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Watch {
+pub struct SentTo {
     /// The route header's hosts: the chosen worker, then its alternates
     /// (empty when the cluster's fallback policy picked the host).
     pub hosts: Vec<SocketAddr>,
@@ -59,7 +59,7 @@ fn count_retries(host: &dyn Host, finished: &Finished, hosts: &[SocketAddr]) {
 /// or Envoy's own answer: neither is written), else three (and the code
 /// details); the upstream address only after a retry or when something is
 /// written.
-pub fn request_ended(config: &Config, host: &dyn Host, watch: &Watch) {
+pub fn request_ended(config: &Config, host: &dyn Host, sent_to: &SentTo) {
     let attempts = u64_property(host, &["upstream", "request_attempt_count"])
         .unwrap_or(1)
         .max(1);
@@ -70,7 +70,7 @@ pub fn request_ended(config: &Config, host: &dyn Host, watch: &Watch) {
                 attempts: Some(attempts),
                 ..Finished::default()
             };
-            count_retries(host, &finished, &watch.hosts);
+            count_retries(host, &finished, &sent_to.hosts);
         }
         return;
     }
@@ -78,7 +78,7 @@ pub fn request_ended(config: &Config, host: &dyn Host, watch: &Watch) {
     // Below 500 and not 429 is a worker's success or Envoy's own answer
     // (which says nothing): on a clean record neither is written.
     let plain = status.is_some_and(|c| c < 500 && c != 429);
-    if attempts == 1 && plain && watch.health_was_clean {
+    if attempts == 1 && plain && sent_to.health_was_clean {
         return;
     }
     let details = text_property(host, &["response", "code_details"]);
@@ -87,7 +87,7 @@ pub fn request_ended(config: &Config, host: &dyn Host, watch: &Watch) {
     let last = classify(code, details.as_deref());
     let tells = match last {
         Outcome::Neutral => false,
-        Outcome::Success => !watch.health_was_clean,
+        Outcome::Success => !sent_to.health_was_clean,
         Outcome::Failure | Outcome::Unreachable => true,
     };
     if attempts == 1 && !tells {
@@ -99,14 +99,14 @@ pub fn request_ended(config: &Config, host: &dyn Host, watch: &Watch) {
         upstream: upstream_property(host),
         attempts: Some(attempts),
     };
-    count_retries(host, &finished, &watch.hosts);
-    let observed = outcomes(&finished, &watch.hosts, watch.rank);
+    count_retries(host, &finished, &sent_to.hosts);
+    let observed = outcomes(&finished, &sent_to.hosts, sent_to.rank);
     record(
         config,
         host,
         &observed,
-        watch.routed_at_ms,
-        watch.health_was_clean,
+        sent_to.routed_at_ms,
+        sent_to.health_was_clean,
     );
 }
 
@@ -135,7 +135,7 @@ pub fn record(
         return;
     }
     let now = host.now_ms();
-    let changes = store::update_health(config, host, |health| {
+    let changes = shared_data::update_health(config, host, |health| {
         let changes: Vec<(Target, Change)> = observed
             .iter()
             .filter_map(|(t, o)| Some((*t, health.observe(policy, *t, *o, routed_at_ms, now)?)))
@@ -197,7 +197,7 @@ pub fn poll_answered(config: &Config, host: &dyn Host, worker: SocketAddr) {
         return;
     }
     let now = host.now_ms();
-    let changed = store::update_health(config, host, |health| {
+    let changed = shared_data::update_health(config, host, |health| {
         health.poll_answered(worker, now).then_some(())
     });
     if changed.is_some() {
@@ -213,7 +213,7 @@ pub fn poll_unanswered(config: &Config, host: &dyn Host, worker: SocketAddr) {
         return;
     }
     let now = host.now_ms();
-    store::update_health(config, host, |health| {
+    shared_data::update_health(config, host, |health| {
         health.poll_unanswered(worker, now).then_some(())
     });
 }
@@ -226,7 +226,7 @@ pub fn set_envoy_unhealthy(config: &Config, host: &dyn Host, mut unhealthy: Vec<
     unhealthy.dedup();
     let now = host.now_ms();
     let known = |a: &SocketAddr| config.all_workers().any(|w| w.address == *a);
-    let before = store::update_health(config, host, |health| {
+    let before = shared_data::update_health(config, host, |health| {
         let pruned = health.prune(config.passive_health.as_ref(), now, known);
         if health.envoy_unhealthy == unhealthy && !pruned {
             return None;
@@ -254,12 +254,12 @@ pub fn poll_round(config: &Config, host: &dyn Host) {
     }
     let now = host.now_ms();
     let known = |a: &SocketAddr| config.all_workers().any(|w| w.address == *a);
-    store::update_health(config, host, |health| {
+    shared_data::update_health(config, host, |health| {
         health
             .prune(config.passive_health.as_ref(), now, known)
             .then_some(())
     });
-    let health = store::read_health(config, host);
+    let health = shared_data::read_health(config, host);
     for w in config.all_workers() {
         host.gauge(
             &PerWorker::Health.of(&w.name),

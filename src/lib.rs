@@ -29,8 +29,8 @@ pub mod prefix;
 pub mod request;
 pub mod router;
 pub mod scheduler;
-pub mod state;
-pub mod store;
+pub mod shared_data;
+pub mod worker_state;
 
 proxy_wasm::main! {{
     proxy_wasm::set_log_level(proxy_wasm::types::LogLevel::Info);

@@ -10,8 +10,8 @@ use crate::host::{Callout, Host};
 use crate::load::{Answer, LoadReport, LoadSource, Poll, Source};
 use crate::metrics::{self, PerWorker};
 use crate::prefix::index::IndexRecord;
-use crate::state::RankFigures;
-use crate::store::{self, IfMissing, Members};
+use crate::shared_data::{self, IfMissing, Members};
+use crate::worker_state::RankFigures;
 use hashbrown::{HashMap, HashSet};
 use std::net::SocketAddr;
 
@@ -77,7 +77,7 @@ impl Poller {
     /// A number unique to this VM among those sharing the data (also a tie-break salt).
     pub fn vm_id(&mut self, config: &Config, host: &dyn Host) -> u64 {
         if self.vm_id == 0 {
-            self.vm_id = store::next_vm_id(config, host);
+            self.vm_id = shared_data::next_vm_id(config, host);
         }
         self.vm_id
     }
@@ -85,17 +85,17 @@ impl Poller {
     /// Takes or renews the lease; true when this VM holds it and a round is due.
     fn lease_round_due(&mut self, config: &Config, host: &dyn Host) -> bool {
         let me = self.vm_id(config, host);
-        me != 0 && store::claim_poll_round(config, host, me, self.generation, lease_ttl_ms(config))
+        me != 0 && shared_data::claim_poll_round(config, host, me, self.generation, lease_ttl_ms(config))
     }
 
     /// Creates worker `index`'s prefix index at its first poll answered here
-    /// (`store::create_index`), then no more reads of it.
+    /// (`shared_data::create_index`), then no more reads of it.
     fn create_index(&mut self, config: &Config, host: &dyn Host, index: usize, w: &Worker) {
         if config.prefix.is_none() {
             return;
         }
-        let key = store::Keys::of(config).prefix_index(&w.address);
-        if !self.indexes.contains(&key) && store::create_index(config, host, index) {
+        let key = shared_data::Keys::of(config).prefix_index(&w.address);
+        if !self.indexes.contains(&key) && shared_data::create_index(config, host, index) {
             self.indexes.insert(key);
         }
     }
@@ -112,9 +112,9 @@ impl Poller {
         }
         health_updates::poll_round(config, host);
         let now = host.now_ms();
-        let states = store::read_worker_states(config, host);
+        let states = shared_data::read_worker_states(config, host);
         // Every worker's state is written here at once: logged in one append.
-        store::logged_together(config, host, || {
+        shared_data::logged_together(config, host, || {
             for ((index, w), state) in config.all_workers().enumerate().zip(&states) {
                 let age = state
                     .as_ref()
@@ -134,7 +134,10 @@ impl Poller {
             }
         });
         // So an operator (and the soak) can see it stay bounded.
-        host.gauge(metrics::SHARED_DATA_BYTES, store::shared_bytes(config, host));
+        host.gauge(
+            metrics::SHARED_DATA_BYTES,
+            shared_data::shared_bytes(config, host),
+        );
     }
 
     /// Reads `discovery.cluster`'s hosts from the admin API, for `call`
@@ -183,7 +186,7 @@ impl Poller {
         let Some(w) = config.worker(index) else {
             return;
         };
-        let polled = store::update_worker(config, host, index, IfMissing::Create, |state| {
+        let polled = shared_data::update_worker(config, host, index, IfMissing::Create, |state| {
             Some((state.begin_poll(), state.load_fallback))
         });
         let Some((seq, fallback)) = polled else {
@@ -241,7 +244,7 @@ impl Poller {
     /// now on: kept with the worker's state, so whichever thread polls next
     /// knows.
     fn fall_back(&mut self, config: &Config, host: &dyn Host, index: usize) {
-        store::update_worker(config, host, index, IfMissing::Create, |state| {
+        shared_data::update_worker(config, host, index, IfMissing::Create, |state| {
             state.load_fallback = true;
             Some(())
         });
@@ -289,7 +292,7 @@ impl Poller {
                 apply_report(config, host, index, w, call.seq, report);
                 self.create_index(config, host, index, w);
                 health_updates::poll_answered(config, host, w.address);
-                if store::set_refused(config, host, w.address, false) {
+                if shared_data::set_refused(config, host, w.address, false) {
                     log::info!("{} reports sensible ranks again", w.endpoint());
                 }
                 true
@@ -321,7 +324,7 @@ impl Poller {
 /// good report comes, whichever VM polls.
 fn refuse(config: &Config, host: &dyn Host, w: &Worker, why: &str) {
     host.count(&PerWorker::ReportRefused.of(&w.name), 1);
-    if store::set_refused(config, host, w.address, true) {
+    if shared_data::set_refused(config, host, w.address, true) {
         log::warn!(
             "refusing the load reports of {}: its ranks are not 0..N-1 ({why}); keeping its last good snapshot until it is stale",
             w.endpoint()
@@ -349,7 +352,7 @@ fn apply_report(config: &Config, host: &dyn Host, index: usize, w: &Worker, seq:
     let tokens: Vec<Option<u64>> = ranks.iter().map(|r| r.tokens).collect();
     let figures: Vec<RankFigures> = ranks.iter().map(RankFigures::from).collect();
     let now = host.now_ms();
-    let shrink = store::update_worker(config, host, index, IfMissing::Create, |state| {
+    let shrink = shared_data::update_worker(config, host, index, IfMissing::Create, |state| {
         if !state.apply_snapshot(seq, now, &tokens) {
             return None;
         }
@@ -360,7 +363,7 @@ fn apply_report(config: &Config, host: &dyn Host, index: usize, w: &Worker, seq:
         })
     });
     if let (Some(prefix), Some(shrink)) = (&config.prefix, shrink.filter(|s| !s.is_empty())) {
-        store::update_index(config, host, index, None, |view| {
+        shared_data::update_index(config, host, index, None, |view| {
             let mut record = IndexRecord::from_view(view.as_ref(), prefix.block_bytes, now);
             let mut changed = false;
             for (rank, keep) in &shrink {
@@ -424,7 +427,7 @@ fn on_membership_response(config: &Config, host: &dyn Host, status: Option<u32>,
             return;
         }
     };
-    if store::publish_members(config, host, &members).is_none() {
+    if shared_data::publish_members(config, host, &members).is_none() {
         return;
     }
     host.count(metrics::MEMBERSHIP_CHANGES, 1);

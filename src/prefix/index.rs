@@ -1,5 +1,5 @@
 //! One worker's approximate prefix index, as kept in shared data (one key
-//! per worker, `store.rs`): per rank, the hashes of the prompt blocks
+//! per worker, `shared_data.rs`): per rank, the hashes of the prompt blocks
 //! dprank routed there (`blocks.rs`), each with when it was last routed to.
 //!
 //! The layout is made to be small and read in place, since every request
@@ -18,7 +18,7 @@
 //! Each rank keeps at most its capacity in blocks (least recently routed
 //! first out), forgets entries older than the TTL, and gives up part of its
 //! entries when the rank reports far fewer cache hits than the index
-//! expected (`state/prefill.rs`).
+//! expected (`worker_state/prefill.rs`).
 
 use crate::codec::{bytes, Record, RecordView};
 use crate::config::prefix::{MAX_BLOCKS_PER_RANK, MAX_TTL_MS};
@@ -79,7 +79,7 @@ pub struct RankView<'a> {
     stamps: &'a [u8],
 }
 
-/// Kept at `<p>.px.<ip:port>` (`store.rs`).
+/// Kept at `<p>.px.<ip:port>` (`shared_data.rs`).
 impl Record for IndexRecord {
     const TAG: [u8; 4] = *b"DPX1";
 }

@@ -33,8 +33,8 @@ pub(crate) fn admit(snapshot: &Snapshot) -> Admission {
 mod tests {
     use super::*;
     use crate::router::snapshot::refresh;
-    use crate::router::testing::fleet;
-    use crate::store::cache::StateCache;
+    use crate::shared_data::cache::StateCache;
+    use crate::shared_data::testing::fleet;
 
     #[test]
     fn every_request_is_admitted_without_a_host_call() {

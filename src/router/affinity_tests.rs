@@ -2,7 +2,6 @@
 //! how a hot prefix spills, and the index shared by several VMs.
 
 use super::body_fields::output_budget;
-use super::testing::*;
 use super::*;
 use crate::body::JsonObject;
 use crate::codec::decode_view;
@@ -11,7 +10,8 @@ use crate::host::memory::{MemoryHost, SharedData};
 use crate::metrics;
 use crate::prefix::index::IndexView;
 use crate::prefix::PromptBlocks;
-use crate::store::{read_worker_states, Keys};
+use crate::shared_data::testing::*;
+use crate::shared_data::{read_worker_states, Keys};
 
 /// Routes with a fresh copy of the states, as a VM that has not routed before.
 fn route(c: &Rc<Config>, h: &dyn Host, body: &[u8], pin: Option<&str>, tie_breaker: u64) -> Decision {

@@ -13,7 +13,7 @@ use crate::body::{may_name_a_rank, BodyError, JsonObject};
 use crate::config::Config;
 use crate::host::Host;
 use crate::scheduler::Constraint;
-use crate::store::cache::StateCache;
+use crate::shared_data::cache::StateCache;
 use std::rc::Rc;
 
 /// Decides where a request with this body goes. `cache` is this VM's copy

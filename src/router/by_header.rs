@@ -11,7 +11,7 @@ use super::{Decision, Routed};
 use crate::config::{Config, CostEstimate, HeaderTransport};
 use crate::host::Host;
 use crate::scheduler::Constraint;
-use crate::store::cache::StateCache;
+use crate::shared_data::cache::StateCache;
 use std::rc::Rc;
 
 /// Tokens a request adds to its rank, from its `content-length` alone:
@@ -59,7 +59,7 @@ pub fn route_by_headers(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::router::testing::config;
+    use crate::shared_data::testing::config;
 
     #[test]
     fn cost_comes_from_the_length_or_the_default() {

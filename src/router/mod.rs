@@ -23,8 +23,8 @@ pub use replies::Reply;
 
 use crate::config::Config;
 use crate::host::Host;
-use crate::state::{PrefillTicket, Ticket};
-use crate::store::cache::StateCache;
+use crate::shared_data::cache::StateCache;
+use crate::worker_state::{PrefillTicket, Ticket};
 use pipeline::Committed;
 use snapshot::Moment;
 use std::borrow::Cow;
@@ -136,7 +136,7 @@ pub fn release(
     ticket: &Ticket,
     prefill: Option<&PrefillTicket>,
 ) {
-    if prefill.is_none() && cache.covers(config, ticket) {
+    if prefill.is_none() && cache.counted_by_snapshot(config, ticket) {
         // A snapshot counted the request: nothing is left to give back.
         return;
     }
@@ -154,7 +154,5 @@ pub fn release(
 
 #[cfg(test)]
 mod affinity_tests;
-#[cfg(test)]
-pub(crate) mod testing;
 #[cfg(test)]
 mod tests;

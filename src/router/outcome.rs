@@ -150,7 +150,7 @@ pub(super) fn pass_or_reject(
 mod tests {
     use super::*;
     use crate::host::fake::FakeHost;
-    use crate::router::testing::config;
+    use crate::shared_data::testing::config;
 
     #[test]
     fn closed_mode_refuses_what_open_mode_passes_under_the_same_name() {

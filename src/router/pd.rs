@@ -20,9 +20,9 @@ use crate::host::Host;
 use crate::metrics::{self, PerWorker};
 use crate::prefix::RequestPrefix;
 use crate::scheduler::Constraint;
-use crate::state::{PrefillTicket, Ticket};
-use crate::store::cache::StateCache;
-use crate::store::{self, IfMissing};
+use crate::shared_data::cache::StateCache;
+use crate::shared_data::{self, IfMissing};
+use crate::worker_state::{PrefillTicket, Ticket};
 use std::rc::Rc;
 
 #[derive(Debug, PartialEq, Eq)]
@@ -257,7 +257,7 @@ pub fn prefill_not_sent(config: &Config, host: &dyn Host, worker: usize) -> Repl
 /// A prefill worker that could not be reached gets no more requests until a
 /// poll succeeds again.
 pub fn mark_unreachable(config: &Config, host: &dyn Host, worker: usize) {
-    store::update_worker(config, host, worker, IfMissing::Skip, |state| {
+    shared_data::update_worker(config, host, worker, IfMissing::Skip, |state| {
         state.mark_unreachable();
         Some(())
     });

@@ -23,8 +23,8 @@ use crate::host::Host;
 use crate::metrics;
 use crate::prefix::RequestPrefix;
 use crate::scheduler::{self, Candidate, Constraint, Context, Pool};
-use crate::state::{Charge, PrefillTicket, Ticket};
-use crate::store::{self, cache::StateCache};
+use crate::shared_data::{self, cache::StateCache};
+use crate::worker_state::{Charge, PrefillTicket, Ticket};
 use std::rc::Rc;
 
 /// A request admission refused, counted: its answer.
@@ -178,7 +178,7 @@ fn run_scheduler(
         if prefix.wants(worker) {
             prefix.insert(
                 worker,
-                store::read_prefix_index(config, host, pool.offset + worker),
+                shared_data::read_prefix_index(config, host, pool.offset + worker),
             );
         }
     });
@@ -315,7 +315,7 @@ pub(crate) fn record(
         .and_then(Option::as_ref)
         .and_then(|s| s.prefill.capacity(at.rank as usize));
     let first = prefix.take_value(at.worker - pool_offset);
-    store::update_index(
+    shared_data::update_index(
         config,
         host,
         at.worker,
@@ -329,7 +329,7 @@ mod tests {
     use super::*;
     use crate::health::{Outcome, Target};
     use crate::host::fake::FakeHost;
-    use crate::router::testing::fleet;
+    use crate::shared_data::testing::fleet;
 
     fn leg(pin: Option<&str>, alternates: usize) -> Leg<'_> {
         Leg {
@@ -513,7 +513,7 @@ mod tests {
         );
         let mut again = crate::router::body_fields::prefix_request(&c, &object, h.now.get()).unwrap();
         let at = choice.chosen;
-        again.insert(at.worker, store::read_prefix_index(&c, &h, at.worker));
+        again.insert(at.worker, shared_data::read_prefix_index(&c, &h, at.worker));
         assert_eq!(
             again.cached(at.worker, at.rank as usize),
             640,

@@ -7,7 +7,7 @@ use crate::config::Config;
 use crate::health::{self, Health};
 use crate::host::Host;
 use crate::scheduler::{Constraint, Context, Pool};
-use crate::store::cache::StateCache;
+use crate::shared_data::cache::StateCache;
 use std::rc::Rc;
 
 /// Which pool a leg of a request chooses from.
@@ -120,7 +120,7 @@ impl<'a> Snapshot<'a> {
 mod tests {
     use super::*;
     use crate::health::{Outcome, Target};
-    use crate::router::testing::{fleet, pd_fleet};
+    use crate::shared_data::testing::{fleet, pd_fleet};
 
     #[test]
     fn refresh_reads_the_fleet_and_the_clock_once() {

@@ -1,8 +1,8 @@
-use super::testing::*;
 use super::*;
 use crate::host::fake::FakeHost;
-use crate::store::cache::StateCache;
-use crate::store::read_worker_states;
+use crate::shared_data::cache::StateCache;
+use crate::shared_data::read_worker_states;
+use crate::shared_data::testing::*;
 
 fn routed(d: Decision) -> Routed {
     match d {
@@ -324,7 +324,7 @@ fn the_reply_of_a_routed_leg_carries_its_tickets_and_moment() {
         rank: Some(2),
         endpoint: "127.0.0.1:2".into(),
     };
-    let ticket = crate::state::Ticket {
+    let ticket = crate::worker_state::Ticket {
         worker: 1,
         rank: 2,
         seq: 4,

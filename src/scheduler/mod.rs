@@ -65,7 +65,7 @@ use crate::config::{Pick, Worker};
 use crate::cost::Slot;
 use crate::health::Health;
 use crate::prefix::RequestPrefix;
-use crate::state::{LoadTable, WorkerState};
+use crate::worker_state::{LoadTable, WorkerState};
 
 /// A (worker, rank) a request could be sent to, with its cost (for now, the
 /// rank's effective tokens).

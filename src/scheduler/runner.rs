@@ -14,7 +14,7 @@ use super::steps::Steps;
 use super::{Candidate, Constraint, Context, Filter, Picker, Pool, Scorer, WorkerView};
 use crate::config::{Pick, Worker};
 use crate::cost::{Slot, REMOVED};
-use crate::state::WorkerState;
+use crate::worker_state::WorkerState;
 
 thread_local! {
     /// The cost slots of the worker being scored, reused across choices (each
@@ -279,7 +279,7 @@ mod tests {
     use super::super::{Constraint, Pool};
     use super::*;
     use crate::health::Health;
-    use crate::state::LoadTable;
+    use crate::worker_state::LoadTable;
 
     fn c(worker: usize, rank: u32, cost: u64) -> Candidate {
         Candidate { worker, rank, cost }

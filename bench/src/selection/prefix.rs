@@ -11,8 +11,8 @@ use dprank::host::memory::MemoryHost;
 use dprank::prefix::index::IndexRecord;
 use dprank::prefix::{PromptBlocks, RequestPrefix};
 use dprank::scheduler::{choose, scored_workers, Constraint, Context, Pool};
-use dprank::state::{LoadTable, WorkerState};
-use dprank::store::{self, Keys};
+use dprank::shared_data::{self, Keys};
+use dprank::worker_state::{LoadTable, WorkerState};
 
 use super::{time_ns, Timing, RANKS_PER_WORKER};
 use crate::report::markdown_table;
@@ -124,7 +124,7 @@ pub fn rows(batches: usize) -> Result<(String, Timing), String> {
     for workers in [1usize, 2, 4, 8] {
         let (config, host) = fleet(workers, &prompt)?;
         let settings = config.prefix.clone().ok_or("no prefix settings")?;
-        let states = store::read_worker_states(&config, &host);
+        let states = shared_data::read_worker_states(&config, &host);
         let loads = LoadTable::of(&states);
         let pool = Pool {
             workers: config.routed(),
@@ -149,7 +149,7 @@ pub fn rows(batches: usize) -> Result<(String, Timing), String> {
             // As the router does: the indexes of the workers the filters keep, then the choice.
             let mut request = RequestPrefix::new(&settings, prompt, true, 256, host.now.get());
             scored_workers(&pool, &ctx, |w| {
-                request.insert(w, store::read_prefix_index(&config, &host, w));
+                request.insert(w, shared_data::read_prefix_index(&config, &host, w));
             });
             let ctx = Context {
                 prefix: Some(&request),
@@ -168,7 +168,7 @@ pub fn rows(batches: usize) -> Result<(String, Timing), String> {
         // The write: the chosen worker's index rebuilt and encoded.
         let record = time_ns(batches, || {
             let request = RequestPrefix::new(&settings, prompt.clone(), true, 256, host.now.get());
-            store::update_index(
+            shared_data::update_index(
                 &config,
                 &host,
                 0,

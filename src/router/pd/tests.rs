@@ -1,9 +1,9 @@
-use super::super::testing::*;
 use super::super::{route, Decision, RejectReason};
 use super::*;
 use crate::host::fake::FakeHost;
-use crate::store::cache::StateCache;
-use crate::store::read_worker_states;
+use crate::shared_data::cache::StateCache;
+use crate::shared_data::read_worker_states;
+use crate::shared_data::testing::*;
 
 fn pd(d: Decision) -> PdRouted {
     match d {

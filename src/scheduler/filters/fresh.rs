@@ -23,7 +23,7 @@ mod tests {
     use super::*;
     use crate::scheduler::testing::*;
     use crate::scheduler::Constraint;
-    use crate::state::WorkerState;
+    use crate::worker_state::WorkerState;
 
     #[test]
     fn drops_stale_unpolled_and_unreachable_workers() {

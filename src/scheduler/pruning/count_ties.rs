@@ -54,7 +54,7 @@ mod tests {
     use crate::scheduler::profile::FilterStep;
     use crate::scheduler::testing::{ctx, state, worker};
     use crate::scheduler::Constraint;
-    use crate::state::LoadTable;
+    use crate::worker_state::LoadTable;
 
     #[test]
     fn counts_ties_only_where_costs_are_the_loads_of_whole_workers() {

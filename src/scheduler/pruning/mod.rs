@@ -44,7 +44,7 @@ mod tests {
     use crate::scheduler::steps::Steps;
     use crate::scheduler::testing::{ctx, eject, prefix_request, worker};
     use crate::scheduler::{Constraint, Filter, Scorer, WorkerView};
-    use crate::state::{LoadTable, WorkerState};
+    use crate::worker_state::{LoadTable, WorkerState};
 
     /// A state with tokens (some unknown) and pending estimates on most ranks.
     fn drawn_state(seed: u64, ranks: usize) -> WorkerState {

@@ -8,7 +8,7 @@
 
 use crate::scheduler::pickers::alternates::AlternatesCollector;
 use crate::scheduler::Picker;
-use crate::state::LoadTable;
+use crate::worker_state::LoadTable;
 
 /// Which of the picker and the alternates' collector offering a worker
 /// could change: a worker that can change neither is passed over, and one

@@ -44,7 +44,7 @@ mod tests {
     use crate::prefix::PromptBlocks;
     use crate::scheduler::testing::*;
     use crate::scheduler::Constraint;
-    use crate::state::RankFigures;
+    use crate::worker_state::RankFigures;
 
     #[test]
     fn adds_the_kv_a_full_rank_lacks() {

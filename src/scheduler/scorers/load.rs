@@ -53,7 +53,7 @@ mod tests {
     use crate::prefix::PromptBlocks;
     use crate::scheduler::testing::*;
     use crate::scheduler::{Constraint, WorkerView};
-    use crate::state::WorkerState;
+    use crate::worker_state::WorkerState;
 
     fn score(state: &WorkerState, mut costs: Vec<Slot>) -> Vec<Slot> {
         let w = worker("a", 1, None);

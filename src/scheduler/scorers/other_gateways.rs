@@ -47,7 +47,7 @@ mod tests {
     use crate::cost::REMOVED;
     use crate::scheduler::testing::*;
     use crate::scheduler::{Constraint, WorkerView};
-    use crate::state::LoadTable;
+    use crate::worker_state::LoadTable;
 
     #[test]
     fn counts_own_requests_since_the_poll_once_per_other_gateway() {

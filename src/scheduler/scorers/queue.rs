@@ -1,5 +1,5 @@
 //! Scorer `queue` (prefix affinity): adds the work queued on each rank ahead
-//! of the request, measured as `prefix_queue` says (`state/prefill.rs`):
+//! of the request, measured as `prefix_queue` says (`worker_state/prefill.rs`):
 //! its uncached prompt tokens, plus `prefix_wait_weight` per queued request.
 
 use crate::cost::{add_cost, weighted, Slot};
@@ -32,7 +32,7 @@ mod tests {
     use crate::prefix::PromptBlocks;
     use crate::scheduler::testing::*;
     use crate::scheduler::Constraint;
-    use crate::state::{Charge, RankFigures};
+    use crate::worker_state::{Charge, RankFigures};
 
     #[test]
     fn adds_the_prefill_queued_on_each_rank() {

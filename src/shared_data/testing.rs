@@ -1,9 +1,10 @@
-//! Fleets with polled loads, for the router's and the request lifecycle's tests.
+//! Fleets with polled states in shared data, for the tests of the state
+//! cache, the router and the request lifecycle.
 
+use super::{create_index, update_worker, IfMissing};
 use crate::config::Config;
 use crate::host::fake::FakeHost;
 use crate::host::Host;
-use crate::store::{self, IfMissing};
 use std::rc::Rc;
 
 /// Two workers `a` (127.0.0.1:1) and `b` (127.0.0.1:2), plus `extra` keys.
@@ -21,12 +22,12 @@ pub fn config(extra: &str) -> Rc<Config> {
 pub fn poll(config: &Config, host: &FakeHost, i: usize, tokens: &[u64]) {
     let now = host.now_ms();
     let tokens: Vec<Option<u64>> = tokens.iter().map(|t| Some(*t)).collect();
-    store::update_worker(config, host, i, IfMissing::Create, |s| {
+    update_worker(config, host, i, IfMissing::Create, |s| {
         let seq = s.begin_poll();
         s.apply_snapshot(seq, now, &tokens).then_some(())
     })
     .unwrap();
-    store::create_index(config, host, i);
+    create_index(config, host, i);
 }
 
 /// `config(extra)` at t = 10 s with a: [100, 50, 100, 100], b: [100, 100, 20, 100].

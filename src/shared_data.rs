@@ -39,12 +39,14 @@ use crate::health::Health;
 use crate::host::{Host, SharedSetError};
 use crate::metrics;
 use crate::prefix::index::{IndexRecord, IndexView};
-use crate::state::WorkerState;
+use crate::worker_state::WorkerState;
 use serde::{Deserialize, Serialize};
 use std::net::SocketAddr;
 
 pub mod cache;
 pub mod changes;
+#[cfg(test)]
+pub(crate) mod testing;
 
 /// How many times a read-modify-write on shared data is retried when another
 /// thread wrote in between.

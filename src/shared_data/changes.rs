@@ -9,7 +9,7 @@
 //! choice, saving the read when nobody appended since), so the log entry
 //! becomes visible only after the state it names;
 //! writes made at once (a poll round's) are appended together after the last
-//! (`store::logged_together`).
+//! (`shared_data::logged_together`).
 //! A reader reads the log first, then the states named since the sequence
 //! number it last saw: a write whose entry is not appended yet when the log is
 //! read gets a later number, and is read at the next request. A reader
@@ -168,7 +168,7 @@ mod tests {
     use crate::codec::{decode, encode};
     use crate::host::fake::FakeHost;
     use crate::host::memory::SharedData;
-    use crate::store::CAS_ATTEMPTS;
+    use crate::shared_data::CAS_ATTEMPTS;
 
     const KEY: &str = "fleet.changes";
 

@@ -49,7 +49,7 @@ struct Pending {
     tokens: Vec<u64>,
 }
 
-/// Kept at `<p>.w.<ip:port>` (`store.rs`).
+/// Kept at `<p>.w.<ip:port>` (`shared_data.rs`).
 impl Record for WorkerState {
     const TAG: [u8; 4] = *b"DPW6";
     fn within_limits(&self) -> bool {
@@ -211,7 +211,7 @@ impl WorkerState {
     /// Whether a snapshot has counted the ticket's request, which took its
     /// estimate out: from this state and from every later one, since
     /// snapshots only move forward.
-    pub fn covers(&self, ticket: &Ticket) -> bool {
+    pub fn counted_by_snapshot(&self, ticket: &Ticket) -> bool {
         ticket.seq < self.snapshot_seq
     }
 
@@ -287,7 +287,7 @@ mod tests {
         let t2_seq = w.begin_poll();
         let t2 = w.add(0, 0, 3).unwrap();
         w.apply_snapshot(t2_seq, 2000, &[Some(17)]);
-        assert!(w.covers(&t) && !w.covers(&t2));
+        assert!(w.counted_by_snapshot(&t) && !w.counted_by_snapshot(&t2));
         assert!(!w.release(&t), "covered: nothing to give back");
         assert_eq!(w.effective_tokens(0), Some(20));
         assert!(w.release(&t2));

@@ -13,12 +13,12 @@
 //! call when nobody wrote the worker since this VM read it. A write returns
 //! no cas (Envoy draws them from one counter for the whole process, so the
 //! next cannot be guessed): after this VM's own write, giving an estimate
-//! back reads the state first (`reread_if_own`) unless another of its
+//! back reads the state first (`read_cas_after_own_write`) unless another of its
 //! requests read it since, and writes under the cas of that read, whoever
 //! wrote last. A request that a snapshot has counted since it
 //! was routed (most, when requests outlast the poll interval) has nothing
 //! to give back: when this VM's copy shows that snapshot, its end makes no
-//! call at all (`covers`), and when the fresh read shows it, no write.
+//! call at all (`counted_by_snapshot`), and when the fresh read shows it, no write.
 //! The health record is read the same way: one
 //! read per request, decoded only when another request ended badly (or the
 //! poller changed it) since.
@@ -43,7 +43,7 @@ use crate::config::Config;
 use crate::health::{Health, NO_HEALTH};
 use crate::host::Host;
 use crate::metrics;
-use crate::state::{LoadTable, Ticket, WorkerState};
+use crate::worker_state::{LoadTable, Ticket, WorkerState};
 use std::rc::Rc;
 
 /// What the cache keeps per worker besides its decoded state.
@@ -347,7 +347,7 @@ impl StateCache {
         // only add a failed call.
         self.log.read = None;
         if self.config.as_ref().is_some_and(|c| Rc::ptr_eq(c, config)) {
-            self.reread_if_own(host, index);
+            self.read_cas_after_own_write(host, index);
             if let Some(out) = self.write_cached(host, index, &mut change) {
                 return out;
             }
@@ -356,17 +356,17 @@ impl StateCache {
     }
 
     /// Whether this VM's copy of the state of a request routed under
-    /// `config` shows a snapshot that counted it (`WorkerState::covers`):
+    /// `config` shows a snapshot that counted it (`WorkerState::counted_by_snapshot`):
     /// the shared state, as new or newer, shows it too, so giving the
     /// estimate back needs no call. False when `config` is not the one
     /// followed (its indices may differ).
-    pub fn covers(&self, config: &Rc<Config>, ticket: &Ticket) -> bool {
+    pub fn counted_by_snapshot(&self, config: &Rc<Config>, ticket: &Ticket) -> bool {
         self.config.as_ref().is_some_and(|c| Rc::ptr_eq(c, config))
             && self
                 .states
                 .get(ticket.worker)
                 .and_then(Option::as_ref)
-                .is_some_and(|s| s.covers(ticket))
+                .is_some_and(|s| s.counted_by_snapshot(ticket))
     }
 
     /// When worker `index`'s cas is unknown because this VM wrote last,
@@ -374,7 +374,7 @@ impl StateCache {
     /// thread's are decoded here, so either way the write that follows is
     /// one call under the cas just read, not a second read. Nothing cached
     /// (the state absent or dropped): the read-modify-write reads it anyway.
-    fn reread_if_own(&mut self, host: &dyn Host, index: usize) {
+    fn read_cas_after_own_write(&mut self, host: &dyn Host, index: usize) {
         if self
             .entries
             .get(index)
@@ -445,7 +445,7 @@ impl StateCache {
 mod tests {
     use super::*;
     use crate::host::fake::FakeHost;
-    use crate::router::testing::{fleet, poll};
+    use crate::shared_data::testing::{fleet, poll};
 
     fn shared_reads(h: &FakeHost) -> u64 {
         h.host_calls("shared_get")
@@ -503,7 +503,7 @@ mod tests {
         cache.refresh(&c, &h);
         assert!(cache.health().is_empty(), "never written: reads as empty");
         let b = c.routed()[1].address;
-        crate::store::update_health(&c, &h, |health| {
+        crate::shared_data::update_health(&c, &h, |health| {
             health.envoy_unhealthy.push(b);
             Some(())
         });
@@ -515,7 +515,7 @@ mod tests {
             [b],
             "unchanged under the same cas"
         );
-        crate::store::update_health(&c, &h, |health| {
+        crate::shared_data::update_health(&c, &h, |health| {
             health.envoy_unhealthy.clear();
             Some(())
         });
@@ -523,7 +523,7 @@ mod tests {
         assert!(cache.health().is_empty());
         // A configuration without passive or Envoy health reads no record.
         let (off, h) = fleet(r#","passive_health":{"enabled":false}"#);
-        crate::store::update_health(&off, &h, |health| {
+        crate::shared_data::update_health(&off, &h, |health| {
             health.envoy_unhealthy.push(b);
             Some(())
         });
@@ -604,7 +604,10 @@ mod tests {
 
     /// The cache's view is always what a fresh read of shared data decodes to.
     fn assert_current(cache: &StateCache, c: &Config, h: &FakeHost) {
-        assert_eq!(cache.states(), crate::store::read_worker_states(c, h).as_slice());
+        assert_eq!(
+            cache.states(),
+            crate::shared_data::read_worker_states(c, h).as_slice()
+        );
         assert_eq!(cache.loads(), &LoadTable::of(cache.states()));
     }
 
@@ -671,7 +674,7 @@ mod tests {
         // Written against a stale cas: the swap fails and the write is
         // made on a fresh read, over the other VM's estimate.
         mine.write(&c, &h, 1, |s| s.add(1, 2, 20)).unwrap();
-        let stored = crate::store::read_worker_states(&c, &h);
+        let stored = crate::shared_data::read_worker_states(&c, &h);
         assert_eq!(stored[1].as_ref().unwrap().effective_tokens(2), Some(50));
         // Both VMs read a state they wrote at their next request, stale or not.
         for cache in [&mut mine, &mut other] {
@@ -803,7 +806,7 @@ mod tests {
         let mut newer = cache.states()[1].clone().unwrap();
         newer.add(1, 0, 40).unwrap();
         h.shared_set(&key, &crate::codec::encode(&newer), None).unwrap();
-        h.conflicts.set(crate::store::CAS_ATTEMPTS);
+        h.conflicts.set(crate::shared_data::CAS_ATTEMPTS);
         changes::append(&h, &Keys::of(&c).changes(), &[changes::worker_tag(&key)]);
         assert_ne!(log_place(&h, &c).epoch, before.epoch);
         let reads = shared_reads(&h);
@@ -842,7 +845,7 @@ mod tests {
                     &[next(&mut seed) % 200; 4],
                 ),
                 1 if !tickets.is_empty() => {
-                    let ticket: crate::state::Ticket =
+                    let ticket: crate::worker_state::Ticket =
                         tickets.swap_remove(next(&mut seed) as usize % tickets.len());
                     cache.write_as_routed(&c, host, ticket.worker, |s| {
                         s.release(&ticket);
@@ -851,7 +854,7 @@ mod tests {
                 }
                 2 => {
                     // A write from outside the cache (as the poller's, PD's).
-                    crate::store::update_worker(&c, host, 1, IfMissing::Skip, |s| s.add(1, 3, 1));
+                    crate::shared_data::update_worker(&c, host, 1, IfMissing::Skip, |s| s.add(1, 3, 1));
                 }
                 3 => host.conflicts.set((next(&mut seed) % 3) as usize),
                 _ => {
@@ -865,7 +868,7 @@ mod tests {
                         // swap onto the log as read fails, and is retried.
                         let other = &hosts[(vm + 1) % 3];
                         let written = (next(&mut seed) % 2) as usize;
-                        crate::store::update_worker(&c, other, written, IfMissing::Skip, |s| {
+                        crate::shared_data::update_worker(&c, other, written, IfMissing::Skip, |s| {
                             s.add(written, 0, 1)
                         });
                     }

@@ -6,7 +6,7 @@
 //! the load-only pipeline gives its ranks (the scheduler's `pruning/`).
 
 use crate::cost::{Slot, MAX_COST, REMOVED};
-use crate::state::WorkerState;
+use crate::worker_state::WorkerState;
 
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct LoadTable {
