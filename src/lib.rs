@@ -2,14 +2,9 @@
 //! data-parallel rank holding the fewest tokens, across a fleet of workers.
 //!
 //! Everything but `envoy_host` and `filter` knows nothing of proxy-wasm and
-//! is tested on the host through the `Host` trait: `request` (one request's
-//! life), `router` (where it goes), `scheduler` (which worker and rank),
-//! `body` (reading and rewriting bodies), `prefix` (the prefix index and
-//! prompt hashing of prefix affinity), `poller`, `load` and `discovery`
-//! (load reports and cluster membership), `health` (passive health and
-//! Envoy's view of it), `store` and `state` (shared data),
-//! `config`, `metrics`. `envoy_host` is the only caller of the host ABI and
-//! `filter` only translates callbacks.
+//! is tested on the host through the `Host` trait. The modules form floors,
+//! each importing only from those below: docs/architecture.md lists them,
+//! says what each does and follows a request through the routing pipeline.
 
 pub mod body;
 pub mod codec;

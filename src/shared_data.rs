@@ -1,37 +1,7 @@
-//! Everything dprank keeps in proxy-wasm shared data: the keys, their one
-//! codec, the poll lease, and the read-modify-write helpers. No other module
-//! names a key or encodes a value.
-//!
-//! Keys (`<p>` = the configured `state_key`):
-//!
-//! | key | value | written by |
-//! |---|---|---|
-//! | `<p>.w.<ip:port>` | [`WorkerState`] of that worker | poller (snapshots), router (estimates) |
-//! | `<p>.lease` | [`Lease`]: who polls, and when the last round started | poller |
-//! | `<p>.vms` | [`VmCount`]: hands every VM its id | each VM once |
-//! | `<p>.members` | [`Members`]: a cluster's current workers | poller (`workers_from_cluster`) |
-//! | `<p>.config` | [`Announced`]: the configuration last logged | each VM at start-up |
-//! | `<p>.px.<ip:port>` | [`IndexRecord`]: that worker's prefix index (prefix affinity) | poller (creates it, cache feedback), router (routed prompts) |
-//! | `<p>.refused` | [`Refused`]: workers whose last load report was refused | poller |
-//! | `<p>.changes` | [`changes::ChangeLog`]: the last state writes, for readers that follow it (`state_reads`) | whoever writes a worker state, right after |
-//! | `<p>.health` | [`Health`]: targets not plainly healthy, hosts Envoy reports unhealthy | request ends (passive health), poller (Envoy's view) |
-//!
-//! Keys of later kinds follow the same pattern (`<p>.<kind>.<ip:port>[...]`)
-//! with a tag of their own. Values are written by `codec.rs` (a 4-byte tag
-//! declared beside each record's layout, then postcard); a value whose tag
-//! does not match, or that does not decode whole, reads as absent, so a
-//! filter that changes a layout starts that record afresh instead of
-//! misreading it. An empty value is the way to delete a key (proxy-wasm has
-//! no delete): it reads as absent too.
-//!
-//! Envoy writes an absent key whatever the compare-and-swap token, so the
-//! first write of a key is not guarded: of two first writes at once, the
-//! later erases the earlier. Worker states and prefix indexes are created
-//! only by the poller, under its lease. The other records are created by
-//! their first writer, where a lost first write costs little: the health
-//! record one failure count, `vms` a duplicate VM id (two VMs then share the
-//! lease, and still only one polls per interval: the lease keeps when the
-//! last round started).
+//! Everything dprank keeps in proxy-wasm shared data: the keys, the poll
+//! lease, and the read-modify-write helpers. No other module names a key
+//! (`codec.rs` encodes the values). The key table and the concurrency rules
+//! are in docs/architecture.md ("Shared data").
 
 use crate::codec::{decode, decode_view, encode, encode_into, Record};
 use crate::config::Config;

@@ -1,13 +1,8 @@
-//! Per-worker load state shared by every Envoy worker thread through proxy-wasm
-//! shared data: the last polled tokens per rank, plus the estimated tokens of
-//! requests this Envoy sent that the poll cannot have counted yet.
-//!
-//! Accounting rule: a request routed while the last *dispatched* poll of its
-//! worker had sequence `s` is invisible to every snapshot up to `s`, and counted
-//! by snapshot `s + 1` onward (that poll left after the request did). So its
-//! estimate lives in the pending bucket `s`; a snapshot with sequence `k` drops
-//! every bucket below `k`, and the request's end subtracts its estimate if its
-//! bucket is still there. Nothing drifts: every estimate leaves by one door.
+//! A worker's record in shared data: its last polled tokens per rank, plus
+//! the estimates of requests this Envoy sent that no poll can have counted
+//! yet, in buckets by the last dispatched poll (the accounting rule:
+//! docs/architecture.md, "Concurrency rules"), and prefix affinity's
+//! queued prefill. `LoadTable` is their loads laid out for the scheduler.
 
 /// Tokens value stored for a rank the report said nothing usable about.
 const UNKNOWN: u64 = u64::MAX;

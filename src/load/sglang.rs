@@ -1,13 +1,8 @@
 //! SGLang's load endpoints: `/v1/loads?include=core`, or the older
-//! `/get_load` (`load_endpoint`; `auto` tries the first and falls back for
-//! good on a 404), and their reports read into a [`LoadReport`]. Unknown
-//! keys are ignored; a rank whose figures are missing or unusable is
-//! reported as unknown rather than guessed. The ranks themselves must make
-//! sense: exactly 0..N-1, each once, where N is the report's
-//! `dp_rank_count` or else its number of entries. A report naming any
-//! other rank, a rank twice, or leaving a gap is refused whole
-//! ([`LoadError::BadRanks`]): a rank dprank cannot trust is a rank it might
-//! write into a request, and the server answers that with a 400.
+//! `/get_load` (`load_endpoint`; `auto` falls back for good on a 404), and
+//! their reports read into a [`LoadReport`]. Unusable figures are unknown,
+//! never guessed; a report whose ranks are not exactly 0..N-1 is refused
+//! whole ([`LoadError::BadRanks`]: docs/protocol.md, "Load reports").
 
 use super::{Answer, LoadError, LoadReport, LoadSource, Poll, RankLoad};
 use crate::config::{LoadEndpoint, MAX_DP_SIZE};

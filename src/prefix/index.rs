@@ -1,24 +1,7 @@
-//! One worker's approximate prefix index, as kept in shared data (one key
-//! per worker, `shared_data.rs`): per rank, the hashes of the prompt blocks
-//! dprank routed there (`blocks.rs`), each with when it was last routed to.
-//!
-//! The layout is made to be small and read in place, since every request
-//! reads the index of every candidate worker (a shared-data read copies the
-//! whole value): per rank, the top 24 bits of each block hash as a sorted
-//! array of 3-byte little-endian keys (a false match has odds of about
-//! entries / 2^24 per lookup) and their stamps (2 bytes: tenths of a second
-//! after the record's `base_ms`) in the same order, both as byte strings a
-//! decoded [`IndexView`] borrows: 5 bytes per block. A lookup is a binary
-//! search; how much of a prompt a rank holds is a binary search over the
-//! prompt's chain (the index holds whole prefixes: a prompt's blocks are
-//! recorded together, and deeper blocks get slightly older stamps so that
-//! eviction takes them first). Writes (one per routed request, to the
-//! chosen worker) rebuild the chosen rank's arrays.
-//!
-//! Each rank keeps at most its capacity in blocks (least recently routed
-//! first out), forgets entries older than the TTL, and gives up part of its
-//! entries when the rank reports far fewer cache hits than the index
-//! expected (`worker_state/prefill.rs`).
+//! One worker's approximate prefix index, as kept in shared data: per rank,
+//! the hashes of the prompt blocks dprank routed there, each with when it
+//! was last routed to, laid out to be small and read in place (5 bytes a
+//! block; docs/architecture.md, "The prefix index").
 
 use crate::codec::{bytes, Record, RecordView};
 use crate::config::prefix::{MAX_BLOCKS_PER_RANK, MAX_TTL_MS};

@@ -1,13 +1,10 @@
-//! Choosing the (worker, rank) for a request, as a pipeline of small named
-//! steps in the manner of the Gateway API Inference Extension's scheduler:
-//! filters remove candidates, scorers add to the cost of those left, and a
-//! picker takes one. This file holds the types and interfaces; the policy
-//! is `profile.rs`, the pass over the pool `runner.rs`, the steps
-//! `filters/`, `scorers/` and `pickers/`, and the shortcuts that skip work
-//! without changing a choice `pruning/` (docs/architecture.md says why).
-//! Candidates are every rank a worker's last report listed (below its
-//! configured `dp_size`). Scorers read only the request's `Context` and the
-//! `WorkerView`: data read before the choice, never shared data.
+//! Choosing the (worker, rank) for a request: filters remove candidates
+//! (every rank a worker's last report listed, below its `dp_size`), scorers
+//! add to the cost of those left, a picker takes one. Here the types and
+//! interfaces; the policy in `profile.rs`, the pass over the pool in
+//! `runner.rs`, the steps in `filters/`, `scorers/`, `pickers/`, shortcuts
+//! that change no choice in `pruning/` (docs/architecture.md). Steps read
+//! only the `Context` and the `WorkerView`: data read before the choice.
 //!
 //! Adding a scorer:
 //! 1. `scorers/<name>.rs`: a unit struct implementing [`Scorer`]. `applies`

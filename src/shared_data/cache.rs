@@ -1,40 +1,9 @@
 //! Each VM's decoded copy of the workers' shared states and of the health
-//! record, and what it needs per request without allocating: the keys, the
-//! route header values and the routed counters' names of the configuration
-//! in force.
-//!
-//! Every routing decision reads every worker's state (one shared-data read
-//! each: proxy-wasm has no multi-key read and no way to learn a key's cas
-//! without its value), but decodes only the states whose bytes changed since
-//! this VM last read or wrote them. Under load a request changes one or two
-//! workers (its estimate, another's release), so the rest of the fleet is not
-//! decoded again, and this VM's own writes are never decoded back. The cas
-//! read with a state also lets an estimate be written, or given back, in one
-//! call when nobody wrote the worker since this VM read it. A write returns
-//! no cas (Envoy draws them from one counter for the whole process, so the
-//! next cannot be guessed): after this VM's own write, giving an estimate
-//! back reads the state first (`read_cas_after_own_write`) unless another of its
-//! requests read it since, and writes under the cas of that read, whoever
-//! wrote last. A request that a snapshot has counted since it
-//! was routed (most, when requests outlast the poll interval) has nothing
-//! to give back: when this VM's copy shows that snapshot, its end makes no
-//! call at all (`counted_by_snapshot`), and when the fresh read shows it, no write.
-//! The health record is read the same way: one
-//! read per request, decoded only when another request ended badly (or the
-//! poller changed it) since.
-//!
-//! Under `state_reads` change_log (the default from `CHANGE_LOG_MIN_WORKERS`
-//! workers) a VM reads the change log instead (`changes.rs`), then only the
-//! states written since its last read and those it wrote itself: O(1) +
-//! O(changed) reads, and nothing read late; every state when the log cannot
-//! say what changed.
-//!
-//! With `state_refresh_ms` N > 0 (opt-in) a VM reads every state at most
-//! every N ms; in between it reads only the states whose cas it does not know
-//! (those it wrote itself, or whose compare-and-swap failed), so another
-//! VM's estimates reach it up to N ms late. Its own writes are still
-//! compare-and-swaps against the latest state: a stale copy makes the swap
-//! fail, and the write is then done on a fresh read, so nothing is lost.
+//! record, and what a request needs from it without allocating (keys, route
+//! header values, counter names). Only what changed is decoded, and writes
+//! go by compare-and-swap against the token read with the copy; the read
+//! modes (every state, the change log, `state_refresh_ms`) and why are in
+//! docs/architecture.md ("Reading the states per request").
 
 use super::changes::{self, ChangeLog, Place};
 use super::{log_tagged_write, update_worker, IfMissing, Keys};

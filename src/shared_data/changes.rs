@@ -1,28 +1,8 @@
 //! The change log (`<p>.changes`): which workers' states were written
-//! lately, so that a VM reads only those at its next request instead of
-//! every worker's (`state_reads`, `Config::reads_change_log`).
-//!
-//! The value is an epoch, a sequence number and a ring of the last
-//! [`CHANGE_LOG_LEN`] writes, each the [`worker_tag`] of the state written.
-//! Every successful state write is followed by an append (compare-and-swap,
-//! retried; a request's estimate swaps onto the log as it read it for its
-//! choice, saving the read when nobody appended since), so the log entry
-//! becomes visible only after the state it names;
-//! writes made at once (a poll round's) are appended together after the last
-//! (`shared_data::logged_together`).
-//! A reader reads the log first, then the states named since the sequence
-//! number it last saw: a write whose entry is not appended yet when the log is
-//! read gets a later number, and is read at the next request. A reader
-//! that fell more than the ring behind, finds the log missing or under
-//! another epoch, or follows a new configuration, reads every state.
-//!
-//! The epoch is random, drawn when the log is created: two first appends at
-//! once (a write to an absent key ignores the compare-and-swap token) leave
-//! the later one's log, under its own epoch, and whoever saw the earlier
-//! one's reads everything. An append that still cannot land after
-//! `CAS_ATTEMPTS` swaps starts a new epoch without compare-and-swap, which
-//! sends every reader to a full read: a change is not lost, at worst read
-//! along with every other state (unless the host refuses that write too).
+//! lately (an epoch, a sequence number and a ring of the last writes), so
+//! that a VM reads only those at its next request instead of every
+//! worker's (`state_reads`). Its ordering and recovery rules are in
+//! docs/architecture.md ("Reading the states per request").
 
 use super::{update, write_record};
 use crate::codec::Record;

@@ -1,26 +1,8 @@
 //! What prefix affinity keeps per worker next to its polled tokens: the
-//! prefill work queued on each rank, the figures of the rank's last report
-//! that describe it (`num_waiting_uncached_tokens`, `max_total_num_tokens`,
-//! `cache_hit_rate`), and how much of the routed prompts the index expected
-//! each rank to hold, to check against the hit rate the rank reports.
-//!
-//! The queue of a rank is measured two ways (`prefix_queue` picks one or the
-//! larger):
-//! - locally: the uncached tokens of this gateway's requests on the rank
-//!   whose first response byte has not come back. Streamed responses send
-//!   their first byte with the first token, so that is the prefill still to
-//!   do. A non-streamed response's first byte comes only with the whole
-//!   answer, so holding it until then would count its decode as queued
-//!   prefill; it is counted until a poll that left after it was routed
-//!   reports back, and from then on the server's own figure counts it.
-//! - polled: the rank's `num_waiting_uncached_tokens` (everyone's requests,
-//!   as of the snapshot), plus this gateway's requests routed since that
-//!   poll left, minus those of its requests the poll may have counted that
-//!   have started answering since.
-//!
-//! Buckets follow `WorkerState`'s rule: a request routed while the last
-//! dispatched poll was `s` is invisible to snapshots up to `s`; snapshot
-//! `s + 1` onward may count it.
+//! prefill queued on each rank (locally and as polled, `prefix_queue`), the
+//! figures of the rank's last report that describe it, and how much of the
+//! routed prompts the index expected each rank to hold, checked against the
+//! hit rate it reports. Buckets follow `WorkerState`'s accounting rule.
 
 use super::UNKNOWN;
 use crate::codec::words;
