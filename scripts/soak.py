@@ -736,7 +736,7 @@ def report(work, out):
         if s.get("shared_data_bytes") is not None and s.get("_floor")
     ]
     w(
-        "What the gauge counts (src/store.rs, src/state.rs): the poller lease, the VM counter, the health record (workers and ranks out of rotation or back for less than "
+        "What the gauge counts (src/shared_data.rs, src/worker_state.rs): the poller lease, the VM counter, the health record (workers and ranks out of rotation or back for less than "
         "`max_cooldown_ms`; empty on a healthy fleet) and one record per worker; a record holds 8 B per rank "
         "plus 12 + 8 x ranks B per pending-estimate bucket (requests routed since a poll round whose report is not in yet; "
         "a bucket leaves when a later report arrives or its requests end). So the size follows the rank counts and the requests in flight between polls, not the number of requests served"

@@ -4,7 +4,7 @@
 
 use crate::config::{default_worker_name, Config, Worker};
 use crate::host::Host;
-use crate::store;
+use crate::shared_data;
 use serde::Deserialize;
 use std::net::SocketAddr;
 use std::rc::Rc;
@@ -155,7 +155,7 @@ impl Membership {
         if self.base.discovery().is_none() {
             return self.base.clone();
         }
-        if let Some((members, cas)) = store::members_if_changed(&self.base, host, self.cas) {
+        if let Some((members, cas)) = shared_data::members_if_changed(&self.base, host, self.cas) {
             let workers = members
                 .0
                 .into_iter()
@@ -177,7 +177,7 @@ impl Membership {
 mod tests {
     use super::*;
     use crate::host::fake::FakeHost;
-    use crate::store::Members;
+    use crate::shared_data::Members;
 
     const ADMIN: &[u8] = br#"{"cluster_statuses":[
         {"name":"other","host_statuses":[{"address":{"socket_address":{"address":"10.9.9.9","port_value":1}}}]},
@@ -251,7 +251,7 @@ mod tests {
         assert!(membership.current(&host).routed().is_empty());
         let publish = |list: &[&str]| {
             let members = Members(list.iter().map(|a| a.parse().unwrap()).collect());
-            store::publish_members(&base, &host, &members).unwrap();
+            shared_data::publish_members(&base, &host, &members).unwrap();
         };
         publish(&["10.0.0.1:1", "10.0.0.2:1"]);
         let c = membership.current(&host);

@@ -6,7 +6,7 @@ use crate::envoy_host::EnvoyHost;
 use crate::host::Host;
 use crate::poller::{tick_period_ms, Poller};
 use crate::request::{self, Request, Routing};
-use crate::store;
+use crate::shared_data;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{Action, ContextType};
 use std::rc::Rc;
@@ -49,7 +49,7 @@ impl RootContext for DprankRoot {
             }
         };
         let json = config.to_json();
-        if store::first_to_announce(&config, &EnvoyHost, &json) {
+        if shared_data::first_to_announce(&config, &EnvoyHost, &json) {
             log::info!("dprank {VERSION} ({GIT_REVISION}) starting with {json}");
         }
         if config.poll_loads && !EnvoyHost::set_tick_period(tick_period_ms(&config)) {

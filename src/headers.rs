@@ -21,6 +21,16 @@ pub const CLIENT_RANK_HEADERS: [&str; 6] = [
     "x-override-bootstrap-room",
 ];
 
+/// Whether `name` is a header name as Envoy keeps them: lowercase
+/// letters, digits, `-` and `_` (what configuration keys naming headers
+/// accept).
+pub fn is_lowercase_header_name(name: &str) -> bool {
+    !name.is_empty()
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'_')
+}
+
 /// The serialized header pairs of one request.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct HeaderMap {

@@ -1,54 +1,11 @@
-//! Worker health: what dprank learns from the requests it routes (passive
-//! health) and what Envoy's own health checking says. Envoy's
-//! `override_host` policy sends a request to the host dprank names whatever
-//! that host's health (docs/envoy.md), so dprank must keep failing workers
-//! out of its own choice.
-//!
-//! Passive health, per worker and per (worker, rank), a "target":
-//!
-//! ```text
-//!   healthy --N consecutive failures--> ejected --cooldown over--> probing
-//!   probing --a probe answers--> healthy
-//!   probing --a probe fails--> ejected again, cooldown doubled (capped)
-//! ```
-//!
-//! - A failure is a 5xx answer, a reset or a failed connection; a success is
-//!   any other answer except 429. Client errors (4xx) say the worker is up,
-//!   so a 400 "rank out of range" never ejects. A 429 says it is up but
-//!   full: neither, since steering around a full worker is the load
-//!   figures' job, and ejecting busy workers would push their load onto the
-//!   rest of the fleet (smg's circuit breaker treats 429 the same way).
-//! - An ejected target is never chosen. A probing one is a candidate only for
-//!   a `probe_share` of requests, so a worker still failing costs about one
-//!   request per cooldown, and one that recovered returns at its first probe.
-//! - Only requests routed since the target's current phase began count: a
-//!   long request that started before an ejection cannot end it, and one that
-//!   failed before the target returned cannot count against it again.
-//! - Ejections in a row double the cooldown up to `max_cooldown_ms`; a target
-//!   that stays healthy that long starts again from `cooldown_ms`.
-//! - Failures of a whole worker (it refused the connection, or reset it
-//!   before answering: "unreachable") count for the worker; answers (5xx)
-//!   count for the worker and for the rank that gave them, so one broken
-//!   rank leaves rotation on its own while the worker's other ranks keep it
-//!   healthy.
-//! - A worker ejected because it was unreachable (its last failure, or a
-//!   load poll since, found nobody there) is probed as soon as a load poll
-//!   reaches it again: a restarted worker returns at once. One ejected for
-//!   its answers waits out its cooldown, since its polls may well succeed
-//!   (it answers them, just not the requests).
-//! - When no candidate is in rotation at all, requests may probe (as Envoy
-//!   routes to unhealthy hosts below its panic threshold) rather than pass
-//!   through to the fallback policy.
-//!
-//! The state of every thread lives in one shared-data record
-//! ([`Health`], `store.rs`) that lists only targets that are not plainly
-//! healthy, so on a healthy fleet it is empty, routing reads a few bytes and
-//! a successful request writes nothing.
+//! Worker health: passive health's state machine per worker and per
+//! (worker, rank) target, what a finished request's outcome says about
+//! them, and Envoy's own view (hosts it reports unhealthy). Kept in one
+//! shared record listing only targets that are not plainly healthy; the
+//! rules and why are in docs/architecture.md ("Passive health").
 
-pub mod observe;
-
+use crate::codec::Record;
 use crate::config::PassiveHealth;
-use crate::scheduler::{Slot, REMOVED};
 use serde::{Deserialize, Serialize};
 use std::net::SocketAddr;
 
@@ -239,7 +196,7 @@ pub fn cooldown(policy: &PassiveHealth, ejections: u32) -> u64 {
         .min(policy.max_cooldown_ms)
 }
 
-/// The health record of one configuration, in shared data (`store.rs`).
+/// The health record of one configuration, in shared data (`shared_data.rs`).
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Health {
     /// Targets that are not plainly healthy (failures counted, ejected,
@@ -248,6 +205,14 @@ pub struct Health {
     /// Workers Envoy reports unhealthy (active health check, outlier
     /// detection, EDS status), sorted; kept out of every choice.
     pub envoy_unhealthy: Vec<SocketAddr>,
+}
+
+/// Kept at `<p>.health` (`shared_data.rs`).
+impl Record for Health {
+    const TAG: [u8; 4] = *b"DPH1";
+    fn within_limits(&self) -> bool {
+        Health::within_limits(self)
+    }
 }
 
 /// A record with nothing in it (every worker in rotation).
@@ -287,26 +252,22 @@ impl Health {
         self.entries.iter().any(|e| e.phase(now_ms) == Phase::Probing)
     }
 
-    /// For the scheduler: false when `worker` may not be chosen at all;
-    /// otherwise clears the slots of its ranks that may not be.
-    pub fn admit(&self, worker: SocketAddr, now_ms: u64, admit_probing: bool, ranks: &mut [Slot]) -> bool {
-        if self.envoy_unhealthy.contains(&worker) {
-            return false;
-        }
-        for e in self.entries.iter().filter(|e| e.target.worker == worker) {
-            if e.admits(now_ms, admit_probing) {
-                continue;
-            }
-            match e.target.rank {
-                None => return false,
-                Some(rank) => {
-                    if let Some(slot) = ranks.get_mut(rank as usize) {
-                        *slot = REMOVED;
-                    }
-                }
-            }
-        }
-        true
+    /// Whether `worker` may be chosen now (a probe only if `admit_probing`):
+    /// None when not at all, else the ranks of it that may not be.
+    pub fn admitted(
+        &self,
+        worker: SocketAddr,
+        now_ms: u64,
+        admit_probing: bool,
+    ) -> Option<impl Iterator<Item = u32> + '_> {
+        let closed = move |e: &&Entry| e.target.worker == worker && !e.admits(now_ms, admit_probing);
+        let whole_out = self.envoy_unhealthy.contains(&worker)
+            || self
+                .entries
+                .iter()
+                .filter(closed)
+                .any(|e| e.target.rank.is_none());
+        (!whole_out).then(|| self.entries.iter().filter(closed).filter_map(|e| e.target.rank))
     }
 
     /// A worker's standing for its gauge (its ranks are not shown there).

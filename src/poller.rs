@@ -1,44 +1,29 @@
 //! Load polling: one poller per Envoy process, elected through a lease in
-//! shared data, sends one load request per worker per interval and stores the
-//! parsed snapshots where every thread's router reads them.
+//! shared data, sends one load request per worker per interval (what to
+//! request, and what the answer means, is the load source's: `load/`) and
+//! stores the snapshots where every thread's router reads them.
 
-use crate::config::{Config, Discovery, LoadEndpoint, Worker};
+use crate::config::{Config, Discovery, Worker};
 use crate::discovery;
-use crate::health::observe;
+use crate::health_updates;
 use crate::host::{Callout, Host};
-use crate::load::{parse_load_details, LoadError, LoadReport};
+use crate::load::{Answer, LoadReport, LoadSource, Poll, Source};
 use crate::metrics::{self, PerWorker};
 use crate::prefix::index::IndexRecord;
-use crate::store::{self, IfMissing, Members};
+use crate::shared_data::{self, IfMissing, Members};
+use crate::worker_state::RankFigures;
 use hashbrown::{HashMap, HashSet};
 use std::net::SocketAddr;
 
 /// Header that tells the ORIGINAL_DST poll cluster which host to connect to.
 pub const POLL_DESTINATION_HEADER: &str = "x-envoy-original-dst-host";
-const V1_LOADS_PATH: &str = "/v1/loads?include=core";
-const GET_LOAD_PATH: &str = "/get_load";
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Endpoint {
-    V1Loads,
-    GetLoad,
-}
-
-impl Endpoint {
-    fn path(self) -> &'static str {
-        match self {
-            Endpoint::V1Loads => V1_LOADS_PATH,
-            Endpoint::GetLoad => GET_LOAD_PATH,
-        }
-    }
-}
 
 /// A load poll in flight.
 #[derive(Debug, Clone, Copy)]
 struct LoadCall {
     worker: SocketAddr,
     seq: u64,
-    endpoint: Endpoint,
+    poll: Poll,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -92,7 +77,7 @@ impl Poller {
     /// A number unique to this VM among those sharing the data (also a tie-break salt).
     pub fn vm_id(&mut self, config: &Config, host: &dyn Host) -> u64 {
         if self.vm_id == 0 {
-            self.vm_id = store::next_vm_id(config, host);
+            self.vm_id = shared_data::next_vm_id(config, host);
         }
         self.vm_id
     }
@@ -100,17 +85,17 @@ impl Poller {
     /// Takes or renews the lease; true when this VM holds it and a round is due.
     fn lease_round_due(&mut self, config: &Config, host: &dyn Host) -> bool {
         let me = self.vm_id(config, host);
-        me != 0 && store::claim_poll_round(config, host, me, self.generation, lease_ttl_ms(config))
+        me != 0 && shared_data::claim_poll_round(config, host, me, self.generation, lease_ttl_ms(config))
     }
 
     /// Creates worker `index`'s prefix index at its first poll answered here
-    /// (`store::create_index`), then no more reads of it.
+    /// (`shared_data::create_index`), then no more reads of it.
     fn create_index(&mut self, config: &Config, host: &dyn Host, index: usize, w: &Worker) {
         if config.prefix.is_none() {
             return;
         }
-        let key = store::Keys::of(config).prefix_index(&w.address);
-        if !self.indexes.contains(&key) && store::create_index(config, host, index) {
+        let key = shared_data::Keys::of(config).prefix_index(&w.address);
+        if !self.indexes.contains(&key) && shared_data::create_index(config, host, index) {
             self.indexes.insert(key);
         }
     }
@@ -125,11 +110,11 @@ impl Poller {
         if let Some(envoy_health) = &config.envoy_health {
             self.dispatch_admin(config, envoy_health, Call::EnvoyHealth, host);
         }
-        observe::poll_round(config, host);
+        health_updates::poll_round(config, host);
         let now = host.now_ms();
-        let states = store::read_worker_states(config, host);
+        let states = shared_data::read_worker_states(config, host);
         // Every worker's state is written here at once: logged in one append.
-        store::logged_together(config, host, || {
+        shared_data::logged_together(config, host, || {
             for ((index, w), state) in config.all_workers().enumerate().zip(&states) {
                 let age = state
                     .as_ref()
@@ -149,7 +134,10 @@ impl Poller {
             }
         });
         // So an operator (and the soak) can see it stay bounded.
-        host.gauge(metrics::SHARED_DATA_BYTES, store::shared_bytes(config, host));
+        host.gauge(
+            metrics::SHARED_DATA_BYTES,
+            shared_data::shared_bytes(config, host),
+        );
     }
 
     /// Reads `discovery.cluster`'s hosts from the admin API, for `call`
@@ -198,27 +186,22 @@ impl Poller {
         let Some(w) = config.worker(index) else {
             return;
         };
-        let polled = store::update_worker(config, host, index, IfMissing::Create, |state| {
-            Some((state.begin_poll(), state.get_load_only))
+        let polled = shared_data::update_worker(config, host, index, IfMissing::Create, |state| {
+            Some((state.begin_poll(), state.load_fallback))
         });
-        let Some((seq, get_load_only)) = polled else {
+        let Some((seq, fallback)) = polled else {
             return;
         };
-        let endpoint = match config.load_endpoint {
-            LoadEndpoint::GetLoad => Endpoint::GetLoad,
-            LoadEndpoint::V1Loads => Endpoint::V1Loads,
-            LoadEndpoint::Auto if get_load_only => Endpoint::GetLoad,
-            LoadEndpoint::Auto => Endpoint::V1Loads,
-        };
+        let poll = Source::of(config).poll(fallback);
         let authority = w.endpoint();
         let call = Callout {
             cluster: &config.poll_cluster,
             headers: &[
                 (":method", "GET"),
-                (":path", endpoint.path()),
+                (":path", poll.path),
                 (":authority", authority.as_str()),
                 (POLL_DESTINATION_HEADER, authority.as_str()),
-                ("accept", "application/json"),
+                ("accept", poll.accept),
             ],
             body: None,
             timeout_ms: config.poll_timeout_ms,
@@ -226,14 +209,8 @@ impl Poller {
         match host.http_call(&call) {
             Ok(token) => {
                 let worker = w.address;
-                self.outstanding.insert(
-                    token,
-                    Call::Load(LoadCall {
-                        worker,
-                        seq,
-                        endpoint,
-                    }),
-                );
+                self.outstanding
+                    .insert(token, Call::Load(LoadCall { worker, seq, poll }));
             }
             Err(e) => {
                 host.count(&PerWorker::PollFailed.of(&w.name), 1);
@@ -263,6 +240,17 @@ impl Poller {
         }
     }
 
+    /// Polls worker `index` on its source's fallback endpoint, now and from
+    /// now on: kept with the worker's state, so whichever thread polls next
+    /// knows.
+    fn fall_back(&mut self, config: &Config, host: &dyn Host, index: usize) {
+        shared_data::update_worker(config, host, index, IfMissing::Create, |state| {
+            state.load_fallback = true;
+            Some(())
+        });
+        self.dispatch(config, host, index);
+    }
+
     fn on_load_response(
         &mut self,
         config: &Config,
@@ -279,33 +267,32 @@ impl Poller {
         else {
             return;
         };
-        let outcome = match status {
-            Some(200) => match parse_load_details(body) {
-                Err(LoadError::BadRanks(why)) => {
-                    refuse(config, host, w, &why);
-                    return;
-                }
-                parsed => parsed.map_err(|e| e.to_string()),
-            },
-            Some(404) if call.endpoint == Endpoint::V1Loads && config.load_endpoint == LoadEndpoint::Auto => {
-                log::info!("{} has no /v1/loads; polling /get_load from now on", w.endpoint());
-                // Kept with the worker's state, so whichever thread polls next knows.
-                store::update_worker(config, host, index, IfMissing::Create, |state| {
-                    state.get_load_only = true;
-                    Some(())
-                });
-                self.dispatch(config, host, index);
+        let source = Source::of(config);
+        let outcome = match status.map(|code| source.answer(&call.poll, code, body)) {
+            Some(Answer::Report(report)) => Ok(report),
+            Some(Answer::Refused(why)) => {
+                refuse(config, host, w, &why);
                 return;
             }
-            Some(code) => Err(format!("HTTP {code} from {}", call.endpoint.path())),
+            Some(Answer::FallBack) => {
+                log::info!(
+                    "{} has no {}; polling {} from now on",
+                    w.endpoint(),
+                    call.poll.path,
+                    source.poll(true).path
+                );
+                self.fall_back(config, host, index);
+                return;
+            }
+            Some(Answer::Failed(reason)) => Err(reason),
             None => Err("no response (timeout or connection failure)".to_string()),
         };
         let ok = match outcome {
             Ok(report) => {
                 apply_report(config, host, index, w, call.seq, report);
                 self.create_index(config, host, index, w);
-                observe::poll_answered(config, host, w.address);
-                if store::set_refused(config, host, w.address, false) {
+                health_updates::poll_answered(config, host, w.address);
+                if shared_data::set_refused(config, host, w.address, false) {
                     log::info!("{} reports sensible ranks again", w.endpoint());
                 }
                 true
@@ -315,7 +302,7 @@ impl Poller {
                 // Envoy answers 503 itself when it cannot connect; 502/504
                 // say the same from a proxy in between.
                 if matches!(status, None | Some(502..=504)) {
-                    observe::poll_unanswered(config, host, w.address);
+                    health_updates::poll_unanswered(config, host, w.address);
                 }
                 if self.healthy.get(&call.worker) != Some(&false) {
                     log::warn!(
@@ -337,7 +324,7 @@ impl Poller {
 /// good report comes, whichever VM polls.
 fn refuse(config: &Config, host: &dyn Host, w: &Worker, why: &str) {
     host.count(&PerWorker::ReportRefused.of(&w.name), 1);
-    if store::set_refused(config, host, w.address, true) {
+    if shared_data::set_refused(config, host, w.address, true) {
         log::warn!(
             "refusing the load reports of {}: its ranks are not 0..N-1 ({why}); keeping its last good snapshot until it is stale",
             w.endpoint()
@@ -350,24 +337,22 @@ fn refuse(config: &Config, host: &dyn Host, w: &Worker, why: &str) {
 /// affinity, ranks reporting far fewer cache hits than their index
 /// expected lose part of their index.
 fn apply_report(config: &Config, host: &dyn Host, index: usize, w: &Worker, seq: u64, report: LoadReport) {
-    let LoadReport {
-        mut tokens,
-        mut figures,
-    } = report;
+    let mut ranks = report.ranks;
     if let Some(dp) = w.dp_size {
-        if tokens.len() != dp as usize {
+        if ranks.len() != dp as usize {
             host.count(&PerWorker::DpSizeMismatch.of(&w.name), 1);
             log::warn!(
                 "{} reports {} ranks but dp_size is {dp}; using ranks below {dp}",
                 w.endpoint(),
-                tokens.len()
+                ranks.len()
             );
-            tokens.truncate(dp as usize);
+            ranks.truncate(dp as usize);
         }
-        figures.truncate(dp as usize);
     }
+    let tokens: Vec<Option<u64>> = ranks.iter().map(|r| r.tokens).collect();
+    let figures: Vec<RankFigures> = ranks.iter().map(RankFigures::from).collect();
     let now = host.now_ms();
-    let shrink = store::update_worker(config, host, index, IfMissing::Create, |state| {
+    let shrink = shared_data::update_worker(config, host, index, IfMissing::Create, |state| {
         if !state.apply_snapshot(seq, now, &tokens) {
             return None;
         }
@@ -378,7 +363,7 @@ fn apply_report(config: &Config, host: &dyn Host, index: usize, w: &Worker, seq:
         })
     });
     if let (Some(prefix), Some(shrink)) = (&config.prefix, shrink.filter(|s| !s.is_empty())) {
-        store::update_index(config, host, index, None, |view| {
+        shared_data::update_index(config, host, index, None, |view| {
             let mut record = IndexRecord::from_view(view.as_ref(), prefix.block_bytes, now);
             let mut changed = false;
             for (rank, keep) in &shrink {
@@ -412,7 +397,7 @@ fn on_envoy_health_response(config: &Config, host: &dyn Host, status: Option<u32
         None => Err("admin did not answer".to_string()),
     };
     match unhealthy {
-        Ok(list) => observe::set_envoy_unhealthy(config, host, list),
+        Ok(list) => health_updates::set_envoy_unhealthy(config, host, list),
         Err(e) => {
             // The last view stays: a lost admin read makes nobody healthy or unhealthy.
             host.count(metrics::ENVOY_HEALTH_FAILED, 1);
@@ -442,7 +427,7 @@ fn on_membership_response(config: &Config, host: &dyn Host, status: Option<u32>,
             return;
         }
     };
-    if store::publish_members(config, host, &members).is_none() {
+    if shared_data::publish_members(config, host, &members).is_none() {
         return;
     }
     host.count(metrics::MEMBERSHIP_CHANGES, 1);

@@ -10,12 +10,12 @@
 
 use crate::config::{Config, Transport};
 use crate::discovery::Membership;
-use crate::health::observe::{self, Watch};
+use crate::health_updates::{self, SentTo};
 use crate::host::{Callout, HeaderMap, Host};
 use crate::poller::POLL_DESTINATION_HEADER;
 use crate::router::{self, route_value, Chosen, Decision, PassReason, PdRouted, Reply, Routed};
-use crate::state::{PrefillTicket, Ticket};
-use crate::store::cache::StateCache;
+use crate::shared_data::cache::StateCache;
+use crate::worker_state::{PrefillTicket, Ticket};
 use std::cell::{Cell, RefCell};
 use std::rc::Rc;
 
@@ -92,7 +92,7 @@ pub struct Request {
     /// The decode response headers wait for the prefill leg.
     response_held: bool,
     /// Where the request was sent, for passive health and retry stats when it ends.
-    watch: Option<Watch>,
+    sent_to: Option<SentTo>,
 }
 
 impl Request {
@@ -111,7 +111,7 @@ impl Request {
             prefill_charge: None,
             prefill: PrefillLeg::None,
             response_held: false,
-            watch: None,
+            sent_to: None,
         }
     }
 
@@ -176,7 +176,7 @@ impl Request {
         }
         let status = host.callout_status();
         let body = host.callout_body(body_size);
-        let routed_at_ms = self.watch.as_ref().map_or(0, |w| w.routed_at_ms);
+        let routed_at_ms = self.sent_to.as_ref().map_or(0, |w| w.routed_at_ms);
         router::prefill_health(&self.config, host, worker, rank, status, routed_at_ms);
         match router::prefill_outcome(&self.config, host, worker, status, &body) {
             None => {
@@ -249,14 +249,14 @@ impl Request {
         if let Some(charge) = charge {
             router::prefill_started(&self.config, host, &mut self.routing.states.borrow_mut(), &charge);
         }
-        if let Some(watch) = self.watch.take() {
-            observe::request_ended(&self.config, host, &watch);
+        if let Some(sent_to) = self.sent_to.take() {
+            health_updates::request_ended(&self.config, host, &sent_to);
         }
     }
 
     /// Remembers where the request went (`to` first, then its alternates)
     /// and when, if its end can tell something.
-    fn watch<'c>(
+    fn remember_sent_to<'c>(
         &mut self,
         to: impl Iterator<Item = &'c Chosen>,
         rank: Option<u32>,
@@ -264,7 +264,7 @@ impl Request {
         at_ms: u64,
     ) {
         if self.config.passive_health.is_some() || self.config.retry_alternates > 0 {
-            self.watch = Some(Watch {
+            self.sent_to = Some(SentTo {
                 hosts: addresses(&self.config, to),
                 rank,
                 routed_at_ms: at_ms,
@@ -273,21 +273,21 @@ impl Request {
         }
     }
 
-    /// Watches a request the cluster's fallback policy sends: its answer
+    /// Remembers a request the cluster's fallback policy sends: its answer
     /// still tells about the host it picks.
-    fn watch_fallback(&mut self, host: &dyn Host) {
+    fn remember_fallback(&mut self, host: &dyn Host) {
         if self.config.passive_health.is_some() {
-            self.watch(std::iter::empty(), None, false, host.now_ms());
+            self.remember_sent_to(std::iter::empty(), None, false, host.now_ms());
         }
     }
 
-    /// Applies a routed decision's headers and watch (either transport).
+    /// Applies a routed decision's headers and remembers where it went (either transport).
     fn apply_routed(&mut self, host: &dyn Host, routed: &Routed) {
         host.set_request_header(
             &self.config.route_header,
             &route_value(&routed.to, &routed.alternates),
         );
-        self.watch(
+        self.remember_sent_to(
             std::iter::once(&routed.to).chain(&routed.alternates),
             routed.to.rank,
             routed.health_was_clean,
@@ -324,10 +324,10 @@ impl Request {
                 if let Some(new_body) = &new_body {
                     self.replace_body(host, new_body);
                 }
-                self.watch_fallback(host);
+                self.remember_fallback(host);
                 Action::Continue
             }
-            Decision::Reject(reply) => {
+            Decision::Reject { reply, .. } => {
                 reply.send(host);
                 Action::Pause
             }
@@ -361,12 +361,12 @@ impl Request {
                 self.ticket = routed.ticket;
                 Action::Continue
             }
-            Decision::Reject(reply) => {
+            Decision::Reject { reply, .. } => {
                 reply.send(host);
                 Action::Pause
             }
             Decision::PassThrough { .. } => {
-                self.watch_fallback(host);
+                self.remember_fallback(host);
                 Action::Continue
             }
             // Header mode never builds a PD decision (validation refuses PD with it).
@@ -400,7 +400,7 @@ impl Request {
         }
         self.replace_body(host, &pd.decode_body);
         let rank = pd.decode.as_ref().and_then(|d| d.rank);
-        self.watch(
+        self.remember_sent_to(
             pd.decode.iter().chain(&pd.decode_alternates),
             rank,
             pd.health_was_clean,

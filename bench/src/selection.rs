@@ -9,12 +9,13 @@ use std::time::Instant;
 
 use clap::Args;
 use dprank::body::JsonObject;
+use dprank::codec;
 use dprank::config::{Config, StateReads, Worker};
 use dprank::health::Health;
 use dprank::host::{Callout, HeaderMap, Host, SharedSetError};
-use dprank::scheduler::{choose, choose_with_alternates, Constraint, Context, Loads, Pool};
-use dprank::state::{Ticket, WorkerState};
-use dprank::store::{self, cache::StateCache, IfMissing};
+use dprank::scheduler::{choose, choose_with_alternates, Constraint, Context, Pool};
+use dprank::shared_data::{self, cache::StateCache, IfMissing};
+use dprank::worker_state::{LoadTable, Ticket, WorkerState};
 use std::cell::{Cell, RefCell};
 use std::rc::Rc;
 
@@ -183,7 +184,7 @@ fn filter_request(
     tie_breaker: u64,
 ) -> u64 {
     if let Some(ticket) = previous.take() {
-        store::update_worker(config, host, ticket.worker, IfMissing::Skip, |s| {
+        shared_data::update_worker(config, host, ticket.worker, IfMissing::Skip, |s| {
             s.release(&ticket);
             Some(())
         });
@@ -204,7 +205,7 @@ fn filter_request(
         admit_probing: false,
         pick: config.pick,
         gateways: config.gateways,
-        affinity: None,
+        prefix: None,
     };
     let alternates = config.retry_alternates as usize;
     let Some((choice, found)) = choose_with_alternates(&pool, &ctx, alternates) else {
@@ -274,9 +275,13 @@ pub fn selection(args: &SelectionArgs, command_line: &str) -> Result<(), String>
             admit_probing: false,
             pick: config.pick,
             gateways: config.gateways,
-            affinity: None,
+            prefix: None,
         };
-        fn pool<'a>(workers: &'a [Worker], states: &'a [Option<WorkerState>], loads: &'a Loads) -> Pool<'a> {
+        fn pool<'a>(
+            workers: &'a [Worker],
+            states: &'a [Option<WorkerState>],
+            loads: &'a LoadTable,
+        ) -> Pool<'a> {
             Pool {
                 workers,
                 states,
@@ -284,7 +289,7 @@ pub fn selection(args: &SelectionArgs, command_line: &str) -> Result<(), String>
                 offset: 0,
             }
         }
-        let loads = Loads::of(&states);
+        let loads = LoadTable::of(&states);
         let mut tie = 0u64;
         let select = time_ns(args.batches, || {
             tie = tie.wrapping_add(1);
@@ -300,7 +305,7 @@ pub fn selection(args: &SelectionArgs, command_line: &str) -> Result<(), String>
         });
         // The same on a fleet whose ranks all carry the same load (an idle
         // fleet): every rank ties the least, so no worker can be passed over
-        // (`scheduler/bound.rs`) and every tie is counted: the worst case.
+        // (`scheduler/pruning/`) and every tie is counted: the worst case.
         let even: Vec<Option<WorkerState>> = states
             .iter()
             .map(|_| {
@@ -310,7 +315,7 @@ pub fn selection(args: &SelectionArgs, command_line: &str) -> Result<(), String>
                 Some(s)
             })
             .collect();
-        let even_loads = Loads::of(&even);
+        let even_loads = LoadTable::of(&even);
         let even_alternates = time_ns(args.batches, || {
             tie = tie.wrapping_add(1);
             let pool = pool(workers, &even, &even_loads);
@@ -333,7 +338,7 @@ pub fn selection(args: &SelectionArgs, command_line: &str) -> Result<(), String>
                     .dp_size
                     .map_or(state.ranks(), |dp| state.ranks().min(dp as usize));
                 for &load in loads.worker(index).iter().take(ranks) {
-                    if load != dprank::scheduler::REMOVED && best.is_none_or(|b| load < b) {
+                    if load != dprank::cost::REMOVED && best.is_none_or(|b| load < b) {
                         best = Some(load);
                     }
                 }
@@ -342,11 +347,11 @@ pub fn selection(args: &SelectionArgs, command_line: &str) -> Result<(), String>
         });
         // What the filter did per request around the choice before its
         // cache: decode every worker's state, choose, re-encode the chosen one.
-        let encoded: Vec<Vec<u8>> = states.iter().flatten().map(store::encode).collect();
+        let encoded: Vec<Vec<u8>> = states.iter().flatten().map(codec::encode).collect();
         let uncached = time_ns(args.batches, || {
             tie = tie.wrapping_add(1);
-            let decoded: Vec<Option<WorkerState>> = encoded.iter().map(|b| store::decode(b)).collect();
-            let loads = Loads::of(&decoded);
+            let decoded: Vec<Option<WorkerState>> = encoded.iter().map(|b| codec::decode(b)).collect();
+            let loads = LoadTable::of(&decoded);
             let Some(choice) = choose(&pool(workers, &decoded, &loads), &ctx(tie)) else {
                 return 0;
             };
@@ -356,7 +361,7 @@ pub fn selection(args: &SelectionArgs, command_line: &str) -> Result<(), String>
                 .flatten()
                 .unwrap_or_default();
             state.add(choice.worker, choice.rank, 100);
-            store::encode(&state).len() as u64
+            codec::encode(&state).len() as u64
         });
         // What it does now, through a host: the VM's cache, the choice, the
         // estimate's write, and the release of the request before. Each
@@ -364,11 +369,11 @@ pub fn selection(args: &SelectionArgs, command_line: &str) -> Result<(), String>
         // (the steady state under load). Once with every state read per
         // request, once with the change log; `state_reads: auto` is one of
         // the two by the fleet's size.
-        let keys = store::Keys::of(&config);
+        let keys = shared_data::Keys::of(&config);
         let host_of = |states: &[Option<WorkerState>]| {
             let host = MemoryHost::default();
             for (w, state) in config.routed().iter().zip(states.iter().flatten()) {
-                let _ = host.shared_set(&keys.worker(&w.address), &store::encode(state), None);
+                let _ = host.shared_set(&keys.worker(&w.address), &codec::encode(state), None);
             }
             host
         };
@@ -519,7 +524,7 @@ pub fn selection(args: &SelectionArgs, command_line: &str) -> Result<(), String>
     println!("{verdict}");
 
     let mut md = report_header("dprank selection cost (host micro-benchmark)", command_line);
-    let _ = writeln!(md, "ns per call over {} timed batches of ~2 ms each: the median batch, and in brackets the fastest batch (the machine is shared with other work; the fastest batch is the cost without interference), native release build of the `dprank` crate (inside Envoy the same code runs as wasm in V8). Fleets of workers with 8 ranks each; every worker's state holds a polled snapshot and three pending estimates, as between two polls. Columns: the selection step (`scheduler::choose`: filters, the load scorer and the least-cost picker, over the loads each VM derives once per state change); the same with the retry alternates the filter lists after the choice (`scheduler::choose_with_alternates`, the default 2, collected in the same pass), and the same on a fleet whose ranks all carry the same load (idle), where every rank ties and no worker can be passed over early (`scheduler/bound.rs`: on spread loads most are, as soon as they can neither be picked nor enter any rank's alternates); a hand-written one-pass reference over the same loads, ties to the first (a floor for the step as the data is laid out); what the filter did per request before its cache (decode every worker's shared-data bytes, choose, `add` + `encode` the chosen state), without host calls; and what it does now with the state read included, per request: `StateCache::refresh` (the health record and the workers' states, read through a host that keeps shared data in a hash map: one lookup and one copy of the value per key, as a shared-data read copies it in Envoy; only the one or two states that changed are decoded), then the choice and its retry alternates (`scheduler::choose_with_alternates`, the default 2, collected in the choice's pass), the estimate's write (`StateCache::write`, one compare-and-swap) and the release of the previous request's estimate (a read-modify-write). That request is measured under each `state_reads` mode, and a column says which one the default `auto` takes at that fleet size: `every_worker` reads every worker's state; `change_log` reads the change log (`<p>.changes`) and then only the states written since this VM's last request (in this single-VM loop, the one or two it wrote itself; under several threads, theirs too), and appends an entry to the log after each state write (a read and a compare-and-swap of the log). Beside each, its shared-data host calls per request: inside Envoy each is also a host call, which costs about 1-2 us more than the copy and is not in these ns figures. The next column is `every_worker` with the opt-in `state_refresh_ms` ({REFRESH_MS} ms), the host's clock moving 1 ms every {REQUESTS_PER_MS} requests: each request reads the health record and the states this VM wrote since its last read, and every state once per {} requests; the other threads' estimates are then seen up to {REFRESH_MS} ms late (docs/configuration.md, `state_refresh_ms`). The last is the default's request again on the idle fleet, where every rank ties. Bodies are `/generate` requests of the given size; `with_fields` splices `routed_dp_rank` in.\n", args.batches, REFRESH_MS * REQUESTS_PER_MS);
+    let _ = writeln!(md, "ns per call over {} timed batches of ~2 ms each: the median batch, and in brackets the fastest batch (the machine is shared with other work; the fastest batch is the cost without interference), native release build of the `dprank` crate (inside Envoy the same code runs as wasm in V8). Fleets of workers with 8 ranks each; every worker's state holds a polled snapshot and three pending estimates, as between two polls. Columns: the selection step (`scheduler::choose`: filters, the load scorer and the least-cost picker, over the loads each VM derives once per state change); the same with the retry alternates the filter lists after the choice (`scheduler::choose_with_alternates`, the default 2, collected in the same pass), and the same on a fleet whose ranks all carry the same load (idle), where every rank ties and no worker can be passed over early (`scheduler/pruning/`: on spread loads most are, as soon as they can neither be picked nor enter any rank's alternates); a hand-written one-pass reference over the same loads, ties to the first (a floor for the step as the data is laid out); what the filter did per request before its cache (decode every worker's shared-data bytes, choose, `add` + `encode` the chosen state), without host calls; and what it does now with the state read included, per request: `StateCache::refresh` (the health record and the workers' states, read through a host that keeps shared data in a hash map: one lookup and one copy of the value per key, as a shared-data read copies it in Envoy; only the one or two states that changed are decoded), then the choice and its retry alternates (`scheduler::choose_with_alternates`, the default 2, collected in the choice's pass), the estimate's write (`StateCache::write`, one compare-and-swap) and the release of the previous request's estimate (a read-modify-write). That request is measured under each `state_reads` mode, and a column says which one the default `auto` takes at that fleet size: `every_worker` reads every worker's state; `change_log` reads the change log (`<p>.changes`) and then only the states written since this VM's last request (in this single-VM loop, the one or two it wrote itself; under several threads, theirs too), and appends an entry to the log after each state write (a read and a compare-and-swap of the log). Beside each, its shared-data host calls per request: inside Envoy each is also a host call, which costs about 1-2 us more than the copy and is not in these ns figures. The next column is `every_worker` with the opt-in `state_refresh_ms` ({REFRESH_MS} ms), the host's clock moving 1 ms every {REQUESTS_PER_MS} requests: each request reads the health record and the states this VM wrote since its last read, and every state once per {} requests; the other threads' estimates are then seen up to {REFRESH_MS} ms late (docs/configuration.md, `state_refresh_ms`). The last is the default's request again on the idle fleet, where every rank ties. Bodies are `/generate` requests of the given size; `with_fields` splices `routed_dp_rank` in.\n", args.batches, REFRESH_MS * REQUESTS_PER_MS);
     md.push_str(&table);
     md.push('\n');
     md.push_str(&body_table);

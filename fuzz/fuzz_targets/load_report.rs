@@ -1,7 +1,7 @@
-//! `parse_load_report` on arbitrary bytes, and on load reports generated from
+//! SGLang's load report parser (`load/sglang.rs`) on arbitrary bytes, and on load reports generated from
 //! a specification drawn from the same bytes (`arbitrary`).
 //!
-//! The oracles do not parse reports the way `load.rs` does:
+//! The oracles do not parse reports the way `load/sglang.rs` does:
 //! - raw bytes: never panics; `Ok` only when serde_json reads the bytes as a
 //!   JSON value, with 1..=MAX_DP_SIZE ranks, and every known figure is one of
 //!   the numbers in that value (rounded); `RankOutOfRange(r)` only for
@@ -18,9 +18,14 @@
 
 use arbitrary::{Arbitrary, Result, Unstructured};
 use dprank::config::MAX_DP_SIZE;
-use dprank::load::{parse_load_report, LoadError};
+use dprank::load::{sglang, LoadError};
 use libfuzzer_sys::fuzz_target;
 use serde_json::Value;
+
+/// The tokens per rank `sglang::parse` reads.
+fn parse_load_report(body: &[u8]) -> std::result::Result<Vec<Option<u64>>, LoadError> {
+    sglang::parse(body).map(|report| report.tokens())
+}
 
 /// In the order a report's figure is preferred (docs/protocol.md).
 const TOKEN_FIELDS: [&str; 3] = ["num_total_tokens", "num_tokens", "num_used_tokens"];

@@ -1,12 +1,12 @@
-//! The shared-data codec (`store.rs`) of `WorkerState`, and the accounting it carries.
+//! The shared-data codec (`codec.rs`) of `WorkerState`, and the accounting it carries.
 //!
 //! Properties:
-//! - `store::decode` never panics on arbitrary bytes; what it accepts
+//! - `shared_data::decode` never panics on arbitrary bytes; what it accepts
 //!   re-encodes to bytes that decode to the same state;
 //! - for states built through the public API (`begin_poll`, `apply_snapshot`,
 //!   `add`, `release`, `mark_unreachable`) driven by arbitrary operations,
 //!   `decode(encode(x)) == Some(x)` after every operation;
-//! - and the accounting of state.rs holds against a model: a snapshot is
+//! - and the accounting of worker_state.rs holds against a model: a snapshot is
 //!   applied only if its sequence is newer than the last one and was
 //!   dispatched; `add` succeeds only for a rank the last report listed and its
 //!   ticket names the last dispatched poll; the pending estimates are exactly
@@ -19,8 +19,8 @@
 
 use arbitrary::{Arbitrary, Result, Unstructured};
 use dprank::config::MAX_DP_SIZE;
-use dprank::state::{Ticket, WorkerState};
-use dprank::store::{decode, encode};
+use dprank::worker_state::{Ticket, WorkerState};
+use dprank::codec::{decode, encode};
 use libfuzzer_sys::fuzz_target;
 
 #[derive(Debug)]
@@ -116,7 +116,7 @@ fn check_ops(data: &[u8]) {
                     polled = tokens.iter().map(|t| t.map(|v| v.min(u64::MAX - 1))).collect();
                     // The poll covers the requests routed before it left. The
                     // estimates on ranks the report no longer lists stay until
-                    // their requests end (state.rs: a worker restarted smaller).
+                    // their requests end (worker_state.rs: a worker restarted smaller).
                     for o in &mut out {
                         if o.ticket.seq < seq {
                             o.counted = false;

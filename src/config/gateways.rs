@@ -26,11 +26,11 @@ pub enum PickRule {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize)]
 #[serde(rename_all = "snake_case", tag = "rule")]
 pub enum Pick {
-    /// The lowest cost, ties spread (`scheduler/least_cost.rs`).
+    /// The lowest cost, ties spread (`scheduler/pickers/least_cost.rs`).
     #[default]
     LeastCost,
     /// One of the `choices` lowest costs, drawn with chance proportional to
-    /// its headroom below the next cost (`scheduler/headroom.rs`): gateways
+    /// its headroom below the next cost (`scheduler/pickers/headroom.rs`): gateways
     /// that see the same stale minimum no longer all send to it.
     Headroom { choices: u32 },
 }

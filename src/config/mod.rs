@@ -94,7 +94,7 @@ pub enum StateReads {
     /// Read every worker's state (one read per worker per request).
     EveryWorker,
     /// Read the change log, then only the states written since this VM's
-    /// last read; every state write appends to the log (`store/changes.rs`).
+    /// last read; every state write appends to the log (`shared_data/changes.rs`).
     ChangeLog,
 }
 

@@ -16,8 +16,9 @@ pub const DEFAULT_CAPACITY_TOKENS: u64 = 131_072;
 pub const MAX_CAPACITY_TOKENS: u64 = 16 << 20;
 pub const DEFAULT_TTL_MS: u64 = 600_000;
 pub const MIN_TTL_MS: u64 = 1000;
-/// The index's stamps hold an hour with room to spare.
-pub const MAX_TTL_MS: u64 = crate::prefix::index::MAX_TTL_MS;
+/// Longest TTL (an hour): the index's stamps hold it with room to spare
+/// (`prefix/index.rs` checks so when it is compiled).
+pub const MAX_TTL_MS: u64 = 3_600_000;
 pub const DEFAULT_UNCACHED_WEIGHT: f64 = 1.0;
 pub const DEFAULT_LOAD_WEIGHT: f64 = 0.1;
 pub const DEFAULT_WAIT_WEIGHT: f64 = 0.0;

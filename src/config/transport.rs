@@ -4,6 +4,7 @@
 //! from buffering and rewriting the body.
 
 use super::{ConfigError, CostEstimate, Mode};
+use crate::headers::is_lowercase_header_name;
 use serde::{Deserialize, Serialize};
 
 /// Headers header mode writes the rank to unless `rank_headers` says
@@ -117,7 +118,7 @@ fn rank_headers(list: Vec<String>, taken: &[&str]) -> Result<Vec<String>, Config
         return Err(invalid("rank_headers", "at least one header is required"));
     }
     for (i, name) in list.iter().enumerate() {
-        if !super::validate::is_header_name(name) {
+        if !is_lowercase_header_name(name) {
             return Err(invalid(
                 "rank_headers",
                 format!("`{name}` is not a lowercase header name"),

@@ -4,7 +4,7 @@
 
 use super::transport::{transport, TransportInput};
 use super::*;
-use crate::headers::CLIENT_RANK_HEADERS;
+use crate::headers::{is_lowercase_header_name, CLIENT_RANK_HEADERS};
 
 fn invalid(key: impl Into<String>, reason: impl Into<String>) -> ConfigError {
     ConfigError::Invalid {
@@ -493,14 +493,14 @@ fn paths(paths: Option<Vec<String>>) -> Result<Vec<String>, ConfigError> {
 /// The route header and the optional test pin header: lowercase, distinct.
 fn headers(route: Option<String>, pin: Option<String>) -> Result<(String, Option<String>), ConfigError> {
     let route = route.unwrap_or_else(|| DEFAULT_ROUTE_HEADER.to_string());
-    if !is_header_name(&route) {
+    if !is_lowercase_header_name(&route) {
         return Err(invalid(
             "route_header",
             format!("`{route}` is not a lowercase header name"),
         ));
     }
     let pin = match pin {
-        Some(h) if !is_header_name(&h) => {
+        Some(h) if !is_lowercase_header_name(&h) => {
             return Err(invalid(
                 "pin_header",
                 format!("`{h}` is not a lowercase header name"),
@@ -530,13 +530,6 @@ fn state_key(key: Option<String>) -> Result<String, ConfigError> {
         ));
     }
     Ok(key)
-}
-
-pub(super) fn is_header_name(name: &str) -> bool {
-    !name.is_empty()
-        && name
-            .bytes()
-            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'_')
 }
 
 fn is_metric_name(name: &str) -> bool {

@@ -1,6 +1,6 @@
 use super::*;
 use crate::host::fake::FakeHost;
-use crate::store::{read_worker_states, Keys};
+use crate::shared_data::{read_worker_states, Keys};
 
 fn config(extra: &str) -> Config {
     Config::from_json(
@@ -182,7 +182,7 @@ fn reports_with_senseless_ranks_are_refused_counted_and_logged_once() {
     let refused = |h: &FakeHost| h.shared_get(&Keys::of(&c).refused()).map(|(b, _)| b.len());
     assert!(refused(&h).is_some_and(|n| n > 4), "worker a is listed");
     assert!(
-        !store::set_refused(&c, &h, c.routed()[0].address, true),
+        !shared_data::set_refused(&c, &h, c.routed()[0].address, true),
         "so another VM stays silent"
     );
     assert_eq!(h.counter("dprank.report_refused.a"), 3);
@@ -200,7 +200,7 @@ fn reports_with_senseless_ranks_are_refused_counted_and_logged_once() {
     let token = h.calls.borrow()[0].2;
     p.on_response(&c, &h, token, Some(200), good);
     assert!(
-        store::set_refused(&c, &h, c.routed()[0].address, true),
+        shared_data::set_refused(&c, &h, c.routed()[0].address, true),
         "a good report ended the episode: the next refusal is logged again"
     );
 }
@@ -226,7 +226,7 @@ fn envoy_health_is_read_from_the_admin_api_every_round() {
     p.on_response(&c, &h, admin[0].1, Some(200), answer);
     let b: SocketAddr = "127.0.0.1:2".parse().unwrap();
     assert_eq!(
-        store::read_health(&c, &h).envoy_unhealthy,
+        shared_data::read_health(&c, &h).envoy_unhealthy,
         vec![b],
         "only configured workers are kept"
     );
@@ -239,7 +239,7 @@ fn envoy_health_is_read_from_the_admin_api_every_round() {
     let token = h.calls.borrow().iter().find(|c| c.0 == "admin").unwrap().2;
     p.on_response(&c, &h, token, Some(503), b"");
     assert_eq!(h.counter("dprank.envoy_health_failed"), 1);
-    assert_eq!(store::read_health(&c, &h).envoy_unhealthy, vec![b]);
+    assert_eq!(shared_data::read_health(&c, &h).envoy_unhealthy, vec![b]);
 }
 
 #[test]
@@ -373,7 +373,7 @@ fn membership_is_read_from_the_admin_api_and_published() {
         .is_some_and(|(b, _)| b.is_empty()));
     let published = h.shared_get(&Keys::of(&base).members()).unwrap().0;
     assert_eq!(
-        store::decode(&published),
+        crate::codec::decode(&published),
         Some(Members(vec!["10.0.0.2:1".parse().unwrap()]))
     );
     assert_eq!(h.counter("dprank.membership_changes"), 2);
@@ -405,7 +405,8 @@ fn a_reloaded_configuration_takes_the_lease_at_once() {
 
 #[test]
 fn a_worker_ejected_for_broken_streams_then_gone_returns_at_its_first_good_poll() {
-    use crate::health::{observe, Outcome, Phase, Target};
+    use crate::health::{Outcome, Phase, Target};
+    use crate::health_updates as observe;
     let (c, h, mut p) = first_round("");
     let a = Target {
         worker: c.routed()[0].address,
@@ -414,7 +415,11 @@ fn a_worker_ejected_for_broken_streams_then_gone_returns_at_its_first_good_poll(
     for _ in 0..5 {
         observe::record(&c, &h, &[(a, Outcome::Failure)], 9_000_000, false);
     }
-    let phase = |h: &FakeHost| store::read_health(&c, h).entry(&a).map(|e| e.phase(h.now_ms()));
+    let phase = |h: &FakeHost| {
+        shared_data::read_health(&c, h)
+            .entry(&a)
+            .map(|e| e.phase(h.now_ms()))
+    };
     assert!(matches!(phase(&h), Some(Phase::Ejected { .. })));
     p.on_response(&c, &h, 1, Some(503), b"no healthy upstream");
     h.now.set(9_001_000);
@@ -451,10 +456,10 @@ fn a_prefix_index_is_created_at_the_first_answered_poll_and_not_read_again() {
 #[test]
 fn a_poll_round_logs_its_writes_in_one_append() {
     let (c, h, _) = first_round(r#","state_reads":"change_log""#);
-    let log = crate::store::changes::read(&h, &Keys::of(&c).changes()).unwrap();
+    let log = crate::shared_data::changes::read(&h, &Keys::of(&c).changes()).unwrap();
     let tags: Vec<u64> = c
         .all_workers()
-        .map(|w| crate::store::changes::worker_tag(&Keys::of(&c).worker(&w.address)))
+        .map(|w| crate::shared_data::changes::worker_tag(&Keys::of(&c).worker(&w.address)))
         .collect();
     assert_eq!(log.tags, tags, "both workers' first states, in order");
     let key = Keys::of(&c).changes();

@@ -1,18 +1,7 @@
-//! A request's prompts as chains of block hashes.
-//!
-//! Each prompt is read as one byte stream: a `text` or `prompt` string as
-//! its (unescaped) UTF-8 bytes; token ids (`input_ids`, or `prompt` as ids)
-//! as 4 little-endian bytes each; chat `messages` as, per message in order,
-//! its role, a unit separator, every string of its content in order, and a
-//! record separator. The stream is cut into blocks of `prefix_block_bytes`;
-//! hash k covers blocks 0..=k (each block's xxh3 folded into the previous
-//! hash), so two prompts share hash k exactly when they share their first
-//! k + 1 blocks. A partial last block is not hashed: no longer prompt can
-//! share it whole. A batch (a list of texts or of id lists) is one chain per
-//! prompt.
-//!
-//! Tokens are estimated as stream bytes / 4 (the `bytes` estimate): a block
-//! stands for `block_bytes / 4` tokens.
+//! A request's prompts as chains of block hashes: the prompt read as one
+//! byte stream, cut into `prefix_block_bytes` blocks, hash k covering
+//! blocks 0..=k (docs/architecture.md, "The prefix index"). A batch is one
+//! chain per prompt; a block stands for `block_bytes / 4` tokens.
 
 use crate::body::JsonObject;
 use serde::de::{self, DeserializeSeed, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};

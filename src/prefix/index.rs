@@ -1,28 +1,11 @@
-//! One worker's approximate prefix index, as kept in shared data (one key
-//! per worker, `store.rs`): per rank, the hashes of the prompt blocks
-//! dprank routed there (`blocks.rs`), each with when it was last routed to.
-//!
-//! The layout is made to be small and read in place, since every request
-//! reads the index of every candidate worker (a shared-data read copies the
-//! whole value): per rank, the top 24 bits of each block hash as a sorted
-//! array of 3-byte little-endian keys (a false match has odds of about
-//! entries / 2^24 per lookup) and their stamps (2 bytes: tenths of a second
-//! after the record's `base_ms`) in the same order, both as byte strings a
-//! decoded [`IndexView`] borrows: 5 bytes per block. A lookup is a binary
-//! search; how much of a prompt a rank holds is a binary search over the
-//! prompt's chain (the index holds whole prefixes: a prompt's blocks are
-//! recorded together, and deeper blocks get slightly older stamps so that
-//! eviction takes them first). Writes (one per routed request, to the
-//! chosen worker) rebuild the chosen rank's arrays.
-//!
-//! Each rank keeps at most its capacity in blocks (least recently routed
-//! first out), forgets entries older than the TTL, and gives up part of its
-//! entries when the rank reports far fewer cache hits than the index
-//! expected (`state/prefill.rs`).
+//! One worker's approximate prefix index, as kept in shared data: per rank,
+//! the hashes of the prompt blocks dprank routed there, each with when it
+//! was last routed to, laid out to be small and read in place (5 bytes a
+//! block; docs/architecture.md, "The prefix index").
 
-use crate::config::prefix::MAX_BLOCKS_PER_RANK;
+use crate::codec::{bytes, Record, RecordView};
+use crate::config::prefix::{MAX_BLOCKS_PER_RANK, MAX_TTL_MS};
 use crate::config::MAX_DP_SIZE;
-use crate::store::bytes;
 use serde::{Deserialize, Serialize};
 
 /// Milliseconds per stamp unit.
@@ -30,8 +13,6 @@ pub const STAMP_MS: u64 = 100;
 /// A stamp is refreshed (and the record written) when a routed prompt
 /// finds its blocks older than this; fresher ones are left as they are.
 pub const TOUCH_AFTER_MS: u64 = 1000;
-/// Longest TTL the stamps can express with room to spare (an hour).
-pub const MAX_TTL_MS: u64 = 3_600_000;
 /// Rebase the stamps when they reach this many units (of 65535).
 const REBASE_AFTER_UNITS: u64 = 60_000;
 /// A rebased or fresh record's base lies this far back (in units), so deeper
@@ -41,6 +22,10 @@ const BASE_MARGIN_UNITS: u64 = 16;
 const MAX_DEPTH_OFFSET: u16 = 7;
 /// Bytes of a stored key (the top 24 bits of a block hash).
 const KEY_BYTES: usize = 3;
+// The longest TTL, the base's margin and the deepest offset fit below the
+// rebase point: a live stamp is never cut off by a rebase.
+const _: () =
+    assert!(MAX_TTL_MS / STAMP_MS + BASE_MARGIN_UNITS + MAX_DEPTH_OFFSET as u64 <= REBASE_AFTER_UNITS);
 
 /// The stored form of a worker's index (tag `DPX1`), built to write.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -75,6 +60,18 @@ pub struct IndexView<'a> {
 pub struct RankView<'a> {
     keys: &'a [u8],
     stamps: &'a [u8],
+}
+
+/// Kept at `<p>.px.<ip:port>` (`shared_data.rs`).
+impl Record for IndexRecord {
+    const TAG: [u8; 4] = *b"DPX1";
+}
+
+impl<'a> RecordView<'a> for IndexView<'a> {
+    const TAG: [u8; 4] = IndexRecord::TAG;
+    fn within_limits(&self) -> bool {
+        IndexView::within_limits(self)
+    }
 }
 
 /// The stored key of a block hash.
@@ -391,7 +388,7 @@ impl IndexRecord {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::store::{decode_view, encode};
+    use crate::codec::{decode_view, encode};
 
     const NOW: u64 = 1_800_000_000_000;
     const TTL: u64 = 60_000;

@@ -1,12 +1,12 @@
 //! Prefix affinity's data: each request's prompt as chains of block hashes
 //! (`blocks`), each worker's approximate index of the blocks routed to its
-//! ranks, kept in shared data (`index`), and one request's use of both
-//! (`affinity`). The scorers that use them are `scheduler/prefix.rs` and
-//! `scheduler/queue.rs`; the README's "Prefix affinity" explains the rule.
+//! ranks, as kept in shared data (`index`), and one request's view of both
+//! (`request`). The scorers that use them are in `scheduler/scorers/`; the
+//! router reads and writes the indexes (docs/architecture.md).
 
-pub mod affinity;
 pub mod blocks;
 pub mod index;
+pub mod request;
 
-pub use affinity::Affinity;
 pub use blocks::PromptBlocks;
+pub use request::RequestPrefix;

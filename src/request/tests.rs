@@ -3,8 +3,8 @@
 
 use super::*;
 use crate::host::fake::FakeHost;
-use crate::router::testing::{fleet, json, pd_fleet};
-use crate::store::{self, read_worker_states};
+use crate::shared_data::testing::{fleet, json, pd_fleet};
+use crate::shared_data::{self, read_worker_states};
 
 fn request(config: &Config) -> Request {
     Request::new(Rc::new(Routing::new(Rc::new(config.clone()), 0)))
@@ -279,10 +279,10 @@ fn membership_changes_reach_the_next_request() {
     let h = FakeHost::default();
     h.now.set(10_000);
     let routing = Rc::new(Routing::new(Rc::new(c.clone()), 0));
-    let members = crate::store::Members(vec!["10.0.0.1:1".parse().unwrap()]);
-    crate::store::publish_members(&c, &h, &members).unwrap();
+    let members = crate::shared_data::Members(vec!["10.0.0.1:1".parse().unwrap()]);
+    crate::shared_data::publish_members(&c, &h, &members).unwrap();
     let current = routing.current(&h);
-    crate::router::testing::poll(&current, &h, 0, &[3]);
+    crate::shared_data::testing::poll(&current, &h, 0, &[3]);
     let mut r = Request::new(routing);
     post(&h, "/generate", br#"{"text":"x"}"#, &[]);
     send(&mut r, &h);
@@ -325,8 +325,8 @@ fn a_worker_answering_500_leaves_rotation_after_five_and_comes_back_after_a_prob
     // After the cooldown (10 s), every request may probe (share 1.0 here).
     h.now.set(h.now.get() + 10_000);
     // Keep the loads fresh.
-    crate::router::testing::poll(&c, &h, 0, &[100, 50, 100, 100]);
-    crate::router::testing::poll(&c, &h, 1, &[100, 100, 20, 100]);
+    crate::shared_data::testing::poll(&c, &h, 0, &[100, 50, 100, 100]);
+    crate::shared_data::testing::poll(&c, &h, 1, &[100, 100, 20, 100]);
     let route = routed_and_ended(&c, &h, 200, "via_upstream", "127.0.0.1:2", 1);
     assert!(route.starts_with("127.0.0.1:2"), "the probe: {route}");
     let route = routed_and_ended(&c, &h, 200, "via_upstream", "127.0.0.1:2", 1);
@@ -355,7 +355,7 @@ fn successes_on_a_healthy_fleet_write_nothing_and_client_errors_never_count() {
         routed_and_ended(&c, &h, 400, "via_upstream", "127.0.0.1:2", 1);
     }
     assert_eq!(h.counter("dprank.failures.b"), 0);
-    assert!(store::read_health(&c, &h).entries.is_empty());
+    assert!(shared_data::read_health(&c, &h).entries.is_empty());
 }
 
 #[test]
@@ -372,7 +372,7 @@ fn a_refused_connection_counts_for_the_chosen_worker_and_the_retry_for_the_alter
     routed_and_ended(&c, &h, 503, refused, "127.0.0.1:1", 3);
     assert_eq!(h.counter("dprank.failures.a"), 1);
     assert_eq!(h.counter("dprank.failures.b"), 2);
-    let health = store::read_health(&c, &h);
+    let health = shared_data::read_health(&c, &h);
     let b: std::net::SocketAddr = "127.0.0.1:2".parse().unwrap();
     let b_entry = health
         .entries
@@ -398,7 +398,7 @@ fn passive_health_off_reads_no_properties_but_retries_are_still_counted() {
     let (c, h) = fleet(r#","passive_health":{"enabled":false}"#);
     routed_and_ended(&c, &h, 200, "via_upstream", "127.0.0.1:1", 2);
     assert_eq!(h.counter("dprank.retry.to_alternate"), 1);
-    assert!(store::read_health(&c, &h).entries.is_empty());
+    assert!(shared_data::read_health(&c, &h).entries.is_empty());
 }
 
 #[test]
@@ -429,7 +429,7 @@ fn with_every_worker_out_of_rotation_requests_pass_through_until_a_poll_reaches_
         );
         // b answers its load poll: probed at once, and (nothing else being in
         // rotation) by every request until it answers one.
-        crate::health::observe::poll_answered(&c, &h, "127.0.0.1:2".parse().unwrap());
+        crate::health_updates::poll_answered(&c, &h, "127.0.0.1:2".parse().unwrap());
         let route = routed_and_ended(&c, &h, 200, "via_upstream", "127.0.0.1:2", 1);
         assert_eq!(route, "127.0.0.1:2", "a is still out: no alternate");
         let route = routed_and_ended(&c, &h, 200, "via_upstream", "127.0.0.1:2", 1);
@@ -539,7 +539,7 @@ fn header_mode_counts_a_request_without_length_at_the_configured_default() {
 #[test]
 fn header_mode_without_fresh_data_passes_or_refuses_at_the_headers() {
     for (fail_mode, expected) in [("open", Action::Continue), ("closed", Action::Pause)] {
-        let c = crate::router::testing::config(&format!(
+        let c = crate::shared_data::testing::config(&format!(
             r#","rank_transport":"header","fail_mode":"{fail_mode}""#
         ));
         let h = FakeHost::default();
@@ -564,8 +564,8 @@ fn about_the_probe_share_of_requests_go_to_a_worker_past_its_cooldown() {
         routed_and_ended(&c, &h, 500, "via_upstream", "127.0.0.1:2", 1);
     }
     h.now.set(h.now.get() + 10_000);
-    crate::router::testing::poll(&c, &h, 0, &[100, 50, 100, 100]);
-    crate::router::testing::poll(&c, &h, 1, &[100, 100, 20, 100]);
+    crate::shared_data::testing::poll(&c, &h, 0, &[100, 50, 100, 100]);
+    crate::shared_data::testing::poll(&c, &h, 1, &[100, 100, 20, 100]);
     // b is probing and the least loaded; 429 answers leave it probing. One
     // VM's requests share its tie-break sequence, which draws the probes.
     let routing = Rc::new(Routing::new(c.clone(), 7));
@@ -605,8 +605,8 @@ fn a_request_a_poll_has_counted_gives_nothing_back() {
     let mut first = routed(br#"{"text":"hello there"}"#);
     assert!(pending(&c, &h) > 0);
     // Polls that left after it count it, and drop its estimate.
-    crate::router::testing::poll(&c, &h, 0, &[100, 50, 100, 100]);
-    crate::router::testing::poll(&c, &h, 1, &[100, 100, 25, 100]);
+    crate::shared_data::testing::poll(&c, &h, 0, &[100, 50, 100, 100]);
+    crate::shared_data::testing::poll(&c, &h, 1, &[100, 100, 25, 100]);
     assert_eq!(pending(&c, &h), 0);
     // A request routed since brings the new snapshots into this VM's copy.
     let _second = routed(br#"{"text":"hi"}"#);
@@ -627,8 +627,8 @@ fn a_request_a_poll_has_counted_gives_nothing_back() {
     // Counted by a poll this VM has not seen yet: the end reads the state,
     // finds nothing to give back, and writes nothing.
     let mut third = routed(br#"{"text":"third"}"#);
-    crate::router::testing::poll(&c, &h, 0, &[100, 50, 100, 100]);
-    crate::router::testing::poll(&c, &h, 1, &[100, 100, 30, 100]);
+    crate::shared_data::testing::poll(&c, &h, 0, &[100, 50, 100, 100]);
+    crate::shared_data::testing::poll(&c, &h, 1, &[100, 100, 30, 100]);
     assert_eq!(pending(&c, &h), 0);
     let sets = h.host_calls("shared_set");
     third.on_done(&h);
@@ -734,7 +734,7 @@ fn host_calls_per_request_at_512_workers() {
         let h = FakeHost::default();
         h.now.set(10_000);
         for i in 0..512 {
-            crate::router::testing::poll(&c, &h, i, &[100; 8]);
+            crate::shared_data::testing::poll(&c, &h, i, &[100; 8]);
         }
         let post = [
             (":method", "POST"),
@@ -785,8 +785,8 @@ fn header_mode_ejects_probes_retries_and_attributes_like_body_mode() {
     );
     // After the cooldown b is probed (share 1.0), answers, and is back.
     h.now.set(h.now.get() + 10_000);
-    crate::router::testing::poll(&c, &h, 0, &[100, 50, 100, 100]);
-    crate::router::testing::poll(&c, &h, 1, &[100, 100, 20, 100]);
+    crate::shared_data::testing::poll(&c, &h, 0, &[100, 50, 100, 100]);
+    crate::shared_data::testing::poll(&c, &h, 1, &[100, 100, 20, 100]);
     let (probe, _) = ended(200, "via_upstream", "127.0.0.1:2", 1);
     assert!(probe.starts_with("127.0.0.1:2"), "{probe}");
     assert_eq!(

@@ -1,12 +1,17 @@
 //! Prefix affinity through the router: where prompts sharing a prefix go,
 //! how a hot prefix spills, and the index shared by several VMs.
 
-use super::testing::*;
+use super::body_fields::output_budget;
 use super::*;
+use crate::body::JsonObject;
+use crate::codec::decode_view;
 use crate::host::fake::FakeHost;
 use crate::host::memory::{MemoryHost, SharedData};
+use crate::metrics;
 use crate::prefix::index::IndexView;
-use crate::store::{decode_view, read_worker_states, Keys};
+use crate::prefix::PromptBlocks;
+use crate::shared_data::testing::*;
+use crate::shared_data::{read_worker_states, Keys};
 
 /// Routes with a fresh copy of the states, as a VM that has not routed before.
 fn route(c: &Rc<Config>, h: &dyn Host, body: &[u8], pin: Option<&str>, tie_breaker: u64) -> Decision {
@@ -98,6 +103,34 @@ fn the_output_budget_comes_from_the_request() {
         4096
     );
     assert_eq!(budget(r#"{"text":"a","max_tokens":"x"}"#), 256);
+}
+
+/// Shared-data reads one routing decision makes with a fresh copy of the
+/// states (the health record and two states, then the prefix indexes it
+/// reads).
+fn reads(c: &Rc<Config>, h: &FakeHost, body: &[u8], pin: Option<&str>) -> u64 {
+    let before = h.host_calls("shared_get");
+    routed(route(c, h, body, pin, 7));
+    h.host_calls("shared_get") - before
+}
+
+#[test]
+fn only_the_indexes_of_workers_the_filters_keep_are_read_each_once() {
+    let (c, h) = equal_fleet("");
+    let body = chat(2000, "Which?", true);
+    assert_eq!(reads(&c, &h, &body, None), 3 + 2, "both workers are candidates");
+    assert_eq!(reads(&c, &h, &body, Some("a/1")), 3 + 1, "the pin keeps a only");
+    assert_eq!(
+        reads(&c, &h, &body, Some("a/9")),
+        3 + 2,
+        "a pin that names no rank is dropped: each index still read once"
+    );
+    // b's snapshot goes stale: its index is not read.
+    h.now.set(h.now.get() + c.stale_after_ms + 1);
+    poll(&c, &h, 0, &[100; 4]);
+    assert_eq!(reads(&c, &h, &body, None), 3 + 1);
+    let unhashed = br#"{"text":"","stream":true}"#;
+    assert_eq!(reads(&c, &h, unhashed, None), 3, "no blocks: nothing to look up");
 }
 
 #[test]

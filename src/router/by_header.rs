@@ -1,12 +1,17 @@
 //! Header mode (`rank_transport: header`): the choice made from the request
-//! headers alone, before any body byte has arrived. The cost is what the
-//! request lifecycle estimated from `content-length`.
+//! headers alone, before any body byte has arrived. What differs from body
+//! mode: the cost is what the request lifecycle estimated from
+//! `content-length`, no prefix affinity, no client rank, and no body
+//! written (the lifecycle writes the rank headers).
 
-use super::{account, choose, pass_or_reject, pool, retry_targets, Chosen, Decision, Routed, Sight};
+use super::outcome::pass_or_reject;
+use super::pipeline::{self, Leg};
+use super::snapshot::Side;
+use super::{Decision, Routed};
 use crate::config::{Config, CostEstimate, HeaderTransport};
 use crate::host::Host;
-use crate::scheduler::{Candidate, Constraint};
-use crate::store::cache::StateCache;
+use crate::scheduler::Constraint;
+use crate::shared_data::cache::StateCache;
 use std::rc::Rc;
 
 /// Tokens a request adds to its rank, from its `content-length` alone:
@@ -33,35 +38,28 @@ pub fn route_by_headers(
     pin: Option<&str>,
     tie_breaker: u64,
 ) -> Decision {
-    cache.refresh(config, host);
-    let pool = pool(config, cache, false);
-    let sight = Sight::new(config, host, cache.health(), tie_breaker);
-    let constraint = Constraint { only_rank: None, pin };
-    let wanted = config.retry_alternates as usize;
-    let Some((chosen, found)) = choose(config, host, &sight, &pool, constraint, tie_breaker, None, wanted)
-    else {
-        let reason = sight.no_candidate_reason(config, &pool, Constraint::default());
+    let snapshot = match pipeline::start(config, host, cache, tie_breaker) {
+        Ok(snapshot) => snapshot,
+        Err(refused) => return refused.into(),
+    };
+    let leg = Leg {
+        side: Side::Routed,
+        constraint: Constraint { only_rank: None, pin },
+        alternates: config.retry_alternates as usize,
+    };
+    let Some(choice) = pipeline::choose(host, &snapshot, &leg, None) else {
+        let reason = pipeline::no_candidate_reason(&snapshot, Side::Routed);
         return pass_or_reject(config, host, reason, None);
     };
-    let alternates = retry_targets(config, host, cache, &found);
-    let (health_was_clean, routed_at_ms) = (sight.health.entries.is_empty(), sight.now_ms);
-    let Candidate { worker, rank, .. } = chosen;
-    let (ticket, _) = account(config, host, cache, worker, rank, cost, None);
-    Decision::Route(Routed {
-        to: Chosen::new(cache, worker, Some(rank)),
-        alternates,
-        body: None,
-        ticket,
-        health_was_clean,
-        routed_at_ms,
-        prefill: None,
-    })
+    let moment = snapshot.moment();
+    let committed = pipeline::commit(config, host, cache, &choice, cost, None);
+    Decision::Route(Routed::new(committed, moment, None))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::router::testing::config;
+    use crate::shared_data::testing::config;
 
     #[test]
     fn cost_comes_from_the_length_or_the_default() {

@@ -1,21 +1,28 @@
 //! PD mode (prefill/decode disaggregation): a prefill and a decode (worker,
-//! rank) from their pools, the bootstrap fields that make the two legs meet,
-//! and what the prefill leg's outcome means for the client.
+//! rank), each a leg of the routing pipeline (`pipeline.rs`), the bootstrap
+//! fields that make the two legs meet, and what the prefill leg's outcome
+//! means for the client. What differs from body mode: two legs (the prefill
+//! one with prefix affinity and no alternates, the decode one by load with
+//! them), a body that is not a JSON object is refused in every mode, and a
+//! leg without fresh data still goes (prefill workers take turns, the
+//! decode worker is the cluster's pick).
 
-use super::{
-    account, affinity, choose, parse_body, pool, record, reject, retry_targets, Chosen, Decision, PassReason,
-    Prefill, Reply, Sight,
-};
-use crate::body::bootstrap_fields;
-use crate::config::{Config, Pd, RankOf};
-use crate::health::observe;
+use super::body_fields::{estimated_tokens, prefix_request};
+use super::outcome::{reject, PassReason, RejectReason};
+use super::pipeline::{self, Choice, Committed, Leg};
+use super::snapshot::{Moment, Side, Snapshot};
+use super::{Chosen, Decision, Reply};
+use crate::body::{bootstrap_fields, JsonObject};
+use crate::config::{Config, Pd, RankOf, Worker};
 use crate::health::{classify, targets, Outcome};
+use crate::health_updates;
 use crate::host::Host;
 use crate::metrics::{self, PerWorker};
+use crate::prefix::RequestPrefix;
 use crate::scheduler::Constraint;
-use crate::state::{PrefillTicket, Ticket};
-use crate::store::cache::StateCache;
-use crate::store::{self, IfMissing};
+use crate::shared_data::cache::StateCache;
+use crate::shared_data::{self, IfMissing};
+use crate::worker_state::{PrefillTicket, Ticket};
 use std::rc::Rc;
 
 #[derive(Debug, PartialEq, Eq)]
@@ -60,83 +67,105 @@ pub(super) fn route_pd(
     pin: Option<&str>,
     tie_breaker: u64,
 ) -> Decision {
-    let object = match parse_body(body) {
+    let object = match JsonObject::parse(body) {
         // Without the bootstrap fields neither side could serve it.
-        Err(reason) => return reject(host, reason, Reply::not_an_object()),
+        Err(e) => {
+            let refusal = RejectReason::from(e);
+            return reject(host, refusal, refusal.reply());
+        }
         Ok(o) => o,
     };
-    let (prefill_pin, decode_pin) = split_pin(pin);
-    cache.refresh(config, host);
-    let sight = Sight::new(config, host, cache.health(), tie_breaker);
-    // The prefill rank is chosen by prefix and load, the decode rank by load.
-    let prefill_offset = pool(config, cache, true).offset;
-    let affinity = affinity(config, host, &object, prefill_offset, sight.now_ms);
-    let pick = |prefill, pin| {
-        let constraint = Constraint { only_rank: None, pin };
-        choose(
-            config,
-            host,
-            &sight,
-            &pool(config, cache, prefill),
-            constraint,
-            tie_breaker,
-            if prefill { affinity.as_ref() } else { None },
-            // Alternates are listed for the decode leg only.
-            if prefill {
-                0
-            } else {
-                config.retry_alternates as usize
-            },
-        )
+    let snapshot = match pipeline::start(config, host, cache, tie_breaker) {
+        Ok(snapshot) => snapshot,
+        Err(refused) => return refused.into(),
     };
-    let (p, d) = (pick(true, prefill_pin).map(|(c, _)| c), pick(false, decode_pin));
-    let decode_alternates = d
-        .as_ref()
-        .map(|(_, found)| retry_targets(config, host, cache, found))
-        .unwrap_or_default();
-    let d = d.map(|(c, _)| c);
-    let (health_was_clean, routed_at_ms) = (sight.health.entries.is_empty(), sight.now_ms);
-    if p.is_none() {
-        host.count(metrics::NO_FRESH_PREFILL_DATA, 1);
-    }
-    if d.is_none() {
-        host.count(&metrics::passthrough(PassReason::NoFreshData.as_str()), 1);
-    }
+    let mut prefix = prefix_request(config, &object, snapshot.now_ms);
+    let (prefill, decode) = choose_legs(host, &snapshot, pin, prefix.as_mut());
+    let moment = snapshot.moment();
     // Without prefill data the prefill workers take turns and pick their own rank.
     let turn = (tie_breaker % pd.prefill.len().max(1) as u64) as usize;
-    let prefill_index = p.map_or(config.prefill_offset() + turn, |c| c.worker);
+    let prefill_index = prefill
+        .as_ref()
+        .map_or(config.prefill_offset() + turn, |c| c.chosen.worker);
     let Some(prefill_worker) = config.worker(prefill_index) else {
         // Only an empty prefill pool, which validation refuses, names no worker.
-        return reject(host, PassReason::NoFreshData, Reply::no_fresh_data());
+        let refusal = RejectReason::NoFreshData;
+        return reject(host, refusal, refusal.reply());
     };
-
-    let cost = super::estimated_tokens(config, &object, affinity.as_ref());
-    let (prefill_ticket, prefill_charge) = match p {
-        Some(c) => {
-            let charge = Prefill::of(affinity.as_ref(), c.worker - prefill_offset, c.rank);
-            let tickets = account(config, host, cache, c.worker, c.rank, cost, charge);
-            record(affinity.as_ref(), cache, prefill_offset, c.worker, c.rank);
-            tickets
-        }
-        None => (None, None),
+    let cost = estimated_tokens(config, &object, prefix.as_ref());
+    let prefill = prefill.map(|c| pipeline::commit(config, host, cache, &c, cost, prefix.as_mut()));
+    let decode = decode.map(|c| pipeline::commit(config, host, cache, &c, cost, None));
+    let prefill_to = prefill
+        .as_ref()
+        .map_or_else(|| Chosen::new(cache, prefill_index, None), |p| p.to.clone());
+    let legs = Legs {
+        prefill_to,
+        prefill,
+        decode,
+        moment,
     };
-    let decode_ticket = d.and_then(|c| account(config, host, cache, c.worker, c.rank, cost, None).0);
+    reply(pd, host, &object, prefill_worker, legs)
+}
 
+/// Stage `choose` of both legs: the prefill rank by prefix and load
+/// (`pin`'s first half), the decode rank by load with its retry
+/// alternates (its second half); a leg without fresh data is counted.
+fn choose_legs(
+    host: &dyn Host,
+    snapshot: &Snapshot,
+    pin: Option<&str>,
+    prefix: Option<&mut RequestPrefix>,
+) -> (Option<Choice>, Option<Choice>) {
+    let (prefill_pin, decode_pin) = split_pin(pin);
+    let leg = |side, pin, alternates| Leg {
+        side,
+        constraint: Constraint { only_rank: None, pin },
+        alternates,
+    };
+    let prefill = pipeline::choose(host, snapshot, &leg(Side::Prefill, prefill_pin, 0), prefix);
+    let alternates = snapshot.config.retry_alternates as usize;
+    let decode = pipeline::choose(host, snapshot, &leg(Side::Routed, decode_pin, alternates), None);
+    if prefill.is_none() {
+        host.count(metrics::NO_FRESH_PREFILL_DATA, 1);
+    }
+    if decode.is_none() {
+        host.count(&metrics::passthrough(PassReason::NoFreshData.as_str()), 1);
+    }
+    (prefill, decode)
+}
+
+/// Both legs as committed (a leg without fresh data is not).
+struct Legs {
+    prefill_to: Chosen,
+    prefill: Option<Committed>,
+    decode: Option<Committed>,
+    moment: Moment,
+}
+
+/// Stage `reply` of PD mode: each leg's body, with the bootstrap fields
+/// (drawn here) and the rank fields whose rank is known.
+fn reply(pd: &Pd, host: &dyn Host, object: &JsonObject, prefill_worker: &Worker, legs: Legs) -> Decision {
     let bootstrap = bootstrap_fields(
-        &object,
+        object,
         prefill_worker.address.ip(),
         prefill_worker.bootstrap_port,
         || host.random_u64(),
     );
-    let ranks = (p.map(|c| c.rank), d.map(|c| c.rank));
+    let decode_rank = legs.decode.as_ref().and_then(|d| d.to.rank);
+    let ranks = (legs.prefill_to.rank, decode_rank);
     let neutralise = pd.field_names();
     let body_for = |fields| object.rewritten(&pd_body_fields(&bootstrap, fields, ranks), &neutralise);
+    let (prefill_ticket, prefill_charge) = legs.prefill.map_or((None, None), |p| (p.ticket, p.prefill));
+    let (decode, decode_alternates, decode_ticket) = match legs.decode {
+        Some(d) => (Some(d.to), d.alternates, d.ticket),
+        None => (None, Vec::new(), None),
+    };
     Decision::Pd(PdRouted {
-        prefill: Chosen::new(cache, prefill_index, ranks.0),
-        decode: d.map(|c| Chosen::new(cache, c.worker, Some(c.rank))),
+        prefill: legs.prefill_to,
+        decode,
         decode_alternates,
-        health_was_clean,
-        routed_at_ms,
+        health_was_clean: legs.moment.health_was_clean,
+        routed_at_ms: legs.moment.routed_at_ms,
         prefill_body: body_for(&pd.prefill_body_fields),
         decode_body: body_for(&pd.decode_body_fields),
         prefill_ticket,
@@ -215,7 +244,7 @@ pub fn prefill_health(
         return;
     }
     let observed = targets(w.address, rank, outcome);
-    observe::record(config, host, &observed, routed_at_ms, false);
+    health_updates::record(config, host, &observed, routed_at_ms, false);
 }
 
 /// The prefill leg could not even be dispatched (Envoy refused the call).
@@ -228,7 +257,7 @@ pub fn prefill_not_sent(config: &Config, host: &dyn Host, worker: usize) -> Repl
 /// A prefill worker that could not be reached gets no more requests until a
 /// poll succeeds again.
 pub fn mark_unreachable(config: &Config, host: &dyn Host, worker: usize) {
-    store::update_worker(config, host, worker, IfMissing::Skip, |state| {
+    shared_data::update_worker(config, host, worker, IfMissing::Skip, |state| {
         state.mark_unreachable();
         Some(())
     });

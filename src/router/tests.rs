@@ -1,8 +1,8 @@
-use super::testing::*;
 use super::*;
 use crate::host::fake::FakeHost;
-use crate::store::cache::StateCache;
-use crate::store::read_worker_states;
+use crate::shared_data::cache::StateCache;
+use crate::shared_data::read_worker_states;
+use crate::shared_data::testing::*;
 
 fn routed(d: Decision) -> Routed {
     match d {
@@ -180,7 +180,10 @@ fn fail_closed_rejects_with_json_errors() {
     let c = config(r#","fail_mode":"closed""#);
     let h = FakeHost::default();
     match route(&c, &h, &mut StateCache::default(), b"{}", None, 0) {
-        Decision::Reject(Reply { status, body }) => {
+        Decision::Reject {
+            reason: RejectReason::NoFreshData,
+            reply: Reply { status, body },
+        } => {
             assert_eq!(status, 503);
             let v: serde_json::Value = serde_json::from_str(&body).unwrap();
             assert!(v["error"]["message"].as_str().unwrap().contains("fresh"));
@@ -189,7 +192,10 @@ fn fail_closed_rejects_with_json_errors() {
     }
     assert!(matches!(
         route(&c, &h, &mut StateCache::default(), b"[1]", None, 0),
-        Decision::Reject(Reply { status: 400, .. })
+        Decision::Reject {
+            reason: RejectReason::NotObject,
+            reply: Reply { status: 400, .. }
+        }
     ));
     assert_eq!(h.counter("dprank.rejected.not_object"), 1);
 }
@@ -262,7 +268,10 @@ fn a_trusted_rank_nobody_has_is_told_apart_from_no_data() {
             None,
             0
         ),
-        Decision::Reject(Reply { status: 400, .. })
+        Decision::Reject {
+            reason: RejectReason::ClientRankUnavailable,
+            reply: Reply { status: 400, .. }
+        }
     ));
 }
 
@@ -285,7 +294,10 @@ fn unreadable_bodies_naming_a_rank_are_refused_unless_clients_are_trusted() {
     let nan = br#"{"text":"x","routed_dp_rank":3,"temperature":NaN}"#;
     assert!(matches!(
         route(&c, &h, &mut StateCache::default(), nan, None, 0),
-        Decision::Reject(Reply { status: 400, .. })
+        Decision::Reject {
+            reason: RejectReason::UnreadableRank,
+            reply: Reply { status: 400, .. }
+        }
     ));
     assert_eq!(h.counter("dprank.rejected.unreadable_rank"), 1);
     assert!(matches!(
@@ -303,4 +315,35 @@ fn unreadable_bodies_naming_a_rank_are_refused_unless_clients_are_trusted() {
             ..
         }
     ));
+}
+
+#[test]
+fn the_reply_of_a_routed_leg_carries_its_tickets_and_moment() {
+    let to = Chosen {
+        worker: 1,
+        rank: Some(2),
+        endpoint: "127.0.0.1:2".into(),
+    };
+    let ticket = crate::worker_state::Ticket {
+        worker: 1,
+        rank: 2,
+        seq: 4,
+        cost: 9,
+    };
+    let committed = pipeline::Committed {
+        to: to.clone(),
+        alternates: vec![],
+        ticket: Some(ticket),
+        prefill: None,
+    };
+    let moment = snapshot::Moment {
+        routed_at_ms: 77,
+        health_was_clean: false,
+    };
+    let r = Routed::new(committed, moment, Some(b"{}".to_vec()));
+    assert_eq!(
+        (r.to, r.ticket, r.body.as_deref()),
+        (to, Some(ticket), Some(&b"{}"[..]))
+    );
+    assert_eq!((r.routed_at_ms, r.health_was_clean), (77, false));
 }

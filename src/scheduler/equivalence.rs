@@ -6,11 +6,16 @@
 //! shortcuts (steps skipped when they do not apply, the slots past
 //! `only_rank`, the picker's early exit, the load scorer's branch-free loop,
 //! the alternates collected in the choice's pass, the workers passed over by
-//! `bound`, the ties counted by `bound::tally`) must never change a choice.
+//! the pruning, the ties it counts without slots: `pruning/`) must never
+//! change a choice.
 
-use super::least_cost::{mix, next_take};
+use super::pickers::headroom;
+use super::pickers::least_cost::{mix, next_take};
+use super::pruning;
+use super::runner::alternates_in_same_pass;
 use super::testing::{eject, loads_at, state, worker};
 use super::*;
+use crate::cost::{MAX_COST, REMOVED};
 use crate::health::Target;
 
 /// A small deterministic generator (splitmix64 steps).
@@ -30,7 +35,7 @@ impl Draw {
 }
 
 /// Each worker's candidates as the policy defines them, costs from the
-/// state (not from `Loads`): `REMOVED` for a rank that may not be chosen.
+/// state (not from `LoadTable`): `REMOVED` for a rank that may not be chosen.
 fn candidates(pool: &Pool, ctx: &Context) -> Vec<(usize, Vec<Slot>)> {
     let mut out = Vec::new();
     for (index, (w, state)) in pool.workers.iter().zip(pool.states).enumerate() {
@@ -42,11 +47,13 @@ fn candidates(pool: &Pool, ctx: &Context) -> Vec<(usize, Vec<Slot>)> {
             .dp_size
             .map_or(state.ranks(), |dp| state.ranks().min(dp as usize));
         let mut slots = vec![0; ranks];
-        if !ctx
-            .health
-            .admit(w.address, ctx.now_ms, ctx.admit_probing, &mut slots)
-        {
+        let Some(ranks_out) = ctx.health.admitted(w.address, ctx.now_ms, ctx.admit_probing) else {
             continue;
+        };
+        for rank in ranks_out {
+            if let Some(slot) = slots.get_mut(rank as usize) {
+                *slot = REMOVED;
+            }
         }
         if let Some(only) = ctx.constraint.only_rank {
             let only = only as usize;
@@ -177,10 +184,10 @@ fn choices_and_alternates_match_a_straightforward_implementation() {
     let mut draw = Draw(7);
     let (mut chosen, mut ties_broken, mut pinned, mut only, mut probed, mut alternated) = (0, 0, 0, 0, 0, 0);
     let mut folded = 0;
-    let passed_over = bound::PASSED_OVER.get();
-    let tallied = bound::TALLIED.get();
+    let passed_over = pruning::PASSED_OVER.get();
+    let tallied = pruning::COUNTED_UNSCORED.get();
     for _fleet in 0..3000 {
-        // Now and then a larger fleet, where most workers are passed over (`bound`).
+        // Now and then a larger fleet, where most workers are passed over (`pruning`).
         let most = if draw.chance(10) { 64 } else { 12 };
         let n = 1 + draw.below(most) as usize;
         let workers: Vec<Worker> = (0..n)
@@ -287,7 +294,7 @@ fn choices_and_alternates_match_a_straightforward_implementation() {
                 tie_breaker: draw.next(),
                 health: &health,
                 admit_probing: draw.chance(30),
-                affinity: None,
+                prefix: None,
                 pick,
                 gateways: 1 + draw.below(4) as u32,
             };
@@ -324,7 +331,7 @@ fn choices_and_alternates_match_a_straightforward_implementation() {
                 // choice, and the alternates of the same context by load.
                 let by_load = Context {
                     constraint: Constraint::default(),
-                    affinity: None,
+                    prefix: None,
                     ..ctx
                 };
                 let expected = alternates(&pool, &by_load, &c, max);
@@ -333,7 +340,7 @@ fn choices_and_alternates_match_a_straightforward_implementation() {
                     Some((c, expected.clone())),
                     "max {max}, ctx {ctx:?}"
                 );
-                folded += usize::from(folds(&ctx) && expected.len() > 1);
+                folded += usize::from(alternates_in_same_pass(&ctx) && expected.len() > 1);
             }
         }
     }
@@ -346,8 +353,8 @@ fn choices_and_alternates_match_a_straightforward_implementation() {
         ("probing", probed),
         ("several alternates", alternated),
         ("several alternates in one pass", folded),
-        ("a worker passed over", bound::PASSED_OVER.get() - passed_over),
-        ("a worker tallied", bound::TALLIED.get() - tallied),
+        ("a worker passed over", pruning::PASSED_OVER.get() - passed_over),
+        ("a worker tallied", pruning::COUNTED_UNSCORED.get() - tallied),
     ] {
         assert!(count > 50, "{what}: only {count} cases");
     }
@@ -356,10 +363,10 @@ fn choices_and_alternates_match_a_straightforward_implementation() {
 #[test]
 fn idle_fleets_match_a_straightforward_implementation() {
     // Every rank at the same load: every worker ties the pick and most are
-    // counted by `bound::tally`; some are stale, unpolled, unreachable,
+    // counted by `pruning::count_ties`; some are stale, unpolled, unreachable,
     // capped by dp_size, out of rotation or cheaper (a tie taken or beaten).
     let mut draw = Draw(13);
-    let tallied = bound::TALLIED.get();
+    let tallied = pruning::COUNTED_UNSCORED.get();
     let (mut checked, mut not_first) = (0, 0);
     for _fleet in 0..400 {
         let n = 1 + draw.below(80) as usize;
@@ -426,7 +433,7 @@ fn idle_fleets_match_a_straightforward_implementation() {
                 tie_breaker: draw.next(),
                 health: &health,
                 admit_probing: draw.chance(20),
-                affinity: None,
+                prefix: None,
                 pick: Pick::LeastCost,
                 gateways: if draw.chance(15) { 2 } else { 1 },
             };
@@ -452,7 +459,7 @@ fn idle_fleets_match_a_straightforward_implementation() {
             }
         }
     }
-    let tallied = bound::TALLIED.get() - tallied;
+    let tallied = pruning::COUNTED_UNSCORED.get() - tallied;
     assert!(
         checked > 1000 && not_first > 500 && tallied > 10_000,
         "{checked} {not_first} {tallied}"

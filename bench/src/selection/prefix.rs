@@ -5,13 +5,14 @@
 use std::fmt::Write as _;
 
 use dprank::body::JsonObject;
+use dprank::codec;
 use dprank::config::Config;
 use dprank::host::memory::MemoryHost;
 use dprank::prefix::index::IndexRecord;
-use dprank::prefix::{Affinity, PromptBlocks};
-use dprank::scheduler::{choose, Constraint, Context, Loads, Pool};
-use dprank::state::WorkerState;
-use dprank::store::{self, Keys};
+use dprank::prefix::{PromptBlocks, RequestPrefix};
+use dprank::scheduler::{choose, scored_workers, Constraint, Context, Pool};
+use dprank::shared_data::{self, Keys};
+use dprank::worker_state::{LoadTable, WorkerState};
 
 use super::{time_ns, Timing, RANKS_PER_WORKER};
 use crate::report::markdown_table;
@@ -57,7 +58,7 @@ fn fleet(workers: usize, prompt: &PromptBlocks) -> Result<(Config, MemoryHost), 
         let mut state = WorkerState::default();
         let seq = state.begin_poll();
         state.apply_snapshot(seq, NOW_MS, &[Some(1000); RANKS_PER_WORKER]);
-        host.shared_set_state(&keys.worker(&worker.address), &store::encode(&state));
+        host.shared_set_state(&keys.worker(&worker.address), &codec::encode(&state));
         let mut record = IndexRecord::empty(settings.block_bytes, NOW_MS);
         let mut seed = (w as u32 + 1).wrapping_mul(0x9E37_79B9);
         for rank in 0..RANKS_PER_WORKER {
@@ -82,7 +83,7 @@ fn fleet(workers: usize, prompt: &PromptBlocks) -> Result<(Config, MemoryHost), 
                 .collect();
             record.touch(3, &half, NOW_MS - 10, u64::MAX, capacity);
         }
-        host.shared_set_state(&keys.prefix_index(&worker.address), &store::encode(&record));
+        host.shared_set_state(&keys.prefix_index(&worker.address), &codec::encode(&record));
     }
     Ok((config, host))
 }
@@ -123,8 +124,8 @@ pub fn rows(batches: usize) -> Result<(String, Timing), String> {
     for workers in [1usize, 2, 4, 8] {
         let (config, host) = fleet(workers, &prompt)?;
         let settings = config.prefix.clone().ok_or("no prefix settings")?;
-        let states = store::read_worker_states(&config, &host);
-        let loads = Loads::of(&states);
+        let states = shared_data::read_worker_states(&config, &host);
+        let loads = LoadTable::of(&states);
         let pool = Pool {
             workers: config.routed(),
             states: &states,
@@ -134,7 +135,6 @@ pub fn rows(batches: usize) -> Result<(String, Timing), String> {
         let mut tie = 0u64;
         let mut score = |prompt: PromptBlocks| {
             tie = tie.wrapping_add(1);
-            let affinity = Affinity::new(&config, &settings, &host, 0, prompt, true, 256, host.now.get());
             let ctx = Context {
                 now_ms: NOW_MS,
                 stale_after_ms: u64::MAX,
@@ -144,7 +144,16 @@ pub fn rows(batches: usize) -> Result<(String, Timing), String> {
                 admit_probing: false,
                 pick: config.pick,
                 gateways: config.gateways,
-                affinity: Some(&affinity),
+                prefix: None,
+            };
+            // As the router does: the indexes of the workers the filters keep, then the choice.
+            let mut request = RequestPrefix::new(&settings, prompt, true, 256, host.now.get());
+            scored_workers(&pool, &ctx, |w| {
+                request.insert(w, shared_data::read_prefix_index(&config, &host, w));
+            });
+            let ctx = Context {
+                prefix: Some(&request),
+                ..ctx
             };
             choose(&pool, &ctx).map_or(0, |c| c.cost)
         };
@@ -154,21 +163,18 @@ pub fn rows(batches: usize) -> Result<(String, Timing), String> {
             - states
                 .iter()
                 .flatten()
-                .map(|s| store::encode(s).len())
+                .map(|s| codec::encode(s).len())
                 .sum::<usize>();
         // The write: the chosen worker's index rebuilt and encoded.
         let record = time_ns(batches, || {
-            let affinity = Affinity::new(
+            let request = RequestPrefix::new(&settings, prompt.clone(), true, 256, host.now.get());
+            shared_data::update_index(
                 &config,
-                &settings,
                 &host,
                 0,
-                prompt.clone(),
-                true,
-                256,
-                host.now.get(),
+                None,
+                request.record_on(3, Some(CAPACITY_TOKENS)),
             );
-            affinity.record(0, 3, Some(CAPACITY_TOKENS));
             host.now
                 .set(host.now.get() + 2 * dprank::prefix::index::TOUCH_AFTER_MS);
             1

@@ -1,9 +1,9 @@
-use super::super::testing::*;
-use super::super::{route, Decision};
+use super::super::{route, Decision, RejectReason};
 use super::*;
 use crate::host::fake::FakeHost;
-use crate::store::cache::StateCache;
-use crate::store::read_worker_states;
+use crate::shared_data::cache::StateCache;
+use crate::shared_data::read_worker_states;
+use crate::shared_data::testing::*;
 
 fn pd(d: Decision) -> PdRouted {
     match d {
@@ -150,11 +150,17 @@ fn pd_rejects_bodies_it_cannot_extend() {
     let (c, h) = pd_fleet("");
     assert!(matches!(
         route(&c, &h, &mut StateCache::default(), b"not json", None, 0),
-        Decision::Reject(Reply { status: 400, .. })
+        Decision::Reject {
+            reason: RejectReason::NotJson,
+            reply: Reply { status: 400, .. }
+        }
     ));
     assert!(matches!(
         route(&c, &h, &mut StateCache::default(), b"[1]", None, 0),
-        Decision::Reject(Reply { status: 400, .. })
+        Decision::Reject {
+            reason: RejectReason::NotObject,
+            reply: Reply { status: 400, .. }
+        }
     ));
 }
 

@@ -1,0 +1,125 @@
+//! Scorer `load`: adds each rank's effective tokens (the last polled figure
+//! plus the estimates of requests the poll has not seen yet, as derived in
+//! `LoadTable`); a rank the report gave no usable figure for is removed. Under
+//! prefix affinity the tokens are weighted by `prefix_load_weight`.
+
+use crate::cost::{add_cost, weighted, Slot, MAX_COST, REMOVED};
+use crate::scheduler::{Context, Scorer, WorkerView};
+
+pub struct Load;
+
+impl Scorer for Load {
+    fn score(&self, ctx: &Context, worker: &WorkerView, costs: &mut [Slot]) {
+        let weight = ctx.prefix.map_or(1.0, |a| a.settings.load_weight);
+        if weight == 1.0 {
+            // Load only: selects rather than branches, a few instructions a
+            // rank; removed if either is (`REMOVED` is the largest slot).
+            for (cost, &load) in costs.iter_mut().zip(worker.loads) {
+                let sum = cost.saturating_add(load).min(MAX_COST);
+                *cost = if (*cost).max(load) == REMOVED {
+                    REMOVED
+                } else {
+                    sum
+                };
+            }
+        } else {
+            Self::add_weighted(weight, worker.loads, costs);
+        }
+        // Checked first: a fill of nothing still calls `memset`.
+        if costs.len() > worker.loads.len() {
+            if let Some(unlisted) = costs.get_mut(worker.loads.len()..) {
+                unlisted.fill(REMOVED);
+            }
+        }
+    }
+}
+
+impl Load {
+    fn add_weighted(weight: f64, loads: &[Slot], costs: &mut [Slot]) {
+        for (cost, load) in costs.iter_mut().zip(loads) {
+            if *load == REMOVED {
+                *cost = REMOVED;
+            } else {
+                add_cost(cost, weighted(*load, weight));
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::Config;
+    use crate::prefix::PromptBlocks;
+    use crate::scheduler::testing::*;
+    use crate::scheduler::{Constraint, WorkerView};
+    use crate::worker_state::WorkerState;
+
+    fn score(state: &WorkerState, mut costs: Vec<Slot>) -> Vec<Slot> {
+        let w = worker("a", 1, None);
+        let loads = crate::scheduler::LoadTable::of(std::slice::from_ref(&Some(state.clone())));
+        let view = WorkerView {
+            index: 0,
+            worker: &w,
+            state,
+            loads: loads.worker(0),
+        };
+        Load.score(&ctx(Constraint::default()), &view, &mut costs);
+        costs
+    }
+
+    #[test]
+    fn adds_polled_tokens_and_pending_estimates() {
+        let mut s = state(&[5, 6], 1000);
+        s.add(0, 0, 10);
+        assert_eq!(score(&s, vec![0, 0]), vec![15, 6]);
+        assert_eq!(
+            score(&s, vec![1, REMOVED]),
+            vec![16, REMOVED],
+            "removed stays removed"
+        );
+        assert_eq!(
+            score(&s, vec![0, 0, 0]),
+            vec![15, 6, REMOVED],
+            "a rank the state does not list"
+        );
+        assert_eq!(
+            score(&s, vec![MAX_COST, 0]),
+            vec![MAX_COST, 6],
+            "costs saturate below REMOVED"
+        );
+    }
+
+    #[test]
+    fn ranks_without_a_figure_are_removed() {
+        let mut s = WorkerState::default();
+        let seq = s.begin_poll();
+        s.apply_snapshot(seq, 1, &[None, Some(4)]);
+        assert_eq!(score(&s, vec![0; 2]), vec![REMOVED, 4]);
+    }
+
+    #[test]
+    fn prefix_affinity_weights_the_tokens() {
+        let config =
+            Config::from_json(br#"{"workers":[{"address":"127.0.0.1:1"}],"prefix_load_weight":0.5}"#)
+                .unwrap();
+        let settings = config.prefix.clone().unwrap();
+        let prefix = prefix_request(&settings, PromptBlocks::default(), 0);
+        let w = worker("a", 1, None);
+        let s = state(&[100, 7, 0], 1000);
+        let loads = crate::scheduler::LoadTable::of(std::slice::from_ref(&Some(s.clone())));
+        let view = WorkerView {
+            index: 0,
+            worker: &w,
+            state: &s,
+            loads: loads.worker(0),
+        };
+        let ctx = Context {
+            prefix: Some(&prefix),
+            ..ctx(Constraint::default())
+        };
+        let mut costs = vec![3, 3, REMOVED];
+        Load.score(&ctx, &view, &mut costs);
+        assert_eq!(costs, vec![53, 7, REMOVED]);
+    }
+}

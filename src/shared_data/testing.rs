@@ -1,0 +1,66 @@
+//! Fleets with polled states in shared data, for the tests of the state
+//! cache, the router and the request lifecycle.
+
+use super::{create_index, update_worker, IfMissing};
+use crate::config::Config;
+use crate::host::fake::FakeHost;
+use crate::host::Host;
+use std::rc::Rc;
+
+/// Two workers `a` (127.0.0.1:1) and `b` (127.0.0.1:2), plus `extra` keys.
+pub fn config(extra: &str) -> Rc<Config> {
+    Rc::new(Config::from_json(
+        format!(
+            r#"{{"workers":[{{"address":"127.0.0.1:1","name":"a"}},{{"address":"127.0.0.1:2","name":"b"}}]{extra}}}"#
+        )
+        .as_bytes(),
+    )
+    .unwrap())
+}
+
+/// Installs a snapshot for worker `i` as the poller would.
+pub fn poll(config: &Config, host: &FakeHost, i: usize, tokens: &[u64]) {
+    let now = host.now_ms();
+    let tokens: Vec<Option<u64>> = tokens.iter().map(|t| Some(*t)).collect();
+    update_worker(config, host, i, IfMissing::Create, |s| {
+        let seq = s.begin_poll();
+        s.apply_snapshot(seq, now, &tokens).then_some(())
+    })
+    .unwrap();
+    create_index(config, host, i);
+}
+
+/// `config(extra)` at t = 10 s with a: [100, 50, 100, 100], b: [100, 100, 20, 100].
+pub fn fleet(extra: &str) -> (Rc<Config>, FakeHost) {
+    let c = config(extra);
+    let h = FakeHost::default();
+    h.now.set(10_000);
+    poll(&c, &h, 0, &[100, 50, 100, 100]);
+    poll(&c, &h, 1, &[100, 100, 20, 100]);
+    (c, h)
+}
+
+/// PD: prefill p0 (10.0.0.1:30000, bootstrap port 8998) and p1, decode d0 and
+/// d1; the lowest ranks are d1/1 and p0/1.
+pub fn pd_fleet(extra: &str) -> (Rc<Config>, FakeHost) {
+    let c = Config::from_json(
+        format!(
+            r#"{{"prefill_workers":[{{"address":"10.0.0.1:30000","name":"p0","bootstrap_port":8998}},{{"address":"10.0.0.2:30000","name":"p1"}}],
+                "decode_workers":[{{"address":"10.0.1.1:30000","name":"d0"}},{{"address":"10.0.1.2:30000","name":"d1"}}]{extra}}}"#
+        )
+        .as_bytes(),
+    )
+    .unwrap();
+    let c = Rc::new(c);
+    let h = FakeHost::default();
+    h.now.set(10_000);
+    poll(&c, &h, 0, &[50, 50]); // d0
+    poll(&c, &h, 1, &[50, 5]); // d1: rank 1 lowest
+    poll(&c, &h, 2, &[9, 1]); // p0: rank 1 lowest
+    poll(&c, &h, 3, &[30, 30]); // p1
+    (c, h)
+}
+
+pub fn json(bytes: &[u8]) -> serde_json::Value {
+    serde_json::from_slice(bytes).unwrap()
+}
