@@ -493,7 +493,9 @@ impl Rank {
                 self.batch_is_full = true;
                 break;
             }
-            offset += (ceil_page(prompt, params.page) + reserve) as f64;
+            // The prompt's KV is allocated at once (`available` counts it
+            // from now on); only its output is reserved.
+            offset += reserve as f64;
             self.waiting.pop_front();
             self.set_alloc(params, id, prompt);
             if let Some(seq) = self.seqs.get_mut(&id) {
