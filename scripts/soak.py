@@ -552,7 +552,7 @@ def report(work, out):
         "over the hosts dprank lists in `x-dprank-endpoint`, then the fallback round robin with `previous_hosts`), plus a JSON access log on the connection manager to attribute failures."
     )
     w(
-        f"- Workers: one `dprank-sim --dp-size 4 --time-scale {meta['time_scale']}` process each (default model: 200k KV tokens and 64 sequences per rank)."
+        f"- Workers: one `dprank-sim --cost-model legacy --dp-size 4 --time-scale {meta['time_scale']}` process each (200k KV tokens and 64 sequences per rank)."
     )
     w(
         f"- Load: `dprank-bench load --path /generate --time-scale {meta['time_scale']} --rate {meta['rate']}` (streamed, Poisson, prompts lognormal median 200 tokens, outputs median 180), back to back in runs of 30 s wall (300 simulated s) with seeds 1, 2, …; "

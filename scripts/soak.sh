@@ -12,7 +12,8 @@
 # bench-results/soak.md).
 #
 # What runs (all on 127.0.0.1, ports below the ephemeral range, checked free):
-# - three `dprank-sim` processes (--dp-size 4 --time-scale 10), one per worker;
+# - three `dprank-sim` processes (--cost-model legacy --dp-size 4
+#   --time-scale 10), one per worker (the model the stored report used);
 # - Envoy (--concurrency 2) with envoy/dprank.yaml rendered in a temp dir:
 #   listener/admin ports, the three workers in the filter's `workers` and the
 #   `sglang` cluster, the wasm path (a copy taken at start), plus a JSON access
@@ -105,7 +106,7 @@ start_worker() {  # name dp_size [event]
   local name=$1 dp=$2 ev=${3:-restart} log n
   n=$(ls "$WORK" | grep -c "^sim-$name" || true)
   log="$WORK/sim-$name-$n.log"
-  "$SIM" --listen "127.0.0.1:${WPORT[$name]}" --dp-size "$dp" --time-scale "$TIME_SCALE" > "$log" 2>&1 &
+  "$SIM" --listen "127.0.0.1:${WPORT[$name]}" --cost-model legacy --dp-size "$dp" --time-scale "$TIME_SCALE" > "$log" 2>&1 &
   WPID[$name]=$!
   event "$ev" "$name" "dp_size=$dp pid=${WPID[$name]}"
   for _ in $(seq 1 100); do

@@ -571,8 +571,11 @@ mod tests {
     }
 
     async fn sim(time_scale: f64) -> dprank_sim::SimServer {
+        // The worker the harness runs: 4 ranks, the legacy cost model.
         let config = dprank_sim::SimConfig {
             time_scale,
+            cost_model: dprank_sim::CostPreset::Legacy,
+            dp_size: Some(4),
             ..dprank_sim::SimConfig::default()
         };
         dprank_sim::SimServer::start(Arc::new(config), "127.0.0.1:0".parse().unwrap(), None)

@@ -4,6 +4,8 @@ use std::net::SocketAddr;
 
 use clap::{ArgAction, Args, Parser, ValueEnum};
 
+use crate::engine::cost::{CostModel, Deployment};
+
 /// SGLANG_INIT_NEW_TOKEN_RATIO.
 pub const INIT_NEW_TOKEN_RATIO: f64 = 0.7;
 /// SGLANG_MIN_NEW_TOKEN_RATIO_FACTOR.
@@ -72,6 +74,25 @@ pub enum Admission {
     ReserveFull,
 }
 
+/// The deployment the simulator models: a rank's step costs, ranks per
+/// worker, DP attention, KV capacity and running requests per rank (each
+/// overridable by its own flag). See sim/README.md ("Step costs").
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum CostPreset {
+    /// DeepSeek-V3 under DP attention on H100-class GPUs: 8 ranks in
+    /// lockstep, costs fitted to SGLang's and DeepSeek's published figures.
+    #[value(name = "deepseek-v3-dp8")]
+    DeepseekV3Dp8,
+    /// A Llama-3.1-8B-class dense model, one replica per H100: 8 ranks
+    /// stepping independently.
+    #[value(name = "dense-8b")]
+    Dense8b,
+    /// The earlier uncalibrated model (prefill 20k tokens/s; decode 20 ms +
+    /// 0.25 µs per KV token; 4 ranks in lockstep; 200k KV; 64 running).
+    #[value(name = "legacy")]
+    Legacy,
+}
+
 /// An on/off switch spelled as a value.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum Toggle {
@@ -126,34 +147,52 @@ impl Role {
 /// (see sim/README.md).
 #[derive(Debug, Clone, Args)]
 pub struct SimConfig {
-    /// Data-parallel ranks per worker.
-    #[arg(long, default_value_t = 4)]
-    pub dp_size: usize,
+    /// The modelled deployment (step costs and shape); the flags below
+    /// override its values one by one.
+    #[arg(long, value_enum, default_value_t = CostPreset::DeepseekV3Dp8)]
+    pub cost_model: CostPreset,
+    /// Data-parallel ranks per worker (default: the cost model's).
+    #[arg(long)]
+    pub dp_size: Option<usize>,
     /// Rank choice for requests that carry no rank.
     #[arg(long, value_enum, default_value_t = Dispatch::RoundRobin)]
     pub dispatch: Dispatch,
     /// Every modelled duration is divided by this (10 = ten times faster).
     #[arg(long, default_value_t = 1.0)]
     pub time_scale: f64,
-    /// Prefill throughput of one rank (uncached tokens).
-    #[arg(long, default_value_t = 20_000.0)]
-    pub prefill_tokens_per_s: f64,
-    /// Base duration of one decode step.
-    #[arg(long, default_value_t = 20.0)]
-    pub decode_step_ms: f64,
-    /// Extra decode-step time per KV token held by the running batch.
-    #[arg(long, default_value_t = 0.25)]
-    pub decode_step_us_per_token: f64,
-    /// KV cache capacity of one rank, in tokens.
-    #[arg(long, default_value_t = 200_000)]
-    pub kv_capacity: u64,
-    /// Maximum running requests per rank (SGLang --max-running-requests).
-    #[arg(long, default_value_t = 64)]
-    pub max_running: u64,
+    /// Fixed duration of a prefill step.
+    #[arg(long)]
+    pub prefill_step_ms: Option<f64>,
+    /// Prefill throughput of one rank in new (uncached) tokens, the
+    /// attention term aside: 1 / the per-token cost.
+    #[arg(long)]
+    pub prefill_tokens_per_s: Option<f64>,
+    /// Prefill attention cost per (new token, earlier token of its
+    /// sequence) pair, in nanoseconds.
+    #[arg(long)]
+    pub prefill_attention_ns: Option<f64>,
+    /// Fixed duration of a decode step.
+    #[arg(long)]
+    pub decode_step_ms: Option<f64>,
+    /// Extra decode-step time per sequence of the running batch.
+    #[arg(long)]
+    pub decode_step_us_per_seq: Option<f64>,
+    /// Extra decode-step time per KV token the running batch reads.
+    #[arg(long)]
+    pub decode_step_us_per_token: Option<f64>,
+    /// KV cache capacity of one rank, in tokens (default: the cost
+    /// model's).
+    #[arg(long)]
+    pub kv_capacity: Option<u64>,
+    /// Maximum running requests per rank (SGLang --max-running-requests;
+    /// default: the cost model's).
+    #[arg(long)]
+    pub max_running: Option<u64>,
     /// Step all ranks of a worker together, each step lasting as long as
-    /// the slowest rank's (DP attention); on unless --no-lockstep.
-    #[arg(long, num_args = 0..=1, default_value_t = true, default_missing_value = "true", action = ArgAction::Set)]
-    pub lockstep: bool,
+    /// the slowest rank's (DP attention; default: on where the cost model
+    /// has DP attention).
+    #[arg(long, num_args = 0..=1, default_missing_value = "true", action = ArgAction::Set)]
+    pub lockstep: Option<bool>,
     /// Let every rank step on its own.
     #[arg(long)]
     pub no_lockstep: bool,
@@ -230,15 +269,19 @@ pub struct SimConfig {
 impl Default for SimConfig {
     fn default() -> Self {
         Self {
-            dp_size: 4,
+            cost_model: CostPreset::DeepseekV3Dp8,
+            dp_size: None,
             dispatch: Dispatch::RoundRobin,
             time_scale: 1.0,
-            prefill_tokens_per_s: 20_000.0,
-            decode_step_ms: 20.0,
-            decode_step_us_per_token: 0.25,
-            kv_capacity: 200_000,
-            max_running: 64,
-            lockstep: true,
+            prefill_step_ms: None,
+            prefill_tokens_per_s: None,
+            prefill_attention_ns: None,
+            decode_step_ms: None,
+            decode_step_us_per_seq: None,
+            decode_step_us_per_token: None,
+            kv_capacity: None,
+            max_running: None,
+            lockstep: None,
             no_lockstep: false,
             admission: Admission::Sglang,
             schedule_conservativeness: 1.0,
@@ -267,31 +310,39 @@ impl Default for SimConfig {
 impl SimConfig {
     /// Rejects values the model cannot run with.
     pub fn validate(&self) -> Result<(), String> {
-        if self.dp_size == 0 {
+        if self.dp_size == Some(0) {
             return Err("--dp-size must be at least 1".into());
         }
         if !(self.time_scale.is_finite() && self.time_scale > 0.0) {
             return Err("--time-scale must be a positive number".into());
         }
-        if !(self.prefill_tokens_per_s.is_finite() && self.prefill_tokens_per_s > 0.0) {
-            return Err("--prefill-tokens-per-s must be a positive number".into());
+        if let Some(rate) = self.prefill_tokens_per_s {
+            if !(rate.is_finite() && rate > 0.0) {
+                return Err("--prefill-tokens-per-s must be a positive number".into());
+            }
         }
-        if !(self.decode_step_ms.is_finite() && self.decode_step_ms >= 0.0) {
-            return Err("--decode-step-ms must be a non-negative number".into());
+        for (name, value) in [
+            ("--prefill-step-ms", self.prefill_step_ms),
+            ("--prefill-attention-ns", self.prefill_attention_ns),
+            ("--decode-step-ms", self.decode_step_ms),
+            ("--decode-step-us-per-seq", self.decode_step_us_per_seq),
+            ("--decode-step-us-per-token", self.decode_step_us_per_token),
+        ] {
+            if value.is_some_and(|value| !(value.is_finite() && value >= 0.0)) {
+                return Err(format!("{name} must be a non-negative number"));
+            }
         }
-        if !(self.decode_step_us_per_token.is_finite() && self.decode_step_us_per_token >= 0.0) {
-            return Err("--decode-step-us-per-token must be a non-negative number".into());
-        }
-        if self.kv_capacity < 2 {
+        let capacity = self.kv_capacity();
+        if capacity < 2 {
             return Err("--kv-capacity must be at least 2".into());
         }
-        if self.max_running == 0 {
+        if self.max_running() == 0 {
             return Err("--max-running must be at least 1".into());
         }
         if !(self.schedule_conservativeness.is_finite() && self.schedule_conservativeness >= 0.0) {
             return Err("--schedule-conservativeness must be a non-negative number".into());
         }
-        if self.page_size == 0 || self.page_size > self.kv_capacity / 2 {
+        if self.page_size == 0 || self.page_size > capacity / 2 {
             return Err("--page-size must be at least 1 and at most half of --kv-capacity".into());
         }
         if let Some(chunk) = self.chunk_per_rank() {
@@ -321,26 +372,85 @@ impl SimConfig {
     /// page to spare (SGLang's admission needs that strictly); None if not
     /// even one output token fits.
     pub fn fit_output(&self, prompt: u64, wanted: u64) -> Option<u64> {
-        let room = self.kv_capacity.checked_sub(prompt + self.page_size + 1)?;
+        let room = self.kv_capacity().checked_sub(prompt + self.page_size + 1)?;
         (room >= 1).then(|| wanted.clamp(1, room))
+    }
+
+    /// The values of the chosen cost model, before the overriding flags.
+    pub fn deployment(&self) -> Deployment {
+        Deployment::of(self.cost_model)
+    }
+
+    /// Ranks per worker.
+    pub fn dp_size(&self) -> usize {
+        self.dp_size.unwrap_or(self.deployment().dp_size).max(1)
+    }
+
+    /// KV tokens per rank.
+    pub fn kv_capacity(&self) -> u64 {
+        self.kv_capacity.unwrap_or(self.deployment().kv_capacity)
+    }
+
+    /// Running requests per rank.
+    pub fn max_running(&self) -> u64 {
+        self.max_running.unwrap_or(self.deployment().max_running)
+    }
+
+    /// Whether the modelled server runs DP attention (SGLang
+    /// `--enable-dp-attention`).
+    pub fn dp_attention(&self) -> bool {
+        self.deployment().dp_attention
     }
 
     /// Whether the ranks of a worker step together.
     pub fn lockstep(&self) -> bool {
-        self.lockstep && !self.no_lockstep
+        !self.no_lockstep && self.lockstep.unwrap_or(self.dp_attention())
+    }
+
+    /// A rank's step costs: the cost model's, with the overriding flags.
+    pub fn cost(&self) -> CostModel {
+        let mut cost = self.deployment().cost;
+        if let Some(ms) = self.prefill_step_ms {
+            cost.prefill_base_us = ms * 1e3;
+        }
+        if let Some(rate) = self.prefill_tokens_per_s {
+            cost.prefill_us_per_token = 1e6 / rate;
+        }
+        if let Some(ns) = self.prefill_attention_ns {
+            cost.prefill_us_per_pair = ns / 1e3;
+        }
+        if let Some(ms) = self.decode_step_ms {
+            cost.decode_base_us = ms * 1e3;
+        }
+        if let Some(us) = self.decode_step_us_per_seq {
+            cost.decode_us_per_seq = us;
+        }
+        if let Some(us) = self.decode_step_us_per_token {
+            cost.decode_us_per_kv_token = us;
+        }
+        cost
     }
 
     /// Prompt tokens one rank prefills per step, if chunking is on: SGLang
     /// divides --chunked-prefill-size by dp_size under DP attention.
     pub fn chunk_per_rank(&self) -> Option<u64> {
-        (self.chunked_prefill_size > 0)
-            .then(|| (self.chunked_prefill_size as u64 / self.dp_size.max(1) as u64).max(1))
+        let share = if self.dp_attention() {
+            self.dp_size() as u64
+        } else {
+            1
+        };
+        (self.chunked_prefill_size > 0).then(|| (self.chunked_prefill_size as u64 / share).max(1))
     }
 
     /// SGLang's initial new_token_ratio: 0.7 x conservativeness, the
     /// conservativeness multiplied by 0.3 under DP attention.
     pub fn init_new_token_ratio(&self) -> f64 {
-        (INIT_NEW_TOKEN_RATIO * self.schedule_conservativeness * DP_ATTENTION_CONSERVATIVENESS).min(1.0)
+        let scale = if self.dp_attention() {
+            DP_ATTENTION_CONSERVATIVENESS
+        } else {
+            1.0
+        };
+        (INIT_NEW_TOKEN_RATIO * self.schedule_conservativeness * scale).min(1.0)
     }
 }
 
@@ -348,6 +458,8 @@ impl SimConfig {
 #[derive(Debug, Parser)]
 #[command(
     name = "dprank-sim",
+    // A later flag wins: harnesses append overrides to a base command line.
+    args_override_self = true,
     about = "Simulated SGLang server(s) with data-parallel ranks (--dp-size N --enable-dp-attention)"
 )]
 pub struct Cli {
@@ -360,4 +472,111 @@ pub struct Cli {
     pub bootstrap_port: Vec<u16>,
     #[command(flatten)]
     pub sim: SimConfig,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(flags: &[&str]) -> SimConfig {
+        let mut args = vec!["dprank-sim", "--listen", "127.0.0.1:0"];
+        args.extend_from_slice(flags);
+        Cli::try_parse_from(args)
+            .map(|cli| cli.sim)
+            .unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    #[test]
+    fn the_default_is_the_deepseek_node_and_flags_override_its_values() {
+        let config = parse(&[]);
+        assert_eq!(config.cost_model, CostPreset::DeepseekV3Dp8);
+        assert_eq!(
+            (config.dp_size(), config.kv_capacity(), config.max_running()),
+            (8, 500_000, 256)
+        );
+        assert!(config.lockstep() && config.dp_attention());
+        let config = parse(&[
+            "--dp-size",
+            "2",
+            "--kv-capacity",
+            "1000",
+            "--max-running",
+            "3",
+            "--prefill-tokens-per-s",
+            "1000",
+            "--decode-step-ms",
+            "5",
+            "--decode-step-us-per-seq",
+            "2",
+            "--decode-step-us-per-token",
+            "0",
+            "--prefill-step-ms",
+            "1",
+            "--prefill-attention-ns",
+            "0",
+            "--no-lockstep",
+        ]);
+        assert_eq!(
+            (config.dp_size(), config.kv_capacity(), config.max_running()),
+            (2, 1000, 3)
+        );
+        assert!(!config.lockstep() && config.dp_attention());
+        let cost = config.cost();
+        assert_eq!(
+            (
+                cost.prefill_base_us,
+                cost.prefill_us_per_token,
+                cost.prefill_us_per_pair
+            ),
+            (1000.0, 1000.0, 0.0)
+        );
+        assert_eq!(
+            (
+                cost.decode_base_us,
+                cost.decode_us_per_seq,
+                cost.decode_us_per_kv_token
+            ),
+            (5000.0, 2.0, 0.0)
+        );
+    }
+
+    #[test]
+    fn the_legacy_preset_keeps_the_old_defaults() {
+        let config = parse(&["--cost-model", "legacy"]);
+        assert_eq!(
+            (config.dp_size(), config.kv_capacity(), config.max_running()),
+            (4, 200_000, 64)
+        );
+        assert!(config.lockstep());
+        assert_eq!(config.chunk_per_rank(), Some(2048));
+        assert!((config.init_new_token_ratio() - 0.21).abs() < 1e-12);
+    }
+
+    #[test]
+    fn the_dense_preset_has_no_dp_attention() {
+        let config = parse(&["--cost-model", "dense-8b"]);
+        assert!(!config.lockstep() && !config.dp_attention());
+        // SGLang divides the chunk and scales the conservativeness only
+        // under DP attention.
+        assert_eq!(config.chunk_per_rank(), Some(8192));
+        assert!((config.init_new_token_ratio() - 0.7).abs() < 1e-12);
+        // Lockstep can still be asked for.
+        assert!(parse(&["--cost-model", "dense-8b", "--lockstep"]).lockstep());
+    }
+
+    #[test]
+    fn a_later_flag_wins() {
+        let config = parse(&[
+            "--cost-model",
+            "legacy",
+            "--kv-capacity",
+            "10",
+            "--cost-model",
+            "dense-8b",
+        ]);
+        assert_eq!(
+            (config.cost_model, config.kv_capacity()),
+            (CostPreset::Dense8b, 10)
+        );
+    }
 }

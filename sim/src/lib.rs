@@ -13,5 +13,5 @@ pub mod server;
 pub mod tokenizer;
 pub mod worker;
 
-pub use config::{Admission, Cli, Dispatch, RankHeader, Role, SimConfig, Toggle};
+pub use config::{Admission, Cli, CostPreset, Dispatch, RankHeader, Role, SimConfig, Toggle};
 pub use server::SimServer;

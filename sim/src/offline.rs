@@ -14,7 +14,8 @@
 //! let reports = fleet.run_until(10.0);
 //! assert!(reports.iter().any(|report| report.req == id && report.finished));
 //! let loads = fleet.v1_loads(0);
-//! assert_eq!(loads["dp_rank_count"], 4);
+//! // The default cost model: a DeepSeek-V3-class node of 8 ranks.
+//! assert_eq!(loads["dp_rank_count"], 8);
 //! ```
 
 use std::collections::{BTreeSet, HashMap};
@@ -168,7 +169,7 @@ impl Fleet {
         let Some(max_new) = self.config.fit_output(prompt_tokens, request.max_new_tokens) else {
             return Err(format!(
                 "the input ({prompt_tokens} tokens) is longer than the KV cache capacity ({} tokens) of a rank",
-                self.config.kv_capacity
+                self.config.kv_capacity()
             ));
         };
         let submitted = self.engine.submit(
@@ -346,8 +347,8 @@ impl Fleet {
         LoadView {
             snapshots,
             base_tokens: &[],
-            capacity: self.config.kv_capacity,
-            max_running: self.config.max_running,
+            capacity: self.config.kv_capacity(),
+            max_running: self.config.max_running(),
             with_total: !self.config.no_total_tokens,
             extra_ranks: 0,
             timestamp: SystemTime::UNIX_EPOCH + Duration::from_micros(self.now),

@@ -322,7 +322,7 @@ pub fn parse_request(
     let Value::Object(body) = value else {
         return Err(bad_request("the body must be a JSON object"));
     };
-    let (role, dp_size) = (config.role, config.dp_size);
+    let (role, dp_size) = (config.role, config.dp_size());
     let (prompts, batched, pretokenized) = match api {
         Api::Generate => match (body.get("input_ids"), body.get("text")) {
             (Some(ids), _) if !ids.is_null() => prompt_tokens(ids, "input_ids")?,
@@ -572,9 +572,11 @@ mod tests {
     use super::*;
     use axum::http::HeaderValue;
 
+    /// Four ranks: the range checks below are written against them.
     fn config(role: Role) -> SimConfig {
         SimConfig {
             role,
+            dp_size: Some(4),
             ..SimConfig::default()
         }
     }

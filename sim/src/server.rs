@@ -128,7 +128,7 @@ async fn models(State(worker): State<Listener>) -> Response {
         StatusCode::OK,
         &json!({"object": "list", "data": [{
             "id": model, "object": "model", "created": 0, "owned_by": "sglang",
-            "root": model, "max_model_len": config.kv_capacity,
+            "root": model, "max_model_len": config.kv_capacity(),
         }]}),
     )
 }
@@ -141,10 +141,11 @@ async fn server_info(State(worker): State<Listener>) -> Response {
             "model_path": config.model,
             "tokenizer_path": config.model,
             "served_model_name": config.model,
-            "dp_size": config.dp_size,
-            // DP attention splits the TP group into the DP ranks.
-            "tp_size": config.dp_size,
-            "enable_dp_attention": true,
+            "dp_size": config.dp_size(),
+            // DP attention splits the TP group into the DP ranks; without
+            // it each rank is a whole replica (one GPU in the presets).
+            "tp_size": if config.dp_attention() { config.dp_size() } else { 1 },
+            "enable_dp_attention": config.dp_attention(),
             "load_balance_method": config.dispatch.name(),
             "page_size": config.page_size,
             "chunked_prefill_size": config.chunked_prefill_size,
@@ -154,8 +155,8 @@ async fn server_info(State(worker): State<Listener>) -> Response {
             "disable_radix_cache": config.prefix_cache == crate::config::Toggle::Off,
             "enable_cache_report": config.enable_cache_report,
             "disaggregation_mode": config.role.disaggregation_mode(),
-            "max_total_num_tokens": config.kv_capacity,
-            "max_running_requests": config.max_running,
+            "max_total_num_tokens": config.kv_capacity(),
+            "max_running_requests": config.max_running(),
             "version": "sim",
             "status": "ready",
         }),
@@ -693,7 +694,7 @@ impl SimServer {
             "ready {} role={} dp_size={}",
             self.addr,
             config.role.name(),
-            config.dp_size
+            config.dp_size()
         );
         if let Some(bootstrap) = self.bootstrap_addr {
             line.push_str(&format!(" bootstrap={bootstrap}"));

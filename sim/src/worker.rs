@@ -278,7 +278,7 @@ impl Shared {
             .tcp_nodelay(true)
             .build()
             .map_err(|err| format!("cannot build the HTTP client: {err}"))?;
-        let dp_size = config.dp_size;
+        let dp_size = config.dp_size();
         let fleet = Fleet::new(&config, names.len());
         let wakes = (0..names.len())
             .map(|worker| (0..fleet.groups(worker)).map(|_| Notify::new()).collect())
@@ -365,7 +365,7 @@ impl Shared {
                 status: 400,
                 message: format!(
                     "The input ({longest} tokens) is longer than the KV cache capacity ({} tokens) of a rank.",
-                    config.kv_capacity
+                    config.kv_capacity()
                 ),
             });
         };
@@ -446,7 +446,7 @@ impl Shared {
     /// --instant: the rank for a request naming none.
     fn instant_rank(&self, receiving: usize, request: &ParsedRequest) -> usize {
         let server = &self.servers[receiving];
-        let dp_size = self.config.dp_size.max(1);
+        let dp_size = self.config.dp_size().max(1);
         let room = request.bootstrap.as_ref().and_then(|b| b.rooms.first().copied());
         match (self.config.dispatch, room) {
             (Dispatch::RoomModulo, Some(room)) => (room % dp_size as u64) as usize,
@@ -713,8 +713,8 @@ impl Shared {
         LoadView {
             snapshots,
             base_tokens: base,
-            capacity: self.config.kv_capacity,
-            max_running: self.config.max_running,
+            capacity: self.config.kv_capacity(),
+            max_running: self.config.max_running(),
             with_total: !self.config.no_total_tokens,
             extra_ranks,
             timestamp: SystemTime::now(),

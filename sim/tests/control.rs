@@ -283,7 +283,7 @@ async fn serving_faults() {
 async fn start_up_endpoints_satisfy_a_gateway() {
     let server = start(SimConfig {
         model: "org/sim-7b".into(),
-        dp_size: 8,
+        dp_size: Some(8),
         ..instant()
     })
     .await;

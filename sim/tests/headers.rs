@@ -176,9 +176,9 @@ async fn cached_tokens_are_reported_in_responses() {
 #[tokio::test]
 async fn the_oracle_places_requests_across_the_workers_of_a_process() {
     let config = Arc::new(SimConfig {
-        dp_size: 2,
+        dp_size: Some(2),
         dispatch: Dispatch::Oracle,
-        prefill_tokens_per_s: 2000.0,
+        prefill_tokens_per_s: Some(2000.0),
         ..fast_config()
     });
     let any = "127.0.0.1:0".parse().unwrap();

@@ -15,10 +15,10 @@ async fn load_report_matches_what_the_model_holds() {
     // two requests arriving meanwhile wait (one running slot), and the
     // snapshot published at the end of the step shows them.
     let server = start(SimConfig {
-        dp_size: 2,
-        kv_capacity: 500,
-        max_running: 1,
-        decode_step_ms: 3000.0,
+        dp_size: Some(2),
+        kv_capacity: Some(500),
+        max_running: Some(1),
+        decode_step_ms: Some(3000.0),
         ..fast_config()
     })
     .await;
@@ -89,8 +89,8 @@ async fn load_report_matches_what_the_model_holds() {
 async fn a_longer_queue_means_longer_waits() {
     // One running slot: requests are served one after the other.
     let server = start(SimConfig {
-        max_running: 1,
-        decode_step_ms: 10.0,
+        max_running: Some(1),
+        decode_step_ms: Some(10.0),
         ..fast_config()
     })
     .await;
@@ -133,8 +133,8 @@ async fn kv_full_requests_wait_until_kv_is_freed() {
     // The old rule (full reservation, no cache): each request reserves
     // 150 + 40 tokens, the second must wait for the first to finish.
     let server = start(SimConfig {
-        kv_capacity: 300,
-        decode_step_ms: 20.0,
+        kv_capacity: Some(300),
+        decode_step_ms: Some(20.0),
         admission: dprank_sim::Admission::ReserveFull,
         prefix_cache: dprank_sim::Toggle::Off,
         ..fast_config()
@@ -191,7 +191,7 @@ async fn kv_full_requests_wait_until_kv_is_freed() {
 #[tokio::test]
 async fn streaming_yields_chunks_over_time() {
     let server = start(SimConfig {
-        decode_step_ms: 40.0,
+        decode_step_ms: Some(40.0),
         ..fast_config()
     })
     .await;
@@ -291,7 +291,7 @@ async fn non_streamed_shapes() {
 #[tokio::test]
 async fn prompts_larger_than_the_kv_cache_are_rejected() {
     let server = start(SimConfig {
-        kv_capacity: 100,
+        kv_capacity: Some(100),
         ..fast_config()
     })
     .await;
@@ -317,7 +317,7 @@ async fn prompts_larger_than_the_kv_cache_are_rejected() {
 async fn minimum_tokens_dispatch_avoids_the_loaded_rank() {
     let server = start(SimConfig {
         dispatch: Dispatch::TotalTokens,
-        decode_step_ms: 2000.0,
+        decode_step_ms: Some(2000.0),
         ..fast_config()
     })
     .await;
@@ -369,6 +369,7 @@ async fn round_robin_dispatch_cycles_through_ranks() {
 async fn instant_mode_counts_in_flight_and_answers_at_once() {
     let server = start(SimConfig {
         instant: true,
+        dp_size: Some(4),
         ..SimConfig::default()
     })
     .await;
@@ -398,9 +399,9 @@ async fn lockstep_ranks_wait_for_the_slowest() {
     // 120 ms.
     for (lockstep, slow) in [(false, false), (true, true)] {
         let server = start(SimConfig {
-            lockstep,
-            decode_step_ms: 20.0,
-            decode_step_us_per_token: 1.0,
+            lockstep: Some(lockstep),
+            decode_step_ms: Some(20.0),
+            decode_step_us_per_token: Some(1.0),
             ..fast_config()
         })
         .await;

@@ -71,11 +71,16 @@ fn bodies_arrive_byte_for_byte_and_responses_stream() {
         &[
             "--time-scale",
             "5",
-            // Room for a multi-megabyte prompt, prefilled at once.
+            // Room for a multi-megabyte prompt, prefilled at once: no step
+            // cost for its thousands of chunks, no attention term.
             "--kv-capacity",
             "4000000",
             "--prefill-tokens-per-s",
             "100000000",
+            "--prefill-step-ms",
+            "0",
+            "--prefill-attention-ns",
+            "0",
         ],
         &[],
         EnvoyOptions::default(),

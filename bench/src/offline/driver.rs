@@ -154,7 +154,7 @@ fn fronts(spec: &RunSpec) -> Result<Vec<Front>, String> {
                     dp_aware: true,
                     ..
                 } if policy == "cache_aware" => {
-                    Front::Smg(Box::new(CacheAware::new(spec.workers, spec.sim.dp_size)))
+                    Front::Smg(Box::new(CacheAware::new(spec.workers, spec.sim.dp_size())))
                 }
                 _ => {
                     return Err(format!(

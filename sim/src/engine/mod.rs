@@ -7,6 +7,7 @@
 //! duration has passed; requests enter through `submit` and reach their
 //! rank's queue at `dispatch_due` once the tokenizer is done with them.
 
+pub mod cost;
 mod oracle;
 pub mod radix;
 mod rank;
@@ -16,6 +17,7 @@ use std::collections::{BTreeMap, HashMap, VecDeque};
 
 use crate::config::{Admission, Dispatch, Role, SimConfig, Toggle, CLIP_MAX_NEW_TOKENS};
 use crate::config::{MIN_NEW_TOKEN_RATIO_FACTOR, NEW_TOKEN_RATIO_DECAY_STEPS};
+use cost::CostModel;
 pub use rank::RankSnapshot;
 use rank::Seq;
 use worker::Worker;
@@ -109,9 +111,7 @@ pub(crate) struct Params {
     pub min_ratio: f64,
     pub ratio_decay: f64,
     pub clip: u64,
-    pub prefill_us_per_token: f64,
-    pub decode_base_us: f64,
-    pub decode_us_per_token: f64,
+    pub cost: CostModel,
     pub tokenizer_base_us: f64,
     pub tokenizer_us_per_token: f64,
     pub publish_interval: u32,
@@ -127,13 +127,13 @@ impl Params {
         };
         let min_ratio = (init_ratio * MIN_NEW_TOKEN_RATIO_FACTOR).min(1.0);
         Self {
-            dp_size: config.dp_size.max(1),
+            dp_size: config.dp_size(),
             lockstep: config.lockstep(),
             role: config.role,
             dispatch: config.dispatch,
-            capacity: config.kv_capacity,
+            capacity: config.kv_capacity(),
             page: config.page_size.max(1),
-            max_running: config.max_running,
+            max_running: config.max_running(),
             chunk: config.chunk_per_rank(),
             max_prefill: config.max_prefill_tokens,
             // The decode side receives its KV; its cache plays no part.
@@ -147,21 +147,11 @@ impl Params {
             } else {
                 CLIP_MAX_NEW_TOKENS
             },
-            prefill_us_per_token: 1e6 / config.prefill_tokens_per_s,
-            decode_base_us: config.decode_step_ms * 1e3,
-            decode_us_per_token: config.decode_step_us_per_token,
+            cost: config.cost(),
             tokenizer_base_us: config.tokenizer_delay_us,
             tokenizer_us_per_token: config.tokenizer_us_per_token,
             publish_interval: config.load_publish_interval.max(1),
         }
-    }
-
-    pub fn prefill_us(&self, tokens: u64) -> Micros {
-        (tokens as f64 * self.prefill_us_per_token).round() as Micros
-    }
-
-    pub fn decode_us(&self, kv_tokens: u64) -> Micros {
-        (self.decode_base_us + self.decode_us_per_token * kv_tokens as f64).round() as Micros
     }
 }
 

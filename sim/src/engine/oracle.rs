@@ -37,6 +37,7 @@
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, VecDeque};
 
+use super::cost::{DecodeWork, PrefillWork};
 use super::rank::{Plan, Rank};
 use super::worker::Worker;
 use super::{Arrival, Fleet, Micros, Params, ReqId};
@@ -66,6 +67,9 @@ pub(crate) fn uncached(rank: &Rank, prompt: &[u32]) -> u64 {
 /// One unit of work in the projected queue.
 struct Item {
     uncached: u64,
+    /// KV its sequence holds before the uncached part (what the prefill
+    /// attends to besides itself).
+    context: u64,
     tokens: u64,
     max_new: u64,
     not_before: Micros,
@@ -88,39 +92,35 @@ pub(crate) fn arrival_rate(recent: &VecDeque<Micros>, now: Micros) -> f64 {
     recent.len() as f64 * 1e6 / span as f64
 }
 
-/// KV a rank will decode with: its running batch, what it is prefilling
-/// and the prompts waiting for it.
-fn rank_kv(rank: &Rank) -> u64 {
-    let running: u64 = rank
-        .running
-        .iter()
-        .filter_map(|id| rank.seqs.get(id))
-        .map(|seq| seq.computed)
-        .sum();
-    let waiting: u64 = rank
-        .waiting
-        .iter()
-        .filter_map(|id| rank.seqs.get(id))
-        .map(|seq| seq.prompt.len() as u64)
-        .sum();
-    running + waiting
+/// The batch a rank will decode: its running requests, what it is
+/// prefilling and the prompts waiting for it.
+fn rank_decode(rank: &Rank) -> DecodeWork {
+    let running = rank.decode_work();
+    let waiting = rank.waiting.iter().filter_map(|id| rank.seqs.get(id));
+    DecodeWork {
+        seqs: running.seqs + rank.waiting.len() as u64,
+        kv_tokens: running.kv_tokens + waiting.map(|seq| seq.prompt.len() as u64).sum::<u64>(),
+    }
 }
 
 /// The delay a request adds to the requests expected to reach its group of
-/// ranks while it runs: its KV (prompt + half its output, on average)
-/// lengthens every step of the group by what it raises the group's largest
-/// batch, and an arrival waits half a step more on average.
+/// ranks while it runs: its sequence and its KV (prompt + half its output,
+/// on average) lengthen every step of the group by what they raise the
+/// group's slowest decode step, and an arrival waits half a step more on
+/// average.
 fn later_delay(params: &Params, worker: &Worker, r: usize, new: &Item, rate_per_group: f64) -> Micros {
     let group = &worker.groups[worker.group_of(r)];
-    let largest = group
+    let slowest = group
         .ranks
         .iter()
-        .map(|&other| rank_kv(&worker.ranks[other]))
+        .map(|&other| params.cost.decode_us(rank_decode(&worker.ranks[other])))
         .max()
         .unwrap_or(0);
-    let grown = rank_kv(&worker.ranks[r]) + new.tokens + new.max_new / 2;
-    let longer_step = grown.saturating_sub(largest) as f64 * params.decode_us_per_token;
-    let lifetime = new.max_new as f64 * params.decode_us(largest) as f64;
+    let mut grown = rank_decode(&worker.ranks[r]);
+    grown.seqs += 1;
+    grown.kv_tokens += new.tokens + new.max_new / 2;
+    let longer_step = params.cost.decode_us(grown).saturating_sub(slowest) as f64;
+    let lifetime = new.max_new as f64 * slowest as f64;
     let arrivals = rate_per_group * lifetime / 1e6;
     (arrivals * longer_step / 2.0).round() as Micros
 }
@@ -138,6 +138,7 @@ pub(crate) fn choose(fleet: &Fleet, now: Micros, arrival: &Arrival) -> (usize, u
             let uncached: u64 = arrival.prompts.iter().map(|prompt| uncached(rank, prompt)).sum();
             let new = Item {
                 uncached,
+                context: arrival.tokens().saturating_sub(uncached),
                 tokens: arrival.tokens(),
                 max_new: arrival.max_new_tokens * arrival.prompts.len().max(1) as u64,
                 not_before: ready,
@@ -160,15 +161,7 @@ fn project(params: &Params, worker: &Worker, r: usize, now: Micros, new: Item) -
     let rank = &worker.ranks[r];
     let group = &worker.groups[worker.group_of(r)];
     let start = group.step.map_or(now, |(_, end)| end.max(now));
-    let decode_time = |rank: &Rank| -> Micros {
-        let kv: u64 = rank
-            .running
-            .iter()
-            .filter_map(|id| rank.seqs.get(id))
-            .map(|seq| seq.computed)
-            .sum();
-        params.decode_us(kv)
-    };
+    let decode_time = |rank: &Rank| -> Micros { params.cost.decode_us(rank.decode_work()) };
     let others = group
         .ranks
         .iter()
@@ -219,15 +212,19 @@ fn project(params: &Params, worker: &Worker, r: usize, now: Micros, new: Item) -
         // Admitted already: only its prefill is left.
         queue.push(Item {
             uncached: seq.prompt.len() as u64 + seq.generated - seq.computed,
+            context: seq.computed,
             tokens: 0,
             max_new: 0,
             not_before: 0,
         });
     }
     for seq in rank.waiting.iter().filter_map(|id| rank.seqs.get(id)) {
+        let uncached = seq.oracle_uncached.unwrap_or(seq.est_uncached);
+        let tokens = seq.prompt.len() as u64 + seq.generated;
         queue.push(Item {
-            uncached: seq.oracle_uncached.unwrap_or(seq.est_uncached),
-            tokens: seq.prompt.len() as u64 + seq.generated,
+            uncached,
+            context: tokens.saturating_sub(uncached),
+            tokens,
             max_new: seq.max_new.saturating_sub(seq.generated),
             not_before: 0,
         });
@@ -239,6 +236,7 @@ fn project(params: &Params, worker: &Worker, r: usize, now: Micros, new: Item) -
     {
         queue.push(Item {
             uncached: queued.uncached,
+            context: queued.tokens.saturating_sub(queued.uncached),
             tokens: queued.tokens,
             max_new: queued.max_new,
             not_before: queued.ready_at,
@@ -250,13 +248,13 @@ fn project(params: &Params, worker: &Worker, r: usize, now: Micros, new: Item) -
     let per_step = params.chunk.unwrap_or(u64::MAX).min(params.max_prefill).max(1);
     let mut t = start;
     let mut prefill_spent: Micros = 0;
-    let mut open: u64 = 0;
-    let close = |t: &mut Micros, open: &mut u64, spent: &mut Micros| {
-        if *open > 0 {
-            let duration = params.prefill_us(*open).max(others);
+    let mut open = PrefillWork::default();
+    let close = |t: &mut Micros, open: &mut PrefillWork, spent: &mut Micros| {
+        if open.tokens > 0 {
+            let duration = params.cost.prefill_us(*open).max(others);
             *t += duration;
             *spent += duration;
-            *open = 0;
+            *open = PrefillWork::default();
         }
     };
     for (index, item) in queue.into_iter().enumerate() {
@@ -280,12 +278,14 @@ fn project(params: &Params, worker: &Worker, r: usize, now: Micros, new: Item) -
             t = item.not_before;
         }
         let mut remaining = item.uncached.max(1);
+        let mut context = item.context;
         loop {
-            if open >= per_step {
+            if open.tokens >= per_step {
                 close(&mut t, &mut open, &mut prefill_spent);
             }
-            let take = remaining.min(per_step - open);
-            open += take;
+            let take = remaining.min(per_step - open.tokens);
+            open.add(context, take);
+            context += take;
             remaining -= take;
             if remaining == 0 {
                 break;

@@ -18,6 +18,7 @@
 use std::borrow::Cow;
 use std::collections::{HashMap, VecDeque};
 
+use super::cost::{DecodeWork, PrefillWork};
 use super::oracle::Queued;
 use super::radix::{NodeId, RadixCache, ROOT};
 use super::{Event, EventKind, Micros, Params, ReqId, SeqId};
@@ -100,9 +101,12 @@ pub(crate) enum Plan {
     #[default]
     Idle,
     /// Prefill these sequences by this many tokens each.
-    Prefill { batch: Vec<(SeqId, u64)>, tokens: u64 },
-    /// One decode step over a batch holding this many KV tokens.
-    Decode { kv_tokens: u64 },
+    Prefill {
+        batch: Vec<(SeqId, u64)>,
+        work: PrefillWork,
+    },
+    /// One decode step of the running batch.
+    Decode(DecodeWork),
 }
 
 /// A rank's load as published for the load endpoints and the DP controller.
@@ -310,13 +314,21 @@ impl Rank {
             return Plan::Idle;
         }
         self.update_running_batch(params, now, out);
-        let kv_tokens = self
-            .running
-            .iter()
-            .filter_map(|id| self.seqs.get(id))
-            .map(|seq| seq.computed)
-            .sum();
-        Plan::Decode { kv_tokens }
+        Plan::Decode(self.decode_work())
+    }
+
+    /// The running batch as a decode step sees it: its sequences and the
+    /// KV tokens they read.
+    pub fn decode_work(&self) -> DecodeWork {
+        DecodeWork {
+            seqs: self.running.len() as u64,
+            kv_tokens: self
+                .running
+                .iter()
+                .filter_map(|id| self.seqs.get(id))
+                .map(|seq| seq.computed)
+                .sum(),
+        }
     }
 
     /// `get_new_batch_prefill`: admits waiting sequences in order.
@@ -359,15 +371,17 @@ impl Rank {
         if adder.batch.is_empty() {
             return None;
         }
-        let mut tokens = 0;
+        let mut work = PrefillWork::default();
         for &(id, take) in &adder.batch {
+            // The chunk attends to the sequence's cached prefix or earlier
+            // chunks, and to itself.
             let computed = self.seqs.get(&id).map_or(0, |seq| seq.computed);
             self.set_alloc(params, id, computed + take);
-            tokens += take;
+            work.add(computed, take);
         }
         Some(Plan::Prefill {
             batch: adder.batch,
-            tokens,
+            work,
         })
     }
 
@@ -493,7 +507,9 @@ impl Rank {
                 self.batch_is_full = true;
                 break;
             }
-            offset += (ceil_page(prompt, params.page) + reserve) as f64;
+            // The prompt's KV is allocated at once (`available` counts it
+            // from now on); only its output is reserved.
+            offset += reserve as f64;
             self.waiting.pop_front();
             self.set_alloc(params, id, prompt);
             if let Some(seq) = self.seqs.get_mut(&id) {
@@ -645,7 +661,7 @@ impl Rank {
                 }
                 self.publish(params, now);
             }
-            Plan::Decode { .. } => {
+            Plan::Decode(_) => {
                 let mut tokens = 0;
                 for id in self.running.clone() {
                     let Some(seq) = self.seqs.get_mut(&id) else {

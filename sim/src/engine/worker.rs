@@ -160,9 +160,11 @@ impl Worker {
             let plan = self.ranks[index].plan_step(params, now, out);
             let duration = match plan {
                 Plan::Idle => None,
-                Plan::Prefill { tokens, .. } => Some(params.prefill_us(tokens)),
-                Plan::Decode { kv_tokens } => Some(params.decode_us(kv_tokens)),
+                Plan::Prefill { work, .. } => Some(params.cost.prefill_us(work)),
+                Plan::Decode(work) => Some(params.cost.decode_us(work)),
             };
+            // DP attention: the step lasts as long as the slowest rank's,
+            // an idle rank waiting too.
             longest = longest.max(duration);
         }
         match longest {

@@ -5,7 +5,7 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use dprank_sim::{SimConfig, SimServer};
+use dprank_sim::{CostPreset, SimConfig, SimServer};
 use reqwest::header::HeaderMap;
 use reqwest::{Client, StatusCode};
 use serde_json::Value;
@@ -145,13 +145,14 @@ pub fn distinct_text(tokens: usize, salt: usize) -> String {
         .collect()
 }
 
-/// A small, fast model for tests.
+/// A small, fast model for tests (the legacy cost model, faster).
 pub fn fast_config() -> SimConfig {
     SimConfig {
-        dp_size: 4,
-        prefill_tokens_per_s: 1e7,
-        decode_step_ms: 5.0,
-        decode_step_us_per_token: 0.0,
+        cost_model: CostPreset::Legacy,
+        dp_size: Some(4),
+        prefill_tokens_per_s: Some(1e7),
+        decode_step_ms: Some(5.0),
+        decode_step_us_per_token: Some(0.0),
         tokenizer_delay_us: 0.0,
         tokenizer_us_per_token: 0.0,
         load_publish_interval: 1,
