@@ -241,10 +241,11 @@ pub fn group_table(g: &Group, reference: &str) -> String {
         let requests = seed_requests(runs);
         let pooled = Pooled::new(&requests);
         let estimate = |p: f64| cluster_estimate(&pooled, pooled_ttft(p)).display(0);
-        let ratio = |figure: &dyn Fn(&Pooled, &[u32]) -> f64, decimals: usize| -> String {
+        let ratio = |figure: &dyn Fn(&Pooled, &[u32]) -> f64| -> String {
             match &reference_requests {
-                Some(base) if variant != reference => paired_cluster_ratio(base, &requests, figure)
-                    .map_or("–".into(), |e| e.display(decimals)),
+                Some(base) if variant != reference => {
+                    paired_cluster_ratio(base, &requests, figure).map_or("–".into(), |e| e.display_ratio())
+                }
                 _ => "–".into(),
             }
         };
@@ -271,9 +272,9 @@ pub fn group_table(g: &Group, reference: &str) -> String {
                 fmt_spread(&values(runs, |r| r.ttft_p99), 0)
             ),
             cluster_estimate(&pooled, pooled_goodput).scaled(100.0).display(1) + " %",
-            ratio(&pooled_ttft(90.0), 2),
-            ratio(&pooled_ttft(99.0), 2),
-            ratio(&pooled_goodput, 2),
+            ratio(&pooled_ttft(90.0)),
+            ratio(&pooled_ttft(99.0)),
+            ratio(&pooled_goodput),
             cell(median(&values(runs, |r| opt(r.cache_hit))) * 100.0, 1) + " %",
             cell(median(&values(runs, |r| r.load_polls_per_worker_s)), 1),
             if measured_cpu == 0 {

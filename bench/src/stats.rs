@@ -222,6 +222,17 @@ impl Estimate {
         }
     }
 
+    /// A ratio with two significant digits at least (0.0043 stays 0.0043).
+    pub fn display_ratio(&self) -> String {
+        let v = self.point.abs();
+        let decimals = if v > 0.0 && v.is_finite() {
+            (1 - v.log10().floor() as i64).clamp(2, 5) as usize
+        } else {
+            2
+        };
+        self.display(decimals)
+    }
+
     /// The same figure scaled (a share as a percentage).
     pub fn scaled(self, by: f64) -> Estimate {
         Estimate {
@@ -579,6 +590,14 @@ mod tests {
         let r = paired_cluster_ratio(&a, &b, p90).unwrap();
         assert_eq!((r.point, r.lo, r.hi), (0.5, 0.5, 0.5));
         assert_eq!(r.display(2), "0.50 [0.50, 0.50]");
+        assert_eq!(r.display_ratio(), "0.50 [0.50, 0.50]");
+        let small = Estimate {
+            point: 0.0043,
+            lo: 0.0031,
+            hi: 0.0102,
+            seeds: 5,
+        };
+        assert_eq!(small.display_ratio(), "0.0043 [0.0031, 0.0102]");
         assert!(paired_cluster_ratio(&a, &[seed(99, &[1.0], 1.0)], p90).is_none());
         let good = cluster_estimate(&Pooled::new(&a), |p, w| p.goodput(w));
         assert_eq!((good.point, good.lo, good.hi), (0.9, 0.9, 0.9));

@@ -763,10 +763,13 @@ pub fn estimate_run_s(cell: &Cell) -> f64 {
     startup + (cell.warmup_s + cell.duration_s + tail_sim) / cell.time_scale
 }
 
-/// CPU seconds per simulated request of a virtual-time run (measured on a
-/// 2-core machine: 0.3 ms for `tenants`, legacy preset; longer prompts cost
-/// more to generate and tokenize).
-pub const VIRTUAL_S_PER_REQUEST: f64 = 0.0004;
+/// CPU seconds per simulated request of a virtual-time run, and per run
+/// (plan, summary): measured on a 2-core AMD EPYC, legacy preset, 336 runs
+/// of every workload: 0.04-0.13 ms per request (chat and tenants the
+/// dearest), 0.1 s per run. Longer prompts cost more to generate and
+/// tokenize: block-hash traces scale by their input scale.
+pub const VIRTUAL_S_PER_REQUEST: f64 = 0.00013;
+pub const VIRTUAL_S_PER_RUN: f64 = 0.1;
 
 /// Estimated CPU seconds of one virtual-time run.
 pub fn estimate_virtual_run_s(cell: &Cell) -> f64 {
@@ -776,7 +779,7 @@ pub fn estimate_virtual_run_s(cell: &Cell) -> f64 {
     } else {
         1.0
     };
-    0.05 + requests * VIRTUAL_S_PER_REQUEST * long_prompts
+    VIRTUAL_S_PER_RUN + requests * VIRTUAL_S_PER_REQUEST * long_prompts
 }
 
 /// The capacities a suite needs, measured (in virtual time) when missing.
