@@ -136,9 +136,14 @@ struct LoadArgs {
     /// Base URL(s) to send to; requests spread over them.
     #[arg(long = "target", required = true)]
     targets: Vec<String>,
-    /// Worker address (ip:port) whose /v1/loads is sampled every 100 ms; repeat.
+    /// Worker address (ip:port) whose /v1/loads is sampled every 100 ms, and
+    /// which is told the answer lengths; repeat.
     #[arg(long = "worker")]
     workers: Vec<SocketAddr>,
+    /// Simulated worker (ip:port) told the answer lengths only (no
+    /// sampling); repeat.
+    #[arg(long = "tell")]
+    tell: Vec<SocketAddr>,
     /// The workers' --time-scale: trace times are simulated seconds.
     #[arg(long, default_value_t = 1.0)]
     time_scale: f64,
@@ -168,8 +173,9 @@ async fn load(args: LoadArgs) -> Result<(), String> {
         max_output: legacy.max_output,
     })?;
     // Where each answer ends goes to the simulated workers, not in the requests.
-    if args.workers.is_empty() {
-        eprintln!("load: no --worker given: answers run to their max tokens (the simulator is not told their lengths)");
+    let told: Vec<SocketAddr> = args.workers.iter().chain(&args.tell).copied().collect();
+    if told.is_empty() {
+        eprintln!("load: no --worker or --tell given: answers run to their max tokens (the simulator is not told their lengths)");
     }
     let client = client::pooled_client();
     let lengths: serde_json::Map<String, serde_json::Value> = plan
@@ -177,13 +183,12 @@ async fn load(args: LoadArgs) -> Result<(), String> {
         .iter()
         .map(|(tag, n)| (tag.to_string(), serde_json::Value::from(*n)))
         .collect();
-    for worker in &args.workers {
-        client::post_json(
-            &client,
-            &format!("http://{worker}/_sim/answers"),
-            serde_json::json!({"lengths": lengths}).to_string(),
-        )
-        .await?;
+    let body = serde_json::json!({"lengths": lengths}).to_string();
+    for worker in &told {
+        let uri = format!("http://{worker}/_sim/answers");
+        if let Err(e) = client::post_json(&client, &uri, body.clone()).await {
+            eprintln!("load: {e} (its answers run to their max tokens)");
+        }
     }
     let options = LoadOptions {
         gateways: args.targets,

@@ -979,14 +979,7 @@ pub async fn run_suite(
         .into_iter()
         .filter(|r| r.suite == suite.name)
         .collect();
-    if suite.name == "smg-sweep"
-        || suite
-            .variants
-            .iter()
-            .filter(|v| SMG_SWEEP.contains(&v.as_str()))
-            .count()
-            > 1
-    {
+    if suite.name == "smg-sweep" {
         if let Some(chosen) = SmgBest::choose(&records, suite.preset.name, provenance.clone()) {
             let path = suite.out.join(SMG_BEST_FILE);
             let text = serde_json::to_string_pretty(&chosen).map_err(|e| e.to_string())?;
@@ -994,6 +987,15 @@ pub async fn run_suite(
                 .map_err(|e| format!("cannot write {}: {e}", path.display()))?;
             println!("wrote {}", path.display());
         }
+        crate::headline::folder_readme(
+            &suite.out,
+            "smg-sweep",
+            &provenance,
+            &format!(
+                "Tables: [{0}.md]({0}.md); smg's best setting per workload: [{SMG_BEST_FILE}]({SMG_BEST_FILE}).",
+                suite.name
+            ),
+        )?;
     }
     let context = ReportContext {
         slo_why,
