@@ -1022,11 +1022,14 @@ pub async fn run_suite(
 
 /// Estimated wall seconds of `todo`: harness runs one after the other,
 /// virtual-time runs `jobs` at once.
+/// Cells whose rate is not known yet (a dry run before the capacities are
+/// measured) are left out.
 pub fn suite_estimate_s(suite: &Suite, todo: &[&Cell]) -> f64 {
+    let known = todo.iter().filter(|c| c.rate.is_finite());
     if suite.virtual_time {
-        todo.iter().map(|c| estimate_virtual_run_s(c)).sum::<f64>() / suite.jobs.max(1) as f64
+        known.map(|c| estimate_virtual_run_s(c)).fold(0.0, |a, b| a + b) / suite.jobs.max(1) as f64
     } else {
-        todo.iter().map(|c| estimate_run_s(c)).sum()
+        known.map(|c| estimate_run_s(c)).fold(0.0, |a, b| a + b)
     }
 }
 
