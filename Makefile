@@ -12,7 +12,7 @@ IMAGE ?= dprank-wasm:$(VERSION)
 
 help:
 	@echo "make demo   - one seeded trace through Envoy round robin, then Envoy + dprank, side by side"
-	@echo "make test   - every test: unit, simulator, end-to-end in a real Envoy, deployment files, fuzz smoke"
+	@echo "make test   - every test: unit, simulator, end-to-end in a real Envoy, doc links, deployment files, fuzz smoke"
 	@echo "make bench  - the headline (<= 2 h, --dry-run prints it): capacities, capacity check, virtual time, three harness cells, agreement; bench-results/headline/"
 	@echo "make smg-sweep   - smg's best setting per workload on tuning seeds (run before make bench; hours)"
 	@echo "make traces - fetch the Mooncake FAST'25 traces (network) into target/traces/mooncake, checked"
@@ -21,7 +21,7 @@ help:
 	@echo "make bench-full  - everything for the committed results (~6 h; dprank-bench full --resume continues one)"
 	@echo "make gateways-figure - redraw bench-results/gateways-ttft-p99.png from the stored several-gateways runs (seconds)"
 	@echo "make build  - build the filter ($(WASM)), the simulator and the bench tool"
-	@echo "make image  - package the filter as an OCI image $(IMAGE) (needs a Docker engine; IMAGE=registry/name:tag)"
+	@echo "make image  - build the filter in Docker and package it as an OCI image $(IMAGE) (needs a Docker engine; IMAGE=registry/name:tag)"
 	@echo "make wasm   - build $(WASM)"
 	@echo "make lint   - rustfmt, clippy (unwrap/expect/panic denied outside tests), ruff for the Python"
 
@@ -49,7 +49,7 @@ lint: setup
 	$(RUFF) check $(PY_SOURCES)
 	$(RUFF) format --check $(PY_SOURCES)
 
-# Rust, the scripts' Python, deployment files, fuzz smoke; ends with a summary.
+# Rust, the scripts' Python, doc links, deployment files, fuzz smoke; ends with a summary.
 test: setup wasm tools lint
 	./scripts/test.sh 15
 
@@ -81,7 +81,7 @@ bench-full: setup wasm noop-wasm tools
 	DPRANK_WITH_SMG=1 ./scripts/setup.sh
 	./target/release/dprank-bench full
 
-# The README's several-gateways figure, from runs already in bench-results/.
+# The several-gateways figure of docs/benchmarks.md, from runs already in bench-results/.
 gateways-figure: tools
 	./target/release/dprank-bench gateways-figure --out bench-results/gateways-ttft-p99.png \
 	  --target 4=1.15 --target 8=1.3 \
@@ -92,7 +92,8 @@ gateways-figure: tools
 	  --series "tenants, today's rule (1000 ms polls);bench-results/gateways-tenants-plain;dprank:gw=1,dprank:gw=4,dprank:gw=8;dprank:gw=1" \
 	  --series "tenants, each tenant kept on one gateway, today's rule;bench-results/gateways-tenants-affine;dprank:gw=1,dprank:gw=4:spread=tenant,dprank:gw=8:spread=tenant;dprank:gw=1"
 
-image: wasm
+# Builds the filter from source inside Docker (docker/wasm-image.Dockerfile).
+image:
 	docker build -f docker/wasm-image.Dockerfile -t $(IMAGE) .
 
 clean:

@@ -4,10 +4,16 @@
 #
 #  compose     docker-compose.yml with a real Compose implementation
 #              (`docker compose config`), plus its agreement with
-#              docker/envoy-compose.yaml (fixed IPs = dprank's workers);
+#              docker/envoy-compose.yaml (fixed IPs = dprank's workers), and
+#              that Docker alone runs it: Envoy with the filter is built from
+#              a Dockerfile stage, and every bind mount is a repository file
+#              (no host build product such as target/);
 #  dockerfiles docker/*.Dockerfile parsed by BuildKit's parser; every COPY
-#              source present in the build context its .dockerignore leaves;
-#              the simulator's context resolves as a Cargo workspace (--locked);
+#              source present in the build context its .dockerignore leaves
+#              (repository files only); each context that runs `cargo build`
+#              resolves as a Cargo workspace (--locked) holding the packages
+#              it builds; the wasm image builds the filter in a stage, has an
+#              `envoy` stage, and ends in the one-layer OCI layout;
 #  envoy       every plain-Envoy config (envoy/*.yaml bootstraps, among them
 #              envoy/wasm-service.yaml, and docker/envoy-compose.yaml) through
 #              `envoy --mode validate`, which

@@ -271,8 +271,23 @@ def check_envoy_configs():
     return shipped, wasm_service, compose_envoy
 
 
+def repository_files():
+    """The files of the checkout (tracked, or new and not ignored): what a
+    user who has only cloned the repository has. Build products are not."""
+    return set(
+        subprocess.run(
+            ["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT, capture_output=True, text=True, check=True
+        ).stdout.split()
+    )
+
+
 def check_compose(compose_envoy):
-    """2. The compose file against its Envoy config."""
+    """2. The compose file against its Envoy config, and runnable with Docker
+    alone: Envoy with the filter is built from a Dockerfile stage, and every
+    bind mount is a file of the repository, not a host build product."""
+    import dockerfile
+
+    n_errors = len(errors)
     compose = json.loads((TMP / "compose.json").read_text())
     services = compose["services"]
     cfg = dprank_json(plugin_configs(compose_envoy)[0][1])
@@ -294,33 +309,160 @@ def check_compose(compose_envoy):
         addresses.add(f"{ips[0]}:{port}")
     if addresses != workers:
         bad(f"docker-compose.yml workers {sorted(addresses)} != docker/envoy-compose.yaml workers {sorted(workers)}")
-    envoy_svc = next((s for s in services.values() if "envoyproxy/envoy" in s.get("image", "")), None)
+
+    wasm_target = plugin_configs(compose_envoy)[0][1]["vm_config"]["code"]["local"]["filename"]
+    envoy_svc = next(
+        (
+            s
+            for s in services.values()
+            if str(s.get("build", {}).get("dockerfile", "")).endswith("wasm-image.Dockerfile")
+        ),
+        None,
+    )
     if envoy_svc is None:
-        bad("docker-compose.yml: no envoyproxy/envoy service")
+        bad("docker-compose.yml: no service builds Envoy with the filter (docker/wasm-image.Dockerfile)")
     else:
-        tag = envoy_svc["image"].rsplit(":", 1)[-1]
-        m = re.match(r"v?1\.(\d+)\.", tag)
-        if not m or int(m.group(1)) < 35:
-            bad(f"docker-compose.yml: Envoy image tag {tag} is not a pinned 1.x >= 1.35")
+        build = envoy_svc["build"]
+        df = (Path(build.get("context", ROOT)) / build["dockerfile"]).resolve()
+        stage = stage_named(build_stages(dockerfile.parse_file(str(df))), build.get("target"))
+        if stage is None:
+            bad(
+                f"docker-compose.yml: the Envoy service's build target {build.get('target')!r} is no stage of {df.name}"
+            )
+        else:
+            check_envoy_stage(f"docker-compose.yml (Envoy from {df.name}, target {stage['name']})", stage, wasm_target)
         mounts = {v["target"]: v for v in envoy_svc.get("volumes", [])}
-        wasm_target = plugin_configs(compose_envoy)[0][1]["vm_config"]["code"]["local"]["filename"]
-        m_wasm = mounts.get(wasm_target)
-        if not m_wasm or Path(m_wasm["source"]).resolve() != WASM.resolve() or not m_wasm.get("read_only"):
-            bad(f"docker-compose.yml: {WASM} must be mounted read-only at {wasm_target}")
+        if wasm_target in mounts:
+            bad(f"docker-compose.yml: a mount at {wasm_target} would hide the filter built into the image")
         cmd = envoy_svc.get("command") or []
         conf_target = cmd[cmd.index("-c") + 1] if "-c" in cmd else "/etc/envoy/envoy.yaml"
         m_conf = mounts.get(conf_target)
-        if not m_conf or Path(m_conf["source"]).resolve() != (ROOT / "docker/envoy-compose.yaml").resolve():
-            bad(f"docker-compose.yml: docker/envoy-compose.yaml must be mounted at {conf_target}")
+        if (
+            not m_conf
+            or Path(m_conf["source"]).resolve() != (ROOT / "docker/envoy-compose.yaml").resolve()
+            or not m_conf.get("read_only")
+        ):
+            bad(f"docker-compose.yml: docker/envoy-compose.yaml must be mounted read-only at {conf_target}")
+    for name, source in mounts_outside_repository(services, repository_files(), ROOT):
+        bad(
+            f"docker-compose.yml: {name} mounts {source}, which is not a file of the repository "
+            "(a host build product?): with Docker alone it would be missing"
+        )
+    if len(errors) == n_errors:
+        ok(
+            f"docker-compose.yml: {len(sim_services)} workers at fixed IPs = dprank's workers; Envoy built "
+            "with the filter from a Dockerfile stage; every mount a repository file (Docker alone suffices)"
+        )
+
+
+def mounts_outside_repository(services, files, root):
+    """(service, source) for each bind mount whose source is not one of the
+    repository's files (relative paths in `files`)."""
+    out = []
+    root = Path(root).resolve()
     for name, svc in services.items():
         for v in svc.get("volumes", []):
-            if v.get("type") == "bind" and not Path(v["source"]).exists():
-                bad(f"docker-compose.yml: {name} mounts missing {v['source']}")
-    if not errors:
-        ok(
-            f"docker-compose.yml: {len(sim_services)} workers at fixed IPs = dprank's workers; "
-            "envoy image pinned; wasm and config mounted read-only"
+            if v.get("type") != "bind":
+                continue
+            src = Path(v["source"]).resolve()
+            rel = str(src.relative_to(root)) if root in src.parents else None
+            if rel not in files:
+                out.append((name, v["source"]))
+    return out
+
+
+def build_stages(cmds):
+    """A parsed Dockerfile's stages in order: {name, base, cmds}."""
+    out = []
+    for c in cmds:
+        if c.cmd.upper() == "FROM":
+            v = c.value
+            name = v[2] if len(v) >= 3 and v[1].upper() == "AS" else str(len(out))
+            out.append({"name": name, "base": v[0], "cmds": []})
+        elif out:
+            out[-1]["cmds"].append(c)
+    return out
+
+
+def stage_named(stages, name):
+    """The stage a build target names (no target: the last stage)."""
+    if not name:
+        return stages[-1] if stages else None
+    return next((st for st in stages if st["name"] == name), None)
+
+
+def copies(stage):
+    """(from stage or None, sources, destination) for each COPY/ADD."""
+    out = []
+    for c in stage["cmds"]:
+        if c.cmd.upper() in ("COPY", "ADD"):
+            src = next((f.split("=", 1)[1] for f in c.flags if f.startswith("--from=")), None)
+            out.append((src, list(c.value[:-1]), c.value[-1]))
+    return out
+
+
+def cargo_builds(stage):
+    """The `cargo build` command lines a stage runs."""
+    out = []
+    for c in stage["cmds"]:
+        if c.cmd.upper() == "RUN":
+            for part in re.split(r"&&|;|\|\|", " ".join(c.value)):
+                if re.search(r"\bcargo\s+build\b", part):
+                    out.append(part.strip())
+    return out
+
+
+def cargo_packages(command):
+    return re.findall(r"(?:-p|--package)[ =](\S+)", command)
+
+
+def check_envoy_stage(label, stage, wasm_target):
+    """An Envoy stage: the official image pinned to 1.x >= 1.35, the filter
+    copied from a stage that builds it for wasm32-wasip1 to wasm_target."""
+    m = re.match(r"envoyproxy/envoy:v?1\.(\d+)\.\d+$", stage["base"])
+    if not m or int(m.group(1)) < 35:
+        bad(f"{label}: base image {stage['base']} is not envoyproxy/envoy pinned to a 1.x >= 1.35 release")
+    wasm_copies = [c for c in copies(stage) if c[2] == wasm_target]
+    if len(wasm_copies) != 1 or wasm_copies[0][0] is None:
+        bad(f"{label}: must COPY the filter --from a build stage to {wasm_target} (the path the Envoy config loads)")
+
+
+def check_wasm_build(label, stages):
+    """The wasm image's stages: a build stage compiling the filter for
+    wasm32-wasip1, an `envoy` stage, and last the OCI layout."""
+    builder = {
+        st["name"]
+        for st in stages
+        if any("--target wasm32-wasip1" in b and "dprank" in cargo_packages(b) for b in cargo_builds(st))
+    }
+    targets_added = {
+        st["name"]
+        for st in stages
+        for c in st["cmds"]
+        if c.cmd.upper() == "RUN" and re.search(r"rustup target add [^&;]*wasm32-wasip1", " ".join(c.value))
+    }
+    if not builder:
+        bad(f"{label}: no stage runs cargo build --target wasm32-wasip1 -p dprank")
+    elif not builder <= targets_added:
+        bad(f"{label}: the build stage must add the wasm32-wasip1 target (rustup target add wasm32-wasip1)")
+    last = stages[-1] if stages else None
+    if (
+        last is None
+        or last["base"] != "scratch"
+        or len(last["cmds"]) != 1
+        or len(copies(last)) != 1
+        or copies(last)[0][2] != "/plugin.wasm"
+        or copies(last)[0][0] not in builder
+    ):
+        bad(
+            f"{label}: the last (default) stage must be FROM scratch with one COPY --from the build stage "
+            "to /plugin.wasm (the layout Istio and Envoy Gateway read)"
         )
+    envoy = stage_named(stages, "envoy")
+    if envoy is None:
+        bad(f"{label}: no `envoy` stage (docker-compose.yml builds it)")
+    elif not any(src in builder for src, _, _ in copies(envoy)):
+        bad(f"{label}: the envoy stage must copy the filter from the build stage")
 
 
 def ignore_patterns(dockerfile_path):
@@ -357,10 +499,8 @@ def check_dockerfiles():
     """3. Dockerfiles: parsed, COPY sources in their build context."""
     import dockerfile
 
-    tracked = subprocess.run(
-        ["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT, capture_output=True, text=True, check=True
-    ).stdout.split()
-    candidates = set(tracked) | {WASM_REL}
+    # What a fresh clone holds: a Dockerfile may not COPY a host build product.
+    candidates = repository_files()
     for df in sorted((ROOT / "docker").glob("*.Dockerfile")):
         label = str(df.relative_to(ROOT))
         try:
@@ -384,15 +524,11 @@ def check_dockerfiles():
                             f"{label}: COPY source {src} is not in the build context "
                             f"({'its .dockerignore excludes it' if (ROOT / src).exists() else 'missing'})"
                         )
+        stages = build_stages(cmds)
         if df.name == "wasm-image.Dockerfile":
-            froms = [c for c in cmds if c.cmd.upper() == "FROM"]
-            copies = [c for c in cmds if c.cmd.upper() in ("COPY", "ADD")]
-            if [f.value[0] for f in froms] != ["scratch"] or len(copies) != 1 or copies[0].value[-1] != "/plugin.wasm":
-                bad(
-                    f"{label}: must be FROM scratch with one COPY to /plugin.wasm "
-                    "(the layout Istio and Envoy Gateway read)"
-                )
-        if df.name == "sim.Dockerfile":
+            check_wasm_build(label, stages)
+        packages = [p for st in stages for b in cargo_builds(st) for p in cargo_packages(b)]
+        if packages:
             meta = ["cargo", "metadata", "--format-version", "1", "--locked"]
             run = subprocess.run(meta + ["--offline"], cwd=ctx_dir, capture_output=True, text=True)
             if run.returncode != 0:
@@ -402,12 +538,15 @@ def check_dockerfiles():
                     f"{label}: its build context is not a complete Cargo workspace:\n"
                     + "\n".join(run.stderr.strip().splitlines()[-4:])
                 )
-            elif "dprank-sim" not in {p["name"] for p in json.loads(run.stdout)["packages"]}:
-                bad(f"{label}: no dprank-sim package in its build context")
+            else:
+                names = {p["name"] for p in json.loads(run.stdout)["packages"]}
+                for p in packages:
+                    if p not in names:
+                        bad(f"{label}: cargo build -p {p}, but its build context has no package {p}")
         if len(errors) == n_errors:
             ok(
                 f"{label}: parsed; COPY sources in its {len(context)}-file build context"
-                + ("; context is a locked Cargo workspace" if df.name == "sim.Dockerfile" else "")
+                + (f"; context is a locked Cargo workspace with {', '.join(packages)}" if packages else "")
             )
 
 

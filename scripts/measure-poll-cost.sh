@@ -2,7 +2,8 @@
 # What one load poll costs a worker: serves /v1/loads from a simulated worker
 # (8 ranks) as fast as wrk can ask for 5 s and prints requests/s and the
 # worker's CPU time per request. Needs wrk (apt-get install wrk) and
-# `make tools`. The figure is the simulator's, not SGLang's: see README.
+# `make tools`. The figure is the simulator's, not SGLang's: see
+# docs/gateways.md, "Running at scale".
 set -euo pipefail
 cd "$(dirname "$0")/.."
 command -v wrk >/dev/null || { echo "needs wrk: apt-get install -y wrk" >&2; exit 1; }

@@ -68,6 +68,13 @@ ran=${ran:-0}
 [ "$rc" != 0 ] && [ "$bad" = 0 ] && bad=1
 record python "$rc" "$((ran - bad > 0 ? ran - bad : 0))" "$bad" "$((ran - bad > 0 ? ran - bad : 0)) passed, $bad failed (scripts' unit tests)"
 
+run links python3 scripts/check_links.py
+rc=$?
+# One line per broken link, then the verdict line (check-links: ...).
+bad=$(grep -vc '^check-links: ' "$logs/links.log")
+[ "$rc" != 0 ] && [ "$bad" = 0 ] && bad=1
+record links "$rc" "$((bad == 0 ? 1 : 0))" "$bad" "$(tail -n 1 "$logs/links.log" | sed 's/^check-links: //') (scripts/check_links.py)"
+
 run deploy ./scripts/check-deploy.sh
 rc=$?
 ok=$(grep -c '^ok  ' "$logs/deploy.log")

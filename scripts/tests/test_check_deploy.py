@@ -6,6 +6,7 @@ import os
 import sys
 import tempfile
 import unittest
+from collections import namedtuple
 from contextlib import redirect_stdout
 from pathlib import Path
 
@@ -156,6 +157,114 @@ class SmokeEnv(unittest.TestCase):
         self.assertEqual([p.split("=")[0] for p in pairs], ["172.28.0.11:30000", "172.28.0.12:30000"])
         ports = {int(lines["ADMIN"]), int(lines["LISTENER"])} | {int(p.split("=")[1]) for p in pairs}
         self.assertEqual(len(ports), 4, "distinct free ports")
+
+
+Cmd = namedtuple("Cmd", "cmd flags value")
+
+
+def parse(text):
+    """A stand-in for dockerfile.parse_string: one command per line, no
+    continuation lines (enough for these tests)."""
+    out = []
+    for line in text.strip().splitlines():
+        words = line.split()
+        n = 1
+        while n < len(words) and words[n].startswith("--"):
+            n += 1
+        flags, rest = tuple(words[1:n]), words[n:]
+        value = (" ".join(rest),) if words[0] == "RUN" else tuple(rest)
+        out.append(Cmd(words[0], flags, value))
+    return out
+
+
+WASM_IMAGE = """
+FROM rust:1.95-slim-trixie AS build
+RUN rustup target add wasm32-wasip1
+COPY src ./src
+RUN --mount=type=cache,target=/src/target cargo build --release --locked --target wasm32-wasip1 -p dprank && install -D x /out/dprank.wasm
+FROM envoyproxy/envoy:v1.40.0 AS envoy
+COPY --from=build /out/dprank.wasm /etc/dprank/dprank.wasm
+FROM scratch AS plugin
+COPY --from=build /out/dprank.wasm /plugin.wasm
+"""
+
+
+class Dockerfiles(unittest.TestCase):
+    def setUp(self):
+        cd.errors.clear()
+        quiet = redirect_stdout(io.StringIO())
+        quiet.__enter__()
+        self.addCleanup(quiet.__exit__, None, None, None)
+
+    def test_stages_copies_and_cargo_builds(self):
+        stages = cd.build_stages(parse(WASM_IMAGE))
+        self.assertEqual(
+            [(st["name"], st["base"]) for st in stages],
+            [
+                ("build", "rust:1.95-slim-trixie"),
+                ("envoy", "envoyproxy/envoy:v1.40.0"),
+                ("plugin", "scratch"),
+            ],
+        )
+        self.assertIs(cd.stage_named(stages, None), stages[-1], "no target: the last stage")
+        self.assertIsNone(cd.stage_named(stages, "nope"))
+        self.assertEqual(cd.copies(stages[1]), [("build", ["/out/dprank.wasm"], "/etc/dprank/dprank.wasm")])
+        self.assertEqual(cd.copies(stages[0]), [(None, ["src"], "./src")])
+        (build,) = cd.cargo_builds(stages[0])
+        self.assertTrue(build.startswith("cargo build") and "install" not in build)
+        self.assertEqual(cd.cargo_packages(build), ["dprank"])
+        self.assertEqual(
+            cd.cargo_packages("cargo build -p dprank-sim --package=dprank-bench"), ["dprank-sim", "dprank-bench"]
+        )
+
+    def test_the_shipped_layout_passes(self):
+        stages = cd.build_stages(parse(WASM_IMAGE))
+        cd.check_wasm_build("x", stages)
+        cd.check_envoy_stage("x", stages[1], "/etc/dprank/dprank.wasm")
+        self.assertEqual(cd.errors, [])
+
+    def test_broken_layouts_are_reported(self):
+        cases = {
+            "no stage runs cargo build": WASM_IMAGE.replace("-p dprank", "-p other"),
+            "must add the wasm32-wasip1 target": WASM_IMAGE.replace("RUN rustup target add wasm32-wasip1\n", ""),
+            "last (default) stage": WASM_IMAGE.replace(
+                "COPY --from=build /out/dprank.wasm /plugin.wasm", "COPY target/x.wasm /plugin.wasm"
+            ),
+            "one COPY": WASM_IMAGE + "COPY --from=build /out/dprank.wasm /again.wasm\n",
+            "FROM scratch": WASM_IMAGE + "FROM debian AS later\n",
+            "no `envoy` stage": WASM_IMAGE.replace("AS envoy", "AS other"),
+        }
+        for expected, text in cases.items():
+            cd.errors.clear()
+            cd.check_wasm_build("x", cd.build_stages(parse(text)))
+            self.assertTrue(any(expected in e for e in cd.errors), f"{expected}: {cd.errors}")
+
+    def test_envoy_stage_pins_envoy_and_copies_the_filter_where_the_config_reads_it(self):
+        stages = cd.build_stages(parse(WASM_IMAGE))
+        cd.check_envoy_stage("x", stages[1], "/elsewhere/dprank.wasm")
+        self.assertEqual(len(cd.errors), 1)
+        for base in ("envoyproxy/envoy:latest", "envoyproxy/envoy:v1.34.0", "nginx:1.40.0"):
+            cd.errors.clear()
+            cd.check_envoy_stage("x", dict(stages[1], base=base), "/etc/dprank/dprank.wasm")
+            self.assertEqual(len(cd.errors), 1, base)
+
+    def test_mounts_must_be_repository_files(self):
+        with tempfile.TemporaryDirectory() as root:
+            services = {
+                "envoy": {
+                    "volumes": [
+                        {"type": "bind", "source": f"{root}/docker/envoy-compose.yaml"},
+                        {"type": "bind", "source": f"{root}/target/wasm32-wasip1/release/dprank.wasm"},
+                        {"type": "volume", "source": "data"},
+                    ]
+                },
+                "client": {"volumes": [{"type": "bind", "source": "/etc/passwd"}]},
+            }
+            out = cd.mounts_outside_repository(services, {"docker/envoy-compose.yaml"}, root)
+        self.assertEqual(
+            out,
+            [("envoy", f"{root}/target/wasm32-wasip1/release/dprank.wasm"), ("client", "/etc/passwd")],
+        )
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-//! What a client must not be able to do through the filter (README
+//! What a client must not be able to do through the filter (docs/requests.md,
 //! "Security"), beyond `input.rs`: reach a host outside the pool, pick a rank
 //! when the filter has no data to route with, keep the pin header when it is
 //! configured; and the filter calling anything but its configured clusters.
