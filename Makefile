@@ -8,12 +8,14 @@ PY_SOURCES := scripts docker tests
 VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' Cargo.toml | head -n 1)
 IMAGE ?= dprank-wasm:$(VERSION)
 
-.PHONY: help setup build wasm noop-wasm tools test demo bench bench-pd bench-quick bench-full gateways-figure image lint clean
+.PHONY: help setup build wasm noop-wasm tools test demo bench smg-sweep traces bench-pd bench-quick bench-full gateways-figure image lint clean
 
 help:
 	@echo "make demo   - one seeded trace through Envoy round robin, then Envoy + dprank, side by side"
 	@echo "make test   - every test: unit, simulator, end-to-end in a real Envoy, doc links, deployment files, fuzz smoke"
-	@echo "make bench  - headline tables (54 min measured): dprank vs round robin, SGLang's balancer, smg, the oracle; overhead"
+	@echo "make bench  - the headline (<= 2 h, --dry-run prints it): capacities, capacity check, virtual time, three harness cells, agreement; bench-results/headline/"
+	@echo "make smg-sweep   - smg's best setting per workload on tuning seeds (run before make bench; hours)"
+	@echo "make traces - fetch the Mooncake FAST'25 traces (network) into target/traces/mooncake, checked"
 	@echo "make bench-pd    - PD fleet: dprank vs the old rule vs smg, equal freshness and defaults (~9 min)"
 	@echo "make bench-quick - a quick look (~6 min)"
 	@echo "make bench-full  - everything for the committed results (~6 h; dprank-bench full --resume continues one)"
@@ -54,9 +56,18 @@ test: setup wasm tools lint
 demo: setup wasm tools
 	./scripts/demo.sh
 
-bench: setup wasm noop-wasm tools
+bench: setup wasm tools
 	DPRANK_WITH_SMG=1 ./scripts/setup.sh
 	./target/release/dprank-bench bench
+
+smg-sweep: setup wasm tools
+	DPRANK_WITH_SMG=1 ./scripts/setup.sh
+	./target/release/dprank-bench smg-sweep --out bench-results/headline/smg-sweep --capacity-dir bench-results/headline/capacity
+
+# The public traces the bench replays, from their pinned upstream commit
+# (DPRANK_TRACE_DIR or --trace-dir point at copies elsewhere).
+traces:
+	python3 scripts/fetch_traces.py
 
 bench-pd: setup wasm tools
 	DPRANK_WITH_SMG=1 ./scripts/setup.sh

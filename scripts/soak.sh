@@ -184,8 +184,10 @@ BG_PIDS+=($!)
     run=$((run + 1))
     echo "=== run $run seed $run start $(now) wall $wall" >> "$WORK/load.log"
     rc=0
+    # --tell: each worker learns where the answers end (a restarted one forgets).
     "$BENCH" load --target "http://127.0.0.1:$LISTENER" --path /generate --time-scale "$TIME_SCALE" \
-      --rate "$RATE" --duration $((wall * TIME_SCALE)) --seed "$run" >> "$WORK/load.log" 2>&1 || rc=$?
+      --rate "$RATE" --duration $((wall * TIME_SCALE)) --seed "$run" \
+      --tell "127.0.0.1:$P_A" --tell "127.0.0.1:$P_B" --tell "127.0.0.1:$P_C" >> "$WORK/load.log" 2>&1 || rc=$?
     echo "=== end $run $(now) rc $rc" >> "$WORK/load.log"
   done
 ) &

@@ -1,62 +1,138 @@
-//! The fleet's capacity for a workload: what offered loads are fractions of.
+//! The fleet's sustainable capacity for a workload: what offered loads are
+//! fractions of, on the harness and offline alike.
 //!
-//! Procedure (documented in bench/README.md): run the workload through the
-//! best router the simulator offers (its fleet-wide oracle, else the
-//! workers' own minimum-tokens balancer) at an offered rate well above what
-//! the fleet can serve, for 60 simulated seconds, and count the requests that
-//! complete in the last two thirds of that window, when the queues are full.
-//! That completion rate is the capacity. If the fleet kept up (completions
-//! above 90% of the offered rate), the offered rate was not high enough: it
-//! is raised 1.6x and the run repeated. Results are kept in capacity.json
-//! next to the run records and reused until `--remeasure`.
+//! Definition: the highest offered rate at which the clairvoyant chooser
+//! keeps the TTFT p90 within the SLO over a 10-minute simulated run: 60 s
+//! of warm-up arrivals, then 600 s measured, the p90 pooled over the
+//! requests of five capacity seeds (1,000,001-1,000,005, never a table's).
+//! Found by bisection in virtual time (the offline engine, deterministic):
+//! first an upper bound, the completion rate under overload (the earlier
+//! definition of capacity), then a bracket [lo, hi] with lo meeting the SLO
+//! and hi not, halved until it is narrower than 2% of hi; the capacity is
+//! lo. A run is given up as soon as more requests have waited past the SLO
+//! than a p90 allows (it fails). Results go to capacity.json with how they
+//! were found, and are reused until `--remeasure`. `bursty` sends the
+//! `no-prefix` requests and only times them differently, so its load is a
+//! fraction of the `no-prefix` capacity: the arrival pattern is then the
+//! only difference between the two.
 
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-use crate::client::pooled_client;
-use crate::fleet::Tools;
-use crate::loadgen::{run_plan, Drain, LoadOptions};
-use crate::runner::{start_fleets, start_fronts, Cell, FleetShape, Kv, MAX_OUTPUT};
-use crate::stats::Slo;
-use crate::variant::{Dispatch, SimFeatures, Variant};
-use crate::workload::{Shape, Workload};
+use crate::offline::{driver, sim_config};
+use crate::preset::SimPreset;
+use crate::provenance::Provenance;
+use crate::runner::{FleetShape, Kv};
+use crate::stats::{percentile, Slo};
+use crate::variant::Variant;
+use crate::workload::{Plan, Shape, Workload, WorkloadKind};
 
-/// Simulated seconds of one measuring run.
-pub const WINDOW_S: f64 = 60.0;
-/// The seed of the measuring runs (no benchmark run uses it).
-pub const SEED: u64 = 1_000_000;
-const MAX_ATTEMPTS: usize = 5;
+/// Simulated seconds of warm-up arrivals before the measured ones.
+pub const WARMUP_S: f64 = 60.0;
+/// Simulated seconds of measured arrivals.
+pub const WINDOW_S: f64 = 600.0;
+/// The seeds of the measuring runs (no table uses them).
+pub const SEEDS: [u64; 5] = [1_000_001, 1_000_002, 1_000_003, 1_000_004, 1_000_005];
+/// The bisection stops when the bracket is narrower than this share of its top.
+pub const PRECISION: f64 = 0.02;
+/// The TTFT percentile held within the SLO.
+pub const PERCENTILE: f64 = 90.0;
+/// How entries found this way are marked.
+pub const METHOD: &str = "sustainable";
+/// The overload window that gives the upper bound (simulated s).
+const OVERLOAD_WINDOW_S: f64 = 60.0;
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 pub struct CapacityEntry {
-    /// Workload name (with the trace file for file replays).
+    /// [`workload_key`].
     pub workload: String,
     pub kv: String,
     pub fleet: String,
-    pub time_scale: f64,
-    /// Completed requests per simulated second under overload.
+    /// The simulator preset (entries made before presets: `legacy`).
+    #[serde(default = "legacy")]
+    pub preset: String,
+    /// [`METHOD`]; empty for entries of the earlier 40-second overload
+    /// measurement, which are not used any more.
+    #[serde(default)]
+    pub method: String,
+    /// Requests per simulated second.
     pub rps: f64,
-    pub router: String,
-    pub offered_rps: f64,
+    #[serde(default)]
+    pub slo_ttft_ms: f64,
+    /// The pooled TTFT p90 at `rps`.
+    #[serde(default)]
+    pub p90_ms: f64,
+    /// Every rate tried, with its pooled TTFT p90 (None: infinite, the run
+    /// was given up).
+    #[serde(default)]
+    pub steps: Vec<(f64, Option<f64>)>,
+    /// The completion rate under overload (the bracket's first top).
+    #[serde(default)]
+    pub overload_rps: f64,
+    #[serde(default)]
+    pub seeds: Vec<u64>,
+    #[serde(default)]
+    pub warmup_s: f64,
+    #[serde(default)]
+    pub window_s: f64,
     pub measured: String,
+    #[serde(default)]
+    pub provenance: Option<Provenance>,
 }
 
-/// The key a workload's capacity is stored under. `bursty` sends the
-/// `no-prefix` requests and only times them differently, so its load is a
-/// fraction of the `no-prefix` capacity: the arrival pattern is then the
-/// only difference between the two.
-pub fn workload_key(workload: &Workload) -> String {
-    use crate::workload::WorkloadKind;
-    match (&workload.replay.file, workload.kind) {
-        (Some(file), WorkloadKind::Replay) => format!(
-            "replay:{}",
-            file.file_name()
-                .map_or(String::new(), |f| f.to_string_lossy().into_owned())
-        ),
-        (_, WorkloadKind::Bursty) => WorkloadKind::NoPrefix.name().to_string(),
-        (_, kind) => kind.name().to_string(),
+fn legacy() -> String {
+    "legacy".into()
+}
+
+impl CapacityEntry {
+    /// How it was found, for a report: one line.
+    pub fn describe(&self) -> String {
+        if self.method != METHOD {
+            return format!(
+                "`{}`, KV {}, {}: {:.2} req/s by the earlier overload measurement (not used)",
+                self.workload, self.kv, self.fleet, self.rps
+            );
+        }
+        format!(
+            "`{}`, KV {}, {}, preset `{}`: {:.2} req/s, the highest rate at which the clairvoyant chooser kept TTFT p90 within {} ms ({:.0} ms there) over {} s of warm-up and {} s measured, pooled over seeds {:?}; overload throughput {:.2} req/s ({})",
+            self.workload,
+            self.kv,
+            self.fleet,
+            self.preset,
+            self.rps,
+            self.slo_ttft_ms,
+            self.p90_ms,
+            self.warmup_s,
+            self.window_s,
+            self.seeds,
+            self.overload_rps,
+            self.measured
+        )
     }
+}
+
+/// The workload whose capacity `workload` uses: `bursty` uses `no-prefix`'s.
+pub fn capacity_workload(workload: &Workload) -> Workload {
+    match workload.kind {
+        WorkloadKind::Bursty => Workload {
+            kind: WorkloadKind::NoPrefix,
+            ..workload.clone()
+        },
+        _ => workload.clone(),
+    }
+}
+
+/// The key a workload's capacity is stored under: its name, the trace
+/// scale where it has one, and its output cap (admission reserves from it).
+pub fn workload_key(workload: &Workload) -> String {
+    let w = capacity_workload(workload);
+    let scale = if w.kind.is_block_hash() {
+        format!(", input x {}", w.trace.input_scale)
+    } else {
+        String::new()
+    };
+    format!("{} ({}{scale})", w.name(), w.cap.describe())
 }
 
 fn fleet_key(fleet: &FleetShape) -> String {
@@ -82,25 +158,44 @@ impl CapacityFile {
         }
     }
 
+    fn matches(e: &CapacityEntry, key: &str, kv: Kv, fleet: &FleetShape, preset: &str, slo: &Slo) -> bool {
+        e.method == METHOD
+            && e.workload == key
+            && e.kv == kv.name()
+            && e.fleet == fleet_key(fleet)
+            && e.preset == preset
+            && e.slo_ttft_ms == slo.ttft_ms
+    }
+
+    /// The sustainable capacity stored for these settings.
     pub fn lookup(
         &self,
         workload: &Workload,
         kv: Kv,
         fleet: &FleetShape,
+        preset: &SimPreset,
+        slo: &Slo,
     ) -> Result<Option<CapacityEntry>, String> {
         let key = workload_key(workload);
         Ok(self
             .load()?
             .into_iter()
-            .find(|e| e.workload == key && e.kv == kv.name() && e.fleet == fleet_key(fleet)))
+            .find(|e| Self::matches(e, &key, kv, fleet, preset.name, slo)))
     }
 
-    /// Stores `entry`, replacing one with the same workload, KV and fleet.
+    /// Stores `entry`, replacing one with the same settings.
     pub fn store(&self, entry: &CapacityEntry) -> Result<(), String> {
         let mut entries = self.load()?;
-        entries.retain(|e| !(e.workload == entry.workload && e.kv == entry.kv && e.fleet == entry.fleet));
+        entries.retain(|e| {
+            !(e.method == entry.method
+                && e.workload == entry.workload
+                && e.kv == entry.kv
+                && e.fleet == entry.fleet
+                && e.preset == entry.preset
+                && e.slo_ttft_ms == entry.slo_ttft_ms)
+        });
         entries.push(entry.clone());
-        entries.sort_by(|a, b| (&a.workload, &a.kv).cmp(&(&b.workload, &b.kv)));
+        entries.sort_by(|a, b| (&a.preset, &a.workload, &a.kv).cmp(&(&b.preset, &b.workload, &b.kv)));
         if let Some(dir) = self.path.parent() {
             std::fs::create_dir_all(dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
         }
@@ -110,165 +205,345 @@ impl CapacityFile {
     }
 }
 
-/// A first offered rate (requests per simulated second) for the search.
-fn first_guess(kv: Kv) -> f64 {
-    match kv {
-        Kv::Small => 16.0,
-        Kv::Large => 40.0,
-    }
+/// What one capacity measurement is of.
+pub struct CapacityJob<'a> {
+    pub workload: &'a Workload,
+    pub kv: Kv,
+    pub fleet: FleetShape,
+    pub preset: &'static SimPreset,
+    pub slo: Slo,
+    /// Runs at once (each is single-threaded).
+    pub jobs: usize,
+    pub provenance: &'a Provenance,
 }
 
-/// Whether a run that offered `offered` and completed `completed` per
-/// second saturated the fleet.
-pub fn saturated(offered: f64, completed: f64) -> bool {
-    completed < 0.9 * offered
-}
-
-/// Completions per second among `ends` (simulated seconds) in the last two
-/// thirds of a window of `window_s`.
-pub fn completion_rate(ends: &[f64], window_s: f64) -> f64 {
-    let from = window_s / 3.0;
-    let count = ends.iter().filter(|e| **e >= from && **e <= window_s).count();
-    count as f64 / (window_s - from)
-}
-
-/// Measures the capacity as described in the module documentation.
-pub async fn measure(
-    tools: &Tools,
-    features: &SimFeatures,
-    workload: &Workload,
-    kv: Kv,
-    fleet: FleetShape,
-    time_scale: f64,
-) -> Result<CapacityEntry, String> {
-    // Workloads that share a capacity (see `workload_key`) measure it alike.
-    let workload = &match workload.kind {
-        crate::workload::WorkloadKind::Bursty => Workload::new(crate::workload::WorkloadKind::NoPrefix),
-        _ => workload.clone(),
-    };
-    let router = if features.dispatch_arg(Dispatch::Oracle).is_ok() {
-        "oracle"
-    } else {
-        "in-server"
-    };
-    let variant = Variant::parse(router)?;
-    let mut offered = first_guess(kv);
-    for attempt in 0..MAX_ATTEMPTS {
-        let cell = Cell {
-            suite: "capacity".into(),
-            workload: workload.clone(),
-            variant: variant.clone(),
-            seed: SEED,
-            kv,
-            rate: offered,
-            load: None,
-            warmup_s: 0.0,
-            duration_s: WINDOW_S,
-            time_scale,
-            fleet,
-            slo: Slo {
-                ttft_ms: f64::INFINITY,
-                tpot_ms: f64::INFINITY,
-            },
-        };
-        let plan = workload.plan(&Shape {
-            rate: offered,
-            duration_s: WINDOW_S,
-            seed: SEED,
-            max_prompt: kv.max_prompt(),
-            max_output: MAX_OUTPUT,
-        })?;
-        let client = pooled_client();
-        let name = format!("capacity-{}-{}-{attempt}", workload.kind.name(), kv.name());
-        let fleets = start_fleets(tools, features, &cell, &name)?;
-        let fronts = start_fronts(tools, &client, &variant, &fleets, time_scale, &name).await?;
-        let options = LoadOptions {
-            gateways: fronts.iter().map(|f| f.url.clone()).collect(),
-            spread: variant.spread,
-            workers: Vec::new(),
-            time_scale,
-            sample_every: std::time::Duration::from_secs(1),
-            request_timeout: std::time::Duration::from_secs(600),
-            seed: SEED,
-            progress: true,
-            label: format!("capacity {} {} @{offered:.1}", workload.kind.name(), kv.name()),
-            cut_at_s: Some(WINDOW_S),
-            drain: Drain::Complete,
-            turn_horizon_s: None,
-        };
-        let output = run_plan(&plan, &options).await?;
-        drop(fronts);
-        drop(fleets);
-        let ends: Vec<f64> = output
-            .records
-            .iter()
-            .filter(|r| r.ok())
-            .map(|r| r.end_s)
-            .collect();
-        let completed = completion_rate(&ends, WINDOW_S);
-        println!(
-            "  capacity {} KV {}: offered {offered:.1} req/s, completed {completed:.2} req/s in the last {:.0} s ({router})",
-            workload.kind.name(),
-            kv.name(),
-            WINDOW_S * 2.0 / 3.0
-        );
-        if saturated(offered, completed) {
-            return Ok(CapacityEntry {
-                workload: workload_key(workload),
-                kv: kv.name().into(),
-                fleet: fleet_key(&fleet),
-                time_scale,
-                rps: completed,
-                router: router.into(),
-                offered_rps: offered,
-                measured: crate::report::now_utc(),
-            });
+impl CapacityJob<'_> {
+    fn shape(&self, rate: f64, seed: u64, duration_s: f64) -> Shape {
+        Shape {
+            rate,
+            duration_s,
+            seed,
+            max_prompt: self.preset.max_prompt(self.kv),
+            max_output: self.preset.max_output,
         }
-        offered *= 1.6;
     }
-    Err(format!(
-        "capacity of {} with KV {}: the fleet kept up even at {offered:.1} req/s offered",
-        workload.kind.name(),
-        kv.name()
-    ))
+
+    fn spec<'v>(&self, variant: &'v Variant, seed: u64) -> Result<driver::RunSpec<'v>, String> {
+        Ok(driver::RunSpec {
+            variant,
+            sim: sim_config(self.preset, self.kv, self.fleet.dp_size, &[])?,
+            workers: self.fleet.workers,
+            seed,
+            turn_horizon_s: f64::INFINITY,
+            cut_at_s: None,
+            requests_out: None,
+            give_up: None,
+        })
+    }
+
+    /// Completions per second under overload: the clairvoyant chooser at a
+    /// rate the fleet cannot serve, completions in the last two thirds of a
+    /// 60 s window; the rate doubles until the fleet falls behind.
+    fn overload_throughput(&self, workload: &Workload) -> Result<f64, String> {
+        let clairvoyant = Variant::parse("clairvoyant")?;
+        let mut offered = 2.0 * self.fleet.workers as f64 * self.fleet.dp_size as f64;
+        for _ in 0..12 {
+            let plan = workload.plan(&self.shape(offered, SEEDS[0], OVERLOAD_WINDOW_S))?;
+            let mut spec = self.spec(&clairvoyant, SEEDS[0])?;
+            spec.cut_at_s = Some(OVERLOAD_WINDOW_S);
+            spec.turn_horizon_s = OVERLOAD_WINDOW_S;
+            let outcome = driver::run(&plan, &spec)?;
+            let from = OVERLOAD_WINDOW_S / 3.0;
+            let completed = outcome
+                .output
+                .records
+                .iter()
+                .filter(|r| r.ok() && r.end_s >= from && r.end_s <= OVERLOAD_WINDOW_S)
+                .count() as f64
+                / (OVERLOAD_WINDOW_S - from);
+            if completed < 0.9 * offered {
+                return Ok(completed);
+            }
+            offered *= 2.0;
+        }
+        Err(format!(
+            "capacity of `{}`: the fleet kept up even at {offered:.1} req/s",
+            workload.name()
+        ))
+    }
+
+    /// The pooled TTFT p90 (ms) of the capacity seeds at `rate`; ∞ when a
+    /// run was given up (the p90 was then already past the SLO).
+    pub fn p90_at(&self, workload: &Workload, rate: f64) -> Result<f64, String> {
+        let clairvoyant = Variant::parse("clairvoyant")?;
+        let plans: Vec<Plan> = SEEDS
+            .iter()
+            .map(|seed| workload.plan(&self.shape(rate, *seed, WARMUP_S + WINDOW_S)))
+            .collect::<Result<_, _>>()?;
+        let measured: usize = plans.iter().map(measured_requests).sum();
+        // More late requests than this in any one seed put the pooled p90 past the SLO.
+        let late_allowed = ((1.0 - PERCENTILE / 100.0) * measured as f64).floor() as usize;
+        let work: Vec<crate::offline::Job<'_, Result<Option<Vec<f64>>, String>>> = plans
+            .iter()
+            .zip(SEEDS)
+            .map(|(plan, seed)| {
+                let clairvoyant = &clairvoyant;
+                Box::new(move || {
+                    let mut spec = self.spec(clairvoyant, seed)?;
+                    spec.turn_horizon_s = WARMUP_S + WINDOW_S + crate::workload::chat::TAIL_S;
+                    spec.give_up = Some(driver::GiveUp {
+                        from_s: WARMUP_S,
+                        ttft_s: self.slo.ttft_ms / 1000.0,
+                        late_allowed,
+                    });
+                    let outcome = driver::run(plan, &spec)?;
+                    if outcome.gave_up {
+                        return Ok(None);
+                    }
+                    Ok(Some(
+                        outcome
+                            .output
+                            .records
+                            .iter()
+                            .filter(|r| r.sent_s >= WARMUP_S)
+                            .map(|r| r.ttft_ms.filter(|_| r.ok()).unwrap_or(f64::INFINITY))
+                            .collect(),
+                    ))
+                }) as crate::offline::Job<'_, _>
+            })
+            .collect();
+        let mut pooled = Vec::new();
+        for result in crate::offline::parallel(self.jobs, work) {
+            match result? {
+                Some(ttft) => pooled.extend(ttft),
+                None => return Ok(f64::INFINITY),
+            }
+        }
+        Ok(percentile(&pooled, PERCENTILE))
+    }
+
+    /// Measures the sustainable capacity (module documentation).
+    pub fn measure(&self) -> Result<CapacityEntry, String> {
+        let workload = capacity_workload(self.workload);
+        let label = format!("{} KV {} ({})", workload.name(), self.kv.name(), self.preset.name);
+        let overload = self.overload_throughput(&workload)?;
+        eprintln!("capacity {label}: overload throughput {overload:.2} req/s");
+        let within = |p90: f64| p90 <= self.slo.ttft_ms;
+        let mut steps: Vec<(f64, Option<f64>)> = Vec::new();
+        let mut try_rate = |rate: f64| -> Result<f64, String> {
+            let p90 = self.p90_at(&workload, rate)?;
+            eprintln!("capacity {label}: {rate:.3} req/s -> TTFT p90 {p90:.0} ms");
+            steps.push((rate, p90.is_finite().then_some(p90)));
+            Ok(p90)
+        };
+        let (mut lo, mut hi) = (overload / 2.0, overload);
+        let mut lo_p90 = try_rate(lo)?;
+        let mut halvings = 0;
+        while !within(lo_p90) {
+            halvings += 1;
+            if halvings > 8 {
+                return Err(format!(
+                    "capacity {label}: even {lo:.3} req/s misses TTFT p90 <= {} ms ({lo_p90:.0} ms): the SLO is out of reach",
+                    self.slo.ttft_ms
+                ));
+            }
+            hi = lo;
+            lo /= 2.0;
+            lo_p90 = try_rate(lo)?;
+        }
+        if hi == overload {
+            let mut raises = 0;
+            loop {
+                let p90 = try_rate(hi)?;
+                if !within(p90) {
+                    break;
+                }
+                (lo, lo_p90) = (hi, p90);
+                hi *= 1.25;
+                raises += 1;
+                if raises > 6 {
+                    return Err(format!(
+                        "capacity {label}: TTFT p90 stayed within the SLO up to {hi:.2} req/s"
+                    ));
+                }
+            }
+        }
+        while (hi - lo) / hi > PRECISION {
+            let mid = (lo + hi) / 2.0;
+            let p90 = try_rate(mid)?;
+            if within(p90) {
+                (lo, lo_p90) = (mid, p90);
+            } else {
+                hi = mid;
+            }
+        }
+        Ok(CapacityEntry {
+            workload: workload_key(&workload),
+            kv: self.kv.name().into(),
+            fleet: fleet_key(&self.fleet),
+            preset: self.preset.name.into(),
+            method: METHOD.into(),
+            rps: lo,
+            slo_ttft_ms: self.slo.ttft_ms,
+            p90_ms: lo_p90,
+            steps,
+            overload_rps: overload,
+            seeds: SEEDS.to_vec(),
+            warmup_s: WARMUP_S,
+            window_s: WINDOW_S,
+            measured: crate::report::now_utc(),
+            provenance: Some(self.provenance.clone()),
+        })
+    }
+}
+
+/// Requests of a plan sent after the warm-up (chat: turns of the sessions
+/// starting after it).
+fn measured_requests(plan: &Plan) -> usize {
+    plan.requests.iter().filter(|r| r.at_s >= WARMUP_S).count()
+        + plan
+            .sessions
+            .iter()
+            .filter(|s| s.start_s >= WARMUP_S)
+            .map(|s| s.turns.len())
+            .sum::<usize>()
+}
+
+/// The stored capacity for these settings, measured first (and stored)
+/// when there is none or `remeasure` asks.
+pub fn get_or_measure(
+    file: &CapacityFile,
+    job: &CapacityJob,
+    remeasure: bool,
+) -> Result<CapacityEntry, String> {
+    if !remeasure {
+        if let Some(entry) = file.lookup(job.workload, job.kv, &job.fleet, job.preset, &job.slo)? {
+            return Ok(entry);
+        }
+    }
+    let entry = job.measure()?;
+    file.store(&entry)?;
+    Ok(entry)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::workload::WorkloadKind;
+    use crate::preset::preset;
 
-    #[test]
-    fn completion_rate_counts_the_saturated_part_of_the_window() {
-        let ends = [1.0, 10.0, 20.0, 30.0, 59.0, 60.0, 61.0];
-        assert_eq!(completion_rate(&ends, 60.0), 4.0 / 40.0);
-        assert!(saturated(10.0, 8.0) && !saturated(10.0, 9.5));
+    fn slo() -> Slo {
+        Slo {
+            ttft_ms: 1000.0,
+            tpot_ms: 60.0,
+        }
     }
 
     #[test]
-    fn entries_are_stored_by_workload_kv_and_fleet() {
+    fn entries_are_stored_by_workload_kv_fleet_preset_and_slo() {
         let dir = std::env::temp_dir().join(format!("dprank-capacity-{}", std::process::id()));
         let file = CapacityFile::new(&dir);
-        assert_eq!(workload_key(&Workload::new(WorkloadKind::Bursty)), "no-prefix");
+        assert_eq!(
+            workload_key(&Workload::new(WorkloadKind::Bursty)),
+            workload_key(&Workload::new(WorkloadKind::NoPrefix))
+        );
         let w = Workload::new(WorkloadKind::Tenants);
         let fleet = FleetShape::default();
-        assert_eq!(file.lookup(&w, Kv::Small, &fleet).unwrap(), None);
+        let legacy = preset("legacy").unwrap();
+        assert_eq!(file.lookup(&w, Kv::Small, &fleet, legacy, &slo()).unwrap(), None);
         let mut entry = CapacityEntry {
             workload: workload_key(&w),
             kv: "small".into(),
             fleet: "2x4".into(),
-            time_scale: 5.0,
+            preset: "legacy".into(),
+            method: METHOD.into(),
             rps: 11.0,
-            router: "oracle".into(),
-            offered_rps: 16.0,
+            slo_ttft_ms: 1000.0,
+            p90_ms: 900.0,
+            steps: vec![],
+            overload_rps: 14.0,
+            seeds: SEEDS.to_vec(),
+            warmup_s: WARMUP_S,
+            window_s: WINDOW_S,
             measured: "now".into(),
+            provenance: None,
         };
         file.store(&entry).unwrap();
         entry.rps = 12.0;
         file.store(&entry).unwrap();
         assert_eq!(file.load().unwrap().len(), 1);
-        assert_eq!(file.lookup(&w, Kv::Small, &fleet).unwrap().unwrap().rps, 12.0);
-        assert_eq!(file.lookup(&w, Kv::Large, &fleet).unwrap(), None);
+        assert_eq!(
+            file.lookup(&w, Kv::Small, &fleet, legacy, &slo())
+                .unwrap()
+                .unwrap()
+                .rps,
+            12.0
+        );
+        assert_eq!(file.lookup(&w, Kv::Large, &fleet, legacy, &slo()).unwrap(), None);
+        let tighter = Slo {
+            ttft_ms: 500.0,
+            ..slo()
+        };
+        assert_eq!(
+            file.lookup(&w, Kv::Small, &fleet, legacy, &tighter).unwrap(),
+            None
+        );
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn entries_of_the_earlier_overload_measurement_parse_and_are_not_used() {
+        let dir = std::env::temp_dir().join(format!("dprank-capacity-old-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(
+            dir.join("capacity.json"),
+            r#"[{"workload":"tenants","kv":"small","fleet":"2x4","time_scale":5.0,"rps":11.0,"router":"oracle","offered_rps":16.0,"measured":"then"}]"#,
+        )
+        .unwrap();
+        let file = CapacityFile::new(&dir);
+        let entries = file.load().unwrap();
+        assert_eq!(entries[0].preset, "legacy");
+        assert!(entries[0].describe().contains("not used"));
+        let w = Workload::new(WorkloadKind::Tenants);
+        let legacy = preset("legacy").unwrap();
+        assert_eq!(
+            file.lookup(&w, Kv::Small, &FleetShape::default(), legacy, &slo())
+                .unwrap(),
+            None
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn a_small_fleet_has_a_sustainable_capacity_below_its_overload_throughput() {
+        // One worker of two ranks on legacy small KV, no-prefix: quick.
+        let legacy = preset("legacy").unwrap();
+        let w = Workload::new(WorkloadKind::NoPrefix);
+        let fleet = FleetShape {
+            workers: 1,
+            dp_size: 2,
+            ..FleetShape::default()
+        };
+        let provenance = Provenance::default();
+        let job = CapacityJob {
+            workload: &w,
+            kv: Kv::Small,
+            fleet,
+            preset: legacy,
+            slo: slo(),
+            jobs: 2,
+            provenance: &provenance,
+        };
+        let entry = job.measure().unwrap();
+        assert!(entry.rps > 0.5 && entry.rps < entry.overload_rps, "{entry:?}");
+        assert!(entry.p90_ms <= 1000.0);
+        // Just above it, the p90 misses the SLO: the bisection's top.
+        let above = entry
+            .steps
+            .iter()
+            .filter(|(r, _)| *r > entry.rps)
+            .map(|s| s.0)
+            .fold(f64::INFINITY, f64::min);
+        assert!((above - entry.rps) / above <= PRECISION + 1e-9, "{entry:?}");
+        assert!(job.p90_at(&w, above).unwrap() > 1000.0);
     }
 }

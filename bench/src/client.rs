@@ -294,6 +294,30 @@ pub async fn get_text(client: &PooledClient, uri: &str) -> Result<String, String
     Ok(String::from_utf8_lossy(&bytes).into_owned())
 }
 
+/// POST a JSON body, returning the response body (control calls).
+pub async fn post_json(client: &PooledClient, uri: &str, body: String) -> Result<String, String> {
+    let request = Request::post(uri)
+        .header("content-type", "application/json")
+        .body(Full::new(Bytes::from(body)))
+        .map_err(|e| format!("bad request for {uri}: {e}"))?;
+    let response = client
+        .request(request)
+        .await
+        .map_err(|e| format!("POST {uri}: {e}"))?;
+    let status = response.status();
+    let bytes = response
+        .into_body()
+        .collect()
+        .await
+        .map_err(|e| format!("POST {uri}: {e}"))?
+        .to_bytes();
+    let text = String::from_utf8_lossy(&bytes).into_owned();
+    if !status.is_success() {
+        return Err(format!("POST {uri}: HTTP {}: {text}", status.as_u16()));
+    }
+    Ok(text)
+}
+
 /// One dedicated keep-alive HTTP/1.1 connection (closed-loop clients).
 pub struct Connection {
     sender: SendRequest<Full<Bytes>>,

@@ -18,7 +18,6 @@ use crate::fleet::Tools;
 use crate::loadgen::LoadSample;
 use crate::plot::{self, RankPanel};
 use crate::runner::{run_cell, Cell, CellRun, FleetShape, Kv, Skipped};
-use crate::suites::DEFAULT_SLO;
 use crate::variant::{SimFeatures, Variant};
 use crate::workload::{Workload, WorkloadKind};
 
@@ -82,6 +81,9 @@ pub fn shade(values: &[f64], max: f64) -> String {
 pub async fn demo(tools: &Tools, args: &DemoArgs) -> Result<(), String> {
     let features = SimFeatures::detect(&tools.sim)?;
     let fleet = FleetShape::default();
+    let legacy = crate::preset::preset(crate::preset::DEFAULT_PRESET)?;
+    let (slo, _) = crate::slo::resolve(legacy)?;
+    let provenance = crate::provenance::Provenance::current(&tools.root, "dprank-bench demo");
     let workload = Workload::new(WorkloadKind::NoPrefix);
     println!(
         "dprank demo: seed {} — {} simulated s of streamed /generate requests at {} req/s (Poisson arrivals, ShareGPT-like lengths) on {} simulated workers x {} ranks ({}), simulated time {}x faster than wall time.\n",
@@ -90,7 +92,7 @@ pub async fn demo(tools: &Tools, args: &DemoArgs) -> Result<(), String> {
         args.rate,
         fleet.workers,
         fleet.dp_size,
-        Kv::Small.describe(),
+        legacy.describe_kv(Kv::Small),
         args.time_scale
     );
     let mut runs: Vec<(&str, CellRun)> = Vec::new();
@@ -102,13 +104,17 @@ pub async fn demo(tools: &Tools, args: &DemoArgs) -> Result<(), String> {
             variant: Variant::parse(spec)?,
             seed: args.seed,
             kv: Kv::Small,
+            preset: legacy,
             rate: args.rate,
             load: None,
             warmup_s: 0.0,
             duration_s: args.duration,
+            nominal_duration_s: args.duration,
             time_scale: args.time_scale,
             fleet,
-            slo: DEFAULT_SLO,
+            slo,
+            capacity: None,
+            provenance: provenance.clone(),
         };
         match run_cell(tools, &features, &cell, true).await? {
             Ok(run) => runs.push((title, run)),

@@ -159,6 +159,30 @@ impl SimFleet {
 }
 
 impl SimFleet {
+    /// Tells the simulator where each answer ends (`POST /_sim/answers`,
+    /// one book per process): the channel no router reads.
+    pub async fn tell_answers(&self, client: &PooledClient, answers: &[(&str, u32)]) -> Result<(), String> {
+        let Some(worker) = self.workers.first() else {
+            return Ok(());
+        };
+        let lengths: serde_json::Map<String, serde_json::Value> = answers
+            .iter()
+            .map(|(tag, n)| (tag.to_string(), serde_json::Value::from(*n)))
+            .collect();
+        let body = serde_json::json!({"clear": true, "lengths": lengths}).to_string();
+        let reply = crate::client::post_json(client, &format!("http://{worker}/_sim/answers"), body).await?;
+        let told: serde_json::Value =
+            serde_json::from_str(&reply).map_err(|e| format!("/_sim/answers: {e}"))?;
+        let unique: std::collections::HashSet<&str> = answers.iter().map(|(tag, _)| *tag).collect();
+        if told["tags"].as_u64() != Some(unique.len() as u64) {
+            return Err(format!(
+                "the simulator took {told} of {} answer lengths",
+                unique.len()
+            ));
+        }
+        Ok(())
+    }
+
     /// Requests each rank has accepted so far (`/_sim/counters`), every rank
     /// of every worker in order.
     pub async fn served_per_rank(&self, client: &PooledClient) -> Vec<u64> {

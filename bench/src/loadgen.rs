@@ -370,7 +370,7 @@ async fn run_session(ctx: Arc<Context>, session: Session, gateway: usize) -> Tas
         }
         messages.push(("user", &turn.user));
         let input_tokens = text::chat_tokens(&messages) as u32;
-        let body = bodies::chat(&messages, turn.output_tokens);
+        let body = bodies::chat(&messages, turn.max_tokens);
         let sent = Instant::now();
         let outcome = ctx.send(gateway, Api::Chat, body, true).await;
         let mut record = ctx.record(&outcome, sent, gateway, (input_tokens, turn.output_tokens));
@@ -583,6 +583,22 @@ mod tests {
             .unwrap()
     }
 
+    /// Tells the simulated worker where the plan's answers end.
+    async fn tell(server: &dprank_sim::SimServer, plan: &Plan) {
+        let lengths: serde_json::Map<String, serde_json::Value> = plan
+            .answers()
+            .iter()
+            .map(|(tag, n)| (tag.to_string(), serde_json::Value::from(*n)))
+            .collect();
+        crate::client::post_json(
+            &pooled_client(),
+            &format!("http://{}/_sim/answers", server.addr),
+            serde_json::json!({"lengths": lengths}).to_string(),
+        )
+        .await
+        .unwrap();
+    }
+
     fn options(server: &dprank_sim::SimServer, time_scale: f64, drain: Drain) -> LoadOptions {
         LoadOptions {
             gateways: vec![format!("http://{}", server.addr)],
@@ -616,6 +632,7 @@ mod tests {
         let plan = crate::workload::Workload::new(crate::workload::WorkloadKind::Tenants)
             .plan(&shape(4.0, 10.0))
             .unwrap();
+        tell(&server, &plan).await;
         let out = run_plan(&plan, &options(&server, 50.0, Drain::Complete))
             .await
             .unwrap();
@@ -669,6 +686,7 @@ mod tests {
         let plan = crate::workload::Workload::new(crate::workload::WorkloadKind::Chat)
             .plan(&shape(6.0, 10.0))
             .unwrap();
+        tell(&server, &plan).await;
         let out = run_plan(&plan, &options(&server, 50.0, Drain::Complete))
             .await
             .unwrap();

@@ -8,15 +8,20 @@ mod demo;
 mod envoy;
 mod figure;
 mod fleet;
+mod headline;
 mod host_calls;
 mod loadgen;
 mod offline;
 mod overhead;
 mod plot;
+mod preset;
 mod procs;
+mod provenance;
 mod report;
 mod runner;
+mod seeds;
 mod selection;
+mod slo;
 mod stats;
 mod suites;
 mod variant;
@@ -30,7 +35,7 @@ use std::time::Duration;
 use clap::{Args, Parser, Subcommand};
 
 use crate::loadgen::{run_plan, Drain, LoadOptions};
-use crate::runner::{FleetShape, Kv, ResultsFile};
+use crate::runner::ResultsFile;
 use crate::suites::{run_suite, Suite, SuiteArgs};
 use crate::workload::{Shape, Workload, WorkloadKind};
 
@@ -49,11 +54,15 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
-    /// A quick look (<= 10 min): two workloads, the headline variants, 3 seeds.
+    /// A quick look (<= 10 min): two workloads, the headline variants, 3 tuning seeds.
     Quick(SuiteArgs),
-    /// The headline tables (`make bench`, <= 60 min): every workload, the headline variants, 10 seeds; then overhead and selection.
-    Bench(BenchArgs),
-    /// Every baseline on every workload, 10 seeds (part of `full`).
+    /// The headline (`make bench`, <= 2 h): capacities, the capacity check, every workload in virtual time, three harness cells, their agreement.
+    Bench(headline::BenchArgs),
+    /// The harness cells of the headline alone (real Envoy, real smg at its default and best setting).
+    Harness(SuiteArgs),
+    /// smg's cache_aware settings on tuning seeds; writes smg-best.json (its best setting per workload).
+    SmgSweep(SuiteArgs),
+    /// Every baseline on every synthetic workload, judging seeds (part of `full`).
     Tables(SuiteArgs),
     /// Offered load x KV size sweep with plots (part of `full`).
     Sweep(SuiteArgs),
@@ -61,16 +70,25 @@ enum Command {
     Pd(SuiteArgs),
     /// smg's PD worker policies at equal freshness (part of `full`).
     PdPolicies(SuiteArgs),
-    /// Everything for the committed results: tables, pd, pd-policies, sweep, overhead, selection.
-    Full(BenchArgs),
-    /// A custom suite: name workloads, variants, loads, KV sizes, seeds.
+    /// tables, pd-policies, pd, sweep, then overhead and selection.
+    Full(FullArgs),
+    /// A custom suite: name workloads, variants, loads, KV sizes, seeds (`--virtual` for virtual time).
     Run(SuiteArgs),
-    /// Measure (or re-measure) the fleet's capacity for workloads and KV sizes.
-    Capacity(CapacityArgs),
+    /// Routing rules in virtual time (a model without Envoy): fast, deterministic; tuning seeds by default.
+    Offline(SuiteArgs),
+    /// Measure (or re-measure) sustainable capacities in virtual time.
+    Capacity(SuiteArgs),
+    /// 10 minutes at 85% and 110% of the sustainable capacity: is it real, and a limit?
+    CapacityCheck(headline::CheckArgs),
+    /// The SLO of each simulator preset and the idle latencies it rests on.
+    Slo,
     /// Rebuild the reports from runs.jsonl without running anything.
     Report {
         #[arg(long, default_value = "bench-results")]
         out: PathBuf,
+        /// Put runs of different commits or machines in one table, flagged.
+        #[arg(long)]
+        allow_mixed: bool,
     },
     /// The demo (`make demo`): one seeded trace through Envoy round robin, then Envoy + dprank.
     Demo(demo::DemoArgs),
@@ -93,12 +111,10 @@ enum Command {
     Selection(selection::SelectionArgs),
     /// The several-gateways figure from stored runs: TTFT p99 ÷ one gateway's against the number of gateways.
     GatewaysFigure(figure::GatewaysFigureArgs),
-    /// Routing rules compared in virtual time (a model without Envoy): fast, deterministic.
-    Offline(offline::OfflineArgs),
 }
 
 #[derive(Debug, Clone, Args)]
-struct BenchArgs {
+struct FullArgs {
     #[arg(long, default_value = "bench-results")]
     out: PathBuf,
     /// Keep finished runs in runs.jsonl and run only the missing ones.
@@ -107,49 +123,12 @@ struct BenchArgs {
     /// Print the runs and their estimated duration, run nothing.
     #[arg(long)]
     dry_run: bool,
-    /// Seeds 1..=N (default 10).
+    /// Seeds: the first N judging seeds (default 10).
     #[arg(long)]
     seeds: Option<u64>,
-    /// Simulated seconds of measured arrivals per run.
-    #[arg(long)]
-    duration: Option<f64>,
-    /// Simulated seconds of warm-up arrivals per run.
-    #[arg(long)]
-    warmup: Option<f64>,
     /// Runs per overhead cell.
     #[arg(long, default_value_t = 3)]
     overhead_runs: usize,
-}
-
-impl BenchArgs {
-    fn suite_args(&self) -> SuiteArgs {
-        SuiteArgs {
-            out: Some(self.out.clone()),
-            resume: self.resume,
-            dry_run: self.dry_run,
-            seeds: self.seeds,
-            duration: self.duration,
-            warmup: self.warmup,
-            ..SuiteArgs::default()
-        }
-    }
-}
-
-#[derive(Debug, Clone, Args)]
-struct CapacityArgs {
-    #[arg(long, default_value = "bench-results")]
-    out: PathBuf,
-    #[arg(
-        long,
-        value_delimiter = ',',
-        default_value = "no-prefix,bursty,tenants,chat,replay"
-    )]
-    workloads: Vec<String>,
-    #[arg(long, value_delimiter = ',', default_value = "small")]
-    kv: Vec<Kv>,
-    /// Default per KV size.
-    #[arg(long)]
-    time_scale: Option<f64>,
 }
 
 #[derive(Debug, Clone, Args)]
@@ -157,9 +136,14 @@ struct LoadArgs {
     /// Base URL(s) to send to; requests spread over them.
     #[arg(long = "target", required = true)]
     targets: Vec<String>,
-    /// Worker address (ip:port) whose /v1/loads is sampled every 100 ms; repeat.
+    /// Worker address (ip:port) whose /v1/loads is sampled every 100 ms, and
+    /// which is told the answer lengths; repeat.
     #[arg(long = "worker")]
     workers: Vec<SocketAddr>,
+    /// Simulated worker (ip:port) told the answer lengths only (no
+    /// sampling); repeat.
+    #[arg(long = "tell")]
+    tell: Vec<SocketAddr>,
     /// The workers' --time-scale: trace times are simulated seconds.
     #[arg(long, default_value_t = 1.0)]
     time_scale: f64,
@@ -180,13 +164,32 @@ struct LoadArgs {
 
 async fn load(args: LoadArgs) -> Result<(), String> {
     let workload = Workload::new(WorkloadKind::parse(&args.workload)?);
+    let legacy = preset::preset(preset::DEFAULT_PRESET)?;
     let plan = workload.plan(&Shape {
         rate: args.rate,
         duration_s: args.duration,
         seed: args.seed,
-        max_prompt: 8192,
-        max_output: runner::MAX_OUTPUT,
+        max_prompt: legacy.max_prompt(runner::Kv::Large),
+        max_output: legacy.max_output,
     })?;
+    // Where each answer ends goes to the simulated workers, not in the requests.
+    let told: Vec<SocketAddr> = args.workers.iter().chain(&args.tell).copied().collect();
+    if told.is_empty() {
+        eprintln!("load: no --worker or --tell given: answers run to their max tokens (the simulator is not told their lengths)");
+    }
+    let client = client::pooled_client();
+    let lengths: serde_json::Map<String, serde_json::Value> = plan
+        .answers()
+        .iter()
+        .map(|(tag, n)| (tag.to_string(), serde_json::Value::from(*n)))
+        .collect();
+    let body = serde_json::json!({"lengths": lengths}).to_string();
+    for worker in &told {
+        let uri = format!("http://{worker}/_sim/answers");
+        if let Err(e) = client::post_json(&client, &uri, body.clone()).await {
+            eprintln!("load: {e} (its answers run to their max tokens)");
+        }
+    }
     let options = LoadOptions {
         gateways: args.targets,
         spread: loadgen::Spread::Request,
@@ -233,24 +236,31 @@ async fn load(args: LoadArgs) -> Result<(), String> {
 }
 
 async fn suite(
-    tools: &fleet::Tools,
-    preset: &str,
+    tools: Option<&fleet::Tools>,
+    name: &str,
     args: &SuiteArgs,
     command_line: &str,
+    root: &std::path::Path,
 ) -> Result<(), String> {
-    let suite = args.apply(Suite::preset(preset)?)?;
-    run_suite(tools, &suite, args, command_line).await
+    let suite = args.apply(Suite::named(name)?)?;
+    run_suite(tools, &suite, args, command_line, root).await
 }
 
-async fn bench(
+async fn full(
     tools: &fleet::Tools,
-    args: &BenchArgs,
-    presets: &[&str],
+    args: &FullArgs,
     command_line: &str,
+    root: &std::path::Path,
 ) -> Result<(), String> {
-    let suite_args = args.suite_args();
-    for preset in presets {
-        suite(tools, preset, &suite_args, command_line).await?;
+    let suite_args = SuiteArgs {
+        out: Some(args.out.clone()),
+        resume: args.resume,
+        dry_run: args.dry_run,
+        seeds: args.seeds,
+        ..SuiteArgs::default()
+    };
+    for name in ["tables", "pd-policies", "pd", "sweep"] {
+        suite(Some(tools), name, &suite_args, command_line, root).await?;
     }
     if args.dry_run {
         println!("then overhead (about 2 min) and selection (about 1 min)");
@@ -265,8 +275,44 @@ async fn bench(
     selection::selection(&selection_args, command_line)
 }
 
+/// Measures the sustainable capacities a suite's settings name.
+fn capacities(args: &SuiteArgs, command_line: &str, root: &std::path::Path) -> Result<(), String> {
+    let mut suite = args.apply(Suite::named("run")?)?;
+    suite.jobs = args.jobs.unwrap_or_else(cpu::cores);
+    let (slo, why) = match suite.slo {
+        Some(slo) => (slo, "set on the command line".into()),
+        None => slo::resolve(suite.preset)?,
+    };
+    println!("SLO: TTFT <= {} ms ({why})", slo.ttft_ms);
+    let dir = args.capacity_dir.clone().unwrap_or_else(|| suite.out.clone());
+    let file = capacity::CapacityFile::new(&dir);
+    let provenance = provenance::Provenance::current(root, command_line);
+    suites::capacities(&suite, slo, &file, args.remeasure, args.dry_run, &provenance)?;
+    println!("capacities in {}", file.path.display());
+    Ok(())
+}
+
+/// Every preset's SLO with the idle latencies behind it.
+fn slos() -> Result<(), String> {
+    for p in &preset::PRESETS {
+        let idle = slo::idle_latencies(p, preset::IDLE_PROMPT_TOKENS);
+        let resolved = slo::resolve(p);
+        match (idle, resolved) {
+            (Ok((ttft, tpot)), Ok((slo, why))) => println!(
+                "{}: idle TTFT {ttft:.1} ms, TPOT {tpot:.2} ms ({}-token prompt); SLO TTFT <= {} ms, TPOT <= {} ms: {why}",
+                p.name,
+                preset::IDLE_PROMPT_TOKENS,
+                slo.ttft_ms,
+                slo.tpot_ms
+            ),
+            (Err(e), _) | (_, Err(e)) => println!("{}: {e}", p.name),
+        }
+    }
+    Ok(())
+}
+
 /// Rebuilds every suite's report from the records.
-fn rebuild_reports(out: &std::path::Path, command_line: &str) -> Result<(), String> {
+fn rebuild_reports(out: &std::path::Path, allow_mixed: bool, command_line: &str) -> Result<(), String> {
     let records = ResultsFile::new(&out.join("runs.jsonl")).load()?;
     let mut names: Vec<String> = Vec::new();
     for r in &records {
@@ -275,17 +321,20 @@ fn rebuild_reports(out: &std::path::Path, command_line: &str) -> Result<(), Stri
         }
     }
     for name in names {
-        let mut suite = Suite::preset(&name).or_else(|_| Suite::preset("run"))?;
+        let mut suite = Suite::named(&name).or_else(|_| Suite::named("run"))?;
         suite.name = name.clone();
         let mine: Vec<_> = records.iter().filter(|r| r.suite == name).cloned().collect();
-        let path = suites::write_report(
-            out,
-            &suite,
-            &mine,
-            &[],
-            command_line,
-            &capacity::CapacityFile::new(out),
-        )?;
+        if let Some(first) = mine.first() {
+            suite.preset = preset::preset(first.preset_name())?;
+            suite.virtual_time = first.mode.as_deref() == Some("virtual");
+        }
+        let context = suites::ReportContext {
+            slo_why: "as recorded".into(),
+            capacities: capacity::CapacityFile::new(out).load()?,
+            allow_mixed,
+            smg_best: suites::SmgBest::load(&out.join(suites::SMG_BEST_FILE))?,
+        };
+        let path = suites::write_report(out, &suite, &mine, &[], command_line, &context)?;
         println!("wrote {}", path.display());
     }
     Ok(())
@@ -298,48 +347,32 @@ async fn run(cli: Cli) -> Result<(), String> {
         .collect::<Vec<_>>()
         .join(" ");
     let tools = || fleet::Tools::find(&cli.root);
+    let root = cli.root.as_path();
+    let line = command_line.as_str();
     match &cli.command {
-        Command::Quick(args) => suite(&tools()?, "quick", args, &command_line).await,
-        Command::Tables(args) => suite(&tools()?, "tables", args, &command_line).await,
-        Command::Sweep(args) => suite(&tools()?, "sweep", args, &command_line).await,
-        Command::Pd(args) => suite(&tools()?, "pd", args, &command_line).await,
-        Command::PdPolicies(args) => suite(&tools()?, "pd-policies", args, &command_line).await,
-        Command::Run(args) => suite(&tools()?, "run", args, &command_line).await,
-        Command::Bench(args) => bench(&tools()?, args, &["bench"], &command_line).await,
-        Command::Full(args) => {
-            bench(
-                &tools()?,
-                args,
-                &["tables", "pd-policies", "pd", "sweep"],
-                &command_line,
-            )
-            .await
+        Command::Quick(args) => suite(Some(&tools()?), "quick", args, line, root).await,
+        Command::Harness(args) => suite(Some(&tools()?), "harness", args, line, root).await,
+        Command::SmgSweep(args) => suite(Some(&tools()?), "smg-sweep", args, line, root).await,
+        Command::Tables(args) => suite(Some(&tools()?), "tables", args, line, root).await,
+        Command::Sweep(args) => suite(Some(&tools()?), "sweep", args, line, root).await,
+        Command::Pd(args) => suite(Some(&tools()?), "pd", args, line, root).await,
+        Command::PdPolicies(args) => suite(Some(&tools()?), "pd-policies", args, line, root).await,
+        Command::Run(args) if args.virtual_time => suite(None, "run", args, line, root).await,
+        Command::Run(args) => suite(Some(&tools()?), "run", args, line, root).await,
+        Command::Offline(args) => suite(None, "offline", args, line, root).await,
+        Command::Bench(args) => {
+            let tools = if args.no_harness || args.dry_run {
+                None
+            } else {
+                Some(tools()?)
+            };
+            headline::bench(tools.as_ref(), args, line, root).await
         }
-        Command::Capacity(args) => {
-            let tools = tools()?;
-            let features = variant::SimFeatures::detect(&tools.sim)?;
-            let file = capacity::CapacityFile::new(&args.out);
-            for w in &args.workloads {
-                let workload = Workload::new(WorkloadKind::parse(w)?);
-                for kv in &args.kv {
-                    let time_scale = args.time_scale.unwrap_or_else(|| suites::default_time_scale(*kv));
-                    let entry = capacity::measure(
-                        &tools,
-                        &features,
-                        &workload,
-                        *kv,
-                        FleetShape::default(),
-                        time_scale,
-                    )
-                    .await?;
-                    println!("{}, KV {}: {:.2} req/s", entry.workload, entry.kv, entry.rps);
-                    file.store(&entry)?;
-                }
-            }
-            println!("wrote {}", file.path.display());
-            Ok(())
-        }
-        Command::Report { out } => rebuild_reports(out, &command_line),
+        Command::Full(args) => full(&tools()?, args, line, root).await,
+        Command::Capacity(args) => capacities(args, line, root),
+        Command::CapacityCheck(args) => headline::capacity_check(args, line, root).map(|_| ()),
+        Command::Slo => slos(),
+        Command::Report { out, allow_mixed } => rebuild_reports(out, *allow_mixed, line),
         Command::GatewaysFigure(args) => figure::gateways_figure(args),
         Command::Demo(args) => demo::demo(&tools()?, args).await,
         Command::MakeTrace { seed, requests, out } => {
@@ -353,10 +386,9 @@ async fn run(cli: Cli) -> Result<(), String> {
             Ok(())
         }
         Command::Load(args) => load(args.clone()).await,
-        Command::Overhead(args) => overhead::overhead(&tools()?, args, &command_line).await,
-        Command::HostCalls(args) => host_calls::host_calls(&tools()?, args, &command_line).await,
-        Command::Selection(args) => selection::selection(args, &command_line),
-        Command::Offline(args) => offline::offline(args, &command_line),
+        Command::Overhead(args) => overhead::overhead(&tools()?, args, line).await,
+        Command::HostCalls(args) => host_calls::host_calls(&tools()?, args, line).await,
+        Command::Selection(args) => selection::selection(args, line),
     }
 }
 

@@ -5,8 +5,13 @@
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 
+use crate::cpu::CpuUse;
 use crate::runner::RunRecord;
-use crate::stats::{median, min_max, paired_ratio, percentile, tail_samples, PairedRatio};
+use crate::seeds::describe_seeds;
+use crate::stats::{
+    all_once, cluster_estimate, median, min_max, paired_cluster_ratio, percentile, tail_samples, Pooled,
+    SeedRequests,
+};
 
 /// "median (min–max)" with `decimals`; the range is omitted for a single value.
 pub fn fmt_spread(values: &[f64], decimals: usize) -> String {
@@ -76,26 +81,41 @@ pub fn report_header(title: &str, command_line: &str) -> String {
     )
 }
 
-/// The records of one table: same suite, workload, KV, offered rate and
-/// time scale; one entry per variant, in first-seen order.
+/// The records of one table: same workload, KV, offered rate, time scale,
+/// simulator preset and mode; one entry per variant, in first-seen order.
 pub struct Group<'a> {
     pub workload: String,
     pub kv: String,
     pub load: Option<f64>,
     pub rate: f64,
     pub time_scale: f64,
+    pub preset: String,
+    pub mode: String,
     pub variants: Vec<(String, Vec<&'a RunRecord>)>,
+}
+
+fn mode_of(r: &RunRecord) -> String {
+    r.mode.clone().unwrap_or_else(|| {
+        if r.freshness.starts_with("offline model") {
+            "virtual".into()
+        } else {
+            "harness".into()
+        }
+    })
 }
 
 /// Groups `records` into tables, in first-seen order.
 pub fn group(records: &[RunRecord]) -> Vec<Group<'_>> {
     let mut groups: Vec<Group> = Vec::new();
     for r in records {
+        let mode = mode_of(r);
         let at = groups.iter().position(|g| {
             g.workload == r.workload
                 && g.kv == r.kv
                 && (g.rate - r.rate).abs() < 1e-6
                 && g.time_scale == r.time_scale
+                && g.preset == r.preset_name()
+                && g.mode == mode
         });
         let g = match at {
             Some(i) => &mut groups[i],
@@ -106,6 +126,8 @@ pub fn group(records: &[RunRecord]) -> Vec<Group<'_>> {
                     load: r.load,
                     rate: r.rate,
                     time_scale: r.time_scale,
+                    preset: r.preset_name().to_string(),
+                    mode,
                     variants: Vec::new(),
                 });
                 let last = groups.len() - 1;
@@ -120,12 +142,53 @@ pub fn group(records: &[RunRecord]) -> Vec<Group<'_>> {
     groups
 }
 
+impl Group<'_> {
+    pub fn all(&self) -> impl Iterator<Item = &RunRecord> {
+        self.variants.iter().flat_map(|(_, r)| r.iter().copied())
+    }
+
+    /// Why this table must not stand as one comparison: runs from several
+    /// commits or machines.
+    pub fn mixed(&self) -> Option<String> {
+        crate::provenance::mixed(self.all().map(|r| r.provenance.as_ref()))
+    }
+
+    fn runs_of(&self, variant: &str) -> Option<&[&RunRecord]> {
+        self.variants
+            .iter()
+            .find(|(v, _)| v == variant)
+            .map(|(_, r)| r.as_slice())
+    }
+}
+
+/// The groups' mixing of commits or machines: an error unless `allow`, then
+/// a line per mixed table to print loudly.
+pub fn check_mixed(groups: &[Group], allow: bool) -> Result<Vec<String>, String> {
+    let mixed: Vec<String> = groups
+        .iter()
+        .filter_map(|g| g.mixed().map(|why| format!("{}: {why}", group_title(g))))
+        .collect();
+    if mixed.is_empty() || allow {
+        Ok(mixed)
+    } else {
+        Err(format!(
+            "refusing to put runs of different commits or machines in one table (--allow-mixed flags them instead):\n  {}",
+            mixed.join("\n  ")
+        ))
+    }
+}
+
 pub fn per_seed(runs: &[&RunRecord], f: impl Fn(&RunRecord) -> f64) -> Vec<(u64, f64)> {
     runs.iter().map(|r| (r.seed, f(r))).collect()
 }
 
 pub fn values(runs: &[&RunRecord], f: impl Fn(&RunRecord) -> f64) -> Vec<f64> {
     runs.iter().map(|r| f(r)).collect()
+}
+
+/// Every run's measured requests, for pooled figures.
+pub fn seed_requests(runs: &[&RunRecord]) -> Vec<SeedRequests> {
+    runs.iter().map(|r| r.requests()).collect()
 }
 
 fn opt(v: Option<f64>) -> f64 {
@@ -140,39 +203,48 @@ fn cell(v: f64, decimals: usize) -> String {
     }
 }
 
-fn ratio_cell(r: Option<PairedRatio>) -> String {
-    r.map_or("–".into(), |r| r.display())
+/// A pooled TTFT percentile.
+pub fn pooled_ttft(p: f64) -> impl Fn(&Pooled, &[u32]) -> f64 {
+    move |pooled, w| pooled.percentile(w, p)
 }
 
-/// The table of one group: medians over seeds, and `reference ÷ variant`
-/// paired ratios with 95% bootstrap intervals.
+/// Pooled goodput.
+pub fn pooled_goodput(pooled: &Pooled, w: &[u32]) -> f64 {
+    pooled.goodput(w)
+}
+
+/// The table of one group: pooled TTFT percentiles and goodput with their
+/// cluster-bootstrap intervals (seeds resampled), the per-seed medians
+/// beside them, and `reference ÷ variant` of the pooled figures, paired by
+/// seed (the same resample for both).
 pub fn group_table(g: &Group, reference: &str) -> String {
     let header = [
         "variant",
         "seeds",
-        "TTFT p50",
-        "TTFT p90",
-        "TTFT p99 (min–max)",
-        "goodput",
-        "cache hit",
-        "rank imbalance",
-        "load polls/s/worker",
-        "errors",
-        &format!("{reference} ÷ this: TTFT p99"),
+        "requests",
+        "TTFT p50 pooled [95%]",
+        "TTFT p90 pooled [95%]",
+        "TTFT p99 pooled [95%]",
+        "per-seed median p90 / p99 (p99 min–max)",
+        "goodput pooled [95%]",
         &format!("{reference} ÷ this: TTFT p90"),
+        &format!("{reference} ÷ this: TTFT p99"),
         &format!("{reference} ÷ this: goodput"),
+        "cache hit",
+        "load polls/s/worker",
+        "CPU-bound runs",
+        "errors",
     ];
-    let reference_runs = g
-        .variants
-        .iter()
-        .find(|(v, _)| v == reference)
-        .map(|(_, r)| r.as_slice());
+    let reference_requests = g.runs_of(reference).map(seed_requests);
     let mut rows = Vec::new();
     for (variant, runs) in &g.variants {
-        let ratio = |f: &dyn Fn(&RunRecord) -> f64| -> String {
-            match reference_runs {
-                Some(reference_runs) if variant != reference => {
-                    ratio_cell(paired_ratio(&per_seed(reference_runs, f), &per_seed(runs, f)))
+        let requests = seed_requests(runs);
+        let pooled = Pooled::new(&requests);
+        let estimate = |p: f64| cluster_estimate(&pooled, pooled_ttft(p)).display(0);
+        let ratio = |figure: &dyn Fn(&Pooled, &[u32]) -> f64| -> String {
+            match &reference_requests {
+                Some(base) if variant != reference => {
+                    paired_cluster_ratio(base, &requests, figure).map_or("–".into(), |e| e.display_ratio())
                 }
                 _ => "–".into(),
             }
@@ -182,20 +254,37 @@ pub fn group_table(g: &Group, reference: &str) -> String {
         } else {
             format!("`{variant}`")
         };
+        let bound = runs
+            .iter()
+            .filter(|r| r.cpu.as_ref().is_some_and(|c| c.bound.is_some()))
+            .count();
+        let measured_cpu = runs.iter().filter(|r| r.cpu.is_some()).count();
         rows.push(vec![
             name,
             runs.len().to_string(),
-            cell(median(&values(runs, |r| r.ttft_p50)), 0),
-            cell(median(&values(runs, |r| r.ttft_p90)), 0),
-            fmt_spread(&values(runs, |r| r.ttft_p99), 0),
-            cell(median(&values(runs, |r| r.goodput)) * 100.0, 1) + " %",
+            pooled.requests().to_string(),
+            estimate(50.0),
+            estimate(90.0),
+            estimate(99.0),
+            format!(
+                "{} / {}",
+                cell(median(&values(runs, |r| r.ttft_p90)), 0),
+                fmt_spread(&values(runs, |r| r.ttft_p99), 0)
+            ),
+            cluster_estimate(&pooled, pooled_goodput).scaled(100.0).display(1) + " %",
+            ratio(&pooled_ttft(90.0)),
+            ratio(&pooled_ttft(99.0)),
+            ratio(&pooled_goodput),
             cell(median(&values(runs, |r| opt(r.cache_hit))) * 100.0, 1) + " %",
-            cell(median(&values(runs, |r| opt(r.imbalance))), 3),
             cell(median(&values(runs, |r| r.load_polls_per_worker_s)), 1),
+            if measured_cpu == 0 {
+                "–".into()
+            } else if bound > 0 {
+                format!("**{bound} of {measured_cpu}**")
+            } else {
+                format!("0 of {measured_cpu}")
+            },
             runs.iter().map(|r| r.errors).sum::<usize>().to_string(),
-            ratio(&|r| r.ttft_p99),
-            ratio(&|r| r.ttft_p90),
-            ratio(&|r| r.goodput),
         ]);
     }
     markdown_table(&header, &rows)
@@ -204,29 +293,65 @@ pub fn group_table(g: &Group, reference: &str) -> String {
 /// Notes under a table: set-up facts every reader needs.
 pub fn group_notes(g: &Group) -> String {
     let mut md = String::new();
-    let all: Vec<&RunRecord> = g.variants.iter().flat_map(|(_, r)| r.iter().copied()).collect();
+    let all: Vec<&RunRecord> = g.all().collect();
+    if let Some(why) = g.mixed() {
+        let _ = writeln!(
+            md,
+            "\n- **WARNING: this table mixes {why}; its comparisons do not hold.**"
+        );
+    }
     let sent: Vec<f64> = all.iter().map(|r| r.sent as f64).collect();
     let per_seed = median(&sent);
-    let seeds = g.variants.iter().map(|(_, r)| r.len()).max().unwrap_or(0);
+    let seeds: Vec<u64> = {
+        let mut s: Vec<u64> = all.iter().map(|r| r.seed).collect();
+        s.sort_unstable();
+        s.dedup();
+        s
+    };
     let first = all.first().copied();
-    let slo = first.map(|r| r.slo);
     let warmup = first.map_or(0.0, |r| r.warmup_s);
     let _ = writeln!(
         md,
-        "\n- {} measured requests per seed (median), sent over {} simulated s after {} s of warm-up arrivals that are not counted; a seed's TTFT p99 rests on its {} largest TTFTs, and pooled over {} seeds on {}.",
+        "\n- Seeds: {}. {} measured requests per seed (median), sent over {} simulated s after {} s of warm-up arrivals that are not counted; a seed's TTFT p99 rests on its {} largest TTFTs, the pooled p99 on {}.",
+        describe_seeds(&seeds),
         per_seed as usize,
         first.map_or(0.0, |r| r.duration_s),
         warmup,
         tail_samples(per_seed as usize, 99.0),
-        seeds,
-        tail_samples(per_seed as usize * seeds, 99.0)
+        tail_samples(per_seed as usize * seeds.len(), 99.0)
     );
-    if let Some(slo) = slo {
+    let lengthened: Vec<f64> = all.iter().filter_map(|r| r.lengthened_from_s).collect();
+    if let (Some(from), Some(r)) = (lengthened.first(), first) {
+        let _ = writeln!(
+            md,
+            "- The measured window was lengthened from {from} s to {} s so each seed holds at least 1,000 requests at this rate.",
+            r.duration_s
+        );
+    }
+    let _ = writeln!(
+        md,
+        "- Pooled: every seed's measured requests together (a failed request counts as an infinite TTFT); [95%] intervals from a cluster bootstrap ({} resamples of the seeds, the same resample for both sides of a ratio). With few seeds these intervals are optimistic.",
+        crate::stats::CLUSTER_RESAMPLES
+    );
+    if let Some(r) = first {
+        if let Some(source) = &r.source {
+            let _ = writeln!(
+                md,
+                "- Requests: {source}; {}.",
+                r.output_cap.as_deref().unwrap_or("max tokens as recorded")
+            );
+        }
         let _ = writeln!(
             md,
             "- goodput: share of sent requests with TTFT <= {} ms and mean time per output token <= {} ms (simulated); failed requests count as missing it.",
-            slo.ttft_ms, slo.tpot_ms
+            r.slo.ttft_ms, r.slo.tpot_ms
         );
+        if let Some((method, rps)) = &r.capacity {
+            let _ = writeln!(
+                md,
+                "- Capacity the load is a share of: {rps:.2} req/s ({method})."
+            );
+        }
     }
     let _ = writeln!(
         md,
@@ -235,19 +360,71 @@ pub fn group_notes(g: &Group) -> String {
     );
     for (variant, runs) in &g.variants {
         if let Some(r) = runs.first() {
-            let _ = writeln!(md, "  - `{variant}`: {}", r.freshness);
+            let model = if variant_is_model(variant, g) {
+                " (a model of smg, not smg)"
+            } else {
+                ""
+            };
+            let _ = writeln!(md, "  - `{variant}`{model}: {}", r.freshness);
         }
     }
-    let busy: Vec<f64> = all.iter().filter_map(|r| r.cpu_busy).collect();
-    if !busy.is_empty() {
+    let cpu: Vec<&CpuUse> = all.iter().filter_map(|r| r.cpu.as_ref()).collect();
+    if !cpu.is_empty() {
+        let m = |f: &dyn Fn(&CpuUse) -> f64| median(&cpu.iter().map(|c| f(c)).collect::<Vec<_>>());
+        let bound: Vec<String> = all
+            .iter()
+            .filter_map(|r| {
+                Some(format!(
+                    "`{}` seed {}: {}",
+                    r.variant,
+                    r.seed,
+                    r.cpu.as_ref()?.bound.as_ref()?
+                ))
+            })
+            .collect();
         let _ = writeln!(
             md,
-            "- CPU busy during runs: median {:.0} %, max {:.0} % of {} cores (load generator, simulator and gateways share them).",
-            median(&busy) * 100.0,
-            percentile(&busy, 100.0) * 100.0,
-            crate::cpu::machine_cores()
+            "- CPU, cores used on average over a run (median of runs): load generator {:.2}, gateways {:.2}, simulator {:.2}; the machine {:.2} of {} cores (other users included). A run is CPU-bound when the machine's cores were at least {:.0}% busy or the gateways or load generator alone used that share of them.",
+            m(&|c| c.load_generator),
+            m(&|c| c.gateways),
+            m(&|c| c.simulator),
+            m(&|c| c.machine),
+            cpu[0].cores,
+            crate::cpu::BOUND_SHARE * 100.0
         );
+        if !bound.is_empty() {
+            let _ = writeln!(
+                md,
+                "- **CPU-BOUND runs ({} of {}): they measured the machine, not the router**: {}.",
+                bound.len(),
+                cpu.len(),
+                bound.join("; ")
+            );
+        }
+    } else {
+        let busy: Vec<f64> = all.iter().filter_map(|r| r.cpu_busy).collect();
+        if !busy.is_empty() {
+            let _ = writeln!(
+                md,
+                "- CPU busy during runs: median {:.0} %, max {:.0} % of the machine's cores (per-process use not recorded).",
+                median(&busy) * 100.0,
+                percentile(&busy, 100.0) * 100.0,
+            );
+        }
     }
+    let mut notes: Vec<&String> = all.iter().flat_map(|r| r.notes.iter()).collect();
+    notes.sort();
+    notes.dedup();
+    for note in notes.iter().take(5) {
+        let _ = writeln!(md, "- Plan: {note}");
+    }
+    let (commits, machines) = crate::provenance::distinct(all.iter().map(|r| r.provenance.as_ref()));
+    let _ = writeln!(
+        md,
+        "- Commit {}; machine {}.",
+        commits.join(", "),
+        machines.join(" / ")
+    );
     let errors: Vec<&String> = all.iter().flat_map(|r| r.error_examples.iter()).take(3).collect();
     for e in errors {
         let _ = writeln!(md, "- error seen: `{e}`");
@@ -255,27 +432,45 @@ pub fn group_notes(g: &Group) -> String {
     md
 }
 
+/// Whether `variant` runs as our model of smg (virtual-time tables).
+fn variant_is_model(variant: &str, g: &Group) -> bool {
+    g.mode == "virtual" && variant.starts_with("smg")
+}
+
 /// The title line of a group.
 pub fn group_title(g: &Group) -> String {
     let load = g
         .load
         .map_or(String::new(), |l| format!("{:.0}% of capacity, ", l * 100.0));
+    let (source, when) = match g.mode.as_str() {
+        "virtual" => ("virtual time (offline model)", String::new()),
+        _ => ("harness", format!(", time scale {}", g.time_scale)),
+    };
+    let real = if g
+        .all()
+        .any(|r| r.source.as_deref().is_some_and(|s| s.starts_with("real")))
+    {
+        "real trace"
+    } else {
+        "synthetic"
+    };
     format!(
-        "`{}`, KV {}, offered {}{:.2} req/s (simulated), time scale {}",
-        g.workload, g.kv, load, g.rate, g.time_scale
+        "`{}` ({real}), KV {}, offered {}{:.2} req/s (simulated), preset `{}`, {source}{when}",
+        g.workload, g.kv, load, g.rate, g.preset
     )
 }
 
-/// Per (workload, KV): variant -> (load, median of `f` over seeds), for plots.
+/// Per (workload, KV): variant -> (load, pooled `f` over seeds), for plots.
 pub type SweepSeries = BTreeMap<(String, String), Vec<(String, Vec<(f64, f64)>)>>;
 
-pub fn sweep_series(groups: &[Group], f: impl Fn(&RunRecord) -> f64) -> SweepSeries {
+pub fn sweep_series(groups: &[Group], f: impl Fn(&Pooled, &[u32]) -> f64) -> SweepSeries {
     let mut out: SweepSeries = BTreeMap::new();
     for g in groups {
         let Some(load) = g.load else { continue };
         let entry = out.entry((g.workload.clone(), g.kv.clone())).or_default();
         for (variant, runs) in &g.variants {
-            let y = median(&values(runs, &f));
+            let pooled = Pooled::new(&seed_requests(runs));
+            let y = f(&pooled, &all_once(pooled.seeds()));
             match entry.iter_mut().find(|(v, _)| v == variant) {
                 Some((_, points)) => points.push((load, y)),
                 None => entry.push((variant.clone(), vec![(load, y)])),
@@ -310,17 +505,24 @@ pub(crate) mod tests {
             seed,
             fleet: "2 workers x 4 ranks".into(),
             freshness: "f".into(),
+            mode: None,
+            preset: None,
+            source: None,
+            output_cap: None,
+            capacity: None,
+            lengthened_from_s: None,
+            notes: vec![],
             warmup_requests: 100,
-            sent: 300,
-            ok: 300,
+            sent: 100,
+            ok: 100,
             errors: 0,
             abandoned: 0,
             beyond_horizon: 0,
             error_examples: vec![],
             mean_input_tokens: 300.0,
             mean_output_tokens: 200.0,
-            per_gateway: vec![300],
-            ttft_ms: vec![],
+            per_gateway: vec![100],
+            ttft_ms: (1..=100).map(|i| (f64::from(i) * p99 / 99.0) as f32).collect(),
             ttft_p50: 30.0,
             ttft_p90: p99 / 2.0,
             ttft_p99: p99,
@@ -343,9 +545,12 @@ pub(crate) mod tests {
             served_per_rank: vec![],
             load_polls_per_worker_s: 1.0,
             cpu_busy: Some(0.4),
+            cpu: None,
+            good: None,
             wall_s: 10.0,
             dprank_counters: None,
             started: "t".into(),
+            provenance: None,
         }
     }
 
@@ -366,18 +571,44 @@ pub(crate) mod tests {
         assert!(group_title(&groups[0]).contains("85% of capacity"));
         let notes = group_notes(&groups[0]);
         assert!(
-            notes.contains("300 measured requests per seed")
-                && notes.contains("4 largest")
-                && notes.contains("4 seeds on 13"),
+            notes.contains("100 measured requests per seed")
+                && notes.contains("2 largest")
+                && notes.contains("pooled p99 on 5"),
             "{notes}"
         );
-        let series = sweep_series(&groups, |r| r.ttft_p99);
+        let series = sweep_series(&groups, pooled_ttft(99.0));
         let rr = &series[&("no-prefix".to_string(), "small".to_string())]
             .iter()
             .find(|(v, _)| v == "rr")
             .unwrap()
             .1;
-        assert_eq!(rr, &vec![(0.5, 50.0), (0.85, 500.0)]);
+        let all: Vec<f64> = records
+            .iter()
+            .filter(|r| r.variant == "rr" && r.rate == 8.5)
+            .flat_map(|r| r.ttft_ms.iter().map(|v| f64::from(*v)))
+            .collect();
+        assert_eq!(rr[0], (0.5, f64::from(50.0f32)));
+        assert_eq!(rr[1], (0.85, percentile(&all, 99.0)));
+    }
+
+    #[test]
+    fn tables_of_several_commits_are_refused_unless_flagged() {
+        let mut a = record("dprank", 1, 100.0, 8.5);
+        a.provenance = Some(crate::provenance::Provenance {
+            commit: "aaa".into(),
+            machine: "EPYC, 2 cores, Linux 6".into(),
+            ..Default::default()
+        });
+        let mut b = record("rr", 1, 100.0, 8.5);
+        b.provenance = Some(crate::provenance::Provenance {
+            commit: "bbb".into(),
+            ..a.provenance.clone().unwrap()
+        });
+        let records = vec![a, b];
+        let groups = group(&records);
+        assert!(check_mixed(&groups, false).unwrap_err().contains("aaa, bbb"));
+        assert_eq!(check_mixed(&groups, true).unwrap().len(), 1);
+        assert!(group_notes(&groups[0]).contains("WARNING"));
     }
 
     #[test]

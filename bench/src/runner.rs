@@ -12,14 +12,16 @@ use std::time::{Duration, Instant};
 use serde::{Deserialize, Serialize};
 
 use crate::client::{pooled_client, PooledClient};
-use crate::cpu::CpuTimes;
+use crate::cpu::{CpuMeter, CpuTimes, CpuUse};
 use crate::envoy::{Balancer, DprankSettings};
 use crate::fleet::{
     dprank_counters, smg_front, smg_launch_args, start_envoy, start_envoy_pd, DprankCounters, Front,
     SimFleet, Tools,
 };
 use crate::loadgen::{imbalance, run_plan, Drain, LoadOptions, RunOutput};
-use crate::stats::{goodput, percentile, Slo};
+use crate::preset::SimPreset;
+use crate::provenance::Provenance;
+use crate::stats::{goodput, percentile, SeedRequests, Slo};
 use crate::variant::{Dispatch, Front as VariantFront, SimFeatures, Variant};
 use crate::workload::{Shape, Workload};
 
@@ -27,9 +29,9 @@ use crate::workload::{Shape, Workload};
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, clap::ValueEnum)]
 #[serde(rename_all = "kebab-case")]
 pub enum Kv {
-    /// 10k tokens and 32 sequences per rank: ranks fill and queue.
+    /// Ranks fill and queue (the preset's `small` regime).
     Small,
-    /// 30k tokens and 64 sequences per rank: more room, batches run longer.
+    /// More room, batches run longer (the preset's `large` regime).
     Large,
 }
 
@@ -40,53 +42,7 @@ impl Kv {
             Kv::Large => "large",
         }
     }
-
-    pub fn tokens(self) -> u32 {
-        match self {
-            Kv::Small => 10_000,
-            Kv::Large => 30_000,
-        }
-    }
-
-    pub fn max_running(self) -> u32 {
-        match self {
-            Kv::Small => 32,
-            Kv::Large => 64,
-        }
-    }
-
-    pub fn describe(self) -> String {
-        format!(
-            "{} KV tokens and {} running sequences per rank",
-            self.tokens(),
-            self.max_running()
-        )
-    }
-
-    /// The model flags of every simulated worker. The cost model stays the
-    /// simulator's legacy one (prefill 20k tokens/s, decode 20 ms + 0.25 µs
-    /// per KV token), with which the stored records and capacities were
-    /// made, until the harness is recalibrated to the fitted presets.
-    pub fn sim_args(self) -> Vec<String> {
-        vec![
-            "--cost-model".into(),
-            "legacy".into(),
-            "--kv-capacity".into(),
-            self.tokens().to_string(),
-            "--max-running".into(),
-            self.max_running().to_string(),
-        ]
-    }
-
-    /// The longest prompt a workload may send: what a rank holds with room
-    /// for the longest output.
-    pub fn max_prompt(self) -> u32 {
-        self.tokens().saturating_sub(MAX_OUTPUT + 16).min(8192)
-    }
 }
-
-/// Longest output any workload asks for.
-pub const MAX_OUTPUT: u32 = 1024;
 
 /// Workers and ranks of the simulated fleets.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -118,6 +74,8 @@ pub struct Cell {
     pub variant: Variant,
     pub seed: u64,
     pub kv: Kv,
+    /// The simulated model and its regime.
+    pub preset: &'static SimPreset,
     /// Offered requests per simulated second.
     pub rate: f64,
     /// The offered load as a fraction of the measured capacity, when known.
@@ -125,11 +83,27 @@ pub struct Cell {
     /// Simulated seconds of arrivals before the measured window: the fleet
     /// fills up first, so the figures describe a loaded fleet, not an empty one.
     pub warmup_s: f64,
-    /// Simulated seconds of arrivals that are measured.
+    /// Simulated seconds of arrivals that are measured (lengthened from
+    /// the suite's window when that would hold too few requests).
     pub duration_s: f64,
+    /// The suite's measured window before any lengthening.
+    pub nominal_duration_s: f64,
     pub time_scale: f64,
     pub fleet: FleetShape,
     pub slo: Slo,
+    /// What the offered load is a fraction of (method, rate), when known.
+    pub capacity: Option<(String, f64)>,
+    pub provenance: Provenance,
+}
+
+/// The measured window for `rate`: `duration_s`, or longer when that holds
+/// fewer than `min_requests` arrivals (whole seconds).
+pub fn measured_window(rate: f64, duration_s: f64, min_requests: usize) -> f64 {
+    if rate > 0.0 && rate * duration_s < min_requests as f64 {
+        (min_requests as f64 / rate).ceil()
+    } else {
+        duration_s
+    }
 }
 
 impl Cell {
@@ -137,17 +111,30 @@ impl Cell {
     /// the run's settings (`settings_of` takes them back out).
     pub fn key(&self) -> String {
         format!(
-            "{}|{}|{}|{}|{:.4}|{}|{}+{}|{}",
+            "{}|{}|{}|{}|{:.4}|{}|{}+{}|{}|{}|{}",
             self.suite,
-            self.workload.kind.name(),
+            self.workload.name(),
             self.kv.name(),
             self.variant.name,
             self.rate,
             self.seed,
             self.warmup_s,
             self.duration_s,
-            self.time_scale
+            self.time_scale,
+            self.preset.name,
+            self.workload.cap.describe()
         )
+    }
+
+    /// What the workload's plan is drawn with.
+    pub fn shape(&self) -> Shape {
+        Shape {
+            rate: self.rate,
+            duration_s: self.warmup_s + self.duration_s,
+            seed: self.seed,
+            max_prompt: self.preset.max_prompt(self.kv),
+            max_output: self.preset.max_output,
+        }
     }
 }
 
@@ -177,6 +164,28 @@ pub struct RunRecord {
     pub seed: u64,
     pub fleet: String,
     pub freshness: String,
+    /// `harness` (real processes) or `virtual` (the offline model).
+    #[serde(default)]
+    pub mode: Option<String>,
+    /// The simulator preset (None: records made before presets: `legacy`).
+    #[serde(default)]
+    pub preset: Option<String>,
+    /// Real trace or synthetic generator (`Workload::source`).
+    #[serde(default)]
+    pub source: Option<String>,
+    /// What `max_tokens` the requests carried.
+    #[serde(default)]
+    pub output_cap: Option<String>,
+    /// What the offered load is a fraction of: method and rate.
+    #[serde(default)]
+    pub capacity: Option<(String, f64)>,
+    /// The suite's measured window when this run's was lengthened to hold
+    /// enough requests.
+    #[serde(default)]
+    pub lengthened_from_s: Option<f64>,
+    /// Facts about this run's plan a report must say.
+    #[serde(default)]
+    pub notes: Vec<String>,
     /// Requests sent during the warm-up (not in any figure).
     #[serde(default)]
     pub warmup_requests: usize,
@@ -234,10 +243,41 @@ pub struct RunRecord {
     #[serde(deserialize_with = "crate::stats::nan_from_null")]
     pub load_polls_per_worker_s: f64,
     pub cpu_busy: Option<f64>,
+    /// Per process group and machine, harness runs only.
+    #[serde(default)]
+    pub cpu: Option<CpuUse>,
+    /// Requests within the SLO among `sent`.
+    #[serde(default)]
+    pub good: Option<usize>,
     #[serde(deserialize_with = "crate::stats::nan_from_null")]
     pub wall_s: f64,
     pub dprank_counters: Option<String>,
     pub started: String,
+    /// Command, commit, date, machine.
+    #[serde(default)]
+    pub provenance: Option<Provenance>,
+}
+
+impl RunRecord {
+    /// The run's measured requests for pooled figures: every TTFT, each
+    /// failure as an infinite one.
+    pub fn requests(&self) -> SeedRequests {
+        let mut ttft: Vec<f64> = self.ttft_ms.iter().map(|v| f64::from(*v)).collect();
+        ttft.extend(std::iter::repeat_n(f64::INFINITY, self.errors));
+        SeedRequests {
+            seed: self.seed,
+            ttft_ms: ttft,
+            good: self
+                .good
+                .map_or_else(|| (self.goodput * self.sent as f64).round(), |g| g as f64),
+            sent: self.sent as f64,
+        }
+    }
+
+    /// The preset's name (`legacy` for records made before presets).
+    pub fn preset_name(&self) -> &str {
+        self.preset.as_deref().unwrap_or("legacy")
+    }
 }
 
 /// Why a cell did not run.
@@ -268,6 +308,19 @@ impl Fleets {
 
     fn worker_count(&self) -> usize {
         self.all().iter().map(|f| f.workers.len()).sum()
+    }
+
+    /// Every simulator process (their process groups).
+    fn pids(&self) -> Vec<u32> {
+        self.all().iter().map(|f| f.pid()).collect()
+    }
+
+    /// Tells every simulator process where each answer ends.
+    async fn tell_answers(&self, client: &PooledClient, answers: &[(&str, u32)]) -> Result<(), String> {
+        for f in self.all() {
+            f.tell_answers(client, answers).await?;
+        }
+        Ok(())
     }
 }
 
@@ -301,7 +354,7 @@ pub fn start_fleets(
             "--record-limit".into(),
             "0".into(),
         ];
-        args.extend(cell.kv.sim_args());
+        args.extend(cell.preset.sim_args(cell.kv));
         if features.cache_report {
             // The cache-hit column reads usage.prompt_tokens_details, which
             // SGLang reports only with this flag.
@@ -471,13 +524,8 @@ pub async fn run_cell(
     if let Err(reason) = features.dispatch_arg(cell.variant.dispatch) {
         return Ok(Err(Skipped(reason)));
     }
-    let plan = cell.workload.plan(&Shape {
-        rate: cell.rate,
-        duration_s: cell.warmup_s + cell.duration_s,
-        seed: cell.seed,
-        max_prompt: cell.kv.max_prompt(),
-        max_output: MAX_OUTPUT,
-    })?;
+    features.check_preset(cell.preset)?;
+    let plan = cell.workload.plan(&cell.shape())?;
     let started_at = crate::report::now_utc();
     let wall_start = Instant::now();
     let client = pooled_client();
@@ -489,6 +537,7 @@ pub async fn run_cell(
         cell.seed
     );
     let fleets = start_fleets(tools, features, cell, &name)?;
+    fleets.tell_answers(&client, &plan.answers()).await?;
     let fronts = start_fronts(tools, &client, &cell.variant, &fleets, cell.time_scale, &name).await?;
     let workers: Vec<_> = fleets
         .all()
@@ -524,10 +573,12 @@ pub async fn run_cell(
         turn_horizon_s: Some(cell.warmup_s + cell.duration_s + crate::workload::chat::TAIL_S),
     };
     let cpu = CpuTimes::now();
+    let meter = CpuMeter::start(fronts.iter().map(|f| f.pid()).collect(), fleets.pids());
     let run_start = Instant::now();
     let output = run_plan(&plan, &options).await?;
     let run_sim_s = run_start.elapsed().as_secs_f64() * cell.time_scale;
     let cpu_busy = CpuTimes::now().busy_since(&cpu);
+    let cpu_use = meter.finish();
     // The load samplers' own polls are not a router's.
     let samples = output.samples.len() as u64 * fleets.worker_count() as u64;
     let polls = fleets
@@ -578,6 +629,9 @@ pub async fn run_cell(
             imbalance: imbalance(&output.samples, cell.warmup_s, output.arrival_window_s, ranks),
             prefill_spread,
             counters,
+            cpu: Some(cpu_use),
+            mode: "harness",
+            notes: plan.notes.clone(),
         },
     );
     Ok(Ok(CellRun {
@@ -596,6 +650,10 @@ pub struct Summary {
     pub imbalance: Option<f64>,
     pub prefill_spread: Option<f64>,
     pub counters: Option<DprankCounters>,
+    pub cpu: Option<CpuUse>,
+    /// `harness` or `virtual`.
+    pub mode: &'static str,
+    pub notes: Vec<String>,
 }
 
 /// Folds a run's request records into its summary record: only requests
@@ -624,10 +682,14 @@ pub fn summarize(cell: &Cell, output: &RunOutput, fleet: Summary) -> RunRecord {
         .flat_map(|r| r.gaps_us.iter().map(|g| f64::from(*g) / 1000.0))
         .collect();
     let itl = |p: f64| percentile(&gaps, p);
+    let good = pairs
+        .iter()
+        .filter(|(ttft, tpot)| *ttft <= cell.slo.ttft_ms && (tpot.is_nan() || *tpot <= cell.slo.tpot_ms))
+        .count();
     RunRecord {
         key: cell.key(),
         suite: cell.suite.clone(),
-        workload: cell.workload.kind.name().into(),
+        workload: cell.workload.name(),
         kv: cell.kv.name().into(),
         load: cell.load,
         rate: cell.rate,
@@ -645,6 +707,13 @@ pub fn summarize(cell: &Cell, output: &RunOutput, fleet: Summary) -> RunRecord {
             format!("{} workers x {} ranks", cell.fleet.workers, cell.fleet.dp_size)
         },
         freshness: cell.variant.freshness(cell.time_scale),
+        mode: Some(fleet.mode.to_string()),
+        preset: Some(cell.preset.name.to_string()),
+        source: Some(cell.workload.source()),
+        output_cap: Some(cell.workload.cap.describe()),
+        capacity: cell.capacity.clone(),
+        lengthened_from_s: (cell.duration_s > cell.nominal_duration_s).then_some(cell.nominal_duration_s),
+        notes: fleet.notes,
         warmup_requests: output.records.len() - measured.len(),
         sent: measured.len(),
         ok: ok.len(),
@@ -680,9 +749,12 @@ pub fn summarize(cell: &Cell, output: &RunOutput, fleet: Summary) -> RunRecord {
         served_per_rank: fleet.served_per_rank,
         load_polls_per_worker_s: fleet.load_polls_per_worker_s,
         cpu_busy: fleet.cpu_busy,
+        cpu: fleet.cpu,
+        good: Some(good),
         wall_s: fleet.wall_s,
         dprank_counters: fleet.counters.map(|c| c.summary()),
         started: fleet.started,
+        provenance: Some(cell.provenance.clone()),
     }
 }
 
@@ -788,16 +860,20 @@ mod tests {
             variant: Variant::parse("dprank").unwrap(),
             seed: 3,
             kv: Kv::Small,
+            preset: crate::preset::preset("legacy").unwrap(),
             rate: 10.0,
             load: Some(0.85),
             warmup_s: 0.0,
             duration_s: 30.0,
+            nominal_duration_s: 30.0,
             time_scale: 5.0,
             fleet: FleetShape::default(),
             slo: Slo {
                 ttft_ms: 1000.0,
                 tpot_ms: 60.0,
             },
+            capacity: None,
+            provenance: Provenance::default(),
         }
     }
 
@@ -845,6 +921,9 @@ mod tests {
             imbalance: None,
             prefill_spread: None,
             counters: None,
+            cpu: None,
+            mode: "harness",
+            notes: Vec::new(),
         };
         let r = summarize(&cell(), &output, fleet);
         assert_eq!((r.sent, r.ok, r.errors), (4, 3, 1));
@@ -879,6 +958,9 @@ mod tests {
             imbalance: None,
             prefill_spread: None,
             counters: None,
+            cpu: None,
+            mode: "harness",
+            notes: Vec::new(),
         };
         let cell = Cell {
             warmup_s: 10.0,
@@ -912,6 +994,9 @@ mod tests {
             imbalance: Some(1.2),
             prefill_spread: None,
             counters: None,
+            cpu: None,
+            mode: "harness",
+            notes: Vec::new(),
         };
         let record = summarize(&cell(), &output, fleet);
         file.append(&record).unwrap();
@@ -936,8 +1021,44 @@ mod tests {
     }
 
     #[test]
-    fn prompts_fit_the_kv() {
-        assert_eq!(Kv::Small.max_prompt(), 8192);
-        assert!(Kv::Small.max_prompt() + MAX_OUTPUT <= Kv::Small.tokens());
+    fn short_windows_are_lengthened_to_hold_enough_requests() {
+        assert_eq!(measured_window(10.0, 300.0, 1000), 300.0);
+        assert_eq!(measured_window(2.0, 300.0, 1000), 500.0);
+        assert_eq!(measured_window(3.0, 300.0, 1000), 334.0);
+    }
+
+    #[test]
+    fn pooled_requests_count_failures_as_infinite() {
+        let output = RunOutput {
+            records: vec![
+                request(Some(100.0), 30.0, None),
+                request(None, f64::NAN, Some("HTTP 500")),
+            ],
+            abandoned: 0,
+            beyond_horizon: 0,
+            samples: Vec::new(),
+            arrival_window_s: 5.0,
+            span_s: 10.0,
+        };
+        let fleet = Summary {
+            started: "now".into(),
+            wall_s: 1.0,
+            cpu_busy: None,
+            served_per_rank: vec![],
+            load_polls_per_worker_s: 1.0,
+            imbalance: None,
+            prefill_spread: None,
+            counters: None,
+            cpu: None,
+            mode: "virtual",
+            notes: vec!["a note".into()],
+        };
+        let r = summarize(&cell(), &output, fleet);
+        let requests = r.requests();
+        assert_eq!(requests.ttft_ms, vec![100.0, f64::INFINITY]);
+        assert_eq!((requests.good, requests.sent), (1.0, 2.0));
+        assert_eq!(r.mode.as_deref(), Some("virtual"));
+        assert_eq!(r.notes, vec!["a note"]);
+        assert_eq!(r.preset_name(), "legacy");
     }
 }

@@ -25,8 +25,9 @@ pub enum Dispatch {
     /// SGLang's `--load-balance-method total_tokens`: the rank with the
     /// fewest tokens.
     InServer,
-    /// The simulator's fleet-wide exact chooser (the bound).
-    Oracle,
+    /// The simulator's clairvoyant greedy chooser (`--dispatch oracle`):
+    /// fleet-wide, exact, knows every answer's length; greedy, not a bound.
+    Clairvoyant,
     /// `bootstrap_room % dp_size` (SGLang prefill servers, PD).
     RoomModulo,
 }
@@ -102,11 +103,15 @@ pub struct Variant {
 }
 
 /// Built-in variants: name, expansion, what it is.
-pub const ALIASES: [(&str, &str, &str); 15] = [
+pub const ALIASES: [(&str, &str, &str); 19] = [
     ("rr", "rr", "Envoy round robin over workers, each worker round robin over its ranks (SGLang's default controller)"),
     ("in-server", "in-server", "SGLang's own balancer: each worker sends a request to its rank with the fewest tokens (`--load-balance-method total_tokens`), Envoy least_request over workers"),
-    ("oracle", "oracle", "the bound: the simulator's fleet-wide exact chooser (every rank of every worker, reservations and caches known at once), behind Envoy round robin"),
+    ("clairvoyant", "clairvoyant", "the clairvoyant greedy chooser: the simulator places each request where its projected first token is earliest, seeing every rank's exact queue, reservations and cache at that moment and every answer's length; greedy (one request at a time), a reference, not a bound; behind Envoy round robin"),
+    ("oracle", "clairvoyant", "the clairvoyant greedy chooser (its earlier name)"),
     ("dprank", "dprank", "Envoy + dprank, shipped configuration, polling every simulated second"),
+    ("dprank-load-only", "dprank:set.prefix_affinity=false", "Envoy + dprank without prefix affinity: loads alone, polling every simulated second"),
+    ("dprank-wall-1s", "dprank:poll-wall=1000", "Envoy + dprank polling every wall second: the control for smg's load monitor at its freshest (--load-monitor-interval 1)"),
+    ("smg-cache-aware-workers", "smg:policy=cache_aware:dp-aware=off:dispatch=in-server:interval=1", "smg --policy cache_aware without --dp-aware: smg picks the worker (its own in-flight counts and request text), each worker's minimum-tokens controller picks the rank; loads polled every wall second"),
     ("smg-cache-aware", "smg:policy=cache_aware", "smg --dp-aware --policy cache_aware (smg's default policy)"),
     ("smg-least-load", "smg:policy=least_load", "smg --dp-aware --policy least_load"),
     ("smg-power-of-two", "smg:policy=power_of_two", "smg --dp-aware --policy power_of_two"),
@@ -136,7 +141,7 @@ impl Variant {
         let mut variant = Variant {
             name: spec.to_string(),
             front: match base {
-                "rr" | "oracle" => Front::Envoy(Balancer::RoundRobin),
+                "rr" | "clairvoyant" | "oracle" => Front::Envoy(Balancer::RoundRobin),
                 "in-server" => Front::Envoy(Balancer::LeastRequest),
                 "dprank" => Front::Dprank {
                     poll: DPRANK_DEFAULT_POLL,
@@ -161,14 +166,14 @@ impl Variant {
                 },
                 other => {
                     return Err(format!(
-                        "unknown variant `{other}`; bases: rr, in-server, oracle, dprank, smg, dprank-pd, old-rule, smg-pd; aliases: {}",
+                        "unknown variant `{other}`; bases: rr, in-server, clairvoyant, dprank, smg, dprank-pd, old-rule, smg-pd; aliases: {}",
                         ALIASES.map(|a| a.0).join(", ")
                     ))
                 }
             },
             dispatch: match base {
                 "in-server" => Dispatch::InServer,
-                "oracle" => Dispatch::Oracle,
+                "clairvoyant" | "oracle" => Dispatch::Clairvoyant,
                 _ => Dispatch::RoundRobin,
             },
             gateways: 1,
@@ -247,9 +252,24 @@ impl Variant {
                     args.push(format!("--{}", &key["arg.".len()..]));
                     args.extend(value.map(str::to_string));
                 }
+                "cache-threshold" | "balance-abs" | "balance-rel" => {
+                    let raw = need("a number")?;
+                    let number: f64 = raw
+                        .parse()
+                        .ok()
+                        .filter(|v: &f64| v.is_finite() && *v >= 0.0)
+                        .ok_or_else(|| format!("`{key}` is a non-negative number, not `{raw}`"))?;
+                    let flag = match key {
+                        "cache-threshold" => "--cache-threshold",
+                        "balance-abs" => "--balance-abs-threshold",
+                        _ => "--balance-rel-threshold",
+                    };
+                    args.push(flag.to_string());
+                    args.push(number.to_string());
+                }
                 _ => {
                     return Err(format!(
-                        "unknown key `{key}` (smg keys: gw, spread, policy, interval, dp-aware, dispatch, arg.<flag>, sim.<flag>)"
+                        "unknown key `{key}` (smg keys: gw, spread, policy, interval, dp-aware, dispatch, cache-threshold, balance-abs, balance-rel, arg.<flag>, sim.<flag>)"
                     ))
                 }
             },
@@ -307,7 +327,9 @@ impl Variant {
                     "each worker's DP controller: its ranks' published loads (re-read every 20 ms) + the requests it sent since"
                         .into()
                 }
-                Dispatch::Oracle => "exact, instantaneous, fleet-wide".into(),
+                Dispatch::Clairvoyant => {
+                    "exact, instantaneous, fleet-wide, every answer's length (clairvoyant)".into()
+                }
                 _ => "none (round robin)".into(),
             },
             Front::Dprank { poll, .. } | Front::DprankPd { poll, .. } => format!(
@@ -465,6 +487,8 @@ pub struct SimFeatures {
     pub prefix_cache: bool,
     /// `--enable-cache-report`: cached tokens in OpenAI usage (SGLang's flag).
     pub cache_report: bool,
+    /// `--cost-model`: the calibrated presets.
+    pub cost_model: bool,
 }
 
 impl SimFeatures {
@@ -497,7 +521,19 @@ impl SimFeatures {
                 .collect(),
             prefix_cache: help.contains("--prefix-cache"),
             cache_report: help.contains("--enable-cache-report"),
+            cost_model: help.contains("--cost-model"),
         }
+    }
+
+    /// Whether this simulator build can run `preset`.
+    pub fn check_preset(&self, preset: &crate::preset::SimPreset) -> Result<(), String> {
+        if preset.sim_args.contains(&"--cost-model") && !self.cost_model {
+            return Err(format!(
+                "simulator preset `{}` needs `dprank-sim --cost-model`, which this simulator build lacks (the calibrated cost model is not merged, or the binary is old: `make tools`)",
+                preset.name
+            ));
+        }
+        Ok(())
     }
 
     /// The `--dispatch` value for `d`, or why this simulator cannot run it.
@@ -510,9 +546,9 @@ impl SimFeatures {
             Dispatch::InServer if has("total_tokens") => Ok("total_tokens"),
             Dispatch::InServer if has("minimum_tokens") => Ok("minimum_tokens"),
             Dispatch::InServer => Err("the simulator has no minimum-tokens dispatch".into()),
-            Dispatch::Oracle if has("oracle") => Ok("oracle"),
-            Dispatch::Oracle => {
-                Err("this simulator build has no `--dispatch oracle` (the fleet-wide chooser)".into())
+            Dispatch::Clairvoyant if has("oracle") => Ok("oracle"),
+            Dispatch::Clairvoyant => {
+                Err("this simulator build has no `--dispatch oracle` (the clairvoyant chooser)".into())
             }
         }
     }
@@ -591,7 +627,37 @@ mod tests {
         }
         assert_eq!(d.sim_args, vec!["--lockstep"]);
         assert_eq!(Variant::parse("in-server").unwrap().dispatch, Dispatch::InServer);
-        assert_eq!(Variant::parse("oracle").unwrap().dispatch, Dispatch::Oracle);
+        assert_eq!(Variant::parse("oracle").unwrap().dispatch, Dispatch::Clairvoyant);
+        assert_eq!(
+            Variant::parse("clairvoyant").unwrap().dispatch,
+            Dispatch::Clairvoyant
+        );
+        // Old records name it `oracle`: it still parses, as the same chooser.
+        assert_eq!(
+            Variant::parse("oracle").unwrap().front,
+            Variant::parse("clairvoyant").unwrap().front
+        );
+        let tuned =
+            Variant::parse("smg-cache-aware:cache-threshold=0.6:balance-abs=4:balance-rel=1.1").unwrap();
+        match &tuned.front {
+            Front::Smg { args, .. } => assert_eq!(
+                args,
+                &[
+                    "--cache-threshold",
+                    "0.6",
+                    "--balance-abs-threshold",
+                    "4",
+                    "--balance-rel-threshold",
+                    "1.1"
+                ]
+            ),
+            other => panic!("{other:?}"),
+        }
+        assert!(Variant::parse("smg:cache-threshold=x").is_err());
+        assert_eq!(
+            Variant::parse("dprank-wall-1s").unwrap().front,
+            Variant::parse("dprank:poll-wall=1000").unwrap().front
+        );
         let pd = Variant::parse("smg-pd:prefill=least_load:interval=1").unwrap();
         assert!(pd.is_pd() && pd.uses_smg());
         let old = Variant::parse("old-rule").unwrap();
@@ -654,12 +720,12 @@ mod tests {
     fn features_come_from_the_help_text() {
         let old = SimFeatures::from_help("          - round_robin:    x\n          - minimum_tokens: y\n");
         assert_eq!(old.dispatch_arg(Dispatch::InServer), Ok("minimum_tokens"));
-        assert!(old.dispatch_arg(Dispatch::Oracle).is_err());
+        assert!(old.dispatch_arg(Dispatch::Clairvoyant).is_err());
         let new = SimFeatures::from_help(
             "--dispatch round_robin|total_tokens|total_requests|room_modulo|oracle\n--prefix-cache on|off",
         );
         assert_eq!(new.dispatch_arg(Dispatch::InServer), Ok("total_tokens"));
-        assert_eq!(new.dispatch_arg(Dispatch::Oracle), Ok("oracle"));
+        assert_eq!(new.dispatch_arg(Dispatch::Clairvoyant), Ok("oracle"));
         assert!(new.prefix_cache && !new.cache_report && !old.prefix_cache);
     }
 }

@@ -43,9 +43,10 @@ pub enum Dispatch {
     /// (`follow_bootstrap_room`); requests without a room: round robin.
     #[value(name = "room_modulo", alias = "room-modulo")]
     RoomModulo,
-    /// A fleet-wide, exact, instantaneous chooser over every worker of the
-    /// process: the lowest projected time to first token.
-    #[value(name = "oracle")]
+    /// The clairvoyant greedy chooser: fleet-wide, exact, instantaneous,
+    /// over every worker of the process: the lowest projected time to
+    /// first token (greedy, not optimal; not a bound).
+    #[value(name = "oracle", alias = "clairvoyant")]
     Oracle,
 }
 

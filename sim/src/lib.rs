@@ -2,6 +2,7 @@
 //! --enable-dp-attention`), speaking the real wire format, with a control
 //! API for tests. See sim/README.md for the model.
 
+pub mod answers;
 pub mod chat;
 pub mod config;
 pub mod engine;

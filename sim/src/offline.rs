@@ -44,7 +44,12 @@ pub enum Prompt {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Request {
     pub prompt: Prompt,
+    /// The client's cap; admission reserves from it.
     pub max_new_tokens: u64,
+    /// Where the answer ends (the simulated model's EOS), if known; None
+    /// runs to `max_new_tokens`. Given apart from the prompt, as
+    /// `/_sim/answers` gives it to the HTTP server (`crate::answers`).
+    pub answer_tokens: Option<u64>,
     /// The rank the request names (`routed_dp_rank`), if any.
     pub rank: Option<usize>,
 }
@@ -54,8 +59,15 @@ impl Request {
         Self {
             prompt,
             max_new_tokens,
+            answer_tokens: None,
             rank: None,
         }
+    }
+
+    /// The answer ends after `tokens` tokens (or at the cap, if lower).
+    pub fn answer_after(mut self, tokens: u64) -> Self {
+        self.answer_tokens = Some(tokens);
+        self
     }
 
     pub fn on_rank(mut self, rank: usize) -> Self {
@@ -82,7 +94,8 @@ pub struct Report {
 #[derive(Debug)]
 struct Tracked {
     prompt_tokens: u64,
-    max_new: u64,
+    /// Output tokens it will produce (its answer, at most the cap).
+    output: u64,
     first_seen: bool,
     open: usize,
     cached_tokens: u64,
@@ -172,22 +185,21 @@ impl Fleet {
                 self.config.kv_capacity()
             ));
         };
-        let submitted = self.engine.submit(
-            at,
-            worker,
-            Arrival {
-                prompts: vec![prompt],
-                max_new_tokens: max_new,
-                rank: request.rank,
-                room: None,
-                pretokenized,
-            },
-        );
+        let arrival = Arrival {
+            prompts: vec![prompt],
+            max_new_tokens: max_new,
+            answer_tokens: vec![request.answer_tokens],
+            rank: request.rank,
+            room: None,
+            pretokenized,
+        };
+        let output = arrival.stop_at(0);
+        let submitted = self.engine.submit(at, worker, arrival);
         self.tracked.insert(
             submitted.req,
             Tracked {
                 prompt_tokens,
-                max_new,
+                output,
                 first_seen: false,
                 open: 1,
                 cached_tokens: 0,
@@ -325,7 +337,7 @@ impl Fleet {
                         finished: true,
                         prompt_tokens: tracked.prompt_tokens,
                         cached_tokens: tracked.cached_tokens,
-                        completion_tokens: tracked.max_new,
+                        completion_tokens: tracked.output,
                     });
                     self.tracked.remove(&event.req);
                 }

@@ -6,7 +6,7 @@ use serde_json::{json, Map, Value};
 
 use crate::config::{RankHeader, Role, SimConfig};
 use crate::output::{text_upto, token_text};
-use crate::{chat, tokenizer};
+use crate::{answers, chat, tokenizer};
 
 /// Largest number of output tokens one sequence may ask for.
 pub const MAX_NEW_TOKENS_LIMIT: u64 = 4096;
@@ -40,6 +40,8 @@ pub struct ParsedRequest {
     /// The input was a list of prompts (answers are then lists too).
     pub batched: bool,
     pub max_new_tokens: u64,
+    /// The answer tag of each prompt's text ([`crate::answers`]), in order.
+    pub answer_tags: Vec<Option<String>>,
     pub stream: bool,
     pub include_usage: bool,
     /// The rank the caller asked for, if any.
@@ -362,6 +364,7 @@ pub fn parse_request(
     Ok(ParsedRequest {
         api,
         max_new_tokens: max_new_tokens(api, &body)?,
+        answer_tags: answer_tags(api, &body),
         prompts,
         pretokenized,
         batched,
@@ -371,6 +374,26 @@ pub fn parse_request(
         bootstrap: parse_bootstrap(&body, role, &overrides)?,
         model: body.get("model").and_then(Value::as_str).map(str::to_string),
     })
+}
+
+/// The answer tag in each prompt's text (chat: the rendered conversation,
+/// whose last tag is the newest user message's), in prompt order.
+fn answer_tags(api: Api, body: &Map<String, Value>) -> Vec<Option<String>> {
+    let tag = |text: &str| answers::find_tag(text).map(str::to_string);
+    let of = |value: Option<&Value>| match value {
+        Some(Value::String(text)) => vec![tag(text)],
+        Some(Value::Array(items)) => items.iter().map(|item| item.as_str().and_then(tag)).collect(),
+        _ => Vec::new(),
+    };
+    match api {
+        Api::Generate => of(body.get("text")),
+        Api::Completions => of(body.get("prompt")),
+        Api::Chat => body
+            .get("messages")
+            .and_then(chat::template_json)
+            .map(|text| vec![tag(&text)])
+            .unwrap_or_default(),
+    }
 }
 
 /// The JSON error body SGLang answers with.
@@ -392,8 +415,11 @@ pub struct ResponseShape {
     pub model: String,
     pub created: u64,
     pub prompt_tokens: Vec<u64>,
-    /// Output tokens each sequence will produce.
+    /// The output cap (`max_new_tokens` as admitted).
     pub max_new_tokens: u64,
+    /// Output tokens each sequence will produce: its answer's length, at
+    /// most the cap.
+    pub stops: Vec<u64>,
     /// Whether the input was a batch (responses are then per item).
     pub batched: bool,
     pub include_usage: bool,
@@ -432,7 +458,24 @@ impl ResponseShape {
 
     /// Every sequence has all its tokens.
     pub fn done(&self) -> bool {
-        self.counts.iter().all(|count| *count >= self.max_new_tokens)
+        (0..self.counts.len()).all(|seq| self.count(seq) >= self.stop(seq))
+    }
+
+    fn stop(&self, seq: usize) -> u64 {
+        self.stops.get(seq).copied().unwrap_or(self.max_new_tokens)
+    }
+
+    /// How sequence `seq` ended, once it has: at its answer's end (EOS) or
+    /// at the cap.
+    fn ended(&self, seq: usize) -> Option<&'static str> {
+        let count = self.count(seq);
+        if count < self.stop(seq) {
+            None
+        } else if count < self.max_new_tokens {
+            Some("stop")
+        } else {
+            Some("length")
+        }
     }
 
     fn count(&self, seq: usize) -> u64 {
@@ -452,20 +495,16 @@ impl ResponseShape {
         usage
     }
 
-    fn finish_reason(&self, count: u64) -> Value {
-        if count >= self.max_new_tokens {
-            json!("length")
-        } else {
-            Value::Null
-        }
+    fn finish_reason(&self, seq: usize) -> Value {
+        self.ended(seq).map_or(Value::Null, |reason| json!(reason))
     }
 
     fn generate_item(&self, index: usize, elapsed_s: f64) -> Value {
         let count = self.count(index);
-        let finish = if count >= self.max_new_tokens {
-            json!({"type": "length", "length": count})
-        } else {
-            Value::Null
+        let finish = match self.ended(index) {
+            Some("stop") => json!({"type": "stop", "matched": answers::EOS_TOKEN_ID}),
+            Some(_) => json!({"type": "length", "length": count}),
+            None => Value::Null,
         };
         let mut item = json!({
             "text": text_upto(count),
@@ -495,7 +534,7 @@ impl ResponseShape {
                 "id": self.id, "object": "text_completion", "created": self.created,
                 "model": self.model,
                 "choices": [{"index": index, "text": token_text(count), "logprobs": null,
-                             "finish_reason": self.finish_reason(count)}],
+                             "finish_reason": self.finish_reason(index)}],
                 "usage": null,
             })),
             Api::Chat => {
@@ -508,7 +547,7 @@ impl ResponseShape {
                     "id": self.id, "object": "chat.completion.chunk", "created": self.created,
                     "model": self.model,
                     "choices": [{"index": index, "delta": delta, "logprobs": null,
-                                 "finish_reason": self.finish_reason(count)}],
+                                 "finish_reason": self.finish_reason(index)}],
                     "usage": null,
                 }))
             }
@@ -551,7 +590,7 @@ impl ResponseShape {
                 "model": self.model,
                 "choices": (0..self.counts.len()).map(|index| json!({
                     "index": index, "text": text_upto(self.count(index)), "logprobs": null,
-                    "finish_reason": self.finish_reason(self.count(index)),
+                    "finish_reason": self.finish_reason(index),
                 })).collect::<Vec<_>>(),
                 "usage": self.usage(),
             }),
@@ -560,7 +599,7 @@ impl ResponseShape {
                 "model": self.model,
                 "choices": [{"index": 0,
                              "message": {"role": "assistant", "content": text_upto(self.count(0))},
-                             "logprobs": null, "finish_reason": self.finish_reason(self.count(0))}],
+                             "logprobs": null, "finish_reason": self.finish_reason(0)}],
                 "usage": self.usage(),
             }),
         }

@@ -20,6 +20,7 @@ use tokio::net::TcpListener;
 use tokio::sync::mpsc::UnboundedReceiver;
 use tokio::task::JoinHandle;
 
+use crate::answers::AnswersUpdate;
 use crate::config::{Role, SimConfig};
 use crate::protocol::{self, Api, ParsedRequest, Rejection, ResponseShape};
 use crate::worker::{
@@ -99,6 +100,7 @@ pub fn router(worker: Listener) -> Router {
         .route("/_sim/reset", post(reset))
         .route("/_sim/requests", get(requests))
         .route("/_sim/counters", get(counters))
+        .route("/_sim/answers", get(answers_get).post(answers_post))
         .route("/_sim/kv/{room}", get(kv_room))
         .fallback(not_found)
         // Prompts near the KV capacity are megabytes of JSON.
@@ -262,6 +264,21 @@ async fn reset(State(worker): State<Listener>, body: Bytes) -> Response {
     }
 }
 
+async fn answers_get(State(worker): State<Listener>) -> Response {
+    json_response(StatusCode::OK, &json!({"tags": worker.shared.answers.len()}))
+}
+
+/// Answer lengths by prompt tag, for every worker of the process.
+async fn answers_post(State(worker): State<Listener>, body: Bytes) -> Response {
+    let update = serde_json::from_slice::<AnswersUpdate>(&body)
+        .map_err(|err| format!("invalid answers body: {err}"))
+        .and_then(|update| worker.shared.answers.apply(update));
+    match update {
+        Ok(tags) => json_response(StatusCode::OK, &json!({"tags": tags})),
+        Err(message) => error_response(400, &message),
+    }
+}
+
 async fn requests(State(worker): State<Listener>) -> Response {
     json_response(StatusCode::OK, &worker.server().records_json())
 }
@@ -416,6 +433,7 @@ async fn answer(
         created: unix_seconds(),
         prompt_tokens: request.prompts.iter().map(|prompt| prompt.len() as u64).collect(),
         max_new_tokens: admitted.max_new_tokens,
+        stops: admitted.stops.clone(),
         batched: request.batched,
         include_usage: request.include_usage,
         cache_report: config.enable_cache_report,

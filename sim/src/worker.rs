@@ -13,6 +13,7 @@ use serde_json::{json, Map, Value};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 use tokio::sync::Notify;
 
+use crate::answers::AnswerBook;
 use crate::config::{Dispatch, Role, SimConfig};
 use crate::engine::{Arrival, Event, EventKind, Fleet, Micros, RankSnapshot, ReqId};
 use crate::loads::{self, LoadView};
@@ -172,6 +173,8 @@ struct Model {
 /// A request accepted by a server.
 pub struct Admitted {
     pub max_new_tokens: u64,
+    /// Output tokens each sequence will produce (its answer, at most the cap).
+    pub stops: Vec<u64>,
     /// When it reaches the scheduler (after the tokenizer), real time.
     pub ready: Instant,
     pub events: UnboundedReceiver<Progress>,
@@ -263,6 +266,8 @@ pub struct Server {
 pub struct Shared {
     pub config: Arc<SimConfig>,
     pub servers: Vec<Server>,
+    /// Answer lengths by prompt tag (`POST /_sim/answers`).
+    pub answers: AnswerBook,
     model: Mutex<Model>,
     /// Wakes the task stepping each (worker, group).
     wakes: Vec<Vec<Notify>>,
@@ -306,6 +311,7 @@ impl Shared {
         Ok(Arc::new(Self {
             config,
             servers,
+            answers: AnswerBook::default(),
             model: Mutex::new(Model {
                 fleet,
                 routes: HashMap::new(),
@@ -369,6 +375,20 @@ impl Shared {
                 ),
             });
         };
+        let answer_tokens: Vec<Option<u64>> = request
+            .answer_tags
+            .iter()
+            .map(|tag| tag.as_deref().and_then(|tag| self.answers.length(tag)))
+            .collect();
+        let arrival = Arrival {
+            prompts: request.prompts.clone(),
+            max_new_tokens,
+            answer_tokens,
+            rank: request.rank,
+            room: request.bootstrap.as_ref().and_then(|b| b.rooms.first().copied()),
+            pretokenized: request.pretokenized,
+        };
+        let stops: Vec<u64> = (0..seqs as usize).map(|seq| arrival.stop_at(seq)).collect();
         let (sender, events) = unbounded_channel();
         let mut guard = RequestGuard {
             shared: self.clone(),
@@ -396,21 +416,15 @@ impl Shared {
                 worker: receiving,
                 rank,
             });
-            self.answer_instantly(receiving, rank, request, max_new_tokens, sender);
+            self.answer_instantly(receiving, rank, request, stops.clone(), sender);
             return Ok(Admitted {
                 max_new_tokens,
+                stops,
                 ready: Instant::now(),
                 events,
                 guard,
             });
         }
-        let arrival = Arrival {
-            prompts: request.prompts.clone(),
-            max_new_tokens,
-            rank: request.rank,
-            room: request.bootstrap.as_ref().and_then(|b| b.rooms.first().copied()),
-            pretokenized: request.pretokenized,
-        };
         let submitted = {
             let mut model = lock(&self.model);
             let submitted = model.fleet.submit(self.now(), receiving, arrival);
@@ -437,6 +451,7 @@ impl Shared {
         guard.req = Some(submitted.req);
         Ok(Admitted {
             max_new_tokens,
+            stops,
             ready: self.clock + self.real(submitted.ready_at),
             events,
             guard,
@@ -466,18 +481,20 @@ impl Shared {
         receiving: usize,
         rank: usize,
         request: &ParsedRequest,
-        max_new_tokens: u64,
+        stops: Vec<u64>,
         sender: UnboundedSender<Progress>,
     ) {
-        let seqs = request.prompts.len().max(1);
+        let longest = stops.iter().copied().max().unwrap_or(1);
         let send_all = move |sender: &UnboundedSender<Progress>| {
-            for count in 1..=max_new_tokens {
-                for seq in 0..seqs {
-                    let _ = sender.send(Progress::Token {
-                        seq,
-                        count,
-                        cached: 0,
-                    });
+            for count in 1..=longest {
+                for (seq, stop) in stops.iter().enumerate() {
+                    if count <= *stop {
+                        let _ = sender.send(Progress::Token {
+                            seq,
+                            count,
+                            cached: 0,
+                        });
+                    }
                 }
             }
         };
@@ -540,10 +557,17 @@ impl Shared {
     /// Steps one group of ranks of one worker, in real time; runs until
     /// aborted.
     pub async fn run_group(self: Arc<Self>, worker: usize, group: usize) {
+        // When a step follows the last one at once, it starts where that one
+        // ended in model time, not when the timer woke the task: the timer's
+        // resolution (1 ms) and wake-up latency would otherwise lengthen
+        // every step, and the fleet would run slower than the model (at time
+        // scale 5 a 20 ms decode step is 4 ms of wall time). A task woken
+        // late catches up by not sleeping until model time is back level.
+        let mut carried: Option<Micros> = None;
         loop {
             let step = {
                 let mut model = lock(&self.model);
-                let now = self.now();
+                let now = carried.take().unwrap_or_else(|| self.now());
                 let mut events = Vec::new();
                 let duration = model.fleet.begin_step(worker, group, now, &mut events);
                 self.deliver(&mut model, events);
@@ -555,11 +579,12 @@ impl Shared {
                 }
                 continue;
             };
-            tokio::time::sleep(self.real(duration)).await;
+            tokio::time::sleep_until((self.clock + self.real(start + duration)).into()).await;
             let mut model = lock(&self.model);
             let mut events = Vec::new();
             model.fleet.end_step(worker, group, start + duration, &mut events);
             self.deliver(&mut model, events);
+            carried = Some(start + duration);
         }
     }
 

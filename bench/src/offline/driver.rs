@@ -21,7 +21,7 @@ use dprank_sim::SimConfig;
 use serde_json::Value;
 
 use super::front::{mix, DprankGateway, Front, Held, Placement, PollCall};
-use super::smg::CacheAware;
+use super::smg::{CacheAware, SmgKnobs};
 use crate::envoy::Balancer;
 use crate::loadgen::{gateway_for, RequestRecord, RunOutput};
 use crate::variant::{Dispatch, Front as VariantFront, Variant};
@@ -45,6 +45,19 @@ pub struct RunSpec<'a> {
     pub cut_at_s: Option<f64>,
     /// Write one JSON line per request here (where it went, what it got).
     pub requests_out: Option<std::path::PathBuf>,
+    /// Stop early once the run cannot meet a TTFT target (capacity search).
+    pub give_up: Option<GiveUp>,
+}
+
+/// When a run stops early: more than `late_allowed` requests sent at or
+/// after `from_s` waited longer than `ttft_s` for their first token, so
+/// their TTFT percentile above `1 - late_allowed / n` is already beyond
+/// `ttft_s`. The run's output then says so ([`RunOutput`] is cut there).
+#[derive(Debug, Clone, Copy)]
+pub struct GiveUp {
+    pub from_s: f64,
+    pub ttft_s: f64,
+    pub late_allowed: usize,
 }
 
 /// The engine never runs further ahead of the event queue than this, so a
@@ -151,14 +164,18 @@ fn fronts(spec: &RunSpec) -> Result<Vec<Front>, String> {
                 }
                 VariantFront::Smg {
                     policy,
-                    dp_aware: true,
+                    dp_aware,
+                    args,
                     ..
-                } if policy == "cache_aware" => {
-                    Front::Smg(Box::new(CacheAware::new(spec.workers, spec.sim.dp_size())))
-                }
+                } if policy == "cache_aware" => Front::Smg(Box::new(CacheAware::new(
+                    spec.workers,
+                    spec.sim.dp_size(),
+                    *dp_aware,
+                    &SmgKnobs::from_args(args)?,
+                ))),
                 _ => {
                     return Err(format!(
-                        "`{}`: offline runs support rr, in-server, oracle, dprank[...] and smg-cache-aware",
+                        "`{}`: offline runs support rr, in-server, clairvoyant, dprank[...] and smg cache_aware (with or without --dp-aware)",
                         spec.variant.name
                     ))
                 }
@@ -167,8 +184,9 @@ fn fronts(spec: &RunSpec) -> Result<Vec<Front>, String> {
         .collect()
 }
 
-/// The sim's request for a body.
-fn sim_request(body: &[u8], placement: Placement) -> Result<(Request, bool), String> {
+/// The sim's request for a body whose answer is `answer` tokens long (the
+/// plan's number, given out of band: the body carries only the cap).
+fn sim_request(body: &[u8], placement: Placement, answer: u32) -> Result<(Request, bool), String> {
     let value: Value = serde_json::from_slice(body).map_err(|e| format!("body: {e}"))?;
     let prompt = match (value.get("messages"), value.get("text")) {
         (Some(messages), _) => Prompt::Text(template_json(messages).ok_or("messages not a list")?),
@@ -181,7 +199,7 @@ fn sim_request(body: &[u8], placement: Placement) -> Result<(Request, bool), Str
         .and_then(Value::as_u64)
         .unwrap_or(1);
     let streamed = value.get("stream").and_then(Value::as_bool).unwrap_or(false);
-    let mut request = Request::new(prompt, max_new);
+    let mut request = Request::new(prompt, max_new).answer_after(u64::from(answer.max(1)));
     if let Some(rank) = placement.rank {
         request = request.on_rank(rank);
     }
@@ -222,16 +240,26 @@ fn turn_body(plan: &Plan, session: usize, turn: usize) -> (bytes::Bytes, u32) {
     }
     messages.push(("user", &s.turns[turn].user));
     let input = text::chat_tokens(&messages) as u32;
-    (bodies::chat(&messages, s.turns[turn].output_tokens), input)
+    (bodies::chat(&messages, s.turns[turn].max_tokens), input)
 }
 
-/// Runs `plan` under `spec`: what the load generator would have measured,
-/// and dprank's counters.
-pub fn run(plan: &Plan, spec: &RunSpec) -> Result<(RunOutput, Option<String>), String> {
+/// What one offline run gives back.
+pub struct Outcome {
+    /// What the load generator would have measured.
+    pub output: RunOutput,
+    /// dprank's counters and the retractions, as one line.
+    pub counters: Option<String>,
+    /// The run stopped early under [`RunSpec::give_up`] (what had not been
+    /// sent is counted in `output.abandoned`).
+    pub gave_up: bool,
+}
+
+/// Runs `plan` under `spec`.
+pub fn run(plan: &Plan, spec: &RunSpec) -> Result<Outcome, String> {
     let mut sim = spec.sim.clone();
     sim.dispatch = match spec.variant.dispatch {
         Dispatch::InServer => dprank_sim::Dispatch::TotalTokens,
-        Dispatch::Oracle => dprank_sim::Dispatch::Oracle,
+        Dispatch::Clairvoyant => dprank_sim::Dispatch::Oracle,
         Dispatch::RoundRobin => dprank_sim::Dispatch::RoundRobin,
         Dispatch::RoomModulo => return Err("PD variants do not run offline".into()),
     };
@@ -266,6 +294,8 @@ pub fn run(plan: &Plan, spec: &RunSpec) -> Result<(RunOutput, Option<String>), S
     let mut records: Vec<RequestRecord> = Vec::new();
     let mut beyond_horizon = 0usize;
     let mut arrivals_left = plan.request_count();
+    let mut late = 0usize;
+    let mut gave_up = false;
     loop {
         // Nothing left to send or answer: ticks alone do not keep a run going.
         if arrivals_left == 0 && in_flight.is_empty() {
@@ -273,6 +303,21 @@ pub fn run(plan: &Plan, spec: &RunSpec) -> Result<(RunOutput, Option<String>), S
         }
         if spec.cut_at_s.is_some_and(|cut| fleet.now() >= cut) {
             break;
+        }
+        if let Some(rule) = &spec.give_up {
+            // Requests still waiting count as soon as they are late.
+            let waiting_late = in_flight
+                .values()
+                .filter(|f| {
+                    f.first_s.is_none()
+                        && f.record.sent_s >= rule.from_s
+                        && fleet.now() - f.record.sent_s > rule.ttft_s
+                })
+                .count();
+            if late + waiting_late > rule.late_allowed {
+                gave_up = true;
+                break;
+            }
         }
         let horizon = fleet.now() + MAX_STEP_S;
         let reports = match queue.peek_s() {
@@ -285,6 +330,11 @@ pub fn run(plan: &Plan, spec: &RunSpec) -> Result<(RunOutput, Option<String>), S
             };
             let front = &mut fronts[flight.gateway];
             if !report.finished {
+                if let Some(rule) = &spec.give_up {
+                    if flight.record.sent_s >= rule.from_s && report.at - flight.record.sent_s > rule.ttft_s {
+                        late += 1;
+                    }
+                }
                 flight.first_s = Some(report.at);
                 flight.record.ttft_ms = Some((report.at - flight.record.sent_s) * 1000.0);
                 flight.record.prompt_tokens = Some(report.prompt_tokens);
@@ -416,6 +466,16 @@ pub fn run(plan: &Plan, spec: &RunSpec) -> Result<(RunOutput, Option<String>), S
         std::fs::write(path, log.join("\n") + "\n")
             .map_err(|e| format!("cannot write {}: {e}", path.display()))?;
     }
+    if gave_up {
+        // What was still waiting failed its target: it counts as a failure.
+        for flight in in_flight.into_values() {
+            let mut r = flight.record;
+            if r.ttft_ms.is_none() {
+                r.error = Some("run given up: too many requests past the TTFT target".into());
+            }
+            records.push(r);
+        }
+    }
     records.sort_by(|a, b| a.sent_s.total_cmp(&b.sent_s));
     let last_arrival = plan.last_arrival_s();
     let span_s = records.iter().map(|r| r.end_s).fold(0.0, f64::max);
@@ -424,16 +484,18 @@ pub fn run(plan: &Plan, spec: &RunSpec) -> Result<(RunOutput, Option<String>), S
         Some(c) => format!("{c} retractions={retractions}"),
         None => format!("retractions={retractions}"),
     });
-    Ok(RunOutput {
-        records,
-        abandoned: 0,
-        beyond_horizon,
-        samples: Vec::new(),
-        arrival_window_s: last_arrival,
-        span_s,
+    Ok(Outcome {
+        output: RunOutput {
+            records,
+            abandoned: if gave_up { arrivals_left } else { 0 },
+            beyond_horizon,
+            samples: Vec::new(),
+            arrival_window_s: last_arrival,
+            span_s,
+        },
+        counters: counters.filter(|c| !c.is_empty()),
+        gave_up,
     })
-    .map(|output| (output, counters))
-    .map(|(o, c)| (o, c.filter(|c| !c.is_empty())))
 }
 
 /// dprank's counters summed over its gateways, by kind (`routed`,
@@ -475,7 +537,7 @@ fn submit(
     turn: Option<(usize, usize)>,
 ) -> Result<(), String> {
     let (placement, held) = fronts[gateway].route(t, api.path(), body);
-    let (request, streamed) = sim_request(body, placement)?;
+    let (request, streamed) = sim_request(body, placement, record.output_tokens)?;
     let id = fleet.submit(t.max(fleet.now()), placement.worker, request)?;
     in_flight.insert(
         id,

@@ -1,21 +1,28 @@
-//! A model of smg's default policy, `cache_aware`, as smg runs it with
-//! `--dp-aware` (docs/protocol.md, "What smg does differently"): each
-//! (worker, rank) is a worker of its own; smg gets no loads, so it balances
-//! on its own counts of requests in flight. Per (worker, rank) it keeps an
-//! approximate tree of the request texts it sent there and:
+//! A model of smg's default policy, `cache_aware` (docs/protocol.md, "What
+//! smg does differently"), with its knobs, run two ways:
+//!
+//! - with `--dp-aware`, each (worker, rank) is a target of its own and smg
+//!   injects the rank; smg polls no loads then, so it balances on its own
+//!   counts of requests in flight;
+//! - without, the targets are the workers and each worker's own controller
+//!   picks the rank (the variant's `dispatch`).
+//!
+//! Per target it keeps an approximate tree of the request texts it sent
+//! there and:
 //!
 //! - when the in-flight counts are imbalanced (the busiest exceeds the mean
-//!   by more than `--balance-abs-threshold` 64, capped at twice their
-//!   standard deviation and never under 4, and by more than
-//!   `--balance-rel-threshold` 1.5 times the mean), sends the request to the
-//!   one with the fewest in flight;
+//!   by more than `--balance-abs-threshold`, that margin capped at twice
+//!   their standard deviation and never under 4 unless the threshold is
+//!   lower, and exceeds `--balance-rel-threshold` times the mean), sends the
+//!   request to the one with the fewest in flight;
 //! - else to the one whose tree matches the longest prefix of the text, if
-//!   the match covers more than `--cache-threshold` 0.3 of it; else to the
-//!   one with the smallest tree.
+//!   the match covers more than `--cache-threshold` of it; else to the one
+//!   with the smallest tree.
 //!
 //! Texts are matched in 16-byte steps here (smg matches characters); trees
 //! are not evicted (smg's `--max-tree-size` default is far above a run).
-//! This is our model, built from that description, not smg's code.
+//! This is our model, built from that description and smg 1.13's `--help`,
+//! not smg's code: tables label it a model.
 
 use std::collections::HashSet;
 
@@ -25,25 +32,69 @@ use dprank::prefix::PromptBlocks;
 use super::front::Placement;
 
 const MATCH_BYTES: u32 = 16;
-const CACHE_THRESHOLD: f64 = 0.3;
-const BALANCE_ABS: f64 = 64.0;
 const BALANCE_ABS_FLOOR: f64 = 4.0;
-const BALANCE_REL: f64 = 1.5;
+
+/// smg's `cache_aware` knobs (its 1.13 defaults unless the variant sets them).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SmgKnobs {
+    pub cache_threshold: f64,
+    pub balance_abs: f64,
+    pub balance_rel: f64,
+}
+
+impl Default for SmgKnobs {
+    fn default() -> Self {
+        SmgKnobs {
+            cache_threshold: 0.3,
+            balance_abs: 64.0,
+            balance_rel: 1.5,
+        }
+    }
+}
+
+impl SmgKnobs {
+    /// The knobs among smg flags (`--cache-threshold 0.5`, ...); flags the
+    /// model has no part for are refused, so a variant never runs here as
+    /// something it is not.
+    pub fn from_args(args: &[String]) -> Result<SmgKnobs, String> {
+        let mut knobs = SmgKnobs::default();
+        let mut i = 0;
+        while i < args.len() {
+            let flag = args[i].as_str();
+            let value = || -> Result<f64, String> {
+                args.get(i + 1)
+                    .and_then(|v| v.parse::<f64>().ok())
+                    .ok_or_else(|| format!("smg flag {flag} needs a number"))
+            };
+            match flag {
+                "--cache-threshold" | "--cache-match-threshold" => knobs.cache_threshold = value()?,
+                "--balance-abs-threshold" | "--spill-abs-threshold" => knobs.balance_abs = value()?,
+                "--balance-rel-threshold" | "--spill-rel-threshold" => knobs.balance_rel = value()?,
+                other => return Err(format!("the offline model of smg has no part for `{other}`")),
+            }
+            i += 2;
+        }
+        Ok(knobs)
+    }
+}
 
 pub struct CacheAware {
-    dp_size: usize,
-    /// Per (worker, rank): the block hashes of the texts sent there.
+    /// Ranks per worker when targets are (worker, rank); None: targets are workers.
+    dp_size: Option<usize>,
+    knobs: SmgKnobs,
+    /// Per target: the block hashes of the texts sent there.
     trees: Vec<HashSet<u32>>,
-    /// Per (worker, rank): bytes of text inserted (the tree's size).
+    /// Per target: bytes of text inserted (the tree's size).
     sizes: Vec<u64>,
     in_flight: Vec<u64>,
 }
 
 impl CacheAware {
-    pub fn new(workers: usize, dp_size: usize) -> CacheAware {
-        let n = workers * dp_size;
+    pub fn new(workers: usize, dp_size: usize, dp_aware: bool, knobs: &SmgKnobs) -> CacheAware {
+        let n = if dp_aware { workers * dp_size } else { workers };
         CacheAware {
-            dp_size,
+            dp_size: dp_aware.then_some(dp_size),
+            knobs: *knobs,
             trees: vec![HashSet::new(); n],
             sizes: vec![0; n],
             in_flight: vec![0; n],
@@ -56,8 +107,9 @@ impl CacheAware {
         let mean = loads.iter().sum::<f64>() / n;
         let sd = (loads.iter().map(|l| (l - mean).powi(2)).sum::<f64>() / n).sqrt();
         let max = loads.iter().copied().fold(0.0, f64::max);
-        let abs = BALANCE_ABS.min(2.0 * sd).max(BALANCE_ABS_FLOOR);
-        max - mean > abs && max > BALANCE_REL * mean
+        let floor = BALANCE_ABS_FLOOR.min(self.knobs.balance_abs);
+        let abs = self.knobs.balance_abs.min(2.0 * sd).max(floor);
+        max - mean > abs && max > self.knobs.balance_rel * mean
     }
 
     pub fn route(&mut self, body: &[u8]) -> Placement {
@@ -80,7 +132,7 @@ impl CacheAware {
                 .collect();
             let best = argmax(&matched);
             let rate = (matched[best] as u64 * u64::from(MATCH_BYTES)) as f64 / text_len.max(1) as f64;
-            if rate > CACHE_THRESHOLD {
+            if rate > self.knobs.cache_threshold {
                 best
             } else {
                 argmin(&self.sizes)
@@ -89,14 +141,23 @@ impl CacheAware {
         self.trees[slot].extend(chain.iter().copied());
         self.sizes[slot] += text_len;
         self.in_flight[slot] += 1;
-        Placement {
-            worker: slot / self.dp_size,
-            rank: Some(slot % self.dp_size),
+        match self.dp_size {
+            Some(dp) => Placement {
+                worker: slot / dp,
+                rank: Some(slot % dp),
+            },
+            None => Placement {
+                worker: slot,
+                rank: None,
+            },
         }
     }
 
     pub fn done(&mut self, placement: Placement) {
-        let slot = placement.worker * self.dp_size + placement.rank.unwrap_or(0);
+        let slot = match self.dp_size {
+            Some(dp) => placement.worker * dp + placement.rank.unwrap_or(0),
+            None => placement.worker,
+        };
         if let Some(count) = self.in_flight.get_mut(slot) {
             *count = count.saturating_sub(1);
         }
@@ -121,4 +182,57 @@ fn argmax(values: &[usize]) -> usize {
         }
     }
     best
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn body(text: &str) -> Vec<u8> {
+        serde_json::json!({"text": text, "sampling_params": {"max_new_tokens": 8}})
+            .to_string()
+            .into_bytes()
+    }
+
+    #[test]
+    fn knobs_come_from_smg_flags_and_unknown_flags_are_refused() {
+        let args: Vec<String> = ["--cache-threshold", "0.6", "--balance-abs-threshold", "4"]
+            .map(str::to_string)
+            .to_vec();
+        let knobs = SmgKnobs::from_args(&args).unwrap();
+        assert_eq!(
+            (knobs.cache_threshold, knobs.balance_abs, knobs.balance_rel),
+            (0.6, 4.0, 1.5)
+        );
+        assert!(SmgKnobs::from_args(&["--policy".to_string(), "x".to_string()]).is_err());
+        assert!(SmgKnobs::from_args(&["--cache-threshold".to_string()]).is_err());
+    }
+
+    #[test]
+    fn a_shared_prefix_sticks_until_the_spill_gate_opens() {
+        let shared = "a long system prompt that many requests share ".repeat(20);
+        let text = |i: usize| format!("{shared} question {i}");
+        // Default knobs: with 8 ranks the gate needs 4 more in flight than
+        // the mean; nothing finishes, so the hot rank takes requests until then.
+        let mut smg = CacheAware::new(2, 4, true, &SmgKnobs::default());
+        let first = smg.route(&body(&text(0)));
+        let same = (1..4).filter(|i| smg.route(&body(&text(*i))) == first).count();
+        assert_eq!(same, 3);
+        // A spill threshold of 1 sends the second one elsewhere at once.
+        let eager = SmgKnobs {
+            balance_abs: 1.0,
+            balance_rel: 1.0,
+            ..SmgKnobs::default()
+        };
+        let mut smg = CacheAware::new(2, 4, true, &eager);
+        let first = smg.route(&body(&text(0)));
+        let _ = smg.route(&body(&text(1)));
+        assert_ne!(smg.route(&body(&text(2))), first);
+        // Without --dp-aware the targets are workers and the rank is theirs to pick.
+        let mut workers = CacheAware::new(2, 4, false, &SmgKnobs::default());
+        let p = workers.route(&body(&text(0)));
+        assert!(p.worker < 2 && p.rank.is_none());
+        workers.done(p);
+        assert_eq!(workers.in_flight, vec![0, 0]);
+    }
 }

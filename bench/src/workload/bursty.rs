@@ -9,7 +9,7 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use rand_distr::{Distribution, Exp};
 
-use super::{no_prefix, text, OpenRequest, Shape};
+use super::{no_prefix, text, OpenRequest, OutputCap, Shape};
 
 pub const DESCRIPTION: &str = "the no-prefix requests, arrivals in bursts: a two-state modulated Poisson process, bursts of mean 1.5 s at 3x the mean rate, calm spells of mean 6 s at 0.5x (same mean rate)";
 
@@ -19,10 +19,10 @@ pub const BURST_S: f64 = 1.5;
 pub const CALM_S: f64 = 6.0;
 const TAG: u64 = 2;
 
-pub fn requests(shape: &Shape) -> Result<Vec<OpenRequest>, String> {
+pub fn requests(shape: &Shape, cap: OutputCap) -> Result<Vec<OpenRequest>, String> {
     let mut rng = StdRng::seed_from_u64(text::seed_of(&[TAG, shape.seed]));
     let arrivals = modulated_arrivals(shape.rate, shape.duration_s, &mut rng)?;
-    Ok(no_prefix::with_lengths(&arrivals, shape, TAG, &mut rng))
+    Ok(no_prefix::with_lengths(&arrivals, shape, cap, TAG, &mut rng))
 }
 
 /// Arrival times over [0, duration_s) with mean `rate`, bursty as above.

@@ -11,7 +11,7 @@ use rand::{Rng, SeedableRng};
 use rand_distr::{Distribution, Exp, Geometric};
 
 use super::lengths::{poisson_arrivals, LengthModel};
-use super::{text, Session, Shape, Turn};
+use super::{answer_tag, text, OutputCap, Session, Shape, Turn};
 
 pub const DESCRIPTION: &str = "closed-loop multi-turn sessions over streamed `/v1/chat/completions`: sessions start with Poisson arrivals (rate / 4.16 mean turns), 1 + geometric(p = 1/5) turns capped at 8 (mean 4.16; fewer when the history would outgrow the prompt limit), a unique system prompt of lognormal(median 300, sigma 0.5) tokens, user messages lognormal(median 60, sigma 0.9) in [4, 1500], answers lognormal(median 180, sigma 0.7) in [8, 800] tokens, think time exponential(mean 3 s) in [0.5, 10] s; each turn resends the whole history including the streamed answers; benchmark runs send no turn later than 20 s after the last session start";
 
@@ -50,7 +50,7 @@ pub const HISTORY_TOKENS_PER_OUTPUT: f64 = 1.0;
 pub const TEMPLATE_TOKENS_PER_MESSAGE: f64 = 6.0;
 const TAG: u64 = 4;
 
-pub fn sessions(shape: &Shape) -> Result<Vec<Session>, String> {
+pub fn sessions(shape: &Shape, cap: OutputCap) -> Result<Vec<Session>, String> {
     let mut rng = StdRng::seed_from_u64(text::seed_of(&[TAG, shape.seed]));
     let starts = poisson_arrivals(shape.rate / MEAN_TURNS, shape.duration_s, &mut rng)?;
     let extra_turns = Geometric::new(1.0 / 5.0).map_err(|e| format!("turns: {e}"))?;
@@ -79,17 +79,20 @@ pub fn sessions(shape: &Shape) -> Result<Vec<Session>, String> {
             {
                 break;
             }
-            let user = text::words(
+            let user = text::tagged(
                 text::seed_of(&[TAG, shape.seed, u64::from(id), 1 + u64::from(turn)]),
                 user_tokens,
+                answer_tag(&[TAG, shape.seed, u64::from(id), u64::from(turn)]),
             );
-            history += f64::from(user_tokens)
+            history += f64::from(user.tokens)
                 + HISTORY_TOKENS_PER_OUTPUT * f64::from(output_tokens)
                 + 2.0 * TEMPLATE_TOKENS_PER_MESSAGE;
             turns.push(Turn {
                 think_s,
-                user,
+                user: user.text,
                 output_tokens,
+                max_tokens: cap.cap(output_tokens),
+                answer_tag: user.tag,
             });
         }
         if !turns.is_empty() {
@@ -120,7 +123,7 @@ mod tests {
 
     #[test]
     fn sessions_have_several_turns_at_about_the_asked_rate() {
-        let sessions = sessions(&shape(8000)).unwrap();
+        let sessions = sessions(&shape(8000), OutputCap::Fixed(4096)).unwrap();
         let turns: usize = sessions.iter().map(|s| s.turns.len()).sum();
         let rate = turns as f64 / 200.0;
         assert!((7.0..13.0).contains(&rate), "turn rate {rate}");
@@ -134,12 +137,12 @@ mod tests {
 
     #[test]
     fn the_prompt_limit_trims_sessions() {
-        let long: usize = sessions(&shape(8000))
+        let long: usize = sessions(&shape(8000), OutputCap::Fixed(4096))
             .unwrap()
             .iter()
             .map(|s| s.turns.len())
             .sum();
-        let short: usize = sessions(&shape(1200))
+        let short: usize = sessions(&shape(1200), OutputCap::Fixed(4096))
             .unwrap()
             .iter()
             .map(|s| s.turns.len())

@@ -11,27 +11,34 @@
 //! hash, as in the Mooncake traces). Other fields are ignored.
 //!
 //! Prompt text is generated from the ids: a block's text is a function of its
-//! id alone, so equal ids give equal text and shared prefixes stay shared.
+//! id alone, so equal ids give equal text and shared prefixes stay shared;
+//! each prompt then ends with its answer tag (`super::answer_tag`).
 //! Lengths are scaled (`input_scale` multiplies input lengths and the block
-//! size alike, keeping the sharing structure) because production prompts are
-//! far longer than a small simulated rank holds. Each seed replays a window
-//! of `rate x duration` consecutive requests starting at a seeded offset,
-//! with timestamps rescaled so the window's mean rate is the offered rate.
+//! size alike, keeping the sharing structure) when production prompts are
+//! longer than a simulated rank holds. Each seed replays a window of
+//! `rate x duration` consecutive requests of the file ([`WINDOWS`]), with
+//! timestamps rescaled so the window's mean rate is the offered rate.
 
-use std::path::Path;
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
 
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use serde::Deserialize;
 
-use super::{bodies, synth, text, Api, OpenRequest, ReplaySource, Shape};
+use super::{answer_tag, bodies, synth, text, Api, OpenRequest, OutputCap, Plan, Shape, TraceOptions};
 
 /// Tokens per block in the format.
 pub const BLOCK_TOKENS: u32 = 512;
-/// Default input scale: 512-token blocks become 64-token blocks, a 12k-token
-/// prompt 1.5k tokens.
-pub const DEFAULT_INPUT_SCALE: f64 = 0.125;
 const TAG: u64 = 5;
+/// Seeds from here on are judging seeds (`crate::suites::SeedSet`).
+const FIRST_JUDGING_SEED: u64 = 101;
+/// Seeds from here on measure capacities: windows from the whole file.
+const FIRST_CAPACITY_SEED: u64 = 1_000_000;
+
+/// How a seed's window of a trace file is chosen (said in every report).
+pub const WINDOWS: &str = "windows of tuning seeds (1-100) lie in the first half of the file, of judging seeds (101 and up) in the second half, so the two sets replay different requests (a window longer than half the file is drawn from the whole file, and the report says so)";
 
 /// One line of a block-hash trace.
 #[derive(Debug, Clone, PartialEq, Deserialize, serde::Serialize)]
@@ -67,36 +74,100 @@ pub fn parse(text: &str, origin: &str) -> Result<Vec<TraceLine>, String> {
     Ok(out)
 }
 
-pub fn load(path: &Path) -> Result<Vec<TraceLine>, String> {
+type Loaded = Arc<Vec<TraceLine>>;
+static LOADED: Mutex<Option<HashMap<PathBuf, Loaded>>> = Mutex::new(None);
+
+/// The file's lines sorted by timestamp (read once per process).
+pub fn load(path: &Path) -> Result<Loaded, String> {
+    if let Some(lines) = LOADED
+        .lock()
+        .ok()
+        .and_then(|cache| cache.as_ref()?.get(path).cloned())
+    {
+        return Ok(lines);
+    }
     let text =
         std::fs::read_to_string(path).map_err(|e| format!("cannot read trace {}: {e}", path.display()))?;
-    parse(&text, &path.display().to_string())
+    let mut lines = parse(&text, &path.display().to_string())?;
+    lines.sort_by(|a, b| a.timestamp.total_cmp(&b.timestamp));
+    let lines = Arc::new(lines);
+    if let Ok(mut cache) = LOADED.lock() {
+        cache
+            .get_or_insert_with(HashMap::new)
+            .insert(path.to_path_buf(), lines.clone());
+    }
+    Ok(lines)
 }
 
-/// The plan's requests: a window of the file (or of a synthetic trace drawn
-/// from the seed when no file is given).
-pub fn requests(source: &ReplaySource, shape: &Shape) -> Result<Vec<OpenRequest>, String> {
+/// `app-sessions`: a synthetic trace drawn from the seed, replayed whole.
+pub fn generated(options: &TraceOptions, shape: &Shape, cap: OutputCap) -> Vec<OpenRequest> {
     let wanted = ((shape.rate * shape.duration_s).round() as usize).max(1);
-    let (mut lines, start) = match &source.file {
-        Some(path) => {
-            let lines = load(path)?;
-            let window = wanted.min(lines.len());
-            let mut rng = StdRng::seed_from_u64(text::seed_of(&[TAG, shape.seed]));
-            let start = rng.random_range(0..=lines.len() - window);
-            (lines, start)
-        }
-        None => (synth::generate(shape.seed, wanted), 0),
+    let lines = synth::generate(shape.seed, wanted);
+    from_lines(&lines, options, shape, cap).0
+}
+
+/// The first line and the end of a seed's window of `wanted` of `len`
+/// lines, and what the report must say about it.
+pub fn window(len: usize, wanted: usize, seed: u64) -> (usize, usize, Vec<String>) {
+    let half = len / 2;
+    let (region, set) = match seed {
+        s if s >= FIRST_CAPACITY_SEED => (0..len, "capacity"),
+        s if s >= FIRST_JUDGING_SEED => (half..len, "judging"),
+        _ => (0..half, "tuning"),
     };
-    lines.sort_by(|a, b| a.timestamp.total_cmp(&b.timestamp));
-    let end = (start + wanted).min(lines.len());
-    Ok(from_lines(&lines[start..end], source, shape))
+    let mut notes = Vec::new();
+    let region = if wanted <= region.len() {
+        region
+    } else {
+        if set != "capacity" {
+            notes.push(format!(
+                "a window of {wanted} requests is longer than half the trace ({len}): drawn from the whole file, so tuning and judging windows overlap"
+            ));
+        }
+        0..len
+    };
+    let window = wanted.min(region.len());
+    if window < wanted {
+        notes.push(format!(
+            "the trace holds {len} requests: this run replays {window}, not the {wanted} its rate and length ask for"
+        ));
+    }
+    let mut rng = StdRng::seed_from_u64(text::seed_of(&[TAG, seed]));
+    let start = region.start + rng.random_range(0..=region.len() - window);
+    (start, start + window, notes)
+}
+
+/// A trace file's window for this seed, as a plan.
+pub fn from_file(path: &Path, options: &TraceOptions, shape: &Shape, cap: OutputCap) -> Result<Plan, String> {
+    let lines = load(path)?;
+    let wanted = ((shape.rate * shape.duration_s).round() as usize).max(1);
+    let (start, end, mut notes) = window(lines.len(), wanted, shape.seed);
+    let (requests, clamped) = from_lines(&lines[start..end], options, shape, cap);
+    if clamped > 0 {
+        notes.push(format!(
+            "{clamped} of {} prompts (after scaling) were cut to the {}-token limit",
+            requests.len(),
+            shape.max_prompt
+        ));
+    }
+    Ok(Plan {
+        requests,
+        sessions: Vec::new(),
+        notes,
+    })
 }
 
 /// Requests for `lines` (sorted by timestamp): times rescaled to
-/// `shape.rate`, lengths scaled and clamped, text from the block ids.
-pub fn from_lines(lines: &[TraceLine], source: &ReplaySource, shape: &Shape) -> Vec<OpenRequest> {
+/// `shape.rate`, lengths scaled and clamped, text from the block ids, each
+/// prompt ending with its answer tag; and how many prompts were clamped.
+pub fn from_lines(
+    lines: &[TraceLine],
+    options: &TraceOptions,
+    shape: &Shape,
+    cap: OutputCap,
+) -> (Vec<OpenRequest>, usize) {
     let Some(first) = lines.first() else {
-        return Vec::new();
+        return (Vec::new(), 0);
     };
     let span_s = (lines[lines.len() - 1].timestamp - first.timestamp) / 1000.0;
     // Seconds of replay per second of trace.
@@ -105,8 +176,9 @@ pub fn from_lines(lines: &[TraceLine], source: &ReplaySource, shape: &Shape) -> 
     } else {
         0.0
     };
-    let block = ((f64::from(BLOCK_TOKENS) * source.input_scale).round() as u32).max(1);
-    lines
+    let block = ((f64::from(BLOCK_TOKENS) * options.input_scale).round() as u32).max(1);
+    let mut clamped = 0;
+    let requests = lines
         .iter()
         .enumerate()
         .map(|(i, line)| {
@@ -115,19 +187,29 @@ pub fn from_lines(lines: &[TraceLine], source: &ReplaySource, shape: &Shape) -> 
             } else {
                 i as f64 / shape.rate
             };
-            let input_tokens = scaled(line.input_length, source.input_scale, shape.max_prompt);
-            let output_tokens = scaled(line.output_length, source.output_scale, shape.max_output);
-            let prompt = prompt_from_blocks(&line.hash_ids, input_tokens, block, (shape.seed, i as u64));
+            let wanted = (line.input_length as f64 * options.input_scale).round();
+            if wanted > f64::from(shape.max_prompt) {
+                clamped += 1;
+            }
+            let input_tokens = scaled(line.input_length, options.input_scale, shape.max_prompt);
+            let output_tokens = scaled(line.output_length, options.output_scale, shape.max_output);
+            let (tag_text, tag_tokens, tag) = text::tag(answer_tag(&[TAG, shape.seed, i as u64]));
+            let body_tokens = input_tokens.saturating_sub(tag_tokens).max(1);
+            let mut prompt = prompt_from_blocks(&line.hash_ids, body_tokens, block, (shape.seed, i as u64));
+            prompt.push_str(&tag_text);
+            let max_tokens = cap.cap(output_tokens);
             OpenRequest {
                 at_s,
                 api: Api::Generate,
-                body: bodies::generate(&prompt, output_tokens, true),
-                input_tokens,
+                body: bodies::generate(&prompt, max_tokens, true),
+                input_tokens: body_tokens + tag_tokens,
                 output_tokens,
+                answer_tag: tag,
                 tenant: None,
             }
         })
-        .collect()
+        .collect();
+    (requests, clamped)
 }
 
 fn scaled(length: u64, scale: f64, max: u32) -> u32 {
@@ -175,13 +257,14 @@ mod tests {
         }
     }
 
-    fn source(scale: f64) -> ReplaySource {
-        ReplaySource {
-            file: None,
+    fn source(scale: f64) -> TraceOptions {
+        TraceOptions {
             input_scale: scale,
-            output_scale: 1.0,
+            ..TraceOptions::default()
         }
     }
+
+    const CAP: OutputCap = OutputCap::Fixed(4096);
 
     #[test]
     fn parses_the_format_and_reports_bad_lines() {
@@ -197,7 +280,7 @@ mod tests {
     #[test]
     fn shared_ids_give_shared_text_and_lengths_scale() {
         let lines = parse(SAMPLE, "t").unwrap();
-        let requests = from_lines(&lines, &source(0.5), &shape());
+        let requests = from_lines(&lines, &source(0.5), &shape(), CAP).0;
         let text = |r: &OpenRequest| -> String {
             let v: serde_json::Value = serde_json::from_slice(&r.body).unwrap();
             v["text"].as_str().unwrap().to_string()
@@ -207,8 +290,9 @@ mod tests {
         assert_eq!(text::count_tokens(&a), 550);
         assert_eq!(text::count_tokens(&b), 350);
         // Blocks of 256 tokens: the second request's two blocks (the second
-        // cut to 94 tokens) are the first request's opening.
-        assert!(a.starts_with(&b));
+        // cut short) are the first request's opening, up to its tag.
+        let b_untagged = &b[..b.rfind(" zqxj").unwrap()];
+        assert!(a.starts_with(b_untagged));
         assert_ne!(a[..1024], c[..1024]);
         // Times rescaled: 3 lines over 2.0005 s of trace at 2 req/s -> 1 s apart on average.
         assert_eq!(requests[0].at_s, 0.0);
@@ -227,12 +311,16 @@ mod tests {
             output_length: 0,
             hash_ids: vec![],
         }];
-        let r = from_lines(&lines, &source(1.0), &shape());
-        assert_eq!((r[0].input_tokens, r[0].output_tokens), (8000, 1));
+        let (r, clamped) = from_lines(&lines, &source(1.0), &shape(), CAP);
+        assert_eq!((r[0].input_tokens, r[0].output_tokens, clamped), (8000, 1, 1));
+        // The cap is what a client sends, not the answer's length.
+        let body: serde_json::Value = serde_json::from_slice(&r[0].body).unwrap();
+        assert_eq!(body["sampling_params"]["max_new_tokens"], 4096);
+        assert!(body.get("ignore_eos").is_none() && body["sampling_params"].get("ignore_eos").is_none());
     }
 
     #[test]
-    fn a_file_window_depends_on_the_seed() {
+    fn a_file_window_depends_on_the_seed_and_its_set() {
         let dir = std::env::temp_dir().join(format!("dprank-replay-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let path = dir.join("t.jsonl");
@@ -240,14 +328,31 @@ mod tests {
             .map(|i| format!("{{\"timestamp\": {}, \"input_length\": {}, \"output_length\": 5, \"hash_ids\": [{i}]}}\n", i * 100, 100 + i))
             .collect();
         std::fs::write(&path, body).unwrap();
-        let src = ReplaySource {
-            file: Some(path),
-            ..source(1.0)
-        };
-        let first = |seed| requests(&src, &Shape { seed, ..shape() }).unwrap()[0].input_tokens;
-        assert_eq!(requests(&src, &shape()).unwrap().len(), 20);
-        let starts: std::collections::HashSet<u32> = (0..10).map(first).collect();
-        assert!(starts.len() > 5, "{starts:?}");
+        let plan = |seed| from_file(&path, &source(1.0), &Shape { seed, ..shape() }, CAP).unwrap();
+        assert_eq!(plan(1).requests.len(), 20);
+        assert!(plan(1).notes.is_empty());
+        // Input lengths are 100 + the line's index (the tag included).
+        let first = |seed| plan(seed).requests[0].input_tokens - 100;
+        let tuning: std::collections::HashSet<u32> = (1..=10).map(first).collect();
+        let judging: std::collections::HashSet<u32> = (101..=110).map(first).collect();
+        assert!(tuning.len() > 5 && judging.len() > 5, "{tuning:?} {judging:?}");
+        // Tuning windows end in the first half, judging windows start in the second.
+        assert!(tuning.iter().all(|i| i + 20 <= 100), "{tuning:?}");
+        assert!(judging.iter().all(|i| *i >= 100), "{judging:?}");
+        // A window longer than half the file is drawn from the whole and says so.
+        let long = from_file(
+            &path,
+            &source(1.0),
+            &Shape {
+                seed: 1,
+                duration_s: 60.0,
+                ..shape()
+            },
+            CAP,
+        )
+        .unwrap();
+        assert_eq!(long.requests.len(), 120);
+        assert!(long.notes[0].contains("overlap"), "{:?}", long.notes);
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -8,7 +8,7 @@ use rand::rngs::StdRng;
 use rand::SeedableRng;
 
 use super::lengths::{poisson_arrivals, zipf_pick, zipf_weights, LengthModel};
-use super::{bodies, text, Api, OpenRequest, Shape};
+use super::{answer_tag, bodies, text, Api, OpenRequest, OutputCap, Shape};
 
 pub const DESCRIPTION: &str = "streamed `/v1/chat/completions`, Poisson arrivals; 16 tenants with Zipf(1.2) popularity (the hottest ~36% of requests), each with its own system prompt of lognormal(median 1500, sigma 0.5) in [300, 4000] tokens, then a user question of lognormal(median 150, sigma 0.8) in [8, 2000] tokens; outputs lognormal(median 180, sigma 0.8) in [1, 1024]";
 
@@ -28,7 +28,7 @@ pub const QUESTION: LengthModel = LengthModel {
 };
 const TAG: u64 = 3;
 
-pub fn requests(shape: &Shape) -> Result<Vec<OpenRequest>, String> {
+pub fn requests(shape: &Shape, cap: OutputCap) -> Result<Vec<OpenRequest>, String> {
     let mut rng = StdRng::seed_from_u64(text::seed_of(&[TAG, shape.seed]));
     // System prompts leave room for a question of at least QUESTION.min.
     let system_model = SYSTEM.capped(shape.max_prompt.saturating_sub(QUESTION.min).max(1));
@@ -54,13 +54,20 @@ pub fn requests(shape: &Shape) -> Result<Vec<OpenRequest>, String> {
                 .capped(shape.max_prompt.saturating_sub(*system_tokens).max(1))
                 .sample(&mut rng);
             let output_tokens = output.sample(&mut rng);
-            let question = text::words(text::seed_of(&[TAG, shape.seed, 2, i as u64]), question_tokens);
+            let question = text::tagged(
+                text::seed_of(&[TAG, shape.seed, 2, i as u64]),
+                question_tokens,
+                answer_tag(&[TAG, shape.seed, i as u64]),
+            );
+            let messages = [("system", system.as_str()), ("user", question.text.as_str())];
+            let max_tokens = cap.cap(output_tokens);
             OpenRequest {
                 at_s: *at_s,
                 api: Api::Chat,
-                body: bodies::chat(&[("system", system), ("user", &question)], output_tokens),
-                input_tokens: text::chat_tokens(&[("system", system), ("user", &question)]) as u32,
+                body: bodies::chat(&messages, max_tokens),
+                input_tokens: text::chat_tokens(&messages) as u32,
                 output_tokens,
+                answer_tag: question.tag,
                 tenant: Some(tenant as u32),
             }
         })
@@ -80,7 +87,7 @@ mod tests {
             max_prompt: 8000,
             max_output: 1024,
         };
-        let requests = requests(&shape).unwrap();
+        let requests = requests(&shape, OutputCap::Fixed(2048)).unwrap();
         let system_of = |r: &OpenRequest| -> String {
             let v: serde_json::Value = serde_json::from_slice(&r.body).unwrap();
             v["messages"][0]["content"].as_str().unwrap().to_string()

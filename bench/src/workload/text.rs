@@ -92,6 +92,36 @@ pub fn words(seed: u64, tokens: u32) -> String {
     text
 }
 
+/// Text ending with an answer tag (`dprank_sim::answers`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Tagged {
+    pub text: String,
+    /// Tokens of the whole text, tag included.
+    pub tokens: u32,
+    /// The tag's letters: the key of its answer length.
+    pub tag: String,
+}
+
+/// The answer tag of `id` as text to append, its tokens and its letters.
+pub fn tag(id: u64) -> (String, u32, String) {
+    let text = dprank_sim::answers::tag_text(id);
+    let tokens = count_tokens(&text) as u32;
+    (text, tokens, dprank_sim::answers::tag_letters(id))
+}
+
+/// About `tokens` tokens of text drawn from `seed`, the last few of them the
+/// answer tag of `id`: at least one word before the tag, so a tiny prompt
+/// comes out a little longer than asked.
+pub fn tagged(seed: u64, tokens: u32, id: u64) -> Tagged {
+    let (tag_text, tag_tokens, letters) = tag(id);
+    let body = tokens.saturating_sub(tag_tokens).max(1);
+    Tagged {
+        text: words(seed, body) + &tag_text,
+        tokens: body + tag_tokens,
+        tag: letters,
+    }
+}
+
 /// A seed for one piece of text, mixed from the pieces that identify it
 /// (workload, trace seed, tenant, block id...): SplitMix64 over each part.
 pub fn seed_of(parts: &[u64]) -> u64 {
@@ -158,6 +188,22 @@ mod tests {
         let user = words(2, 20);
         let n = chat_tokens(&[("system", &system), ("user", &user)]);
         assert!(n > 70 && n < 90, "{n}");
+    }
+
+    #[test]
+    fn tagged_text_has_the_asked_tokens_and_ends_with_its_tag() {
+        for id in 0..200u64 {
+            for n in [1, 2, 5, 40, 700] {
+                let t = tagged(id, n, id * 7 + 1);
+                assert_eq!(count_tokens(&t.text) as u32, t.tokens, "{id} {n}");
+                assert!(
+                    t.tokens == n || (n < t.tokens && t.tokens <= 8),
+                    "{id} {n}: {}",
+                    t.tokens
+                );
+                assert_eq!(dprank_sim::answers::find_tag(&t.text), Some(t.tag.as_str()));
+            }
+        }
     }
 
     #[test]

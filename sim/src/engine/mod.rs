@@ -59,8 +59,13 @@ pub enum EventKind {
 pub struct Arrival {
     /// Token ids of each prompt (one per sequence).
     pub prompts: Vec<Vec<u32>>,
-    /// Output tokens per sequence.
+    /// `max_new_tokens` per sequence: the cap the client sent (clamped to
+    /// fit a rank); admission reserves from it.
     pub max_new_tokens: u64,
+    /// Where each sequence's answer ends (the simulated model's EOS), in
+    /// prompt order, when known out of band (`crate::answers`); a missing
+    /// entry runs to `max_new_tokens`.
+    pub answer_tokens: Vec<Option<u64>>,
     /// The rank the request names, if any.
     pub rank: Option<usize>,
     /// The first `bootstrap_room`, for room-modulo dispatch.
@@ -73,6 +78,24 @@ impl Arrival {
     /// Prompt tokens of all sequences.
     pub fn tokens(&self) -> u64 {
         self.prompts.iter().map(|prompt| prompt.len() as u64).sum()
+    }
+
+    /// Where sequence `index`'s answer ends: its known length, at most
+    /// `max_new_tokens` (the client's cap cuts a longer answer), at least 1.
+    pub fn stop_at(&self, index: usize) -> u64 {
+        let cap = self.max_new_tokens.max(1);
+        self.answer_tokens
+            .get(index)
+            .copied()
+            .flatten()
+            .map_or(cap, |answer| answer.clamp(1, cap))
+    }
+
+    /// Output tokens of all sequences, as they will really be generated.
+    pub fn output_tokens(&self) -> u64 {
+        (0..self.prompts.len().max(1))
+            .map(|index| self.stop_at(index))
+            .sum()
     }
 }
 
@@ -259,6 +282,7 @@ impl Fleet {
                     uncached: oracle_uncached.iter().sum(),
                     tokens: arrival.tokens(),
                     max_new: arrival.max_new_tokens * arrival.prompts.len().max(1) as u64,
+                    output: arrival.output_tokens(),
                 });
             }
         }
@@ -321,6 +345,9 @@ impl Fleet {
         rank_state.pending.retain(|queued| queued.req != req);
         let max_new = arrival.max_new_tokens.max(1);
         let mut seqs = Vec::new();
+        let stops: Vec<u64> = (0..arrival.prompts.len())
+            .map(|index| arrival.stop_at(index))
+            .collect();
         for (index, prompt) in arrival.prompts.into_iter().enumerate() {
             let id = self.next_seq;
             self.next_seq += 1;
@@ -331,6 +358,7 @@ impl Fleet {
                 index,
                 prompt,
                 max_new,
+                stop_at: stops[index],
                 generated: 0,
                 prefix_len: 0,
                 node: radix::ROOT,

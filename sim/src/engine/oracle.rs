@@ -1,9 +1,11 @@
-//! The oracle: a fleet-wide, exact, instantaneous chooser. For a request
-//! naming no rank it projects, on every (worker, rank) of the process and
-//! from the exact state of the model, when the request would get its first
-//! token, and picks the earliest. It is the bound other routers are
-//! measured against: it knows what no router can (every queue, every
-//! cache, every reservation, this instant).
+//! The clairvoyant greedy chooser (`--dispatch oracle`, alias
+//! `clairvoyant`): fleet-wide, exact, instantaneous. For a request naming
+//! no rank it projects, on every (worker, rank) of the process and from the
+//! exact state of the model, when the request would get its first token,
+//! and picks the earliest. It knows what no router can (every queue, every
+//! cache, every reservation, this instant, and how long every answer will
+//! be); it is greedy, one request at a time, so it is a reference, not a
+//! bound: a router can beat it.
 //!
 //! The projection, per candidate rank:
 //! - the request's uncached tokens: its prompt minus the longest prefix the
@@ -49,7 +51,10 @@ pub(crate) struct Queued {
     pub ready_at: Micros,
     pub uncached: u64,
     pub tokens: u64,
+    /// The output cap, as admission reserves it.
     pub max_new: u64,
+    /// The output it will really generate (the chooser is clairvoyant).
+    pub output: u64,
 }
 
 /// Tokens of `prompt` that would still have to be prefilled on `rank`:
@@ -71,7 +76,10 @@ struct Item {
     /// attends to besides itself).
     context: u64,
     tokens: u64,
+    /// The output cap admission reserves from.
     max_new: u64,
+    /// The output it will generate, which decides how long it runs.
+    output: u64,
     not_before: Micros,
 }
 
@@ -118,9 +126,9 @@ fn later_delay(params: &Params, worker: &Worker, r: usize, new: &Item, rate_per_
         .unwrap_or(0);
     let mut grown = rank_decode(&worker.ranks[r]);
     grown.seqs += 1;
-    grown.kv_tokens += new.tokens + new.max_new / 2;
+    grown.kv_tokens += new.tokens + new.output / 2;
     let longer_step = params.cost.decode_us(grown).saturating_sub(slowest) as f64;
-    let lifetime = new.max_new as f64 * slowest as f64;
+    let lifetime = new.output as f64 * slowest as f64;
     let arrivals = rate_per_group * lifetime / 1e6;
     (arrivals * longer_step / 2.0).round() as Micros
 }
@@ -141,6 +149,7 @@ pub(crate) fn choose(fleet: &Fleet, now: Micros, arrival: &Arrival) -> (usize, u
                 context: arrival.tokens().saturating_sub(uncached),
                 tokens: arrival.tokens(),
                 max_new: arrival.max_new_tokens * arrival.prompts.len().max(1) as u64,
+                output: arrival.output_tokens(),
                 not_before: ready,
             };
             let imposed = later_delay(params, worker, r, &new, rate_per_group);
@@ -201,8 +210,9 @@ fn project(params: &Params, worker: &Worker, r: usize, now: Micros, new: Item) -
         .chain(&joining)
         .filter_map(|id| rank.seqs.get(id))
     {
-        let remaining = seq.max_new.saturating_sub(seq.generated);
-        budget -= remaining.min(clip) as f64 * rank.ratio;
+        let reserved = seq.max_new.saturating_sub(seq.generated);
+        budget -= reserved.min(clip) as f64 * rank.ratio;
+        let remaining = seq.stop_at.saturating_sub(seq.generated);
         let kv = (seq.prompt.len() as u64 + seq.generated).max(seq.computed);
         finishes.push(Reverse((remaining * step, kv + remaining)));
     }
@@ -215,6 +225,7 @@ fn project(params: &Params, worker: &Worker, r: usize, now: Micros, new: Item) -
             context: seq.computed,
             tokens: 0,
             max_new: 0,
+            output: 0,
             not_before: 0,
         });
     }
@@ -226,6 +237,7 @@ fn project(params: &Params, worker: &Worker, r: usize, now: Micros, new: Item) -
             context: tokens.saturating_sub(uncached),
             tokens,
             max_new: seq.max_new.saturating_sub(seq.generated),
+            output: seq.stop_at.saturating_sub(seq.generated),
             not_before: 0,
         });
     }
@@ -239,6 +251,7 @@ fn project(params: &Params, worker: &Worker, r: usize, now: Micros, new: Item) -
             context: queued.tokens.saturating_sub(queued.uncached),
             tokens: queued.tokens,
             max_new: queued.max_new,
+            output: queued.output,
             not_before: queued.ready_at,
         });
     }
@@ -295,12 +308,9 @@ fn project(params: &Params, worker: &Worker, r: usize, now: Micros, new: Item) -
             close(&mut t, &mut open, &mut prefill_spent);
             return t.saturating_sub(now);
         }
-        if item.max_new > 0 {
+        if item.output > 0 {
             let joined = t.saturating_sub(start + prefill_spent);
-            finishes.push(Reverse((
-                joined + item.max_new * step,
-                item.tokens + item.max_new,
-            )));
+            finishes.push(Reverse((joined + item.output * step, item.tokens + item.output)));
         }
     }
     t.saturating_sub(now)

@@ -39,7 +39,10 @@ pub(crate) struct Seq {
     pub req: ReqId,
     pub index: usize,
     pub prompt: Vec<u32>,
+    /// `max_new_tokens` as asked (clamped to fit): what admission reserves.
     pub max_new: u64,
+    /// Where the answer ends (its EOS, at most `max_new`).
+    pub stop_at: u64,
     pub generated: u64,
     /// Cache tokens this sequence locks (whole pages).
     pub prefix_len: u64,
@@ -89,7 +92,7 @@ impl Seq {
             EventKind::Token {
                 count: self.generated,
                 cached_tokens: self.cached_tokens.unwrap_or(0),
-                done: self.generated >= self.max_new,
+                done: self.generated >= self.stop_at,
             },
         )
     }
@@ -543,7 +546,7 @@ impl Rank {
                 seq.computed = seq.prompt.len() as u64;
                 seq.generated = 1;
                 out.push(seq.token_event(now));
-                if seq.generated >= seq.max_new {
+                if seq.generated >= seq.stop_at {
                     self.finish(params, id);
                 } else {
                     self.running.push(id);
@@ -671,7 +674,7 @@ impl Rank {
                     seq.generated += 1;
                     tokens += 1;
                     out.push(seq.token_event(now));
-                    if seq.generated >= seq.max_new {
+                    if seq.generated >= seq.stop_at {
                         self.finish(params, id);
                     }
                 }
@@ -699,7 +702,7 @@ impl Rank {
         }
         seq.generated += 1;
         out.push(seq.token_event(now));
-        if params.role == Role::Prefill || seq.generated >= seq.max_new {
+        if params.role == Role::Prefill || seq.generated >= seq.stop_at {
             self.finish(params, id);
         } else {
             self.cache_unfinished(params, id);

@@ -1,0 +1,231 @@
+//! Simulator presets: which simulated model the workers run, and the regime
+//! the bench builds around it (ranks per worker, KV per rank, prompt and
+//! answer limits, how trace lengths are scaled, the SLO, harness time
+//! scales). Every record and report names its preset.
+//!
+//! `legacy` is the model the earlier results used (linear prefill at 20k
+//! tokens/s per rank, 20 ms + 0.25 us per KV token decode steps). The
+//! calibrated presets select the simulator's `--cost-model`; their regime
+//! values are marked provisional until re-checked against the merged model
+//! (bench/README.md, "Presets").
+
+use std::fmt::Write as _;
+
+use crate::runner::Kv;
+use crate::stats::Slo;
+
+/// KV tokens and running sequences per rank of one regime.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KvRegime {
+    pub tokens: u32,
+    pub running: u32,
+}
+
+/// How a preset's goodput SLO is set.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum SloRule {
+    /// Stated with its reason.
+    Fixed(Slo, &'static str),
+    /// [`IDLE_TTFT_FACTOR`] x the idle TTFT and [`IDLE_TPOT_FACTOR`] x the
+    /// idle TPOT of a [`IDLE_PROMPT_TOKENS`]-token prompt on the preset's
+    /// model, rounded up to two significant digits (`slo::derive`).
+    FromIdle,
+}
+
+pub const IDLE_PROMPT_TOKENS: u32 = 4096;
+pub const IDLE_TTFT_FACTOR: f64 = 5.0;
+pub const IDLE_TPOT_FACTOR: f64 = 3.0;
+
+#[derive(Debug, PartialEq)]
+pub struct SimPreset {
+    pub name: &'static str,
+    pub about: &'static str,
+    /// Simulator flags selecting the model.
+    pub sim_args: &'static [&'static str],
+    /// Ranks per worker.
+    pub dp_size: usize,
+    pub small: KvRegime,
+    pub large: KvRegime,
+    /// Longest prompt a workload sends, and longest answer.
+    pub max_prompt: u32,
+    pub max_output: u32,
+    /// Default input scale of the block-hash traces (`--replay-input-scale`).
+    pub trace_input_scale: f64,
+    pub slo: SloRule,
+    /// Harness time scale per KV size (simulated s per wall s).
+    pub time_scale_small: f64,
+    pub time_scale_large: f64,
+    /// Why the regime values are not final, if they are not.
+    pub provisional: Option<&'static str>,
+}
+
+const PROVISIONAL: &str = "regime values set before the calibrated cost model was merged: check KV per rank, limits, trace scale and time scales against it (bench/README.md, \"Presets\")";
+
+pub const PRESETS: [SimPreset; 3] = [
+    SimPreset {
+        name: "legacy",
+        about: "the uncalibrated model of the earlier results: prefill 20k tokens/s per rank, decode steps 20 ms + 0.25 us per KV token, 4 ranks per worker in lockstep",
+        sim_args: &["--cost-model", "legacy"],
+        dp_size: 4,
+        small: KvRegime {
+            tokens: 10_000,
+            running: 32,
+        },
+        large: KvRegime {
+            tokens: 30_000,
+            running: 64,
+        },
+        max_prompt: 8192,
+        max_output: 1024,
+        // 512-token blocks become 64: the traces' 12k-token mean prompt fits
+        // a 10k-token rank as 1.5k.
+        trace_input_scale: 0.125,
+        slo: SloRule::Fixed(
+            Slo {
+                ttft_ms: 1000.0,
+                tpot_ms: 60.0,
+            },
+            "kept from the earlier results: about 25x the idle TTFT of a median prompt and 2.4x an idle decode step (the idle rule of the calibrated presets gives 1,100 ms and 64 ms here)",
+        ),
+        time_scale_small: 5.0,
+        time_scale_large: 2.0,
+        provisional: None,
+    },
+    SimPreset {
+        name: "deepseek-v3-dp8",
+        about: "the calibrated DeepSeek-V3-class DP-attention node: 8 ranks per worker in lockstep (`--cost-model deepseek-v3-dp8`)",
+        sim_args: &["--cost-model", "deepseek-v3-dp8"],
+        dp_size: 8,
+        small: KvRegime {
+            tokens: 100_000,
+            running: 128,
+        },
+        large: KvRegime {
+            tokens: 400_000,
+            running: 256,
+        },
+        max_prompt: 65_536,
+        max_output: 4096,
+        // Ranks hold 100k+ tokens: the traces replay at their own lengths.
+        trace_input_scale: 1.0,
+        slo: SloRule::FromIdle,
+        time_scale_small: 2.0,
+        time_scale_large: 1.0,
+        provisional: Some(PROVISIONAL),
+    },
+    SimPreset {
+        name: "dense-8b",
+        about: "the calibrated small dense model: 4 data-parallel replicas per worker (`--cost-model dense-8b`)",
+        sim_args: &["--cost-model", "dense-8b"],
+        dp_size: 4,
+        small: KvRegime {
+            tokens: 100_000,
+            running: 128,
+        },
+        large: KvRegime {
+            tokens: 400_000,
+            running: 256,
+        },
+        max_prompt: 32_768,
+        max_output: 4096,
+        trace_input_scale: 1.0,
+        slo: SloRule::FromIdle,
+        time_scale_small: 2.0,
+        time_scale_large: 1.0,
+        provisional: Some(PROVISIONAL),
+    },
+];
+
+/// The default preset.
+pub const DEFAULT_PRESET: &str = "legacy";
+
+/// The preset named `name`.
+pub fn preset(name: &str) -> Result<&'static SimPreset, String> {
+    PRESETS.iter().find(|p| p.name == name).ok_or_else(|| {
+        format!(
+            "unknown simulator preset `{name}`; known: {}",
+            PRESETS.map(|p| p.name).join(", ")
+        )
+    })
+}
+
+impl SimPreset {
+    pub fn kv(&self, kv: Kv) -> KvRegime {
+        match kv {
+            Kv::Small => self.small,
+            Kv::Large => self.large,
+        }
+    }
+
+    /// The longest prompt with KV `kv`: what a rank holds with room for the
+    /// longest answer, and at most the preset's limit.
+    pub fn max_prompt(&self, kv: Kv) -> u32 {
+        self.kv(kv)
+            .tokens
+            .saturating_sub(self.max_output + 16)
+            .min(self.max_prompt)
+    }
+
+    /// The model and regime flags of every simulated worker.
+    pub fn sim_args(&self, kv: Kv) -> Vec<String> {
+        let regime = self.kv(kv);
+        let mut args: Vec<String> = self.sim_args.iter().map(|a| a.to_string()).collect();
+        args.extend([
+            "--kv-capacity".into(),
+            regime.tokens.to_string(),
+            "--max-running".into(),
+            regime.running.to_string(),
+        ]);
+        args
+    }
+
+    pub fn time_scale(&self, kv: Kv) -> f64 {
+        match kv {
+            Kv::Small => self.time_scale_small,
+            Kv::Large => self.time_scale_large,
+        }
+    }
+
+    pub fn describe_kv(&self, kv: Kv) -> String {
+        let r = self.kv(kv);
+        format!(
+            "{} KV tokens and {} running sequences per rank",
+            r.tokens, r.running
+        )
+    }
+
+    /// Lines for a report's set-up section.
+    pub fn describe(&self) -> String {
+        let mut out = format!("`{}`: {}", self.name, self.about);
+        let _ = write!(
+            out,
+            "; prompts at most {} tokens, answers at most {}; block-hash traces scaled x {}",
+            self.max_prompt, self.max_output, self.trace_input_scale
+        );
+        if let Some(why) = self.provisional {
+            let _ = write!(out, "; PROVISIONAL: {why}");
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn presets_are_found_by_name_and_leave_room_for_answers() {
+        for p in &PRESETS {
+            assert_eq!(preset(p.name).unwrap().name, p.name);
+            for kv in [Kv::Small, Kv::Large] {
+                assert!(p.max_prompt(kv) + p.max_output <= p.kv(kv).tokens, "{}", p.name);
+                let args = p.sim_args(kv);
+                assert!(args.contains(&"--kv-capacity".to_string()));
+            }
+        }
+        assert!(preset("nope").unwrap_err().contains("legacy"));
+        let legacy = preset(DEFAULT_PRESET).unwrap();
+        assert_eq!(legacy.max_prompt(Kv::Small), 8192);
+        assert!(legacy.provisional.is_none() && legacy.sim_args.is_empty());
+    }
+}

@@ -1,0 +1,140 @@
+//! Where a record comes from: the command, the commit, the date and the
+//! machine. Every run record carries it, and a report refuses (or, asked
+//! to, loudly flags) a table whose runs come from more than one commit or
+//! machine.
+
+use std::path::Path;
+use std::process::Command;
+
+use serde::{Deserialize, Serialize};
+
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Provenance {
+    /// The command line as typed.
+    pub command: String,
+    /// `git rev-parse --short=12 HEAD`, `-dirty` when tracked files differ.
+    pub commit: String,
+    /// UTC, `YYYY-MM-DD HH:MM UTC`.
+    pub date: String,
+    /// CPU model, cores, kernel (`report::machine`).
+    pub machine: String,
+}
+
+/// The commit of the repository at `root` (`unknown` outside git).
+pub fn commit(root: &Path) -> String {
+    let git = |args: &[&str]| {
+        Command::new("git")
+            .arg("-C")
+            .arg(root)
+            .args(args)
+            .output()
+            .ok()
+            .filter(|o| o.status.success())
+            .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+    };
+    match git(&["rev-parse", "--short=12", "HEAD"]) {
+        Some(head) => {
+            let dirty =
+                git(&["status", "--porcelain", "--untracked-files=no"]).is_some_and(|s| !s.is_empty());
+            if dirty {
+                format!("{head}-dirty")
+            } else {
+                head
+            }
+        }
+        None => "unknown".into(),
+    }
+}
+
+impl Provenance {
+    /// Now, on this machine, at the commit of `root`.
+    pub fn current(root: &Path, command: &str) -> Provenance {
+        Provenance {
+            command: command.to_string(),
+            commit: commit(root),
+            date: crate::report::now_utc(),
+            machine: crate::report::machine(),
+        }
+    }
+
+    /// The machine without its kernel (what decides speed).
+    pub fn cpu(&self) -> &str {
+        self.machine.split(", Linux").next().unwrap_or(&self.machine)
+    }
+}
+
+/// The commits and machines of `records`' provenances (None: a record
+/// made before records carried one), each listed once.
+pub fn distinct<'a>(all: impl Iterator<Item = Option<&'a Provenance>>) -> (Vec<String>, Vec<String>) {
+    let (mut commits, mut machines) = (Vec::new(), Vec::new());
+    for p in all {
+        let (c, m) = match p {
+            Some(p) => (p.commit.clone(), p.cpu().to_string()),
+            None => ("unrecorded".to_string(), "unrecorded".to_string()),
+        };
+        if !commits.contains(&c) {
+            commits.push(c);
+        }
+        if !machines.contains(&m) {
+            machines.push(m);
+        }
+    }
+    (commits, machines)
+}
+
+/// Why a table mixing `records` must not stand as one comparison, if it
+/// mixes commits or machines.
+pub fn mixed<'a>(all: impl Iterator<Item = Option<&'a Provenance>>) -> Option<String> {
+    let (commits, machines) = distinct(all);
+    let mut why = Vec::new();
+    if commits.len() > 1 {
+        why.push(format!("commits {}", commits.join(", ")));
+    }
+    if machines.len() > 1 {
+        why.push(format!("machines {}", machines.join(" / ")));
+    }
+    (!why.is_empty()).then(|| format!("runs from several {}", why.join(" and ")))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn p(commit: &str, machine: &str) -> Provenance {
+        Provenance {
+            commit: commit.into(),
+            machine: format!("{machine}, Linux 6.1"),
+            ..Provenance::default()
+        }
+    }
+
+    #[test]
+    fn mixing_commits_or_machines_is_named() {
+        let (a, b, c) = (
+            p("abc", "EPYC, 2 cores"),
+            p("abc", "EPYC, 2 cores"),
+            p("def", "Xeon, 2 cores"),
+        );
+        assert_eq!(mixed([Some(&a), Some(&b)].into_iter()), None);
+        let why = mixed([Some(&a), Some(&c)].into_iter()).unwrap();
+        assert!(
+            why.contains("abc, def") && why.contains("EPYC, 2 cores / Xeon, 2 cores"),
+            "{why}"
+        );
+        assert!(mixed([Some(&a), None].into_iter())
+            .unwrap()
+            .contains("unrecorded"));
+        // The kernel does not count as another machine.
+        let d = Provenance {
+            machine: "EPYC, 2 cores, Linux 6.9".into(),
+            ..a.clone()
+        };
+        assert_eq!(mixed([Some(&a), Some(&d)].into_iter()), None);
+    }
+
+    #[test]
+    fn this_repository_has_a_commit() {
+        let here = commit(Path::new(env!("CARGO_MANIFEST_DIR")));
+        assert!(here.len() >= 12 || here == "unknown", "{here}");
+    }
+}
