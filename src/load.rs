@@ -396,3 +396,6 @@ mod tests {
         assert_eq!(parse_load_report(br#"{"loads":[]}"#), Err(LoadError::NoRanks));
     }
 }
+
+pub mod prometheus;
+pub mod vllm;
