@@ -61,6 +61,8 @@ pub fn lines(body: &[u8]) -> Lines<'_> {
     Lines { rest: body }
 }
 
+/// The iterator of [`lines`]: one [`Line`] per line feed, plus
+/// [`Line::Unterminated`] for text after the last one.
 pub struct Lines<'a> {
     rest: &'a [u8],
 }
@@ -159,7 +161,7 @@ fn cut(text: &str, from: usize, to: usize) -> &str {
 
 /// A number as Prometheus writes one: decimal with an optional exponent, or
 /// `NaN` and `Inf` (any case, `+Inf`, `-Inf`, `Infinity`). Decimals are read by
-/// serde_json, already in the filter: std's float parser would add about 18 KiB
+/// serde_json, already in the filter: std's float parser would add about 17 KiB
 /// to the wasm (docs/vllm-metrics.md).
 fn number(token: &str) -> Option<f64> {
     if token.is_empty()
