@@ -18,8 +18,9 @@
 #   FUZZ_SANITIZER   cargo-fuzz --sanitizer (default none: dprank is safe
 #                    Rust, and without ASan builds and runs are ~2x faster)
 #   FUZZ_JOBS        libFuzzer -jobs/-workers (default 1)
-# Budget: the first build takes ~1 min on 2 cores, then N s per target (4
-# targets): `scripts/fuzz.sh 20` took 2.5 min from a clean fuzz/target.
+# Budget: the first build takes ~1 min on 2 cores, then N s per target (5
+# targets; with the first 4, `scripts/fuzz.sh 20` took 2.5 min from a clean
+# fuzz/target).
 set -euo pipefail
 
 secs="${1:-30}"
@@ -66,6 +67,7 @@ for t in $targets; do
     [ "$jobs" -gt 1 ] && args+=(-jobs="$jobs" -workers="$jobs")
     case "$t" in
         body_rewrite | load_report | config) args+=(-dict=dicts/json.dict) ;;
+        vllm_metrics) args+=(-dict=dicts/prometheus.dict) ;;
     esac
     log="logs/$t.log"
     if cargo +nightly fuzz run --sanitizer "$sanitizer" "$t" "${dirs[@]}" -- "${args[@]}" > "$log" 2>&1; then

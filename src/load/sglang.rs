@@ -447,3 +447,6 @@ mod tests {
         assert_eq!(parse_load_report(br#"{"loads":[]}"#), Err(LoadError::NoRanks));
     }
 }
+
+pub mod prometheus;
+pub mod vllm;
