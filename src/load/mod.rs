@@ -4,7 +4,9 @@
 //! today, SGLang (`sglang.rs`); another is a module beside it and a
 //! [`Source`] variant (docs/architecture.md).
 
+pub mod prometheus;
 pub mod sglang;
+pub mod vllm;
 
 use crate::config::{Config, MAX_DP_SIZE};
 use std::fmt;

@@ -447,6 +447,3 @@ mod tests {
         assert_eq!(parse_load_report(br#"{"loads":[]}"#), Err(LoadError::NoRanks));
     }
 }
-
-pub mod prometheus;
-pub mod vllm;
