@@ -7,6 +7,7 @@ mod common;
 
 use common::*;
 use dprank_sim::answers::{tag_letters, tag_text};
+use dprank_sim::config::CostPreset;
 use dprank_sim::offline::{Fleet, Prompt, Report, Request};
 use dprank_sim::SimConfig;
 use reqwest::StatusCode;
@@ -22,8 +23,9 @@ fn at(reports: &[Report], req: u64, finished: bool) -> &Report {
 /// One rank with room for one large cap at a time, no tokenizer time.
 fn small_rank() -> SimConfig {
     SimConfig {
-        dp_size: 1,
-        kv_capacity: 3000,
+        cost_model: CostPreset::Legacy,
+        dp_size: Some(1),
+        kv_capacity: Some(3000),
         tokenizer_delay_us: 0.0,
         tokenizer_us_per_token: 0.0,
         ..SimConfig::default()

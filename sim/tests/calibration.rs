@@ -42,6 +42,7 @@ fn run(config: &SimConfig, requests: &[(usize, u64, u64)]) -> Vec<Timing> {
             Arrival {
                 prompts: vec![(0..prompt as u32).map(|t| base.wrapping_add(t)).collect()],
                 max_new_tokens: max_new,
+                answer_tokens: Vec::new(),
                 rank: Some(rank),
                 room: None,
                 pretokenized: true,
@@ -268,6 +269,7 @@ fn lockstep_ranks_wait_for_the_slowest_under_the_calibrated_model() {
     let arrival = |rank, prompt: u64, max_new| Arrival {
         prompts: vec![(0..prompt as u32).map(|t| t + (rank as u32) * 100_000).collect()],
         max_new_tokens: max_new,
+        answer_tokens: Vec::new(),
         rank: Some(rank),
         room: None,
         pretokenized: true,
