@@ -226,6 +226,11 @@ mod tests {
         assert!(preset("nope").unwrap_err().contains("legacy"));
         let legacy = preset(DEFAULT_PRESET).unwrap();
         assert_eq!(legacy.max_prompt(Kv::Small), 8192);
-        assert!(legacy.provisional.is_none() && legacy.sim_args.is_empty());
+        assert!(legacy.provisional.is_none());
+        assert_eq!(
+            legacy.sim_args,
+            ["--cost-model", "legacy"],
+            "the simulator's default is a calibrated model"
+        );
     }
 }
