@@ -45,6 +45,9 @@ pub const METHOD: &str = "sustainable";
 /// The overload window that gives the upper bound (simulated s).
 const OVERLOAD_WINDOW_S: f64 = 60.0;
 
+/// One capacity seed's (TTFT, TPOT) pairs in ms, or `None` when the run was given up.
+type SeedLatencies = Result<Option<Vec<(f64, f64)>>, String>;
+
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 pub struct CapacityEntry {
     /// [`workload_key`].
@@ -296,7 +299,7 @@ impl CapacityJob<'_> {
         let measured: usize = plans.iter().map(measured_requests).sum();
         // More late requests than this in any one seed put the pooled p90 past the SLO.
         let late_allowed = ((1.0 - PERCENTILE / 100.0) * measured as f64).floor() as usize;
-        let work: Vec<crate::offline::Job<'_, Result<Option<Vec<(f64, f64)>>, String>>> = plans
+        let work: Vec<crate::offline::Job<'_, SeedLatencies>> = plans
             .iter()
             .zip(SEEDS)
             .map(|(plan, seed)| {
