@@ -221,6 +221,9 @@ pub fn lines(
     let positive = points().map(|(_, y)| y).filter(|y| *y > 0.0);
     let y_hi = positive.clone().fold(0.0, f64::max);
     let y_lo = positive.fold(f64::INFINITY, f64::min);
+    // A log axis over less than a decade gets no labels: linear then.
+    let log_y = log_y && y_hi >= 10.0 * y_lo;
+    let y_desc = if log_y { y_desc.to_string() } else { y_desc.replace(" (log)", "") };
     let mut builder = ChartBuilder::on(&root);
     builder.margin(15).x_label_area_size(45).y_label_area_size(70);
     if text {
@@ -231,7 +234,7 @@ pub fn lines(
             let mut chart = $chart;
             let x_label = |v: &f64| format!("{:.0}%", v * 100.0);
             let y_label = |v: &f64| {
-                if log_y {
+                if log_y || *v >= 10.0 {
                     format!("{v:.0}")
                 } else {
                     format!("{v:.2}")
