@@ -223,7 +223,11 @@ pub fn lines(
     let y_lo = positive.fold(f64::INFINITY, f64::min);
     // A log axis over less than a decade gets no labels: linear then.
     let log_y = log_y && y_hi >= 10.0 * y_lo;
-    let y_desc = if log_y { y_desc.to_string() } else { y_desc.replace(" (log)", "") };
+    let y_desc = if log_y {
+        y_desc.to_string()
+    } else {
+        y_desc.replace(" (log)", "")
+    };
     let mut builder = ChartBuilder::on(&root);
     builder.margin(15).x_label_area_size(45).y_label_area_size(70);
     if text {
