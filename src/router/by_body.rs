@@ -4,7 +4,7 @@
 //! affinity applies, a trusted client's rank constrains the choice, and a
 //! request that cannot be routed keeps no client rank field.
 
-use super::body_fields::{client_rank, estimated_tokens, prefix_request};
+use super::body_fields::{client_rank, estimated_tokens, prefix_request, queue_charge};
 use super::outcome::{pass, pass_or_reject, reject, PassReason, RejectReason};
 use super::pipeline::{self, Leg};
 use super::snapshot::{Side, Snapshot};
@@ -61,7 +61,8 @@ pub fn route(
     };
     let moment = snapshot.moment();
     let cost = estimated_tokens(config, &object, prefix.as_ref());
-    let committed = pipeline::commit(config, host, cache, &choice, cost, prefix.as_mut());
+    let queued = queue_charge(config, &object, prefix.as_ref());
+    let committed = pipeline::commit(config, host, cache, &choice, cost, prefix.as_mut(), queued);
     // Stage `reply`: the rank goes into the body, unless the client's own stays.
     let body = trusted_rank.is_none().then(|| {
         let set = [(config.rank_field.as_str(), choice.chosen.rank.to_string())];

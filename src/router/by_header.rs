@@ -5,7 +5,7 @@
 //! written (the lifecycle writes the rank headers).
 
 use super::outcome::pass_or_reject;
-use super::pipeline::{self, Leg};
+use super::pipeline::{self, Leg, Prefill};
 use super::snapshot::Side;
 use super::{Decision, Routed};
 use crate::config::{Config, CostEstimate, HeaderTransport};
@@ -52,7 +52,11 @@ pub fn route_by_headers(
         return pass_or_reject(config, host, reason, None);
     };
     let moment = snapshot.moment();
-    let committed = pipeline::commit(config, host, cache, &choice, cost, None);
+    // Admission's queue: the length is all there is of the prompt; whether
+    // the answer streams is not known, so it leaves the queue when a poll
+    // counts it (or at its end).
+    let queued = config.admission.as_ref().map(|_| Prefill::plain(cost, false));
+    let committed = pipeline::commit(config, host, cache, &choice, cost, None, queued);
     Decision::Route(Routed::new(committed, moment, None))
 }
 

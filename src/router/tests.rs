@@ -182,7 +182,7 @@ fn fail_closed_rejects_with_json_errors() {
     match route(&c, &h, &mut StateCache::default(), b"{}", None, 0) {
         Decision::Reject {
             reason: RejectReason::NoFreshData,
-            reply: Reply { status, body },
+            reply: Reply { status, body, .. },
         } => {
             assert_eq!(status, 503);
             let v: serde_json::Value = serde_json::from_str(&body).unwrap();

@@ -64,3 +64,32 @@ pub fn pd_fleet(extra: &str) -> (Rc<Config>, FakeHost) {
 pub fn json(bytes: &[u8]) -> serde_json::Value {
     serde_json::from_slice(bytes).unwrap()
 }
+
+/// Admission on: every rank of every worker reports `waiting` uncached
+/// prompt tokens queued (a new snapshot with the same tokens).
+pub fn queue_prefill(config: &Config, host: &FakeHost, waiting: u64) {
+    use crate::load::RankLoad;
+    use crate::worker_state::RankFigures;
+    let now = host.now_ms();
+    for i in 0..config.all_workers().count() {
+        update_worker(config, host, i, IfMissing::Skip, |s| {
+            let tokens: Vec<Option<u64>> = (0..s.ranks()).map(|r| s.polled_tokens(r)).collect();
+            let ranks: Vec<RankLoad> = tokens
+                .iter()
+                .map(|t| RankLoad {
+                    tokens: *t,
+                    waiting_uncached_tokens: Some(waiting),
+                    waiting_requests: Some(u64::from(waiting > 0)),
+                    ..RankLoad::default()
+                })
+                .collect();
+            let figures: Vec<RankFigures> = ranks.iter().map(RankFigures::from).collect();
+            let seq = s.begin_poll();
+            s.apply_snapshot(seq, now, &tokens).then_some(())?;
+            s.apply_drain(0, &ranks, config.gateways);
+            s.apply_figures(seq, &figures);
+            Some(())
+        })
+        .unwrap();
+    }
+}
