@@ -422,29 +422,40 @@ impl Request {
     fn decide_body(&mut self, host: &dyn Host) -> Decision {
         self.config = self.routing.current(host);
         let body = host.request_body(self.body_size).unwrap_or_default();
-        let tie_breaker = self.routing.next_tie_breaker();
-        router::route(
+        let args = self.route_args();
+        router::route_with(
             &self.config,
             host,
             &mut self.routing.states.borrow_mut(),
             &body,
-            self.pin.as_deref(),
-            tie_breaker,
+            &args,
         )
     }
 
     /// Header mode: the router's decision on what the headers told.
     fn decide_header(&mut self, host: &dyn Host) -> Decision {
         self.config = self.routing.current(host);
-        let tie_breaker = self.routing.next_tie_breaker();
-        router::route_by_headers(
+        let args = self.route_args();
+        router::route_by_headers_with(
             &self.config,
             host,
             &mut self.routing.states.borrow_mut(),
             self.header_cost,
-            self.pin.as_deref(),
-            tie_breaker,
+            &args,
         )
+    }
+
+    /// What the router needs of this request besides its body.
+    fn route_args(&self) -> router::RouteArgs<'_> {
+        let max_wait_ms = match (&self.config.admission, self.admitting) {
+            (Some(settings), Some(a)) => Some(settings.max_wait_ms_of(a.class)),
+            _ => None,
+        };
+        router::RouteArgs {
+            pin: self.pin.as_deref(),
+            tie_breaker: self.routing.next_tie_breaker(),
+            max_wait_ms,
+        }
     }
 
     /// The router's decision for this request's transport.

@@ -61,6 +61,9 @@ pub struct AdmissionJson {
     pub sheddable_class: Option<Option<String>>,
     #[serde(default)]
     pub tenant_header: Option<String>,
+    /// Per class name, its own `max_wait_ms`.
+    #[serde(default)]
+    pub class_max_wait_ms: Option<std::collections::BTreeMap<String, u64>>,
 }
 
 /// Tells `"key": null` (Some(None)) from a missing key (None).
@@ -100,6 +103,10 @@ pub struct Admission {
     pub sheddable_class: Option<usize>,
     /// Round robin across the tenants this header names, within a class.
     pub tenant_header: Option<String>,
+    /// Per class, the expected wait past which it finds a rank saturated:
+    /// `max_wait_ms` for the default class and below, twice as much per
+    /// class above it, unless `class_max_wait_ms` says otherwise.
+    pub class_max_wait_ms: Vec<u64>,
 }
 
 impl Admission {
@@ -109,6 +116,14 @@ impl Admission {
         value
             .and_then(|v| self.classes.iter().position(|c| c == v.trim()))
             .unwrap_or(self.default_class)
+    }
+
+    /// The expected wait past which a request of `class` finds a rank saturated.
+    pub fn max_wait_ms_of(&self, class: usize) -> u64 {
+        self.class_max_wait_ms
+            .get(class)
+            .copied()
+            .unwrap_or(self.max_wait_ms)
     }
 
     pub fn is_sheddable(&self, class: usize) -> bool {
@@ -178,6 +193,7 @@ pub fn settings(
         None => None,
     };
     let (classes, default_class, sheddable_class) = classes(&json)?;
+    let class_max_wait_ms = class_waits(&json, &classes, default_class, max_wait_ms)?;
     Ok(Some(Admission {
         max_wait_ms,
         when_saturated,
@@ -189,7 +205,42 @@ pub fn settings(
         default_class,
         sheddable_class,
         tenant_header,
+        class_max_wait_ms,
     }))
+}
+
+/// Each class's wait limit: `max_wait_ms` from the default class down,
+/// doubled per class above it (capped), or as `class_max_wait_ms` names it.
+fn class_waits(
+    json: &AdmissionJson,
+    classes: &[String],
+    default_class: usize,
+    max_wait_ms: u64,
+) -> Result<Vec<u64>, super::ConfigError> {
+    let mut waits: Vec<u64> = (0..classes.len())
+        .map(|c| {
+            let above = default_class.saturating_sub(c) as u32;
+            max_wait_ms
+                .saturating_mul(1u64 << above.min(16))
+                .min(MAX_WAIT_LIMIT_MS)
+        })
+        .collect();
+    for (name, ms) in json.class_max_wait_ms.iter().flatten() {
+        let Some(c) = classes.iter().position(|c| c == name) else {
+            return Err(invalid(
+                "class_max_wait_ms",
+                format!("`{name}` is not one of `classes` {classes:?}"),
+            ));
+        };
+        if !(1..=MAX_WAIT_LIMIT_MS).contains(ms) {
+            return Err(invalid(
+                "class_max_wait_ms",
+                format!("`{name}`: must be 1..={MAX_WAIT_LIMIT_MS}, got {ms}"),
+            ));
+        }
+        waits[c] = *ms;
+    }
+    Ok(waits)
 }
 
 fn when_saturated(json: &AdmissionJson) -> Result<WhenSaturated, super::ConfigError> {
@@ -336,6 +387,16 @@ mod tests {
         assert_eq!(on.class_of(Some(" sheddable ")), 2);
         assert_eq!(on.class_of(Some("urgent")), 1, "unknown: the default");
         assert_eq!(on.class_of(None), 1);
+        assert_eq!(
+            (0..3).map(|c| on.max_wait_ms_of(c)).collect::<Vec<_>>(),
+            [2000, 1000, 1000],
+            "twice as long above the default class"
+        );
+        let own = with(r#"{"class_max_wait_ms":{"critical":5000,"sheddable":200}}"#)
+            .unwrap()
+            .admission
+            .unwrap();
+        assert_eq!(own.class_max_wait_ms, [5000, 1000, 200]);
         let queue = with(r#"{"when_saturated":"queue"}"#).unwrap().admission.unwrap();
         assert_eq!(
             queue.when_saturated,
@@ -407,6 +468,14 @@ mod tests {
             (
                 r#"{"classes":["a","b"],"default_class":"b","sheddable_class":"b"}"#,
                 "admission.sheddable_class",
+            ),
+            (
+                r#"{"class_max_wait_ms":{"vip":5}}"#,
+                "admission.class_max_wait_ms",
+            ),
+            (
+                r#"{"class_max_wait_ms":{"critical":0}}"#,
+                "admission.class_max_wait_ms",
             ),
             (r#"{"max_wait":5}"#, "unknown field"),
         ];

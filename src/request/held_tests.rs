@@ -73,15 +73,18 @@ fn reject_mode_answers_429_with_retry_after_and_admits_below_saturation() {
     assert_eq!(h.counter("dprank.admission.admitted.standard"), 1);
     queue_prefill(&c, &h, 1000);
     let (_, action) = arrive(&h, &routing, 2, &[("x-dprank-priority", "critical")]);
+    assert_eq!(action, Action::Continue, "critical waits up to twice as long");
+    let (_, action) = arrive(&h, &routing, 3, &[]);
     assert_eq!(action, Action::Pause);
-    assert_eq!(replies(&h), [(2, 429, "saturated".to_string())]);
+    assert_eq!(replies(&h), [(3, 429, "saturated".to_string())]);
     let (_, headers, body) = h.replies.borrow()[0].clone();
     let header = |n: &str| headers.iter().find(|(k, _)| k == n).map(|(_, v)| v.clone());
     assert_eq!(header("retry-after").as_deref(), Some("1"), "500 ms past: 1 s");
     assert_eq!(header("x-envoy-ratelimited").as_deref(), Some("true"));
     assert!(String::from_utf8_lossy(&body).contains("saturated"));
     assert_eq!(h.counter("dprank.rejected.saturated"), 1);
-    assert_eq!(h.counter("dprank.admission.rejected.saturated.critical"), 1);
+    assert_eq!(h.counter("dprank.admission.rejected.saturated.standard"), 1);
+    assert_eq!(h.counter("dprank.admission.admitted.critical"), 1);
     assert_eq!(h.header("x-dprank-endpoint"), None, "not routed");
 }
 
@@ -160,7 +163,7 @@ fn a_client_gone_while_held_frees_its_place() {
 fn sheddable_requests_are_refused_at_once_and_a_full_queue_keeps_the_higher_class() {
     let (c, h) = fleet(QUEUE);
     let routing = routing(&c);
-    queue_prefill(&c, &h, 1000);
+    queue_prefill(&c, &h, 5000);
     let (_, action) = arrive(&h, &routing, 1, &[("x-dprank-priority", "sheddable")]);
     assert_eq!(action, Action::Pause);
     assert_eq!(replies(&h), [(1, 429, "sheddable".to_string())]);
@@ -273,7 +276,7 @@ fn header_mode_holds_at_the_headers_and_keeps_the_body_back() {
 fn the_filter_going_away_answers_every_held_request() {
     let (c, h) = fleet(QUEUE);
     let routing = routing(&c);
-    queue_prefill(&c, &h, 1000);
+    queue_prefill(&c, &h, 5000);
     let _held = [
         arrive(&h, &routing, 1, &[]).0,
         arrive(&h, &routing, 2, &[("x-dprank-priority", "critical")]).0,
@@ -293,7 +296,7 @@ fn a_higher_class_on_another_thread_goes_first_and_takes_a_place_here() {
     let (c, h) = fleet(QUEUE);
     let (here, there) = (routing(&c), Rc::new(Routing::new(c.clone(), 1)));
     there.set_vm(2);
-    queue_prefill(&c, &h, 1000);
+    queue_prefill(&c, &h, 5000);
     let _held: Vec<_> = (1..=3).map(|id| arrive(&h, &here, id, &[]).0).collect();
     let (critical, _) = arrive(&h, &there, 10, &[("x-dprank-priority", "critical")]);
     assert!(critical.borrow().is_held(), "a place another thread gives up");

@@ -5,7 +5,7 @@
 //! written (the lifecycle writes the rank headers).
 
 use super::outcome::pass_or_reject;
-use super::pipeline::{self, Leg, Prefill};
+use super::pipeline::{self, Leg, Prefill, RouteArgs};
 use super::snapshot::Side;
 use super::{Decision, Routed};
 use crate::config::{Config, CostEstimate, HeaderTransport};
@@ -38,7 +38,25 @@ pub fn route_by_headers(
     pin: Option<&str>,
     tie_breaker: u64,
 ) -> Decision {
-    let snapshot = match pipeline::start(config, host, cache, tie_breaker) {
+    let args = RouteArgs {
+        pin,
+        tie_breaker,
+        max_wait_ms: None,
+    };
+    route_by_headers_with(config, host, cache, cost, &args)
+}
+
+/// `route_by_headers`, with everything the lifecycle knows of the request
+/// in `args`.
+pub fn route_by_headers_with(
+    config: &Rc<Config>,
+    host: &dyn Host,
+    cache: &mut StateCache,
+    cost: u64,
+    args: &RouteArgs,
+) -> Decision {
+    let pin = args.pin;
+    let snapshot = match pipeline::start(config, host, cache, args) {
         Ok(snapshot) => snapshot,
         Err(refused) => return refused.into(),
     };

@@ -16,10 +16,11 @@ mod replies;
 mod snapshot;
 
 pub use admission::{queue as admission_queue, Overload};
-pub use by_body::route;
-pub use by_header::{cost_from_length, route_by_headers};
+pub use by_body::{route, route_with};
+pub use by_header::{cost_from_length, route_by_headers, route_by_headers_with};
 pub use outcome::{pass_early, PassReason, RejectReason};
 pub use pd::{mark_unreachable, prefill_health, prefill_not_sent, prefill_outcome, PdRouted};
+pub use pipeline::RouteArgs;
 pub use replies::Reply;
 
 use crate::config::Config;
@@ -129,7 +130,7 @@ pub fn overload_now(config: &Rc<Config>, host: &dyn Host, cache: &mut StateCache
         return (None, 0);
     }
     let snapshot = snapshot::refresh(config, host, cache, 0);
-    let overload = match admission::judge(&snapshot) {
+    let overload = match admission::judge(&snapshot, None) {
         admission::wait::Judgement::Saturated {
             ranks,
             retry_after_ms,

@@ -9,7 +9,7 @@
 
 use super::body_fields::{estimated_tokens, prefix_request, queue_charge};
 use super::outcome::{reject, PassReason, RejectReason};
-use super::pipeline::{self, Choice, Committed, Leg};
+use super::pipeline::{self, Choice, Committed, Leg, RouteArgs};
 use super::snapshot::{Moment, Side, Snapshot};
 use super::{Chosen, Decision, Reply};
 use crate::body::{bootstrap_fields, JsonObject};
@@ -64,9 +64,9 @@ pub(super) fn route_pd(
     host: &dyn Host,
     cache: &mut StateCache,
     body: &[u8],
-    pin: Option<&str>,
-    tie_breaker: u64,
+    args: &RouteArgs,
 ) -> Decision {
+    let (pin, tie_breaker) = (args.pin, args.tie_breaker);
     let object = match JsonObject::parse(body) {
         // Without the bootstrap fields neither side could serve it.
         Err(e) => {
@@ -75,7 +75,7 @@ pub(super) fn route_pd(
         }
         Ok(o) => o,
     };
-    let snapshot = match pipeline::start(config, host, cache, tie_breaker) {
+    let snapshot = match pipeline::start(config, host, cache, args) {
         Ok(snapshot) => snapshot,
         Err(refused) => return refused.into(),
     };

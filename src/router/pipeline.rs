@@ -43,13 +43,25 @@ pub(crate) fn start<'a>(
     config: &'a Rc<Config>,
     host: &dyn Host,
     cache: &'a mut StateCache,
-    tie_breaker: u64,
+    args: &RouteArgs,
 ) -> Result<Snapshot<'a>, Refused> {
-    let snapshot = snapshot::refresh(config, host, cache, tie_breaker);
-    match admission::admit(host, &snapshot) {
+    let snapshot = snapshot::refresh(config, host, cache, args.tie_breaker);
+    match admission::admit(host, &snapshot, args.max_wait_ms) {
         Admission::Admit => Ok(snapshot),
         Admission::Overloaded(overload) => Err(Refused(overload)),
     }
+}
+
+/// What the lifecycle tells the pipeline about a request besides its body.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct RouteArgs<'a> {
+    /// The test-only pin header's value.
+    pub pin: Option<&'a str>,
+    /// Varies per request so that equal costs spread.
+    pub tie_breaker: u64,
+    /// Admission: the request's class waits at most this long (None: the
+    /// configured `max_wait_ms`).
+    pub max_wait_ms: Option<u64>,
 }
 
 /// What one leg of a request asks of the pipeline.
@@ -345,10 +357,13 @@ mod tests {
     fn an_overloaded_pool_chooses_nothing_and_writes_nothing() {
         let (c, h) = fleet(r#","admission":{"max_wait_ms":100,"prefill_tokens_per_s":1}"#);
         let mut cache = StateCache::default();
-        assert!(start(&c, &h, &mut cache, 0).is_ok(), "empty queues");
+        assert!(
+            start(&c, &h, &mut cache, &RouteArgs::default()).is_ok(),
+            "empty queues"
+        );
         crate::shared_data::testing::queue_prefill(&c, &h, 1000);
         let writes = h.host_calls("shared_set");
-        let Err(refused) = start(&c, &h, &mut cache, 0) else {
+        let Err(refused) = start(&c, &h, &mut cache, &RouteArgs::default()) else {
             panic!("overloaded")
         };
         let Decision::Overloaded(overload) = refused.into() else {

@@ -67,26 +67,34 @@ pub(crate) fn candidate_queues<'s>(
         })
 }
 
-fn limits(settings: &Settings) -> Limits {
+/// The limits a request is judged by: its class's wait limit if given,
+/// else `max_wait_ms`.
+fn limits(settings: &Settings, max_wait_ms: Option<u64>) -> Limits {
     Limits {
-        max_wait_ms: settings.max_wait_ms,
+        max_wait_ms: max_wait_ms.unwrap_or(settings.max_wait_ms),
         max_kv_usage: settings.max_kv_usage,
     }
 }
 
-/// The judgement of the pool admission looks at (Room without admission).
-pub(crate) fn judge(snapshot: &Snapshot) -> Judgement {
+/// The judgement of the pool admission looks at, for a request whose
+/// class waits at most `max_wait_ms` (None: the configured limit); Room
+/// without admission.
+pub(crate) fn judge(snapshot: &Snapshot, max_wait_ms: Option<u64>) -> Judgement {
     match &snapshot.config.admission {
-        Some(settings) => wait::judge(candidate_queues(snapshot, settings), &limits(settings)),
+        Some(settings) => wait::judge(
+            candidate_queues(snapshot, settings),
+            &limits(settings, max_wait_ms),
+        ),
         None => Judgement::Room,
     }
 }
 
-/// Stage `admission`. Without fresh data there is nothing to judge: the
+/// Stage `admission`, for a request whose class waits at most
+/// `max_wait_ms`. Without fresh data there is nothing to judge: the
 /// request is admitted (counted), and `fail_mode` decides what becomes of
 /// it, as without admission.
-pub(crate) fn admit(host: &dyn Host, snapshot: &Snapshot) -> Admission {
-    match judge(snapshot) {
+pub(crate) fn admit(host: &dyn Host, snapshot: &Snapshot, max_wait_ms: Option<u64>) -> Admission {
+    match judge(snapshot, max_wait_ms) {
         Judgement::Room => Admission::Admit,
         Judgement::NoData => {
             host.count(metrics::ADMISSION_NO_DATA, 1);
@@ -107,7 +115,7 @@ pub(crate) fn saturated_ranks(snapshot: &Snapshot) -> u64 {
     let Some(settings) = &snapshot.config.admission else {
         return 0;
     };
-    let limits = limits(settings);
+    let limits = limits(settings, None);
     candidate_queues(snapshot, settings)
         .filter(|q| wait::excess_ms(q, &limits).is_some())
         .count() as u64
@@ -126,7 +134,7 @@ mod tests {
         let mut cache = StateCache::default();
         let snapshot = refresh(&c, &h, &mut cache, 0);
         let calls = h.total_host_calls();
-        assert_eq!(admit(&h, &snapshot), Admission::Admit);
+        assert_eq!(admit(&h, &snapshot, None), Admission::Admit);
         assert_eq!(h.total_host_calls(), calls);
     }
 
@@ -136,20 +144,25 @@ mod tests {
         let (c, h) = fleet(r#","admission":{"max_wait_ms":50000,"prefill_tokens_per_s":1}"#);
         let mut cache = StateCache::default();
         let snapshot = refresh(&c, &h, &mut cache, 0);
-        assert_eq!(admit(&h, &snapshot), Admission::Admit, "empty queues");
+        assert_eq!(admit(&h, &snapshot, None), Admission::Admit, "empty queues");
         assert_eq!(saturated_ranks(&snapshot), 0);
         crate::shared_data::testing::queue_prefill(&c, &h, 100_000);
         let snapshot = refresh(&c, &h, &mut cache, 0);
-        let Admission::Overloaded(o) = admit(&h, &snapshot) else {
+        let Admission::Overloaded(o) = admit(&h, &snapshot, None) else {
             panic!("overloaded")
         };
         assert_eq!(o.saturated_ranks, 8);
         assert_eq!(o.retry_after_ms, 100_000 * 1000 - 50_000);
+        assert_eq!(
+            admit(&h, &snapshot, Some(100_000 * 1000)),
+            Admission::Admit,
+            "a class that waits longer"
+        );
         assert_eq!(saturated_ranks(&snapshot), 8);
         // Stale data: nothing to judge, admitted and counted.
         h.now.set(10_000 + c.stale_after_ms + 1);
         let snapshot = refresh(&c, &h, &mut cache, 0);
-        assert_eq!(admit(&h, &snapshot), Admission::Admit);
+        assert_eq!(admit(&h, &snapshot, None), Admission::Admit);
         assert_eq!(h.counter(metrics::ADMISSION_NO_DATA), 1);
     }
 
