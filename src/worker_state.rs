@@ -11,6 +11,7 @@ const UNKNOWN: u64 = u64::MAX;
 mod drain;
 mod load_table;
 mod prefill;
+pub mod saturation;
 
 use crate::codec::Record;
 use crate::config::QueueMeasure;

@@ -44,10 +44,19 @@ pub(crate) fn start<'a>(
     host: &dyn Host,
     cache: &'a mut StateCache,
     args: &RouteArgs,
+    own_tokens: u64,
 ) -> Result<Snapshot<'a>, Refused> {
-    let snapshot = snapshot::refresh(config, host, cache, args.tie_breaker);
-    match admission::admit(host, &snapshot, args.max_wait_ms) {
-        Admission::Admit => Ok(snapshot),
+    let mut snapshot = snapshot::refresh(config, host, cache, args.tie_breaker);
+    let judged = admission::Judged {
+        max_wait_ms: args.max_wait_ms,
+        own_tokens,
+    };
+    match admission::admit(host, &snapshot, judged) {
+        Admission::Admit(room) => {
+            let side = admission::judged_side(&snapshot);
+            snapshot.room = room.map(|r| (side, r));
+            Ok(snapshot)
+        }
         Admission::Overloaded(overload) => Err(Refused(overload)),
     }
 }
@@ -137,8 +146,22 @@ fn choose_in_rotation(
     constraint: Constraint,
     mut prefix: Option<&mut RequestPrefix>,
 ) -> Option<(Candidate, Vec<Candidate>)> {
-    let ctx = snapshot.context(constraint);
+    let plain = snapshot.context(constraint);
     let config = snapshot.config;
+    // Admission let the request in: ranks with room first, as long as
+    // there are any (a constraint may keep only others).
+    let room = snapshot.room_for(leg.side);
+    let with_room = room.and_then(|room| {
+        let ctx = Context {
+            room: Some(room),
+            ..plain
+        };
+        run_scheduler(config, host, pool, ctx, prefix.as_deref_mut(), leg.alternates)
+    });
+    if with_room.is_some() {
+        return with_room;
+    }
+    let ctx = plain;
     run_scheduler(config, host, pool, ctx, prefix.as_deref_mut(), leg.alternates).or_else(|| {
         let probing = !ctx.admit_probing && ctx.health.any_probing(ctx.now_ms);
         probing
@@ -358,12 +381,12 @@ mod tests {
         let (c, h) = fleet(r#","admission":{"max_wait_ms":100,"prefill_tokens_per_s":1}"#);
         let mut cache = StateCache::default();
         assert!(
-            start(&c, &h, &mut cache, &RouteArgs::default()).is_ok(),
+            start(&c, &h, &mut cache, &RouteArgs::default(), 0).is_ok(),
             "empty queues"
         );
         crate::shared_data::testing::queue_prefill(&c, &h, 1000);
         let writes = h.host_calls("shared_set");
-        let Err(refused) = start(&c, &h, &mut cache, &RouteArgs::default()) else {
+        let Err(refused) = start(&c, &h, &mut cache, &RouteArgs::default(), 0) else {
             panic!("overloaded")
         };
         let Decision::Overloaded(overload) = refused.into() else {

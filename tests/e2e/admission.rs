@@ -1,10 +1,11 @@
 //! Admission control (overload protection) in a real Envoy: refusals, held
 //! requests let in or timed out, clients leaving while held, classes and
 //! tenants, header mode, PD mode and a reload while a request is held.
-//! Saturation is made deterministic by the scenarios: a rank drains 1
-//! token/s and may hold 1 ms of wait, so a rank is saturated exactly while
-//! one of this gateway's streamed requests on it has no first byte yet;
-//! the simulated workers hold their answers back (`response_delay_ms`).
+//! Saturation is made deterministic by the scenarios: a rank drains 1000
+//! tokens/s and a request may find 5 ms of wait (its own 3-token prompt
+//! included), so a rank has no room exactly while one of this gateway's
+//! streamed requests on it has no first byte yet; the simulated workers
+//! hold their answers back (`response_delay_ms`).
 
 use crate::common::lifecycle::{lds_listener_with, render_with_lds, write_lds};
 use crate::common::pd::PdWorld;
@@ -46,15 +47,27 @@ fn delay(sims: &[Sim], ms: u64) {
 /// Fills every one of the 8 ranks with a request held back by the workers:
 /// returns once the filter has let all 8 in.
 fn fill(world: &World, tag: &str) -> Vec<JoinHandle<(Reply, Duration)>> {
-    let before = world.envoy.stat("admission.admitted.standard");
-    let url = world.envoy.url("/generate");
-    let busy: Vec<_> = (0..8)
-        .map(|i| send(url.clone(), &format!("{tag}{i}"), Vec::new()))
-        .collect();
-    world
-        .envoy
-        .wait_for_stat("admission.admitted.standard", before + 8, Duration::from_secs(10));
-    busy
+    fill_ranks(&world.envoy, 8, tag)
+}
+
+/// Sends `n` requests held back by the workers one after the other, each
+/// once the filter let the one before in (two at once on two Envoy
+/// threads could both find the same empty rank before either's estimate
+/// is written).
+fn fill_ranks(envoy: &EnvoyProcess, n: u64, tag: &str) -> Vec<JoinHandle<(Reply, Duration)>> {
+    let before = envoy.stat("admission.admitted.standard");
+    let url = envoy.url("/generate");
+    (0..n)
+        .map(|i| {
+            let handle = send(url.clone(), &format!("{tag}{i}"), Vec::new());
+            envoy.wait_for_stat(
+                "admission.admitted.standard",
+                before + i + 1,
+                Duration::from_secs(10),
+            );
+            handle
+        })
+        .collect()
 }
 
 fn served(world_sims: &[Sim]) -> usize {
@@ -278,12 +291,7 @@ fn pd_mode_judges_the_prefill_pool_and_the_root_carries_the_prefill_leg() {
         sim.control(json!({ "response_delay_ms": 1000 }));
     }
     let url = world.envoy.url("/generate");
-    let busy: Vec<_> = (0..2)
-        .map(|i| send(url.clone(), &format!("busy{i}"), Vec::new()))
-        .collect();
-    world
-        .envoy
-        .wait_for_stat("admission.admitted.standard", 2, Duration::from_secs(10));
+    let busy = fill_ranks(&world.envoy, 2, "busy");
     let (reply, took) = send(url, "held", Vec::new()).join().expect("held request");
     assert_eq!(reply.status, 200, "{reply:?}");
     assert_eq!(
@@ -315,10 +323,7 @@ fn a_request_held_across_a_reload_or_a_drain_times_out_on_time() {
     }
     delay(&sims, 3000);
     let url = envoy.url("/generate");
-    let busy: Vec<_> = (0..8)
-        .map(|i| send(url.clone(), &format!("busy{i}"), Vec::new()))
-        .collect();
-    envoy.wait_for_stat("admission.admitted.standard", 8, Duration::from_secs(10));
+    let busy = fill_ranks(&envoy, 8, "busy");
     let held = send(url.clone(), "held", Vec::new());
     envoy.wait_for_stat("admission.queued.standard", 1, Duration::from_secs(5));
     let after: Value = serde_json::from_str(
@@ -401,10 +406,7 @@ fn held_under(edit: &dyn Fn(&mut Value), busy_ms: u64, headers: &[(&str, &str)])
     }
     delay(&sims, busy_ms);
     let url = envoy.url("/generate");
-    let busy: Vec<_> = (0..8)
-        .map(|i| send(url.clone(), &format!("busy{i}"), Vec::new()))
-        .collect();
-    envoy.wait_for_stat("admission.admitted.standard", 8, Duration::from_secs(10));
+    let busy = fill_ranks(&envoy, 8, "busy");
     let headers = headers
         .iter()
         .map(|(k, v)| (k.to_string(), v.to_string()))

@@ -1,25 +1,60 @@
-//! The saturation rule, pure: a rank's expected wait from its queue, and
-//! whether a pool has room. docs/overload.md says why it reads what it
+//! Overload protection's saturation rule, pure: a rank's expected wait
+//! from its queue ([`RankQueue`]), whether it has room, and whether a pool
+//! has. Admission judges pools by it (`router/admission`), and the
+//! scheduler's `unsaturated` filter keeps saturated ranks out of a choice
+//! while others have room. docs/overload.md says why it reads what it
 //! reads.
 
-use crate::worker_state::RankQueue;
+use super::{RankQueue, WorkerState};
 
-/// What makes a rank saturated (`config::Admission`).
+/// What makes a rank saturated for one request (`config::Admission`).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Limits {
     pub max_wait_ms: u64,
     pub max_kv_usage: Option<f64>,
+    /// The request's own prompt tokens: its first token comes once they
+    /// have drained too (0: judge the queue alone, as the gauge does).
+    pub own_tokens: u64,
 }
 
-/// How long a request sent to the rank now would wait before its prefill
-/// starts, in ms: the prompt tokens queued ahead of it over the rate the
-/// queue drains at. A rank whose reports do not count tokens (vLLM) is
-/// taken to queue its waiting requests at the mean prompt of the gateway's
-/// requests.
+/// Everything needed to judge a rank from its state: the limits, the
+/// configured drain rate and whether it is learned.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Room {
+    pub limits: Limits,
+    pub prior_tokens_per_s: f64,
+    pub learn: bool,
+}
+
+impl Room {
+    /// `rank`'s queue as `state` holds it.
+    pub fn queue(&self, state: &WorkerState, rank: usize) -> RankQueue {
+        state.rank_queue(rank, self.prior_tokens_per_s, self.learn)
+    }
+
+    /// Whether `rank` of `state` has room.
+    pub fn has_room(&self, state: &WorkerState, rank: usize) -> bool {
+        excess_ms(&self.queue(state, rank), &self.limits).is_none()
+    }
+}
+
+/// How long the prompt tokens queued on the rank take to drain, in ms:
+/// the tokens over the rate the queue drains at. A rank whose reports do
+/// not count tokens (vLLM) is taken to queue its waiting requests at the
+/// mean prompt of the gateway's requests.
 pub fn expected_wait_ms(q: &RankQueue) -> u64 {
+    wait_with(q, 0)
+}
+
+/// [`expected_wait_ms`] with `own` more tokens: how long until a request
+/// of `own` prompt tokens sent now has drained (its first token, when the
+/// queue drains as fast as prefill; when it waits for KV to free, the time
+/// until it has room).
+fn wait_with(q: &RankQueue, own: u64) -> u64 {
     let tokens = q
         .tokens
-        .map_or(q.requests as f64 * q.mean_request_tokens, |t| t as f64);
+        .map_or(q.requests as f64 * q.mean_request_tokens, |t| t as f64)
+        + own as f64;
     let ms = tokens / q.drain_tokens_per_s.max(1.0) * 1000.0;
     if ms.is_finite() {
         ms.ceil().min(u64::MAX as f64) as u64
@@ -28,11 +63,11 @@ pub fn expected_wait_ms(q: &RankQueue) -> u64 {
     }
 }
 
-/// How far past its limit a rank is, in ms of wait (None: it has room).
-/// A rank saturated by its KV use alone is counted `max_wait_ms` past it:
-/// how soon it frees memory is not known.
+/// How far past its limit a rank is for the request, in ms of wait (None:
+/// it has room). A rank saturated by its KV use alone is counted
+/// `max_wait_ms` past it: how soon it frees memory is not known.
 pub fn excess_ms(q: &RankQueue, limits: &Limits) -> Option<u64> {
-    let wait = expected_wait_ms(q);
+    let wait = wait_with(q, limits.own_tokens);
     if wait > limits.max_wait_ms {
         return Some(wait - limits.max_wait_ms);
     }
@@ -91,6 +126,7 @@ mod tests {
     const LIMITS: Limits = Limits {
         max_wait_ms: 1000,
         max_kv_usage: None,
+        own_tokens: 0,
     };
 
     #[test]
@@ -115,6 +151,15 @@ mod tests {
     fn a_rank_is_saturated_past_the_wait_or_the_kv_limit() {
         assert_eq!(excess_ms(&queue(Some(10_000), 1), &LIMITS), None, "exactly at it");
         assert_eq!(excess_ms(&queue(Some(10_001), 1), &LIMITS), Some(1));
+        let big = Limits {
+            own_tokens: 6000,
+            ..LIMITS
+        };
+        assert_eq!(
+            excess_ms(&queue(Some(5_000), 1), &big),
+            Some(100),
+            "its own prompt drains too"
+        );
         let full = RankQueue {
             kv_usage: Some(0.97),
             ..queue(Some(0), 0)
