@@ -212,6 +212,7 @@ fn filter_request(
         admit_probing: false,
         pick: config.pick,
         gateways: config.gateways,
+        room: None,
         prefix: None,
     };
     let alternates = config.retry_alternates as usize;
@@ -282,6 +283,7 @@ pub fn selection(args: &SelectionArgs, command_line: &str) -> Result<(), String>
             admit_probing: false,
             pick: config.pick,
             gateways: config.gateways,
+            room: None,
             prefix: None,
         };
         fn pool<'a>(
