@@ -1,6 +1,7 @@
 //! Admission control (overload protection) in a real Envoy: refusals, held
-//! requests let in or timed out, clients leaving while held, classes and
-//! tenants, header mode, PD mode and a reload while a request is held.
+//! requests let in or timed out, a full queue, clients leaving while held,
+//! classes and tenants, header mode, PD mode and a reload while a request
+//! is held.
 //! Saturation is made deterministic by the scenarios: a rank drains 1000
 //! tokens/s and a request may find 5 ms of wait (its own 3-token prompt
 //! included), so a rank has no room exactly while one of this gateway's
@@ -179,6 +180,61 @@ fn a_client_that_leaves_while_held_frees_its_place_and_is_never_forwarded() {
         "the request that left was never forwarded"
     );
     assert_eq!(world.envoy.stat("admission.admitted.standard"), 8);
+    let next = world.post("/generate", &body("next"));
+    assert_eq!(next.status, 200, "the next request still routes: {next:?}");
+    assert_eq!(served(&world.sims), 9);
+    assert_eq!(world.envoy.stat("admission.admitted.standard"), 9);
+}
+
+#[test]
+fn a_full_queue_refuses_at_once_and_the_held_request_keeps_its_place() {
+    let world = World::start("admission_full", 2, &["--instant"], &[], EnvoyOptions::default());
+    delay(&world.sims, 1500);
+    let busy = fill(&world, "busy");
+    let held = send(world.envoy.url("/generate"), "held", Vec::new());
+    world
+        .envoy
+        .wait_for_stat("admission.queued.standard", 1, Duration::from_secs(5));
+    let started = Instant::now();
+    let full = world.post("/generate", &body("full"));
+    let took = started.elapsed();
+    assert_eq!(full.status, 429, "{full:?}");
+    assert_eq!(full.header("x-dprank-admission"), Some("queue_full"));
+    assert_eq!(full.header("x-envoy-ratelimited"), Some("true"));
+    assert!(
+        full.header("retry-after")
+            .is_some_and(|v| v.parse::<u64>().is_ok_and(|s| s >= 1)),
+        "{full:?}"
+    );
+    assert!(took < Duration::from_millis(500), "refused at once: {took:?}");
+    let shed = Client::new().post(
+        &world.envoy.url("/generate"),
+        &[
+            ("content-type", "application/json"),
+            ("x-dprank-priority", "sheddable"),
+        ],
+        body("shed").as_bytes(),
+    );
+    assert_eq!(shed.status, 429, "{shed:?}");
+    assert_eq!(shed.header("x-dprank-admission"), Some("sheddable"));
+    assert_eq!(world.envoy.stat("admission.rejected.queue_full.standard"), 1);
+    assert_eq!(world.envoy.stat("admission.rejected.sheddable.sheddable"), 1);
+    let (reply, _) = held.join().expect("held request");
+    assert_eq!(reply.status, 200, "the held request kept its place: {reply:?}");
+    assert_ok(busy);
+    let tags: Vec<String> = world
+        .sims
+        .iter()
+        .flat_map(|s| s.requests())
+        .map(|r| r.body_text().to_string())
+        .collect();
+    assert_eq!(tags.len(), 9, "the eight and the held one");
+    assert!(!tags
+        .iter()
+        .any(|t| t.contains("full hello") || t.contains("shed hello")));
+    wait_until("the held gauge at 0", Duration::from_secs(2), || {
+        (world.envoy.stat("admission.held") == 0).then_some(())
+    });
 }
 
 #[test]
