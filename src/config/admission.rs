@@ -372,6 +372,35 @@ mod tests {
         .map_err(|e| e.to_string())
     }
 
+    /// The `"admission": {...}` block of the first JSON example after
+    /// `heading` in `doc`.
+    fn documented_block(doc: &str, heading: &str) -> String {
+        let from = doc.find(heading).expect("heading");
+        let rest = &doc[from..];
+        let start = rest.find("```json\n").expect("a JSON example") + "```json\n".len();
+        let end = rest[start..].find("```").expect("its end");
+        let block = rest[start..start + end].trim();
+        block
+            .strip_prefix("\"admission\":")
+            .expect("an admission block")
+            .trim()
+            .to_string()
+    }
+
+    #[test]
+    fn the_recommended_setting_in_the_docs_is_valid() {
+        for (doc, heading) in [
+            (include_str!("../../docs/overload.md"), "## Recommended setting"),
+            (include_str!("../../README.md"), "## Overload"),
+        ] {
+            let block = documented_block(doc, heading);
+            let settings = with(&block).unwrap_or_else(|e| panic!("{heading}: {e}"));
+            let admission = settings.admission.expect("on");
+            assert!(admission.queues(), "{heading}: queue mode");
+            assert!(admission.learn_drain_rate);
+        }
+    }
+
     #[test]
     fn off_unless_the_block_is_present_and_defaults_documented() {
         let off = Config::from_json(br#"{"workers":[{"address":"127.0.0.1:1"}]}"#).unwrap();
