@@ -347,3 +347,34 @@ fn the_reply_of_a_routed_leg_carries_its_tickets_and_moment() {
     );
     assert_eq!((r.routed_at_ms, r.health_was_clean), (77, false));
 }
+
+#[test]
+fn admission_sends_a_request_it_lets_in_to_a_rank_with_room() {
+    // Fewest tokens: b/2 (20 tokens), then a/1 (50). b/2's queue of 2000
+    // prompt tokens at 1000 tokens/s is 2 s of wait, past 500 ms: with
+    // admission on, the request goes to a/1, which has room.
+    let admission = r#","prefix_affinity":false,"admission":{"max_wait_ms":500,"prefill_tokens_per_s":1000,"learn_drain_rate":false}"#;
+    let pick = |extra: &str, queued: bool| {
+        let (c, h) = fleet(extra);
+        if queued {
+            queue_prefill_on(&c, &h, 0, &|_| 0);
+            queue_prefill_on(&c, &h, 1, &|r| if r == 2 { 2000 } else { 0 });
+        }
+        let r = routed(route(
+            &c,
+            &h,
+            &mut StateCache::default(),
+            br#"{"text":"hi"}"#,
+            None,
+            0,
+        ));
+        (r.to.worker, r.to.rank)
+    };
+    assert_eq!(
+        pick(r#","prefix_affinity":false"#, false),
+        (1, Some(2)),
+        "without admission"
+    );
+    assert_eq!(pick(admission, false), (1, Some(2)), "every rank has room");
+    assert_eq!(pick(admission, true), (0, Some(1)), "b/2 has no room");
+}

@@ -68,28 +68,35 @@ pub fn json(bytes: &[u8]) -> serde_json::Value {
 /// Admission on: every rank of every worker reports `waiting` uncached
 /// prompt tokens queued (a new snapshot with the same tokens).
 pub fn queue_prefill(config: &Config, host: &FakeHost, waiting: u64) {
+    for i in 0..config.all_workers().count() {
+        queue_prefill_on(config, host, i, &|_| waiting);
+    }
+}
+
+/// Worker `i`'s ranks report `waiting(rank)` uncached prompt tokens
+/// waiting, at unchanged tokens, as a new poll.
+pub fn queue_prefill_on(config: &Config, host: &FakeHost, i: usize, waiting: &dyn Fn(usize) -> u64) {
     use crate::load::RankLoad;
     use crate::worker_state::RankFigures;
     let now = host.now_ms();
-    for i in 0..config.all_workers().count() {
-        update_worker(config, host, i, IfMissing::Skip, |s| {
-            let tokens: Vec<Option<u64>> = (0..s.ranks()).map(|r| s.polled_tokens(r)).collect();
-            let ranks: Vec<RankLoad> = tokens
-                .iter()
-                .map(|t| RankLoad {
-                    tokens: *t,
-                    waiting_uncached_tokens: Some(waiting),
-                    waiting_requests: Some(u64::from(waiting > 0)),
-                    ..RankLoad::default()
-                })
-                .collect();
-            let figures: Vec<RankFigures> = ranks.iter().map(RankFigures::from).collect();
-            let seq = s.begin_poll();
-            s.apply_snapshot(seq, now, &tokens).then_some(())?;
-            s.apply_drain(0, &ranks, config.gateways);
-            s.apply_figures(seq, &figures);
-            Some(())
-        })
-        .unwrap();
-    }
+    update_worker(config, host, i, IfMissing::Skip, |s| {
+        let tokens: Vec<Option<u64>> = (0..s.ranks()).map(|r| s.polled_tokens(r)).collect();
+        let ranks: Vec<RankLoad> = tokens
+            .iter()
+            .enumerate()
+            .map(|(r, t)| RankLoad {
+                tokens: *t,
+                waiting_uncached_tokens: Some(waiting(r)),
+                waiting_requests: Some(u64::from(waiting(r) > 0)),
+                ..RankLoad::default()
+            })
+            .collect();
+        let figures: Vec<RankFigures> = ranks.iter().map(RankFigures::from).collect();
+        let seq = s.begin_poll();
+        s.apply_snapshot(seq, now, &tokens).then_some(())?;
+        s.apply_drain(0, &ranks, config.gateways);
+        s.apply_figures(seq, &figures);
+        Some(())
+    })
+    .unwrap();
 }
