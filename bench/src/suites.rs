@@ -547,7 +547,7 @@ impl Suite {
                             out.push(Cell {
                                 suite: self.name.clone(),
                                 workload: workload.clone(),
-                                variant: variant.clone(),
+                                variant: variant.for_ttft_target(slo.ttft_ms),
                                 seed: *seed,
                                 kv: *kv,
                                 preset: self.preset,

@@ -105,11 +105,11 @@ pub struct Variant {
     pub ie_detector: bool,
 }
 
-/// Admission's settings of `admit=`, `wait=`, `queue-timeout=`: half the
-/// legacy preset's TTFT target (1000 ms) as the wait limit, the target as
-/// the queue's time-out (a request held longer misses it anyway).
-pub const ADMIT_WAIT_MS: u64 = 500;
-pub const ADMIT_QUEUE_TIMEOUT_MS: u64 = 1000;
+/// Admission's limits when `wait=` and `queue-timeout=` do not set them,
+/// as docs/overload.md recommends: the wait limit is this share of the
+/// cell's TTFT target, the queue's time-out the target itself (a request
+/// held longer misses it anyway).
+pub const ADMIT_WAIT_SHARE_OF_TTFT: f64 = 0.5;
 
 /// Built-in variants: name, expansion, what it is.
 pub const ALIASES: [(&str, &str, &str); 23] = [
@@ -119,8 +119,8 @@ pub const ALIASES: [(&str, &str, &str); 23] = [
     ("oracle", "clairvoyant", "the clairvoyant greedy chooser (its earlier name)"),
     ("dprank", "dprank", "Envoy + dprank, shipped configuration, polling every simulated second"),
     ("dprank-load-only", "dprank:set.prefix_affinity=false", "Envoy + dprank without prefix affinity: loads alone, polling every simulated second"),
-    ("dprank-reject", "dprank:admit=reject", "Envoy + dprank with admission: every rank's expected wait past 500 ms answers 429 (critical requests: 1000 ms)"),
-    ("dprank-queue", "dprank:admit=queue", "Envoy + dprank with admission: past 500 ms of expected wait a request is held in the filter (critical first) for at most 1000 ms, then 503"),
+    ("dprank-reject", "dprank:admit=reject", "Envoy + dprank with admission: every rank's expected wait past half the TTFT target answers 429 (critical requests: the whole target)"),
+    ("dprank-queue", "dprank:admit=queue", "Envoy + dprank with admission: past half the TTFT target of expected wait a request is held in the filter (critical first) for at most the target, then 503"),
     ("ie-model", "dprank:ie=on", "virtual time only: a model of the Gateway API Inference Extension's saturation detector (mean over workers of max(waiting/5, kv/0.8) >= 1, metrics every 50 ms) refusing the low class with 429 when saturated, before dprank's routing"),
     ("smg-limit", "smg:policy=cache_aware:limit=64:queue-timeout=1", "smg --dp-aware --policy cache_aware --max-concurrent-requests 64 --queue-size 100 --queue-timeout-secs 1"),
     ("dprank-wall-1s", "dprank:poll-wall=1000", "Envoy + dprank polling every wall second: the control for smg's load monitor at its freshest (--load-monitor-interval 1)"),
@@ -240,12 +240,6 @@ impl Variant {
                     }
                     with_admission(set, |block| {
                         block.insert("when_saturated".into(), Value::from(mode));
-                        block.entry("max_wait_ms").or_insert(Value::from(ADMIT_WAIT_MS));
-                        if mode == "queue" {
-                            block
-                                .entry("queue_timeout_ms")
-                                .or_insert(Value::from(ADMIT_QUEUE_TIMEOUT_MS));
-                        }
                     });
                 }
                 "wait" | "queue-timeout" | "max-queued" | "drain" => {
@@ -528,6 +522,31 @@ impl Variant {
     }
 }
 
+impl Variant {
+    /// This variant for a cell with TTFT target `ttft_ms`: a dprank
+    /// admission block without a wait limit gets half the target, and in
+    /// queue mode without a time-out the target ([`ADMIT_WAIT_SHARE_OF_TTFT`]).
+    pub fn for_ttft_target(&self, ttft_ms: f64) -> Variant {
+        let mut out = self.clone();
+        let (Front::Dprank { set, .. } | Front::DprankPd { set, .. }) = &mut out.front else {
+            return out;
+        };
+        if !(set.contains_key("admission") && ttft_ms.is_finite() && ttft_ms >= 1.0) {
+            return out;
+        }
+        with_admission(set, |block| {
+            let wait = (ttft_ms * ADMIT_WAIT_SHARE_OF_TTFT).round().max(1.0) as u64;
+            block.entry("max_wait_ms").or_insert(Value::from(wait));
+            if block.get("when_saturated").and_then(Value::as_str) == Some("queue") {
+                block
+                    .entry("queue_timeout_ms")
+                    .or_insert(Value::from(ttft_ms.round() as u64));
+            }
+        });
+        out
+    }
+}
+
 /// Changes the `admission` block of a dprank variant's filter keys (made
 /// if absent).
 fn with_admission(set: &mut Map<String, Value>, change: impl FnOnce(&mut Map<String, Value>)) {
@@ -640,6 +659,32 @@ impl SimFeatures {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn admission_limits_follow_the_ttft_target_unless_set() {
+        let block = |spec: &str, ttft: f64| match Variant::parse(spec).unwrap().for_ttft_target(ttft).front {
+            Front::Dprank { set, .. } => set.get("admission").cloned(),
+            _ => None,
+        };
+        assert_eq!(
+            block("dprank-queue", 800.0),
+            Some(serde_json::json!({"when_saturated": "queue", "max_wait_ms": 400, "queue_timeout_ms": 800}))
+        );
+        assert_eq!(
+            block("dprank-reject", 800.0),
+            Some(serde_json::json!({"when_saturated": "reject", "max_wait_ms": 400})),
+            "no time-out in reject mode (the filter refuses one)"
+        );
+        assert_eq!(
+            block("dprank:admit=queue:wait=100:queue-timeout=300", 800.0),
+            Some(serde_json::json!({"when_saturated": "queue", "max_wait_ms": 100, "queue_timeout_ms": 300}))
+        );
+        assert_eq!(block("dprank", 800.0), None, "no admission, none added");
+        for spec in ["dprank-queue", "dprank-reject"] {
+            let v = Variant::parse(spec).unwrap().for_ttft_target(800.0);
+            assert!(crate::offline::driver::dprank_config(&v, 2).is_ok(), "{spec}");
+        }
+    }
 
     #[test]
     fn descriptions_say_what_runs() {
