@@ -8,8 +8,7 @@ use crate::shared_data::testing::{fleet, json, poll, queue_prefill};
 use std::collections::HashMap;
 
 /// A queue on an 8-rank fleet: 1000 waiting tokens per rank and a drain
-/// of 1000 tokens/s make every rank 1 s away (and a request's own 3
-/// tokens), past `max_wait_ms` 500.
+/// of 1000 tokens/s make every rank 1 s away, past `max_wait_ms` 500.
 const QUEUE: &str = r#","admission":{"max_wait_ms":500,"prefill_tokens_per_s":1000,"learn_drain_rate":false,
     "when_saturated":"queue","max_queued":3,"queue_timeout_ms":2000,"tenant_header":"x-tenant"}"#;
 
@@ -72,7 +71,7 @@ fn reject_mode_answers_429_with_retry_after_and_admits_below_saturation() {
     let (_, action) = arrive(&h, &routing, 1, &[]);
     assert_eq!(action, Action::Continue, "room");
     assert_eq!(h.counter("dprank.admission.admitted.standard"), 1);
-    queue_prefill(&c, &h, 990);
+    queue_prefill(&c, &h, 1000);
     let (_, action) = arrive(&h, &routing, 2, &[("x-dprank-priority", "critical")]);
     assert_eq!(action, Action::Continue, "critical waits up to twice as long");
     let (_, action) = arrive(&h, &routing, 3, &[]);
@@ -187,15 +186,14 @@ fn sheddable_requests_are_refused_at_once_and_a_full_queue_keeps_the_higher_clas
     assert!(held.iter().all(|r| !r.borrow().is_held()));
 }
 
-/// One worker with one rank draining 10 tokens/s: a request's prompt (3
-/// tokens) drains in 300 ms, within the 500 ms limit, a second one behind
-/// it in 600 ms, past it: room for one request at a time until its first
-/// byte.
+/// One worker with one rank draining 5 tokens/s: a request's prompt (3
+/// tokens) is 600 ms of wait, past the 500 ms limit: room for one request
+/// at a time until its first byte.
 fn one_rank() -> (Rc<Config>, FakeHost) {
     let c = Rc::new(
         Config::from_json(
             br#"{"workers":[{"address":"127.0.0.1:1","name":"a"}],"admission":{"max_wait_ms":500,
-            "prefill_tokens_per_s":10,"learn_drain_rate":false,"when_saturated":"queue","tenant_header":"x-tenant"}}"#,
+            "prefill_tokens_per_s":5,"learn_drain_rate":false,"when_saturated":"queue","tenant_header":"x-tenant"}}"#,
         )
         .unwrap(),
     );

@@ -36,15 +36,6 @@ pub(super) fn prefix_request<'a>(
     ))
 }
 
-/// Admission: the request's prompt tokens it is judged with (0 without
-/// admission: nothing is read).
-pub(super) fn admission_tokens(config: &Config, object: &JsonObject) -> u64 {
-    match config.admission {
-        Some(_) => object.estimated_tokens(CostEstimate::Bytes),
-        None => 0,
-    }
-}
-
 /// Admission without prefix affinity: the request's prompt, charged to its
 /// rank's queue (prefix affinity charges its uncached part itself).
 pub(super) fn queue_charge(

@@ -4,7 +4,7 @@
 //! affinity applies, a trusted client's rank constrains the choice, and a
 //! request that cannot be routed keeps no client rank field.
 
-use super::body_fields::{admission_tokens, client_rank, estimated_tokens, prefix_request, queue_charge};
+use super::body_fields::{client_rank, estimated_tokens, prefix_request, queue_charge};
 use super::outcome::{pass, pass_or_reject, reject, PassReason, RejectReason};
 use super::pipeline::{self, Leg, RouteArgs};
 use super::snapshot::{Side, Snapshot};
@@ -61,8 +61,7 @@ pub fn route_with(
         .keep_client_rank
         .then(|| client_rank(config, &object))
         .flatten();
-    let own = admission_tokens(config, &object);
-    let snapshot = match pipeline::start(config, host, cache, args, own) {
+    let snapshot = match pipeline::start(config, host, cache, args) {
         Ok(snapshot) => snapshot,
         Err(refused) => return refused.into(),
     };

@@ -56,7 +56,7 @@ pub fn route_by_headers_with(
     args: &RouteArgs,
 ) -> Decision {
     let pin = args.pin;
-    let snapshot = match pipeline::start(config, host, cache, args, cost) {
+    let snapshot = match pipeline::start(config, host, cache, args) {
         Ok(snapshot) => snapshot,
         Err(refused) => return refused.into(),
     };

@@ -130,7 +130,7 @@ pub fn overload_now(config: &Rc<Config>, host: &dyn Host, cache: &mut StateCache
         return (None, 0);
     }
     let snapshot = snapshot::refresh(config, host, cache, 0);
-    let overload = match admission::judge(&snapshot, admission::Judged::default()) {
+    let overload = match admission::judge(&snapshot, None) {
         crate::worker_state::saturation::Judgement::Saturated {
             ranks,
             retry_after_ms,

@@ -7,7 +7,7 @@
 //! leg without fresh data still goes (prefill workers take turns, the
 //! decode worker is the cluster's pick).
 
-use super::body_fields::{admission_tokens, estimated_tokens, prefix_request, queue_charge};
+use super::body_fields::{estimated_tokens, prefix_request, queue_charge};
 use super::outcome::{reject, PassReason, RejectReason};
 use super::pipeline::{self, Choice, Committed, Leg, RouteArgs};
 use super::snapshot::{Moment, Side, Snapshot};
@@ -75,8 +75,7 @@ pub(super) fn route_pd(
         }
         Ok(o) => o,
     };
-    let own = admission_tokens(config, &object);
-    let snapshot = match pipeline::start(config, host, cache, args, own) {
+    let snapshot = match pipeline::start(config, host, cache, args) {
         Ok(snapshot) => snapshot,
         Err(refused) => return refused.into(),
     };

@@ -44,14 +44,9 @@ pub(crate) fn start<'a>(
     host: &dyn Host,
     cache: &'a mut StateCache,
     args: &RouteArgs,
-    own_tokens: u64,
 ) -> Result<Snapshot<'a>, Refused> {
     let mut snapshot = snapshot::refresh(config, host, cache, args.tie_breaker);
-    let judged = admission::Judged {
-        max_wait_ms: args.max_wait_ms,
-        own_tokens,
-    };
-    match admission::admit(host, &snapshot, judged) {
+    match admission::admit(host, &snapshot, args.max_wait_ms) {
         Admission::Admit(room) => {
             let side = admission::judged_side(&snapshot);
             snapshot.room = room.map(|r| (side, r));
@@ -381,12 +376,12 @@ mod tests {
         let (c, h) = fleet(r#","admission":{"max_wait_ms":100,"prefill_tokens_per_s":1}"#);
         let mut cache = StateCache::default();
         assert!(
-            start(&c, &h, &mut cache, &RouteArgs::default(), 0).is_ok(),
+            start(&c, &h, &mut cache, &RouteArgs::default()).is_ok(),
             "empty queues"
         );
         crate::shared_data::testing::queue_prefill(&c, &h, 1000);
         let writes = h.host_calls("shared_set");
-        let Err(refused) = start(&c, &h, &mut cache, &RouteArgs::default(), 0) else {
+        let Err(refused) = start(&c, &h, &mut cache, &RouteArgs::default()) else {
             panic!("overloaded")
         };
         let Decision::Overloaded(overload) = refused.into() else {

@@ -378,3 +378,24 @@ fn admission_sends_a_request_it_lets_in_to_a_rank_with_room() {
     assert_eq!(pick(admission, false), (1, Some(2)), "every rank has room");
     assert_eq!(pick(admission, true), (0, Some(1)), "b/2 has no room");
 }
+
+#[test]
+fn admission_lets_a_long_prompt_onto_an_idle_rank() {
+    // 10,000 prompt tokens take 10 s to prefill at 1000 tokens/s, far past
+    // the 500 ms limit: the limit is on the wait before its prefill starts,
+    // and on an idle fleet nothing is ahead of it.
+    let (c, h) = fleet(
+        r#","prefix_affinity":false,"admission":{"max_wait_ms":500,"prefill_tokens_per_s":1000,"learn_drain_rate":false}"#,
+    );
+    queue_prefill(&c, &h, 0);
+    let body = format!(r#"{{"text":"{}"}}"#, "x".repeat(4 * 10_000));
+    let r = routed(route(
+        &c,
+        &h,
+        &mut StateCache::default(),
+        body.as_bytes(),
+        None,
+        0,
+    ));
+    assert_eq!((r.to.worker, r.to.rank), (1, Some(2)));
+}

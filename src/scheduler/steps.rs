@@ -153,7 +153,6 @@ mod tests {
                 limits: crate::worker_state::saturation::Limits {
                     max_wait_ms: 1,
                     max_kv_usage: None,
-                    own_tokens: 0,
                 },
                 prior_tokens_per_s: 1.0,
                 learn: false,

@@ -7,14 +7,12 @@
 
 use super::{RankQueue, WorkerState};
 
-/// What makes a rank saturated for one request (`config::Admission`).
+/// What makes a rank saturated for a request of one class
+/// (`config::Admission`).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Limits {
     pub max_wait_ms: u64,
     pub max_kv_usage: Option<f64>,
-    /// The request's own prompt tokens: its first token comes once they
-    /// have drained too (0: judge the queue alone, as the gauge does).
-    pub own_tokens: u64,
 }
 
 /// Everything needed to judge a rank from its state: the limits, the
@@ -38,23 +36,17 @@ impl Room {
     }
 }
 
-/// How long the prompt tokens queued on the rank take to drain, in ms:
-/// the tokens over the rate the queue drains at. A rank whose reports do
-/// not count tokens (vLLM) is taken to queue its waiting requests at the
-/// mean prompt of the gateway's requests.
+/// How long a request sent to the rank now would wait before its prefill
+/// starts, in ms: the prompt tokens queued ahead of it over the rate the
+/// queue drains at. Its own prompt is not counted: a long prompt on an
+/// idle rank does not wait, and must not be refused for its length (the
+/// limit is set below the TTFT target by a long prompt's prefill time).
+/// A rank whose reports do not count tokens (vLLM) is taken to queue its
+/// waiting requests at the mean prompt of the gateway's requests.
 pub fn expected_wait_ms(q: &RankQueue) -> u64 {
-    wait_with(q, 0)
-}
-
-/// [`expected_wait_ms`] with `own` more tokens: how long until a request
-/// of `own` prompt tokens sent now has drained (its first token, when the
-/// queue drains as fast as prefill; when it waits for KV to free, the time
-/// until it has room).
-fn wait_with(q: &RankQueue, own: u64) -> u64 {
     let tokens = q
         .tokens
-        .map_or(q.requests as f64 * q.mean_request_tokens, |t| t as f64)
-        + own as f64;
+        .map_or(q.requests as f64 * q.mean_request_tokens, |t| t as f64);
     let ms = tokens / q.drain_tokens_per_s.max(1.0) * 1000.0;
     if ms.is_finite() {
         ms.ceil().min(u64::MAX as f64) as u64
@@ -63,11 +55,11 @@ fn wait_with(q: &RankQueue, own: u64) -> u64 {
     }
 }
 
-/// How far past its limit a rank is for the request, in ms of wait (None:
-/// it has room). A rank saturated by its KV use alone is counted
-/// `max_wait_ms` past it: how soon it frees memory is not known.
+/// How far past its limit a rank is, in ms of wait (None: it has room).
+/// A rank saturated by its KV use alone is counted `max_wait_ms` past it:
+/// how soon it frees memory is not known.
 pub fn excess_ms(q: &RankQueue, limits: &Limits) -> Option<u64> {
-    let wait = wait_with(q, limits.own_tokens);
+    let wait = expected_wait_ms(q);
     if wait > limits.max_wait_ms {
         return Some(wait - limits.max_wait_ms);
     }
@@ -126,7 +118,6 @@ mod tests {
     const LIMITS: Limits = Limits {
         max_wait_ms: 1000,
         max_kv_usage: None,
-        own_tokens: 0,
     };
 
     #[test]
@@ -151,15 +142,6 @@ mod tests {
     fn a_rank_is_saturated_past_the_wait_or_the_kv_limit() {
         assert_eq!(excess_ms(&queue(Some(10_000), 1), &LIMITS), None, "exactly at it");
         assert_eq!(excess_ms(&queue(Some(10_001), 1), &LIMITS), Some(1));
-        let big = Limits {
-            own_tokens: 6000,
-            ..LIMITS
-        };
-        assert_eq!(
-            excess_ms(&queue(Some(5_000), 1), &big),
-            Some(100),
-            "its own prompt drains too"
-        );
         let full = RankQueue {
             kv_usage: Some(0.97),
             ..queue(Some(0), 0)

@@ -2,11 +2,10 @@
 //! requests let in or timed out, a full queue, clients leaving while held,
 //! classes and tenants, header mode, PD mode and a reload while a request
 //! is held.
-//! Saturation is made deterministic by the scenarios: a rank drains 1000
-//! tokens/s and a request may find 5 ms of wait (its own 3-token prompt
-//! included), so a rank has no room exactly while one of this gateway's
-//! streamed requests on it has no first byte yet; the simulated workers
-//! hold their answers back (`response_delay_ms`).
+//! Saturation is made deterministic by the scenarios: a rank drains 1
+//! token/s and may hold 1 ms of wait, so a rank is saturated exactly while
+//! one of this gateway's streamed requests on it has no first byte yet;
+//! the simulated workers hold their answers back (`response_delay_ms`).
 
 use crate::common::lifecycle::{lds_listener_with, render_with_lds, write_lds};
 use crate::common::pd::PdWorld;

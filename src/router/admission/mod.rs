@@ -63,53 +63,52 @@ pub(crate) fn candidate_queues<'s>(
         .flat_map(move |(state, out)| {
             (0..state.ranks())
                 .filter(move |r| state.effective_tokens(*r).is_some() && !out.contains(&(*r as u32)))
-                .map(move |r| room(settings, Judged::default()).queue(state, r))
+                .map(move |r| room(settings, None).queue(state, r))
         })
 }
 
-/// What one request is judged by: its class's wait limit (None: the
-/// configured `max_wait_ms`) and its own prompt tokens.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct Judged {
-    pub max_wait_ms: Option<u64>,
-    pub own_tokens: u64,
-}
-
-fn limits(settings: &Settings, judged: Judged) -> Limits {
+/// The limits a request is judged by: its class's wait limit if given,
+/// else `max_wait_ms`.
+fn limits(settings: &Settings, max_wait_ms: Option<u64>) -> Limits {
     Limits {
-        max_wait_ms: judged.max_wait_ms.unwrap_or(settings.max_wait_ms),
+        max_wait_ms: max_wait_ms.unwrap_or(settings.max_wait_ms),
         max_kv_usage: settings.max_kv_usage,
-        own_tokens: judged.own_tokens,
     }
 }
 
-/// The rule a request is judged by.
-pub(crate) fn room(settings: &Settings, judged: Judged) -> Room {
+/// The rule a request whose class waits at most `max_wait_ms` (None: the
+/// configured limit) is judged by.
+pub(crate) fn room(settings: &Settings, max_wait_ms: Option<u64>) -> Room {
     Room {
-        limits: limits(settings, judged),
+        limits: limits(settings, max_wait_ms),
         prior_tokens_per_s: settings.prefill_tokens_per_s,
         learn: settings.learn_drain_rate,
     }
 }
 
-/// The judgement of the pool admission looks at, for a request judged by
-/// `judged`; Room without admission.
-pub(crate) fn judge(snapshot: &Snapshot, judged: Judged) -> Judgement {
+/// The judgement of the pool admission looks at, for a request whose
+/// class waits at most `max_wait_ms` (None: the configured limit); Room
+/// without admission.
+pub(crate) fn judge(snapshot: &Snapshot, max_wait_ms: Option<u64>) -> Judgement {
     match &snapshot.config.admission {
-        Some(settings) => wait::judge(candidate_queues(snapshot, settings), &limits(settings, judged)),
+        Some(settings) => wait::judge(
+            candidate_queues(snapshot, settings),
+            &limits(settings, max_wait_ms),
+        ),
         None => Judgement::Room,
     }
 }
 
-/// Stage `admission`, for a request judged by `judged`. Without fresh data
-/// there is nothing to judge: the request is admitted (counted), and
-/// `fail_mode` decides what becomes of it, as without admission.
-pub(crate) fn admit(host: &dyn Host, snapshot: &Snapshot, judged: Judged) -> Admission {
+/// Stage `admission`, for a request whose class waits at most
+/// `max_wait_ms`. Without fresh data there is nothing to judge: the
+/// request is admitted (counted), and `fail_mode` decides what becomes of
+/// it, as without admission.
+pub(crate) fn admit(host: &dyn Host, snapshot: &Snapshot, max_wait_ms: Option<u64>) -> Admission {
     let Some(settings) = &snapshot.config.admission else {
         return Admission::Admit(None);
     };
-    match judge(snapshot, judged) {
-        Judgement::Room => Admission::Admit(Some(room(settings, judged))),
+    match judge(snapshot, max_wait_ms) {
+        Judgement::Room => Admission::Admit(Some(room(settings, max_wait_ms))),
         Judgement::NoData => {
             host.count(metrics::ADMISSION_NO_DATA, 1);
             Admission::Admit(None)
@@ -129,7 +128,7 @@ pub(crate) fn saturated_ranks(snapshot: &Snapshot) -> u64 {
     let Some(settings) = &snapshot.config.admission else {
         return 0;
     };
-    let limits = limits(settings, Judged::default());
+    let limits = limits(settings, None);
     candidate_queues(snapshot, settings)
         .filter(|q| wait::excess_ms(q, &limits).is_some())
         .count() as u64
@@ -148,7 +147,7 @@ mod tests {
         let mut cache = StateCache::default();
         let snapshot = refresh(&c, &h, &mut cache, 0);
         let calls = h.total_host_calls();
-        assert_eq!(admit(&h, &snapshot, Judged::default()), Admission::Admit(None));
+        assert_eq!(admit(&h, &snapshot, None), Admission::Admit(None));
         assert_eq!(h.total_host_calls(), calls);
     }
 
@@ -159,27 +158,20 @@ mod tests {
         let mut cache = StateCache::default();
         let snapshot = refresh(&c, &h, &mut cache, 0);
         assert!(
-            matches!(admit(&h, &snapshot, Judged::default()), Admission::Admit(Some(_))),
+            matches!(admit(&h, &snapshot, None), Admission::Admit(Some(_))),
             "empty queues"
         );
         assert_eq!(saturated_ranks(&snapshot), 0);
         crate::shared_data::testing::queue_prefill(&c, &h, 100_000);
         let snapshot = refresh(&c, &h, &mut cache, 0);
-        let Admission::Overloaded(o) = admit(&h, &snapshot, Judged::default()) else {
+        let Admission::Overloaded(o) = admit(&h, &snapshot, None) else {
             panic!("overloaded")
         };
         assert_eq!(o.saturated_ranks, 8);
         assert_eq!(o.retry_after_ms, 100_000 * 1000 - 50_000);
         assert!(
             matches!(
-                admit(
-                    &h,
-                    &snapshot,
-                    Judged {
-                        max_wait_ms: Some(100_000 * 1000),
-                        own_tokens: 0
-                    }
-                ),
+                admit(&h, &snapshot, Some(100_000 * 1000)),
                 Admission::Admit(Some(_))
             ),
             "a class that waits longer"
@@ -188,7 +180,7 @@ mod tests {
         // Stale data: nothing to judge, admitted and counted.
         h.now.set(10_000 + c.stale_after_ms + 1);
         let snapshot = refresh(&c, &h, &mut cache, 0);
-        assert_eq!(admit(&h, &snapshot, Judged::default()), Admission::Admit(None));
+        assert_eq!(admit(&h, &snapshot, None), Admission::Admit(None));
         assert_eq!(h.counter(metrics::ADMISSION_NO_DATA), 1);
     }
 

@@ -56,7 +56,6 @@ mod tests {
             limits: Limits {
                 max_wait_ms: 500,
                 max_kv_usage: None,
-                own_tokens: 0,
             },
             prior_tokens_per_s: 1000.0,
             learn: true,
