@@ -227,7 +227,7 @@ pub fn overload_table(g: &Group) -> String {
         return String::new();
     }
     let mut md = String::from(
-        "Overload protection (pooled over seeds; refusals are 429, smg's 408 queue time-out, dprank's 503; a refusal misses the SLO):\n\n\
+        "\nOverload protection (pooled over seeds; refusals are 429, smg's 408 queue time-out, dprank's 503; a refusal misses the SLO):\n\n\
          | variant | SLO-met req/s | goodput high | goodput low | TTFT p99 admitted (ms) | refused | by status | refusal p99 (wall ms) | held | held wait p99 / max (ms) |\n\
          |---|---|---|---|---|---|---|---|---|---|\n",
     );
