@@ -396,7 +396,7 @@ mod tests {
             let block = documented_block(doc, heading);
             let settings = with(&block).unwrap_or_else(|e| panic!("{heading}: {e}"));
             let admission = settings.admission.expect("on");
-            assert!(admission.queues(), "{heading}: queue mode");
+            assert!(!admission.queues(), "{heading}: reject mode");
             assert!(admission.learn_drain_rate);
         }
     }
