@@ -242,12 +242,13 @@ impl Variant {
                         block.insert("when_saturated".into(), Value::from(mode));
                     });
                 }
-                "wait" | "queue-timeout" | "max-queued" | "drain" => {
+                "wait" | "queue-timeout" | "max-queued" | "drain" | "requests" => {
                     let n = parse_ms(need("a whole number")?)?;
                     let field = match key {
                         "wait" => "max_wait_ms",
                         "queue-timeout" => "queue_timeout_ms",
                         "max-queued" => "max_queued",
+                        "requests" => "max_requests_per_rank",
                         _ => "prefill_tokens_per_s",
                     };
                     with_admission(set, |block| {
@@ -277,7 +278,7 @@ impl Variant {
                     let parsed: Value = serde_json::from_str(raw).unwrap_or_else(|_| Value::String(raw.to_string()));
                     set.insert(key["set.".len()..].to_string(), parsed);
                 }
-                _ => return Err(format!("unknown key `{key}` (dprank keys: gw, spread, poll, poll-wall, admit, wait, queue-timeout, max-queued, drain, kv, ie, set.<filter key>, sim.<flag>)")),
+                _ => return Err(format!("unknown key `{key}` (dprank keys: gw, spread, poll, poll-wall, admit, wait, queue-timeout, max-queued, drain, requests, kv, ie, set.<filter key>, sim.<flag>)")),
             },
             Front::Smg {
                 policy,
@@ -678,6 +679,12 @@ mod tests {
         assert_eq!(
             block("dprank:admit=queue:wait=100:queue-timeout=300", 800.0),
             Some(serde_json::json!({"when_saturated": "queue", "max_wait_ms": 100, "queue_timeout_ms": 300}))
+        );
+        assert_eq!(
+            block("dprank:admit=reject:requests=48", 800.0),
+            Some(
+                serde_json::json!({"when_saturated": "reject", "max_requests_per_rank": 48, "max_wait_ms": 400})
+            )
         );
         assert_eq!(block("dprank", 800.0), None, "no admission, none added");
         for spec in ["dprank-queue", "dprank-reject"] {

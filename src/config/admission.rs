@@ -21,6 +21,8 @@ pub const DEFAULT_SHEDDABLE_CLASS: &str = "sheddable";
 pub const MAX_MAX_QUEUED: u32 = 100_000;
 /// Most classes (they are counted per class in shared data).
 pub const MAX_CLASSES: usize = 8;
+/// Most `max_requests_per_rank` accepted.
+pub const MAX_REQUESTS_PER_RANK: u64 = 1_000_000;
 /// Longest `max_wait_ms` and `queue_timeout_ms` accepted (10 minutes).
 pub const MAX_WAIT_LIMIT_MS: u64 = 600_000;
 
@@ -50,6 +52,8 @@ pub struct AdmissionJson {
     pub learn_drain_rate: Option<bool>,
     #[serde(default)]
     pub max_kv_usage: Option<f64>,
+    #[serde(default)]
+    pub max_requests_per_rank: Option<u64>,
     #[serde(default)]
     pub priority_header: Option<String>,
     #[serde(default)]
@@ -94,6 +98,9 @@ pub struct Admission {
     pub learn_drain_rate: bool,
     /// A rank reporting this share of its KV in use or more is saturated.
     pub max_kv_usage: Option<f64>,
+    /// A rank with this many requests on it (running as reported, waiting,
+    /// routed since) is saturated.
+    pub max_requests_per_rank: Option<u64>,
     pub priority_header: String,
     /// Highest first.
     pub classes: Vec<String>,
@@ -175,6 +182,14 @@ pub fn settings(
             ));
         }
     }
+    if let Some(n) = json.max_requests_per_rank {
+        if !(1..=MAX_REQUESTS_PER_RANK).contains(&n) {
+            return Err(invalid(
+                "max_requests_per_rank",
+                format!("must be 1..={MAX_REQUESTS_PER_RANK}, got {n}"),
+            ));
+        }
+    }
     let priority_header = header(
         "priority_header",
         json.priority_header
@@ -200,6 +215,7 @@ pub fn settings(
         prefill_tokens_per_s: rate,
         learn_drain_rate: json.learn_drain_rate.unwrap_or(true),
         max_kv_usage: json.max_kv_usage,
+        max_requests_per_rank: json.max_requests_per_rank,
         priority_header,
         classes,
         default_class,
@@ -412,6 +428,12 @@ mod tests {
         assert_eq!((on.default_class, on.sheddable_class), (1, Some(2)));
         assert_eq!(on.priority_header, "x-dprank-priority");
         assert!(on.learn_drain_rate && on.tenant_header.is_none() && on.max_kv_usage.is_none());
+        assert!(on.max_requests_per_rank.is_none());
+        let capped = with(r#"{"max_requests_per_rank":48}"#)
+            .unwrap()
+            .admission
+            .unwrap();
+        assert_eq!(capped.max_requests_per_rank, Some(48));
         assert_eq!(on.class_of(Some("critical")), 0);
         assert_eq!(on.class_of(Some(" sheddable ")), 2);
         assert_eq!(on.class_of(Some("urgent")), 1, "unknown: the default");
@@ -469,6 +491,10 @@ mod tests {
             ),
             (r#"{"prefill_tokens_per_s":0}"#, "admission.prefill_tokens_per_s"),
             (r#"{"max_kv_usage":1.5}"#, "admission.max_kv_usage"),
+            (
+                r#"{"max_requests_per_rank":0}"#,
+                "admission.max_requests_per_rank",
+            ),
             (r#"{"priority_header":"X-P"}"#, "admission.priority_header"),
             (
                 r#"{"priority_header":"x-dprank-endpoint"}"#,

@@ -399,3 +399,35 @@ fn admission_lets_a_long_prompt_onto_an_idle_rank() {
     ));
     assert_eq!((r.to.worker, r.to.rank), (1, Some(2)));
 }
+
+#[test]
+fn admission_caps_the_requests_on_a_rank() {
+    // Every rank reports 4 requests running; b/2 (fewest tokens) 8: with
+    // at most 8 requests per rank it has no room and a/1 is chosen; with
+    // every rank at 8, the pool is saturated.
+    let capped = r#","prefix_affinity":false,"admission":{"max_requests_per_rank":8}"#;
+    let (c, h) = fleet(capped);
+    let running = |c: &Config, h: &FakeHost, i: usize, n: &dyn Fn(usize) -> u64| {
+        crate::shared_data::testing::report_on(c, h, i, &|r| crate::load::RankLoad {
+            running_requests: Some(n(r)),
+            waiting_uncached_tokens: Some(0),
+            waiting_requests: Some(0),
+            ..crate::load::RankLoad::default()
+        })
+    };
+    running(&c, &h, 0, &|_| 4);
+    running(&c, &h, 1, &|r| if r == 2 { 8 } else { 4 });
+    let r = routed(route(
+        &c,
+        &h,
+        &mut StateCache::default(),
+        br#"{"text":"hi"}"#,
+        None,
+        0,
+    ));
+    assert_eq!((r.to.worker, r.to.rank), (0, Some(1)));
+    running(&c, &h, 0, &|_| 8);
+    running(&c, &h, 1, &|_| 8);
+    let d = route(&c, &h, &mut StateCache::default(), br#"{"text":"hi"}"#, None, 0);
+    assert!(matches!(d, Decision::Overloaded(_)), "{d:?}");
+}

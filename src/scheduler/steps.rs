@@ -153,6 +153,7 @@ mod tests {
                 limits: crate::worker_state::saturation::Limits {
                     max_wait_ms: 1,
                     max_kv_usage: None,
+                    max_requests: None,
                 },
                 prior_tokens_per_s: 1.0,
                 learn: false,

@@ -76,6 +76,16 @@ pub fn queue_prefill(config: &Config, host: &FakeHost, waiting: u64) {
 /// Worker `i`'s ranks report `waiting(rank)` uncached prompt tokens
 /// waiting, at unchanged tokens, as a new poll.
 pub fn queue_prefill_on(config: &Config, host: &FakeHost, i: usize, waiting: &dyn Fn(usize) -> u64) {
+    report_on(config, host, i, &|r| crate::load::RankLoad {
+        waiting_uncached_tokens: Some(waiting(r)),
+        waiting_requests: Some(u64::from(waiting(r) > 0)),
+        ..crate::load::RankLoad::default()
+    });
+}
+
+/// Worker `i`'s ranks report `load(rank)` (its tokens kept as polled), as
+/// a new poll.
+pub fn report_on(config: &Config, host: &FakeHost, i: usize, load: &dyn Fn(usize) -> crate::load::RankLoad) {
     use crate::load::RankLoad;
     use crate::worker_state::RankFigures;
     let now = host.now_ms();
@@ -86,9 +96,7 @@ pub fn queue_prefill_on(config: &Config, host: &FakeHost, i: usize, waiting: &dy
             .enumerate()
             .map(|(r, t)| RankLoad {
                 tokens: *t,
-                waiting_uncached_tokens: Some(waiting(r)),
-                waiting_requests: Some(u64::from(waiting(r) > 0)),
-                ..RankLoad::default()
+                ..load(r)
             })
             .collect();
         let figures: Vec<RankFigures> = ranks.iter().map(RankFigures::from).collect();

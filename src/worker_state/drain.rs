@@ -41,6 +41,8 @@ struct RankDrain {
     /// their mean prompt.
     charged_tokens: u64,
     charged_milli: u64,
+    /// Requests the last report counted running (UNKNOWN: not reported).
+    running: u64,
 }
 
 /// Per rank, as the poller last applied it.
@@ -62,6 +64,9 @@ pub struct RankQueue {
     pub mean_request_tokens: f64,
     /// KV in use, 0..=1, if reported.
     pub kv_usage: Option<f64>,
+    /// Requests on the rank: running as last reported, plus `requests`;
+    /// None if its reports do not count running requests.
+    pub in_flight: Option<u64>,
     /// Tokens per second its queue drains at (learned, or the prior).
     pub drain_tokens_per_s: f64,
 }
@@ -122,7 +127,13 @@ impl DrainState {
             d.kv = load
                 .and_then(kv_usage)
                 .map_or(UNKNOWN, |k| (k.clamp(0.0, 1.0) * 10_000.0).round() as u64);
+            d.running = load.and_then(|l| l.running_requests).unwrap_or(UNKNOWN);
         }
+    }
+
+    /// Requests the rank last reported running (None: not reported).
+    pub fn running(&self, rank: usize) -> Option<u64> {
+        self.ranks.get(rank).map(|d| d.running).filter(|r| *r != UNKNOWN)
     }
 
     /// `rank`'s drain rate in tokens per second: what was learned (unless
@@ -240,12 +251,15 @@ mod tests {
         let mut d = DrainState::default();
         let vllm = vec![RankLoad {
             waiting_requests: Some(3),
+            running_requests: Some(40),
             kv_usage: Some(0.9),
             ..RankLoad::default()
         }];
+        assert_eq!(d.running(0), None, "before any report");
         d.on_snapshot(0, &[], &vllm, 1);
         assert!(!d.tokens_reported(0));
         assert_eq!(d.kv_usage(0), Some(0.9));
+        assert_eq!(d.running(0), Some(40));
         d.on_snapshot(1000, &[0], &vllm, 1);
         assert_eq!(d.rate(0, 5000.0, true), 5000.0, "nothing learned without tokens");
     }

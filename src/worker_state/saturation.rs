@@ -13,6 +13,9 @@ use super::{RankQueue, WorkerState};
 pub struct Limits {
     pub max_wait_ms: u64,
     pub max_kv_usage: Option<f64>,
+    /// A rank with this many requests on it (running and waiting) has no
+    /// room for another.
+    pub max_requests: Option<u64>,
 }
 
 /// Everything needed to judge a rank from its state: the limits, the
@@ -56,15 +59,17 @@ pub fn expected_wait_ms(q: &RankQueue) -> u64 {
 }
 
 /// How far past its limit a rank is, in ms of wait (None: it has room).
-/// A rank saturated by its KV use alone is counted `max_wait_ms` past it:
-/// how soon it frees memory is not known.
+/// A rank saturated by its KV use or its requests alone is counted
+/// `max_wait_ms` past it: how soon it frees memory or a request ends is
+/// not known.
 pub fn excess_ms(q: &RankQueue, limits: &Limits) -> Option<u64> {
     let wait = expected_wait_ms(q);
     if wait > limits.max_wait_ms {
         return Some(wait - limits.max_wait_ms);
     }
     let kv_full = matches!((q.kv_usage, limits.max_kv_usage), (Some(kv), Some(max)) if kv >= max);
-    kv_full.then_some(limits.max_wait_ms)
+    let busy = matches!((q.in_flight, limits.max_requests), (Some(n), Some(max)) if n >= max);
+    (kv_full || busy).then_some(limits.max_wait_ms)
 }
 
 /// What a pool's ranks say about one more request.
@@ -111,6 +116,7 @@ mod tests {
             requests,
             mean_request_tokens: 500.0,
             kv_usage: None,
+            in_flight: None,
             drain_tokens_per_s: 10_000.0,
         }
     }
@@ -118,6 +124,7 @@ mod tests {
     const LIMITS: Limits = Limits {
         max_wait_ms: 1000,
         max_kv_usage: None,
+        max_requests: None,
     };
 
     #[test]
@@ -152,6 +159,30 @@ mod tests {
             ..LIMITS
         };
         assert_eq!(excess_ms(&full, &kv), Some(1000));
+    }
+
+    #[test]
+    fn a_rank_with_as_many_requests_as_allowed_has_no_room() {
+        let with = |n: Option<u64>| RankQueue {
+            in_flight: n,
+            ..queue(Some(0), 0)
+        };
+        assert_eq!(
+            excess_ms(&with(Some(500)), &LIMITS),
+            None,
+            "no request rule by default"
+        );
+        let capped = Limits {
+            max_requests: Some(32),
+            ..LIMITS
+        };
+        assert_eq!(excess_ms(&with(Some(31)), &capped), None);
+        assert_eq!(excess_ms(&with(Some(32)), &capped), Some(1000), "the 33rd waits");
+        assert_eq!(
+            excess_ms(&with(None), &capped),
+            None,
+            "running not reported: the wait alone"
+        );
     }
 
     #[test]

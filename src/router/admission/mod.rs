@@ -73,6 +73,7 @@ fn limits(settings: &Settings, max_wait_ms: Option<u64>) -> Limits {
     Limits {
         max_wait_ms: max_wait_ms.unwrap_or(settings.max_wait_ms),
         max_kv_usage: settings.max_kv_usage,
+        max_requests: settings.max_requests_per_rank,
     }
 }
 

@@ -56,6 +56,7 @@ mod tests {
             limits: Limits {
                 max_wait_ms: 500,
                 max_kv_usage: None,
+                max_requests: None,
             },
             prior_tokens_per_s: 1000.0,
             learn: true,
