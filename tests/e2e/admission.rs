@@ -1,7 +1,7 @@
 //! Admission control (overload protection) in a real Envoy: refusals, held
 //! requests let in or timed out, a full queue, clients leaving while held,
-//! classes and tenants, header mode, PD mode and a reload while a request
-//! is held.
+//! classes and tenants, header mode, PD mode, a reload while a request is
+//! held, and the request cap per rank.
 //! Saturation is made deterministic by the scenarios: a rank drains 1
 //! token/s and may hold 1 ms of wait, so a rank is saturated exactly while
 //! one of this gateway's streamed requests on it has no first byte yet;
@@ -532,4 +532,34 @@ fn idle_and_duration_timeouts_run_while_held_request_and_route_timeouts_do_not()
     let (reply, took, forwarded) = held_under(&route, 1500, &[]);
     assert_eq!((reply.status, forwarded), (200, 1), "{reply:?}");
     assert!(took > Duration::from_millis(2500), "{took:?}");
+}
+
+#[test]
+fn a_rank_with_its_cap_of_requests_refuses_the_next() {
+    let scenario = Scenario::load("admission_cap");
+    let dir = TestDir::new(&scenario.name);
+    let sims = vec![Sim::start(&dir, "worker_a", 1, &["--instant"])];
+    let envoy = Envoy::start(&dir, &scenario, &sims, &EnvoyOptions::default());
+    envoy.wait_for_stat("poll_ok.worker_a", 1, Duration::from_secs(10));
+    delay(&sims, 1500);
+    let url = envoy.url("/generate");
+    let first = send(url.clone(), "first", Vec::new());
+    envoy.wait_for_stat("admission.admitted.standard", 1, Duration::from_secs(5));
+    let (refused, took) = send(url.clone(), "second", Vec::new()).join().expect("second");
+    assert_eq!(refused.status, 429, "{refused:?}");
+    assert_eq!(refused.header("x-dprank-admission"), Some("saturated"));
+    assert_eq!(refused.header("x-envoy-ratelimited"), Some("true"));
+    assert!(refused.header("retry-after").is_some(), "{refused:?}");
+    assert!(took < Duration::from_millis(500), "refused at once: {took:?}");
+    assert_ok(vec![first]);
+    delay(&sims, 0);
+    let (after, _) = send(url, "third", Vec::new()).join().expect("third");
+    assert_eq!(after.status, 200, "the rank is free again: {after:?}");
+    let tags: Vec<String> = sims[0]
+        .requests()
+        .iter()
+        .map(|r| r.body_text().to_string())
+        .collect();
+    assert_eq!(tags.len(), 2, "{tags:?}");
+    assert!(!tags.iter().any(|t| t.contains("second hello")), "{tags:?}");
 }
