@@ -94,6 +94,12 @@ impl Host for EnvoyHost {
         }
     }
 
+    fn histogram(&self, metric: &str, value: u64) {
+        if let Some(id) = metric_id(MetricType::Histogram, metric) {
+            let _ = hostcalls::record_metric(id, value);
+        }
+    }
+
     fn http_call(&self, call: &Callout) -> Result<u32, String> {
         let timeout = Duration::from_millis(call.timeout_ms);
         hostcalls::dispatch_http_call(call.cluster, call.headers.to_vec(), call.body, vec![], timeout)
@@ -153,6 +159,14 @@ impl Host for EnvoyHost {
 
     fn resume_response(&self) {
         let _ = hostcalls::resume_http_response();
+    }
+
+    fn set_effective_context(&self, context_id: u32) -> bool {
+        hostcalls::set_effective_context(context_id).is_ok()
+    }
+
+    fn resume_request(&self) -> bool {
+        hostcalls::resume_http_request().is_ok()
     }
 
     fn property(&self, path: &[&str]) -> Option<Vec<u8>> {

@@ -1,23 +1,36 @@
 //! proxy-wasm contexts. They only translate Envoy's callbacks into calls on
-//! the poller (root context) and the request lifecycle (HTTP context).
+//! the poller and admission's passes (root context) and the request
+//! lifecycle (HTTP context).
 
 use crate::config::Config;
 use crate::envoy_host::EnvoyHost;
 use crate::host::Host;
-use crate::poller::{tick_period_ms, Poller};
-use crate::request::{self, Request, Routing};
+use crate::poller::Poller;
+use crate::request::{self, queue_tick_period_ms, Request, Routing};
 use crate::shared_data;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{Action, ContextType};
+use std::cell::RefCell;
 use std::rc::Rc;
 
 pub const VERSION: &str = env!("CARGO_PKG_VERSION");
 pub const GIT_REVISION: &str = env!("DPRANK_GIT_REVISION");
 
-#[derive(Default)]
 pub struct DprankRoot {
+    /// Envoy's id of this root context.
+    id: u32,
     routing: Option<Rc<Routing>>,
     poller: Option<Poller>,
+}
+
+impl DprankRoot {
+    pub fn new(id: u32) -> DprankRoot {
+        DprankRoot {
+            id,
+            routing: None,
+            poller: None,
+        }
+    }
 }
 
 fn action(a: request::Action) -> Action {
@@ -30,11 +43,25 @@ fn action(a: request::Action) -> Action {
 impl Context for DprankRoot {
     fn on_http_call_response(&mut self, token: u32, _headers: usize, body_size: usize, _trailers: usize) {
         if let (Some(routing), Some(poller)) = (&self.routing, &mut self.poller) {
+            if routing.on_root_callout(&EnvoyHost, token, body_size, self.id) {
+                return;
+            }
             let config = routing.current(&EnvoyHost);
             let status = EnvoyHost.callout_status();
             let body = EnvoyHost.callout_body(body_size);
             poller.on_response(&config, &EnvoyHost, token, status, &body);
+            // A poll may show room for held requests.
+            routing.let_in(&EnvoyHost, self.id, true);
         }
+    }
+
+    /// The plugin is going away (a new configuration, or Envoy stopping):
+    /// every held request is answered.
+    fn on_done(&mut self) -> bool {
+        if let Some(routing) = &self.routing {
+            routing.drain_held(&EnvoyHost, self.id);
+        }
+        true
     }
 }
 
@@ -52,29 +79,37 @@ impl RootContext for DprankRoot {
         if shared_data::first_to_announce(&config, &EnvoyHost, &json) {
             log::info!("dprank {VERSION} ({GIT_REVISION}) starting with {json}");
         }
-        if config.poll_loads && !EnvoyHost::set_tick_period(tick_period_ms(&config)) {
-            log::error!("cannot set the tick period; load polling is off");
+        let ticks = config.poll_loads || config.admission.is_some();
+        if ticks && !EnvoyHost::set_tick_period(queue_tick_period_ms(&config)) {
+            log::error!("cannot set the tick period; load polling and admission's queue are off");
         }
         let mut poller = Poller::new(EnvoyHost.now_ms());
         // Threads start their tie-break sequences apart, so they don't break
         // ties alike; the random part sets other Envoys apart too, whose VM
         // counters start at 1 like ours (the headroom picker's draws would
         // otherwise be the same on every gateway).
-        let seed = poller.vm_id(&config, &EnvoyHost).wrapping_mul(0x9E37_79B9) ^ EnvoyHost.random_u64();
+        let vm = poller.vm_id(&config, &EnvoyHost);
+        let seed = vm.wrapping_mul(0x9E37_79B9) ^ EnvoyHost.random_u64();
         self.poller = Some(poller);
-        self.routing = Some(Rc::new(Routing::new(Rc::new(config), seed)));
+        let routing = Routing::new(Rc::new(config), seed);
+        routing.set_vm(vm);
+        self.routing = Some(Rc::new(routing));
         true
     }
 
     fn on_tick(&mut self) {
         if let (Some(routing), Some(poller)) = (&self.routing, &mut self.poller) {
-            poller.on_tick(&routing.current(&EnvoyHost), &EnvoyHost);
+            let config = routing.current(&EnvoyHost);
+            if config.poll_loads {
+                poller.on_tick(&config, &EnvoyHost);
+            }
+            routing.on_admission_tick(&EnvoyHost, self.id);
         }
     }
 
-    fn create_http_context(&self, _context_id: u32) -> Option<Box<dyn HttpContext>> {
+    fn create_http_context(&self, context_id: u32) -> Option<Box<dyn HttpContext>> {
         let routing = self.routing.clone()?;
-        Some(Box::new(DprankHttp(Request::new(routing))))
+        Some(Box::new(DprankHttp(Request::shared(routing, context_id))))
     }
 
     fn get_type(&self) -> Option<ContextType> {
@@ -82,36 +117,43 @@ impl RootContext for DprankRoot {
     }
 }
 
-pub struct DprankHttp(Request);
+/// A request's context: the lifecycle, shared with admission's queue on
+/// this thread while it is held (the root's passes then act on it; Envoy
+/// runs one callback at a time per thread, so it is never borrowed twice).
+pub struct DprankHttp(Rc<RefCell<Request>>);
 
 impl Context for DprankHttp {
     fn on_http_call_response(&mut self, _token: u32, _headers: usize, body_size: usize, _trailers: usize) {
-        self.0.on_prefill_response(&EnvoyHost, body_size);
+        self.0.borrow_mut().on_prefill_response(&EnvoyHost, body_size);
     }
 }
 
 impl HttpContext for DprankHttp {
     fn on_http_request_headers(&mut self, _headers: usize, end_of_stream: bool) -> Action {
-        action(self.0.on_request_headers(&EnvoyHost, end_of_stream))
+        action(self.0.borrow_mut().on_request_headers(&EnvoyHost, end_of_stream))
     }
 
     fn on_http_request_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
-        action(self.0.on_request_body(&EnvoyHost, body_size, end_of_stream))
+        action(
+            self.0
+                .borrow_mut()
+                .on_request_body(&EnvoyHost, body_size, end_of_stream),
+        )
     }
 
     fn on_http_request_trailers(&mut self, _trailers: usize) -> Action {
-        action(self.0.on_request_trailers(&EnvoyHost))
+        action(self.0.borrow_mut().on_request_trailers(&EnvoyHost))
     }
 
     fn on_http_response_headers(&mut self, _headers: usize, _end_of_stream: bool) -> Action {
-        action(self.0.on_response_headers(&EnvoyHost))
+        action(self.0.borrow_mut().on_response_headers(&EnvoyHost))
     }
 
     fn on_http_response_body(&mut self, _body_size: usize, _end_of_stream: bool) -> Action {
-        action(self.0.on_response_body(&EnvoyHost))
+        action(self.0.borrow_mut().on_response_body(&EnvoyHost))
     }
 
     fn on_log(&mut self) {
-        self.0.on_done(&EnvoyHost);
+        self.0.borrow_mut().on_done(&EnvoyHost);
     }
 }

@@ -42,6 +42,8 @@ pub trait Host {
     fn count(&self, metric: &str, delta: u64);
     /// Sets a gauge stat.
     fn gauge(&self, metric: &str, value: u64);
+    /// Records a value in a histogram stat.
+    fn histogram(&self, metric: &str, value: u64);
 
     // HTTP callouts.
     /// Dispatches an HTTP call; returns the call's token.
@@ -64,6 +66,14 @@ pub trait Host {
     fn send_response(&self, status: u32, headers: &[(&str, &str)], body: &[u8]);
     /// Lets a paused response continue.
     fn resume_response(&self);
+
+    // Held requests (admission): another request of this thread.
+    /// Makes the request (or root) `context_id` the one later calls act on;
+    /// false if there is no such context (a request that ended).
+    fn set_effective_context(&self, context_id: u32) -> bool;
+    /// Lets the effective request, paused, continue to the upstream
+    /// (Envoy does so once the current callback returns).
+    fn resume_request(&self) -> bool;
 
     // Properties (Envoy's attributes).
     /// A property of the current request as Envoy serialises it (strings as

@@ -29,5 +29,5 @@ pub mod worker_state;
 
 proxy_wasm::main! {{
     proxy_wasm::set_log_level(proxy_wasm::types::LogLevel::Info);
-    proxy_wasm::set_root_context(|_| Box::<filter::DprankRoot>::default());
+    proxy_wasm::set_root_context(|id| Box::new(filter::DprankRoot::new(id)));
 }}

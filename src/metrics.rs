@@ -23,9 +23,46 @@ pub const RETRIED_TO_ALTERNATE: &str = "dprank.retry.to_alternate";
 /// (every listed host failed).
 pub const RETRIED_TO_FALLBACK: &str = "dprank.retry.to_fallback";
 
+/// Admission had no fresh data to judge a request by: admitted (fail open).
+pub const ADMISSION_NO_DATA: &str = "dprank.admission.no_data";
+
 // Gauges without a worker.
 /// Bytes dprank keeps in shared data.
 pub const SHARED_DATA_BYTES: &str = "dprank.shared_data_bytes";
+/// Admission: candidate ranks whose expected wait is past `max_wait_ms`.
+pub const ADMISSION_SATURATED_RANKS: &str = "dprank.admission.saturated_ranks";
+/// Admission: requests held, over every thread of this Envoy.
+pub const ADMISSION_HELD: &str = "dprank.admission.held";
+
+// Histograms.
+/// Admission: how long each held request waited (ms), whatever its end.
+pub const ADMISSION_QUEUE_WAIT_MS: &str = "dprank.admission.queue_wait_ms";
+
+/// What admission did with a request, per class (`config::Admission::classes`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AdmissionEvent {
+    /// Let in, at once or after waiting.
+    Admitted,
+    /// Held to wait for room.
+    Queued,
+    /// The client went away while it was held.
+    ClientGone,
+}
+
+/// `dprank.admission.<event>.<class>`.
+pub fn admission(event: AdmissionEvent, class: &str) -> String {
+    let event = match event {
+        AdmissionEvent::Admitted => "admitted",
+        AdmissionEvent::Queued => "queued",
+        AdmissionEvent::ClientGone => "client_gone",
+    };
+    format!("dprank.admission.{event}.{class}")
+}
+
+/// `dprank.admission.rejected.<reason>.<class>`: a refusal by admission.
+pub fn admission_rejected(reason: &str, class: &str) -> String {
+    format!("dprank.admission.rejected.{reason}.{class}")
+}
 
 /// A request not routed, by reason (`PassReason::as_str`).
 pub fn passthrough(reason: &str) -> String {
@@ -110,5 +147,13 @@ mod tests {
         assert_eq!(PerWorker::SnapshotAgeMs.of("w"), "dprank.snapshot_age_ms.w");
         assert_eq!(PerWorker::RankEjections.of("w"), "dprank.rank_ejections.w");
         assert_eq!(PerWorker::Health.of("w"), "dprank.health.w");
+        assert_eq!(
+            admission(AdmissionEvent::Queued, "standard"),
+            "dprank.admission.queued.standard"
+        );
+        assert_eq!(
+            admission_rejected("saturated", "sheddable"),
+            "dprank.admission.rejected.saturated.sheddable"
+        );
     }
 }

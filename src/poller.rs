@@ -353,8 +353,15 @@ fn apply_report(config: &Config, host: &dyn Host, index: usize, w: &Worker, seq:
     let figures: Vec<RankFigures> = ranks.iter().map(RankFigures::from).collect();
     let now = host.now_ms();
     let shrink = shared_data::update_worker(config, host, index, IfMissing::Create, |state| {
+        let elapsed = match state.snapshot_seq {
+            0 => 0,
+            _ => now.saturating_sub(state.snapshot_at_ms),
+        };
         if !state.apply_snapshot(seq, now, &tokens) {
             return None;
+        }
+        if config.admission.is_some() {
+            state.apply_drain(elapsed, &ranks, config.gateways);
         }
         state.apply_figures(seq, &figures);
         Some(match config.prefix {

@@ -5,19 +5,28 @@
 //! (header mode), applies the router's decision (route and rank headers,
 //! body and `content-length`, local replies), runs PD mode's prefill leg and
 //! holds the decode response until it is done, and gives every estimate back
-//! and reports how it went to passive health when the request ends.
-//! `filter.rs` only translates callbacks to it.
+//! and reports how it went to passive health when the request ends. With
+//! admission on, a request every rank is too busy for is refused or held
+//! (`held.rs`: this thread's queue, and the passes that let held requests
+//! in). `filter.rs` only translates callbacks to it.
+
+mod held;
+pub mod held_record;
 
 use crate::config::{Config, Transport};
 use crate::discovery::Membership;
 use crate::health_updates::{self, SentTo};
 use crate::host::{Callout, HeaderMap, Host};
+use crate::metrics::{self, AdmissionEvent};
 use crate::poller::POLL_DESTINATION_HEADER;
-use crate::router::{self, route_value, Chosen, Decision, PassReason, PdRouted, Reply, Routed};
+use crate::router::{
+    self, route_value, Chosen, Decision, Overload, PassReason, PdRouted, RejectReason, Reply, Routed,
+};
 use crate::shared_data::cache::StateCache;
 use crate::worker_state::{PrefillTicket, Ticket};
+pub use held::{queue_tick_period_ms, Held};
 use std::cell::{Cell, RefCell};
-use std::rc::Rc;
+use std::rc::{Rc, Weak};
 
 /// What Envoy should do after a callback.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -36,6 +45,8 @@ pub struct Routing {
     membership: RefCell<Membership>,
     states: RefCell<StateCache>,
     tie_breaks: Cell<u64>,
+    /// Admission's queue on this thread.
+    held: Held,
 }
 
 impl Routing {
@@ -45,7 +56,13 @@ impl Routing {
             membership: RefCell::new(Membership::new(config)),
             states: RefCell::new(StateCache::default()),
             tie_breaks: Cell::new(seed),
+            held: Held::default(),
         }
+    }
+
+    /// This VM's id among those sharing the data (admission's shared record).
+    pub fn set_vm(&self, vm: u64) {
+        self.held.vm.set(vm);
     }
 
     /// The configuration with the current cluster membership, if any.
@@ -73,8 +90,42 @@ enum PrefillLeg {
     Failed(Reply),
 }
 
+/// Admission's view of one request (admission on).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Admitting {
+    /// Index in the configured classes.
+    class: usize,
+    /// A hash of the tenant header's value (0: none).
+    tenant: u64,
+    /// While held: since when (ms).
+    held_since: Option<u64>,
+    /// While held: its place in the shared record is its own (not given
+    /// to a higher class already).
+    holds_place: bool,
+}
+
+/// What letting a held request in came to.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Resumed {
+    /// Still no room: it stays first in line.
+    Overloaded(Overload),
+    /// Routed: Envoy should go on with it (`Continue`), or not (a local
+    /// reply was sent, or PD's prefill leg runs first).
+    Go(Action),
+}
+
 pub struct Request {
     routing: Rc<Routing>,
+    /// Envoy's id of this request's context (0: one that is never held).
+    id: u32,
+    /// The request itself, for the queue (empty: never held).
+    me: Weak<RefCell<Request>>,
+    /// Admission on: the class, tenant and whether it is held.
+    admitting: Option<Admitting>,
+    /// Header mode: the cost the headers gave, to route it later.
+    header_cost: u64,
+    /// PD: the token of the prefill leg's call.
+    prefill_token: Option<u32>,
     /// The configuration this request is routed (and its estimates released) with.
     config: Rc<Config>,
     /// The body will be read and routed.
@@ -101,6 +152,11 @@ impl Request {
         let config = routing.membership.borrow().base();
         Request {
             routing,
+            id: 0,
+            me: Weak::new(),
+            admitting: None,
+            header_cost: 0,
+            prefill_token: None,
             config,
             will_route: false,
             body_size: 0,
@@ -115,6 +171,17 @@ impl Request {
         }
     }
 
+    /// A request that admission may hold: Envoy's context `id`, shared
+    /// with this thread's queue while it waits.
+    pub fn shared(routing: Rc<Routing>, id: u32) -> Rc<RefCell<Request>> {
+        Rc::new_cyclic(|me| {
+            let mut request = Request::new(routing);
+            request.id = id;
+            request.me = me.clone();
+            RefCell::new(request)
+        })
+    }
+
     pub fn on_request_headers(&mut self, host: &dyn Host, end_of_stream: bool) -> Action {
         let config = self.config.clone();
         let headers = host.request_headers();
@@ -127,6 +194,18 @@ impl Request {
             router::pass_early(host, reason);
             return Action::Continue;
         }
+        if let Some(settings) = &config.admission {
+            self.admitting = Some(Admitting {
+                class: settings.class_of(headers.get(&settings.priority_header)),
+                tenant: settings
+                    .tenant_header
+                    .as_ref()
+                    .and_then(|h| headers.get_bytes(h))
+                    .map_or(0, tenant_key),
+                held_since: None,
+                holds_place: false,
+            });
+        }
         match &config.transport {
             Transport::Body => {
                 self.will_route = true;
@@ -134,13 +213,22 @@ impl Request {
                 Action::Pause
             }
             Transport::Header(settings) => {
-                let cost = router::cost_from_length(&config, settings, headers.content_length());
-                self.route_by_headers(host, cost)
+                self.header_cost = router::cost_from_length(&config, settings, headers.content_length());
+                self.route_by_headers(host)
             }
         }
     }
 
+    /// Whether admission holds this request now.
+    pub fn is_held(&self) -> bool {
+        self.admitting.is_some_and(|a| a.held_since.is_some())
+    }
+
     pub fn on_request_body(&mut self, host: &dyn Host, body_size: usize, end_of_stream: bool) -> Action {
+        if self.is_held() {
+            // Header mode: the body waits with the headers (Envoy buffers it).
+            return Action::Pause;
+        }
         if !self.will_route {
             return Action::Continue;
         }
@@ -152,6 +240,9 @@ impl Request {
     }
 
     pub fn on_request_trailers(&mut self, host: &dyn Host) -> Action {
+        if self.is_held() {
+            return Action::Pause;
+        }
         // A body followed by trailers never sees end_of_stream in the body callback.
         if self.will_route {
             return self.route_body(host);
@@ -161,9 +252,17 @@ impl Request {
 
     /// The prefill leg answered (or failed: no status).
     pub fn on_prefill_response(&mut self, host: &dyn Host, body_size: usize) {
+        let status = host.callout_status();
+        let body = host.callout_body(body_size);
+        self.on_prefill_answer(host, status, &body);
+    }
+
+    /// The prefill leg's answer, read: its status (None: no answer) and body.
+    pub fn on_prefill_answer(&mut self, host: &dyn Host, status: Option<u32>, body: &[u8]) {
         let PrefillLeg::Pending { worker, rank } = self.prefill else {
             return;
         };
+        self.prefill_token = None;
         if let Some(ticket) = self.prefill_ticket.take() {
             let charge = self.prefill_charge.take();
             router::release(
@@ -174,11 +273,9 @@ impl Request {
                 charge.as_ref(),
             );
         }
-        let status = host.callout_status();
-        let body = host.callout_body(body_size);
         let routed_at_ms = self.sent_to.as_ref().map_or(0, |w| w.routed_at_ms);
         router::prefill_health(&self.config, host, worker, rank, status, routed_at_ms);
-        match router::prefill_outcome(&self.config, host, worker, status, &body) {
+        match router::prefill_outcome(&self.config, host, worker, status, body) {
             None => {
                 self.prefill = PrefillLeg::Done;
                 if self.response_held {
@@ -228,8 +325,13 @@ impl Request {
     }
 
     /// The request is over (completed, reset or refused): estimates go
-    /// back, and how it went counts for its workers' health.
+    /// back, and how it went counts for its workers' health. One that was
+    /// still held gives up its place (its client went away).
     pub fn on_done(&mut self, host: &dyn Host) {
+        if self.is_held() {
+            self.routing.held.remove(self.id);
+            self.leave_queue(host, Left::Gone);
+        }
         // A prefill still charged (no body came) leaves in the same write as
         // the estimate of its worker.
         let mut charge = self.prefill_charge.take();
@@ -251,6 +353,11 @@ impl Request {
         }
         if let Some(sent_to) = self.sent_to.take() {
             health_updates::request_ended(&self.config, host, &sent_to);
+        }
+        // What it held may be room for a held request now.
+        let queues = self.config.admission.as_ref().is_some_and(|a| a.queues());
+        if queues && self.id != 0 && !self.routing.held.is_empty() {
+            self.routing.let_in(host, self.id, false);
         }
     }
 
@@ -295,20 +402,72 @@ impl Request {
         );
     }
 
-    /// Routes the whole buffered body and applies the decision.
+    /// Routes the whole buffered body and applies the decision (or holds
+    /// or refuses the request when admission keeps it out).
     fn route_body(&mut self, host: &dyn Host) -> Action {
         self.will_route = false;
+        if let Some(action) = self.gate(host) {
+            return action;
+        }
+        match self.decide(host) {
+            Decision::Overloaded(overload) => self.overloaded(host, overload),
+            decision => {
+                self.count_admitted(host);
+                self.apply_body(host, decision)
+            }
+        }
+    }
+
+    /// Body mode: the router's decision on the buffered body.
+    fn decide_body(&mut self, host: &dyn Host) -> Decision {
         self.config = self.routing.current(host);
         let body = host.request_body(self.body_size).unwrap_or_default();
-        let tie_breaker = self.routing.next_tie_breaker();
-        let decision = router::route(
+        let args = self.route_args();
+        router::route_with(
             &self.config,
             host,
             &mut self.routing.states.borrow_mut(),
             &body,
-            self.pin.as_deref(),
-            tie_breaker,
-        );
+            &args,
+        )
+    }
+
+    /// Header mode: the router's decision on what the headers told.
+    fn decide_header(&mut self, host: &dyn Host) -> Decision {
+        self.config = self.routing.current(host);
+        let args = self.route_args();
+        router::route_by_headers_with(
+            &self.config,
+            host,
+            &mut self.routing.states.borrow_mut(),
+            self.header_cost,
+            &args,
+        )
+    }
+
+    /// What the router needs of this request besides its body.
+    fn route_args(&self) -> router::RouteArgs<'_> {
+        let max_wait_ms = match (&self.config.admission, self.admitting) {
+            (Some(settings), Some(a)) => Some(settings.max_wait_ms_of(a.class)),
+            _ => None,
+        };
+        router::RouteArgs {
+            pin: self.pin.as_deref(),
+            tie_breaker: self.routing.next_tie_breaker(),
+            max_wait_ms,
+        }
+    }
+
+    /// The router's decision for this request's transport.
+    fn decide(&mut self, host: &dyn Host) -> Decision {
+        match self.config.transport {
+            Transport::Body => self.decide_body(host),
+            Transport::Header(_) => self.decide_header(host),
+        }
+    }
+
+    /// Applies body mode's decision.
+    fn apply_body(&mut self, host: &dyn Host, decision: Decision) -> Action {
         match decision {
             Decision::Route(routed) => {
                 self.apply_routed(host, &routed);
@@ -331,22 +490,28 @@ impl Request {
                 reply.send(host);
                 Action::Pause
             }
+            // Only the caller's admission step sees an overload.
+            Decision::Overloaded(_) => Action::Pause,
         }
     }
 
     /// Header mode: routes on what the headers tell and lets the body stream
     /// through untouched.
-    fn route_by_headers(&mut self, host: &dyn Host, cost: u64) -> Action {
-        self.config = self.routing.current(host);
-        let tie_breaker = self.routing.next_tie_breaker();
-        let decision = router::route_by_headers(
-            &self.config,
-            host,
-            &mut self.routing.states.borrow_mut(),
-            cost,
-            self.pin.as_deref(),
-            tie_breaker,
-        );
+    fn route_by_headers(&mut self, host: &dyn Host) -> Action {
+        if let Some(action) = self.gate(host) {
+            return action;
+        }
+        match self.decide_header(host) {
+            Decision::Overloaded(overload) => self.overloaded(host, overload),
+            decision => {
+                self.count_admitted(host);
+                self.apply_header(host, decision)
+            }
+        }
+    }
+
+    /// Applies header mode's decision.
+    fn apply_header(&mut self, host: &dyn Host, decision: Decision) -> Action {
         match decision {
             Decision::Route(routed) => {
                 // The alternates have the same rank: the rank headers hold for every retry.
@@ -359,6 +524,7 @@ impl Request {
                     }
                 }
                 self.ticket = routed.ticket;
+                self.prefill_charge = routed.prefill;
                 Action::Continue
             }
             Decision::Reject { reply, .. } => {
@@ -369,9 +535,159 @@ impl Request {
                 self.remember_fallback(host);
                 Action::Continue
             }
-            // Header mode never builds a PD decision (validation refuses PD with it).
-            Decision::Pd(_) => Action::Continue,
+            // Header mode never builds a PD decision (validation refuses PD
+            // with it); the caller's admission step sees an overload.
+            Decision::Pd(_) | Decision::Overloaded(_) => Action::Continue,
         }
+    }
+
+    /// Admission: the request's class is admitted (at once or after waiting).
+    fn count_admitted(&self, host: &dyn Host) {
+        if let (Some(a), Some(settings)) = (self.admitting, &self.config.admission) {
+            let class = settings.classes.get(a.class).map_or("", String::as_str);
+            host.count(&metrics::admission(AdmissionEvent::Admitted, class), 1);
+        }
+    }
+
+    /// Admission's look before the router, in queue mode: a request waits
+    /// behind held requests of its class or higher (here, or on another
+    /// thread at its last look) rather than take the room they wait for; a
+    /// sheddable one is refused while anything is held.
+    fn gate(&mut self, host: &dyn Host) -> Option<Action> {
+        let (Some(settings), Some(a)) = (&self.config.admission, self.admitting) else {
+            return None;
+        };
+        if !settings.queues() {
+            return None;
+        }
+        if settings.is_sheddable(a.class) {
+            let refused = self.routing.held.any();
+            return refused.then(|| self.refuse(host, RejectReason::Sheddable, 0));
+        }
+        let waits = self.routing.held.must_wait(a.class);
+        waits.then(|| self.hold(host, None))
+    }
+
+    /// Every candidate is saturated: a sheddable request, or any in reject
+    /// mode, is refused at once (429); in queue mode the request waits.
+    fn overloaded(&mut self, host: &dyn Host, overload: Overload) -> Action {
+        let (Some(settings), Some(a)) = (self.config.admission.clone(), self.admitting) else {
+            return Action::Continue;
+        };
+        if settings.is_sheddable(a.class) {
+            return self.refuse(host, RejectReason::Sheddable, overload.retry_after_ms);
+        }
+        if !settings.queues() {
+            return self.refuse(host, RejectReason::Saturated, overload.retry_after_ms);
+        }
+        self.hold(host, Some(overload))
+    }
+
+    /// Refuses the request (it is on the effective context) with
+    /// admission's `reason`, counted by reason and class.
+    fn refuse(&mut self, host: &dyn Host, reason: RejectReason, retry_after_ms: u64) -> Action {
+        self.count_refusal(host, reason);
+        reason.admission_reply(retry_after_ms).send(host);
+        Action::Pause
+    }
+
+    fn count_refusal(&self, host: &dyn Host, reason: RejectReason) {
+        host.count(&metrics::rejected(reason.as_str()), 1);
+        if let (Some(a), Some(settings)) = (self.admitting, &self.config.admission) {
+            let class = settings.classes.get(a.class).map_or("", String::as_str);
+            host.count(&metrics::admission_rejected(reason.as_str(), class), 1);
+        }
+    }
+
+    /// Queue mode: holds the request for room (paused), or refuses it when
+    /// the queue is full; `overload` is what the router saw (None: not
+    /// asked, others wait already).
+    fn hold(&mut self, host: &dyn Host, overload: Option<Overload>) -> Action {
+        let Some(a) = self.admitting else {
+            return Action::Continue;
+        };
+        let retry_after_ms = overload.map_or(0, |o| o.retry_after_ms);
+        let now = host.now_ms();
+        match self.routing.held.enter(
+            &self.config,
+            host,
+            self.id,
+            &self.me,
+            a.class,
+            a.tenant,
+            now,
+            retry_after_ms,
+        ) {
+            Ok(()) => {
+                self.admitting = Some(Admitting {
+                    held_since: Some(now),
+                    holds_place: true,
+                    ..a
+                });
+                if let Some(settings) = &self.config.admission {
+                    let class = settings.classes.get(a.class).map_or("", String::as_str);
+                    host.count(&metrics::admission(AdmissionEvent::Queued, class), 1);
+                }
+                Action::Pause
+            }
+            Err(reason) => self.refuse(host, reason, retry_after_ms),
+        }
+    }
+
+    /// A held request leaves the queue (already taken out of it), `how`.
+    fn leave_queue(&mut self, host: &dyn Host, how: Left) {
+        let Some(a) = self.admitting else {
+            return;
+        };
+        let Some(since) = a.held_since else {
+            return;
+        };
+        self.admitting = Some(Admitting {
+            held_since: None,
+            holds_place: false,
+            ..a
+        });
+        if a.holds_place {
+            self.routing.held.released(&self.config, host, a.class);
+        }
+        host.histogram(
+            metrics::ADMISSION_QUEUE_WAIT_MS,
+            host.now_ms().saturating_sub(since),
+        );
+        if let (Left::Gone, Some(settings)) = (how, &self.config.admission) {
+            let class = settings.classes.get(a.class).map_or("", String::as_str);
+            host.count(&metrics::admission(AdmissionEvent::ClientGone, class), 1);
+        }
+    }
+
+    /// Its place in the shared record went to a higher class already.
+    fn forget_place(&mut self) {
+        if let Some(a) = &mut self.admitting {
+            a.holds_place = false;
+        }
+    }
+
+    /// A held request's turn (it is on the effective context, out of the
+    /// queue): routed if there is room now.
+    pub(crate) fn resume(&mut self, host: &dyn Host) -> Resumed {
+        match self.decide(host) {
+            Decision::Overloaded(overload) => Resumed::Overloaded(overload),
+            decision => {
+                self.leave_queue(host, Left::Admitted);
+                self.count_admitted(host);
+                Resumed::Go(match self.config.transport {
+                    Transport::Body => self.apply_body(host, decision),
+                    Transport::Header(_) => self.apply_header(host, decision),
+                })
+            }
+        }
+    }
+
+    /// A held request (on the effective context, out of the queue) is
+    /// answered by admission with `reason`.
+    pub(crate) fn answer_held(&mut self, host: &dyn Host, reason: RejectReason, retry_after_ms: u64) {
+        self.leave_queue(host, Left::Refused);
+        self.refuse(host, reason, retry_after_ms);
     }
 
     /// Envoy does not correct `content-length` after a body change: dprank does.
@@ -436,7 +752,8 @@ impl Request {
             timeout_ms: settings.timeout_ms,
         };
         match host.http_call(&call) {
-            Ok(_) => {
+            Ok(token) => {
+                self.prefill_token = Some(token);
                 self.prefill = PrefillLeg::Pending {
                     worker: pd.prefill.worker,
                     rank: pd.prefill.rank,
@@ -449,6 +766,20 @@ impl Request {
             }
         }
     }
+}
+
+/// How a held request left the queue.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Left {
+    Admitted,
+    Refused,
+    /// Its client went away.
+    Gone,
+}
+
+/// The queue's key for a tenant header value (0 is "no tenant").
+fn tenant_key(value: &[u8]) -> u64 {
+    xxhash_rust::xxh3::xxh3_64(value).max(1)
 }
 
 /// The addresses of chosen workers (`Config::all_workers` indices).
@@ -489,5 +820,7 @@ fn pass_reason(config: &Config, headers: &HeaderMap, end_of_stream: bool) -> Opt
     }
 }
 
+#[cfg(test)]
+mod held_tests;
 #[cfg(test)]
 mod tests;

@@ -67,6 +67,10 @@ impl<'a> Keys<'a> {
     pub fn changes(&self) -> String {
         format!("{}.changes", self.prefix)
     }
+    /// Admission: the requests held on every thread (`request/held_record.rs`).
+    pub fn held(&self) -> String {
+        format!("{}.held", self.prefix)
+    }
 }
 
 /// The poll lease: who polls, until when, and when the last round started,
@@ -439,6 +443,7 @@ pub fn shared_bytes(config: &Config, host: &dyn Host) -> u64 {
         keys.config(),
         keys.health(),
         keys.changes(),
+        keys.held(),
     ];
     let workers = config.all_workers().map(|w| keys.worker(&w.address));
     let indexes = config

@@ -2,15 +2,21 @@
 //! the estimates of requests this Envoy sent that no poll can have counted
 //! yet, in buckets by the last dispatched poll (the accounting rule:
 //! docs/architecture.md, "Concurrency rules"), and prefix affinity's
-//! queued prefill. `LoadTable` is their loads laid out for the scheduler.
+//! queued prefill, and what overload protection learns of each rank's
+//! queue (`drain.rs`). `LoadTable` is their loads laid out for the scheduler.
 
 /// Tokens value stored for a rank the report said nothing usable about.
 const UNKNOWN: u64 = u64::MAX;
 
+mod drain;
 mod load_table;
 mod prefill;
+pub mod saturation;
 
 use crate::codec::Record;
+use crate::config::QueueMeasure;
+use crate::load::RankLoad;
+pub use drain::{DrainState, RankQueue};
 pub use load_table::LoadTable;
 pub use prefill::{Charge, PrefillState, PrefillTicket, RankFigures};
 use serde::{Deserialize, Serialize};
@@ -35,6 +41,8 @@ pub struct WorkerState {
     pending: Vec<Pending>,
     /// Prefix affinity: queued prefill and the report's cache figures per rank.
     pub prefill: PrefillState,
+    /// Overload protection: each rank's drain rate and KV use.
+    pub drain: DrainState,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -46,7 +54,7 @@ struct Pending {
 
 /// Kept at `<p>.w.<ip:port>` (`shared_data.rs`).
 impl Record for WorkerState {
-    const TAG: [u8; 4] = *b"DPW6";
+    const TAG: [u8; 4] = *b"DPW7";
     fn within_limits(&self) -> bool {
         WorkerState::within_limits(self)
     }
@@ -95,6 +103,7 @@ impl WorkerState {
             && self.pending.len() <= max
             && self.pending.iter().all(|p| p.tokens.len() <= max)
             && self.prefill.within_limits(max)
+            && self.drain.within_limits(max)
     }
 
     /// Estimates of requests a poll has not counted yet, on `rank`.
@@ -187,6 +196,7 @@ impl WorkerState {
         if rank as usize >= self.tokens.len() {
             return None;
         }
+        self.drain.charged(rank as usize, charge.uncached());
         self.prefill.charge(self.sent_seq, worker, rank, charge, streamed)
     }
 
@@ -200,6 +210,35 @@ impl WorkerState {
     pub fn apply_figures(&mut self, seq: u64, figures: &[RankFigures]) {
         if seq == self.snapshot_seq {
             self.prefill.on_snapshot(seq, figures);
+        }
+    }
+
+    /// Overload protection: what the report `ranks` of a snapshot taken
+    /// `elapsed_ms` after the previous one (0: none) teaches about each
+    /// rank's queue; before `apply_figures` replaces the previous figures.
+    pub fn apply_drain(&mut self, elapsed_ms: u64, ranks: &[RankLoad], gateways: u32) {
+        let before: Vec<u64> = (0..ranks.len())
+            .map(|r| self.prefill.polled_waiting(r).tokens)
+            .collect();
+        self.drain.on_snapshot(elapsed_ms, &before, ranks, gateways);
+    }
+
+    /// Overload protection's view of `rank`'s queue: the larger of the
+    /// polled and the local measure (`worker_state/prefill.rs`), in
+    /// tokens when the rank's reports count them, and its drain rate
+    /// (`prior` tokens/s, plus what was learned if `learn`).
+    pub fn rank_queue(&self, rank: usize, prior: f64, learn: bool) -> RankQueue {
+        let queued = self.prefill.queued(rank, QueueMeasure::Max);
+        RankQueue {
+            tokens: self.drain.tokens_reported(rank).then_some(queued.tokens),
+            requests: queued.requests,
+            mean_request_tokens: self.drain.mean_request_tokens(rank),
+            kv_usage: self.drain.kv_usage(rank),
+            in_flight: self
+                .drain
+                .running(rank)
+                .map(|r| r.saturating_add(queued.requests)),
+            drain_tokens_per_s: self.drain.rate(rank, prior, learn),
         }
     }
 

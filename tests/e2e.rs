@@ -45,6 +45,8 @@ mod input_matrix;
 #[path = "e2e/security.rs"]
 mod security;
 
+#[path = "e2e/admission.rs"]
+mod admission;
 #[path = "e2e/header.rs"]
 mod header;
 #[path = "e2e/health.rs"]

@@ -49,6 +49,10 @@ pub struct StreamOutcome {
     pub text: String,
     /// The client stopped reading before the end (the run was over).
     pub truncated: bool,
+    /// Refused by the gateway's overload protection: its status (429;
+    /// 408, smg's queue time-out; 503 with dprank's admission header). Not
+    /// an error: the request was answered, without a token.
+    pub rejected: Option<u16>,
 }
 
 /// Optional links between a stream and its run: a counter bumped at the
@@ -65,14 +69,25 @@ pub struct StreamHooks {
 pub struct StreamKind {
     pub api: Api,
     pub keep_text: bool,
+    /// The priority class header's value, if the request has a class.
+    pub priority: Option<&'static str>,
 }
 
-fn post(uri: &str, body: Bytes) -> Result<Request<Full<Bytes>>, String> {
-    Request::post(uri)
+fn post(uri: &str, body: Bytes, priority: Option<&str>) -> Result<Request<Full<Bytes>>, String> {
+    let mut request = Request::post(uri)
         .header("content-type", "application/json")
-        .header("accept", "text/event-stream")
+        .header("accept", "text/event-stream");
+    if let Some(class) = priority {
+        request = request.header(crate::workload::PRIORITY_HEADER, class);
+    }
+    request
         .body(Full::new(body))
         .map_err(|e| format!("bad request for {uri}: {e}"))
+}
+
+/// Whether an answer is a refusal by overload protection (not a failure).
+pub fn is_refusal(status: u16, admission_header: bool) -> bool {
+    status == 429 || status == 408 || (status == 503 && admission_header)
 }
 
 /// Finds the end of the next SSE event (`\n\n`) at or after `from`.
@@ -180,11 +195,17 @@ async fn stream_into(
     out: &mut StreamOutcome,
 ) -> Result<(), String> {
     let response = client
-        .request(post(uri, body)?)
+        .request(post(uri, body, kind.priority)?)
         .await
         .map_err(|e| format!("transport: {e}"))?;
     let status = response.status();
+    let admission = response.headers().contains_key("x-dprank-admission");
     let mut body = response.into_body();
+    if is_refusal(status.as_u16(), admission) {
+        let _ = body.collect().await;
+        out.rejected = Some(status.as_u16());
+        return Ok(());
+    }
     if !status.is_success() {
         let text = body
             .collect()
@@ -412,6 +433,7 @@ mod tests {
     #[test]
     fn openai_events_yield_tokens_text_and_usage() {
         let kind = StreamKind {
+            priority: None,
             api: Api::Chat,
             keep_text: true,
         };

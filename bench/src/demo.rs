@@ -115,6 +115,7 @@ pub async fn demo(tools: &Tools, args: &DemoArgs) -> Result<(), String> {
             slo,
             capacity: None,
             provenance: provenance.clone(),
+            high_share: None,
         };
         match run_cell(tools, &features, &cell, true).await? {
             Ok(run) => runs.push((title, run)),

@@ -20,7 +20,7 @@ use tokio::task::JoinSet;
 use crate::client::{
     get_text, pooled_client, stream_request, PooledClient, StreamHooks, StreamKind, StreamOutcome,
 };
-use crate::workload::{bodies, text, Api, Plan, Session};
+use crate::workload::{bodies, text, Api, Plan, Session, HIGH_CLASS, LOW_CLASS};
 
 /// How the L4 balancer in front of several gateways spreads open-loop
 /// requests.
@@ -110,11 +110,23 @@ pub struct RequestRecord {
     pub session: Option<(u32, u32)>,
     /// Gaps between token events after the first, simulated us.
     pub gaps_us: Vec<u32>,
+    /// Its priority class, when the run has two: true for the high one.
+    pub high: Option<bool>,
+    /// Refused by the gateway's overload protection, with this status.
+    pub rejected: Option<u16>,
+    /// How long the gateway held it before sending it on (virtual time,
+    /// dprank's queue; simulated ms).
+    pub held_ms: Option<f64>,
 }
 
 impl RequestRecord {
     pub fn ok(&self) -> bool {
-        self.error.is_none() && self.ttft_ms.is_some()
+        self.error.is_none() && self.rejected.is_none() && self.ttft_ms.is_some()
+    }
+
+    /// Neither served nor refused: a failure.
+    pub fn failed(&self) -> bool {
+        !self.ok() && self.rejected.is_none()
     }
 }
 
@@ -270,9 +282,21 @@ impl Context {
         self.start + Duration::from_secs_f64(sim_s.max(0.0) / self.time_scale)
     }
 
-    async fn send(&self, gateway: usize, api: Api, body: bytes::Bytes, keep_text: bool) -> StreamOutcome {
+    async fn send(
+        &self,
+        gateway: usize,
+        api: Api,
+        body: bytes::Bytes,
+        keep_text: bool,
+        high: Option<bool>,
+    ) -> StreamOutcome {
         let uri = format!("{}{}", self.gateways[gateway].trim_end_matches('/'), api.path());
-        let kind = StreamKind { api, keep_text };
+        let priority = high.map(|h| if h { HIGH_CLASS } else { LOW_CLASS });
+        let kind = StreamKind {
+            api,
+            keep_text,
+            priority,
+        };
         let hooks = StreamHooks {
             first_tokens: self.settled.clone(),
             stop: self.stop.clone(),
@@ -325,6 +349,9 @@ impl Context {
             error: outcome.error.clone(),
             truncated: outcome.truncated,
             session: None,
+            high: None,
+            rejected: outcome.rejected,
+            held_ms: None,
             gaps_us: if outcome.error.is_some() {
                 Vec::new()
             } else {
@@ -372,7 +399,7 @@ async fn run_session(ctx: Arc<Context>, session: Session, gateway: usize) -> Tas
         let input_tokens = text::chat_tokens(&messages) as u32;
         let body = bodies::chat(&messages, turn.max_tokens);
         let sent = Instant::now();
-        let outcome = ctx.send(gateway, Api::Chat, body, true).await;
+        let outcome = ctx.send(gateway, Api::Chat, body, true, None).await;
         let mut record = ctx.record(&outcome, sent, gateway, (input_tokens, turn.output_tokens));
         record.session = Some((session.id, i as u32));
         records.push(record);
@@ -449,9 +476,13 @@ pub async fn run_plan(plan: &Plan, options: &LoadOptions) -> Result<RunOutput, S
         let gateway = gateway_for(options.seed, spread_key(options.spread, i, request.tenant), n);
         tasks.spawn(async move {
             let sent = Instant::now();
-            let outcome = ctx.send(gateway, request.api, request.body, false).await;
+            let outcome = ctx
+                .send(gateway, request.api, request.body, false, request.high)
+                .await;
             let meta = (request.input_tokens, request.output_tokens);
-            (vec![ctx.record(&outcome, sent, gateway, meta)], Skip::None)
+            let mut record = ctx.record(&outcome, sent, gateway, meta);
+            record.high = request.high;
+            (vec![record], Skip::None)
         });
         while let Some(done) = tasks.try_join_next() {
             collect(done, &progress, &mut results);

@@ -70,6 +70,8 @@ enum Command {
     Pd(SuiteArgs),
     /// smg's PD worker policies at equal freshness (part of `full`).
     PdPolicies(SuiteArgs),
+    /// Overload protection: 80-150% of capacity, steady and bursty, two classes (`--virtual` for virtual time).
+    Overload(SuiteArgs),
     /// tables, pd-policies, pd, sweep, then overhead and selection.
     Full(FullArgs),
     /// A custom suite: name workloads, variants, loads, KV sizes, seeds (`--virtual` for virtual time).
@@ -375,6 +377,8 @@ async fn run(cli: Cli) -> Result<(), String> {
         Command::Sweep(args) => suite(Some(&tools()?), "sweep", args, line, root).await,
         Command::Pd(args) => suite(Some(&tools()?), "pd", args, line, root).await,
         Command::PdPolicies(args) => suite(Some(&tools()?), "pd-policies", args, line, root).await,
+        Command::Overload(args) if args.virtual_time => suite(None, "overload", args, line, root).await,
+        Command::Overload(args) => suite(Some(&tools()?), "overload", args, line, root).await,
         Command::Run(args) if args.virtual_time => suite(None, "run", args, line, root).await,
         Command::Run(args) => suite(Some(&tools()?), "run", args, line, root).await,
         Command::Offline(args) => suite(None, "offline", args, line, root).await,

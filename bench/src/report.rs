@@ -213,6 +213,94 @@ pub fn pooled_goodput(pooled: &Pooled, w: &[u32]) -> f64 {
     pooled.goodput(w)
 }
 
+/// Overload protection's figures of a group, one line per variant, pooled
+/// over its seeds: SLO-met requests per second (over the measured window),
+/// goodput of each class, TTFT p99 of the admitted requests, refusals (and
+/// how long they took), and how long held requests waited. Empty when no
+/// run of the group has overload figures.
+pub fn overload_table(g: &Group) -> String {
+    let any = g
+        .variants
+        .iter()
+        .any(|(_, runs)| runs.iter().any(|r| r.overload.is_some()));
+    if !any {
+        return String::new();
+    }
+    let mut md = String::from(
+        "\nOverload protection (pooled over seeds; refusals are 429, smg's 408 queue time-out, dprank's 503; a refusal misses the SLO):\n\n\
+         | variant | SLO-met req/s | goodput high | goodput low | TTFT p99 admitted (ms) | refused | by status | refusal p99 (wall ms) | held | held wait p99 / max (ms) |\n\
+         |---|---|---|---|---|---|---|---|---|---|\n",
+    );
+    for (variant, runs) in &g.variants {
+        let good: f64 = runs.iter().map(|r| r.requests().good).sum();
+        let window: f64 = runs.iter().map(|r| r.duration_s).sum();
+        let figures: Vec<&crate::runner::OverloadFigures> =
+            runs.iter().filter_map(|r| r.overload.as_ref()).collect();
+        let sum = |f: &dyn Fn(&crate::runner::OverloadFigures) -> usize| {
+            figures.iter().map(|o| f(o)).sum::<usize>()
+        };
+        let share = |good: usize, sent: usize| {
+            if sent == 0 {
+                "-".to_string()
+            } else {
+                format!("{:.1}%", 100.0 * good as f64 / sent as f64)
+            }
+        };
+        let ttft: Vec<f64> = runs
+            .iter()
+            .flat_map(|r| r.ttft_ms.iter().map(|t| f64::from(*t)))
+            .collect();
+        let sent: usize = runs.iter().map(|r| r.sent).sum();
+        let refused = sum(&|o| o.rejected.values().sum());
+        let mut statuses: std::collections::BTreeMap<u16, usize> = std::collections::BTreeMap::new();
+        for o in &figures {
+            for (status, n) in &o.rejected {
+                *statuses.entry(*status).or_default() += n;
+            }
+        }
+        let by_status = statuses
+            .iter()
+            .map(|(s, n)| format!("{s}: {n}"))
+            .collect::<Vec<_>>()
+            .join(", ");
+        let refusals: Vec<f64> = figures
+            .iter()
+            .flat_map(|o| o.rejection_wall_ms.iter().map(|v| f64::from(*v)))
+            .collect();
+        let held: Vec<f64> = figures
+            .iter()
+            .flat_map(|o| o.held_ms.iter().map(|v| f64::from(*v)))
+            .collect();
+        let ms = |v: f64| {
+            if v.is_nan() {
+                "-".to_string()
+            } else {
+                format!("{v:.0}")
+            }
+        };
+        let _ = writeln!(
+            md,
+            "| `{variant}` | {:.2} | {} | {} | {} | {} | {} | {} | {} | {} / {} |",
+            good / window.max(1e-9),
+            share(sum(&|o| o.high_good), sum(&|o| o.high_sent)),
+            share(sum(&|o| o.low_good), sum(&|o| o.low_sent)),
+            ms(crate::stats::percentile(&ttft, 99.0)),
+            share(refused, sent),
+            if by_status.is_empty() {
+                "-".to_string()
+            } else {
+                by_status
+            },
+            ms(crate::stats::percentile(&refusals, 99.0)),
+            held.len(),
+            ms(crate::stats::percentile(&held, 99.0)),
+            ms(held.iter().copied().fold(f64::NAN, f64::max)),
+        );
+    }
+    md.push('\n');
+    md
+}
+
 /// The table of one group: pooled TTFT percentiles and goodput with their
 /// cluster-bootstrap intervals (seeds resampled), the per-seed medians
 /// beside them, and `reference ÷ variant` of the pooled figures, paired by
@@ -550,6 +638,7 @@ pub(crate) mod tests {
             cpu_busy: Some(0.4),
             cpu: None,
             good: None,
+            overload: None,
             wall_s: 10.0,
             dprank_counters: None,
             started: "t".into(),

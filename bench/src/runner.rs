@@ -4,6 +4,7 @@
 //! suite can be stopped and resumed, and every table and plot is rebuilt
 //! from the records alone.
 
+use std::collections::BTreeMap;
 use std::fs::OpenOptions;
 use std::io::Write as _;
 use std::path::{Path, PathBuf};
@@ -18,7 +19,7 @@ use crate::fleet::{
     dprank_counters, smg_front, smg_launch_args, start_envoy, start_envoy_pd, DprankCounters, Front,
     SimFleet, Tools,
 };
-use crate::loadgen::{imbalance, run_plan, Drain, LoadOptions, RunOutput};
+use crate::loadgen::{imbalance, run_plan, Drain, LoadOptions, RequestRecord, RunOutput};
 use crate::preset::SimPreset;
 use crate::provenance::Provenance;
 use crate::stats::{goodput, percentile, SeedRequests, Slo};
@@ -94,6 +95,8 @@ pub struct Cell {
     /// What the offered load is a fraction of (method, rate), when known.
     pub capacity: Option<(String, f64)>,
     pub provenance: Provenance,
+    /// Two priority classes, this share of the requests in the high one.
+    pub high_share: Option<f64>,
 }
 
 /// The measured window for `rate`: `duration_s`, or longer when that holds
@@ -123,7 +126,16 @@ impl Cell {
             self.time_scale,
             self.preset.name,
             self.workload.cap.describe()
-        )
+        ) + &self.high_share.map_or(String::new(), |h| format!("|high={h}"))
+    }
+
+    /// The seed's plan, with its priority classes if the cell has them.
+    pub fn plan(&self) -> Result<crate::workload::Plan, String> {
+        let mut plan = self.workload.plan(&self.shape())?;
+        if let Some(share) = self.high_share {
+            plan.assign_classes(share, self.seed);
+        }
+        Ok(plan)
     }
 
     /// What the workload's plan is drawn with.
@@ -249,6 +261,10 @@ pub struct RunRecord {
     /// Requests within the SLO among `sent`.
     #[serde(default)]
     pub good: Option<usize>,
+    /// Overload protection: refusals, the classes, held requests (runs
+    /// with classes or with a refusal).
+    #[serde(default)]
+    pub overload: Option<OverloadFigures>,
     #[serde(deserialize_with = "crate::stats::nan_from_null")]
     pub wall_s: f64,
     pub dprank_counters: Option<String>,
@@ -524,8 +540,13 @@ pub async fn run_cell(
     if let Err(reason) = features.dispatch_arg(cell.variant.dispatch) {
         return Ok(Err(Skipped(reason)));
     }
+    if cell.variant.ie_detector {
+        return Ok(Err(Skipped(
+            "a model of the Inference Extension's saturation detector runs in virtual time only".into(),
+        )));
+    }
     features.check_preset(cell.preset)?;
-    let plan = cell.workload.plan(&cell.shape())?;
+    let plan = cell.plan()?;
     let started_at = crate::report::now_utc();
     let wall_start = Instant::now();
     let client = pooled_client();
@@ -665,7 +686,8 @@ pub fn summarize(cell: &Cell, output: &RunOutput, fleet: Summary) -> RunRecord {
         .filter(|r| r.sent_s >= cell.warmup_s)
         .collect();
     let ok: Vec<_> = measured.iter().copied().filter(|r| r.ok()).collect();
-    let errors: Vec<_> = measured.iter().copied().filter(|r| !r.ok()).collect();
+    let errors: Vec<_> = measured.iter().copied().filter(|r| r.failed()).collect();
+    let refused = measured.iter().filter(|r| r.rejected.is_some()).count();
     let ttft: Vec<f64> = ok.iter().filter_map(|r| r.ttft_ms).collect();
     let tpot: Vec<f64> = ok.iter().map(|r| r.tpot_ms).collect();
     // End-to-end latency only of answers that were read to the end.
@@ -740,7 +762,7 @@ pub fn summarize(cell: &Cell, output: &RunOutput, fleet: Summary) -> RunRecord {
         e2e_p50: percentile(&e2e, 50.0),
         e2e_p99: percentile(&e2e, 99.0),
         slo: cell.slo,
-        goodput: goodput(&pairs, errors.len(), &cell.slo),
+        goodput: goodput(&pairs, errors.len() + refused, &cell.slo),
         throughput_rps: ok.len() as f64 / span,
         output_tokens_per_s: tokens as f64 / span,
         cache_hit: (prompt > 0).then(|| cached as f64 / prompt as f64),
@@ -751,10 +773,63 @@ pub fn summarize(cell: &Cell, output: &RunOutput, fleet: Summary) -> RunRecord {
         cpu_busy: fleet.cpu_busy,
         cpu: fleet.cpu,
         good: Some(good),
+        overload: OverloadFigures::of(&measured, &cell.slo, cell.high_share.is_some(), cell.time_scale),
         wall_s: fleet.wall_s,
         dprank_counters: fleet.counters.map(|c| c.summary()),
         started: fleet.started,
         provenance: Some(cell.provenance.clone()),
+    }
+}
+
+/// What a run shows of overload protection.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct OverloadFigures {
+    /// Requests refused by the gateway (429, 408, dprank's 503), by status.
+    pub rejected: BTreeMap<u16, usize>,
+    /// The high class: requests sent, and within the SLO.
+    pub high_sent: usize,
+    pub high_good: usize,
+    /// The other class (or every request, without classes).
+    pub low_sent: usize,
+    pub low_good: usize,
+    /// How long each refusal took as the client saw it, in wall ms (on the
+    /// harness: the proxy's answer time; in virtual time the model's).
+    pub rejection_wall_ms: Vec<f32>,
+    /// How long each request the gateway held and sent on was held
+    /// (simulated ms; virtual time only).
+    pub held_ms: Vec<f32>,
+}
+
+impl OverloadFigures {
+    /// Of the measured requests; None for a run without classes and
+    /// without a refusal.
+    fn of(measured: &[&RequestRecord], slo: &Slo, classes: bool, time_scale: f64) -> Option<OverloadFigures> {
+        let refused = measured.iter().any(|r| r.rejected.is_some());
+        if !classes && !refused {
+            return None;
+        }
+        let good = |r: &RequestRecord| {
+            r.ok()
+                && r.ttft_ms.is_some_and(|t| t <= slo.ttft_ms)
+                && (r.tpot_ms.is_nan() || r.tpot_ms <= slo.tpot_ms)
+        };
+        let mut f = OverloadFigures::default();
+        for r in measured {
+            if let Some(status) = r.rejected {
+                *f.rejected.entry(status).or_default() += 1;
+                f.rejection_wall_ms.push((r.e2e_ms / time_scale.max(1e-9)) as f32);
+            }
+            if let Some(held) = r.held_ms {
+                f.held_ms.push(held as f32);
+            }
+            let (sent, good_count) = match r.high {
+                Some(true) => (&mut f.high_sent, &mut f.high_good),
+                _ => (&mut f.low_sent, &mut f.low_good),
+            };
+            *sent += 1;
+            *good_count += usize::from(good(r));
+        }
+        Some(f)
     }
 }
 
@@ -874,6 +949,7 @@ mod tests {
             },
             capacity: None,
             provenance: Provenance::default(),
+            high_share: None,
         }
     }
 
@@ -894,6 +970,9 @@ mod tests {
             truncated: false,
             session: None,
             gaps_us: vec![30_000],
+            high: None,
+            rejected: None,
+            held_ms: None,
         }
     }
 

@@ -143,6 +143,7 @@ impl Host for MemoryHost {
     }
     fn count(&self, _metric: &str, _delta: u64) {}
     fn gauge(&self, _metric: &str, _value: u64) {}
+    fn histogram(&self, _metric: &str, _value: u64) {}
     fn http_call(&self, _call: &Callout) -> Result<u32, String> {
         Err("no callouts".into())
     }
@@ -165,6 +166,12 @@ impl Host for MemoryHost {
     }
     fn send_response(&self, _status: u32, _headers: &[(&str, &str)], _body: &[u8]) {}
     fn resume_response(&self) {}
+    fn set_effective_context(&self, _context_id: u32) -> bool {
+        false
+    }
+    fn resume_request(&self) -> bool {
+        false
+    }
     fn property(&self, _path: &[&str]) -> Option<Vec<u8>> {
         None
     }
@@ -205,6 +212,7 @@ fn filter_request(
         admit_probing: false,
         pick: config.pick,
         gateways: config.gateways,
+        room: None,
         prefix: None,
     };
     let alternates = config.retry_alternates as usize;
@@ -275,6 +283,7 @@ pub fn selection(args: &SelectionArgs, command_line: &str) -> Result<(), String>
             admit_probing: false,
             pick: config.pick,
             gateways: config.gateways,
+            room: None,
             prefix: None,
         };
         fn pool<'a>(

@@ -283,6 +283,24 @@ impl SmgBest {
     }
 }
 
+/// The overload suite's offered loads (shares of the sustainable capacity).
+pub const OVERLOAD_LOADS: [f64; 5] = [0.8, 1.0, 1.15, 1.3, 1.5];
+/// Share of the overload suite's requests in the high class.
+pub const OVERLOAD_HIGH_SHARE: f64 = 0.2;
+/// The overload suite's variants: smg's limiter at three limits (its queue
+/// times out after 1 s, the legacy preset's TTFT target; the best is read
+/// off the table), the IE model in virtual time only.
+pub const OVERLOAD_VARIANTS: [&str; 8] = [
+    "dprank",
+    "dprank-reject",
+    "dprank-queue",
+    "smg:limit=32:queue-timeout=1",
+    "smg:limit=64:queue-timeout=1",
+    "smg:limit=128:queue-timeout=1",
+    "ie-model",
+    "in-server",
+];
+
 #[derive(Debug, Clone)]
 pub struct Suite {
     pub name: String,
@@ -317,6 +335,8 @@ pub struct Suite {
     pub jobs: usize,
     /// Where smg's best settings are read (`smg-best.json`).
     pub smg_best: Option<PathBuf>,
+    /// Two priority classes, this share of the requests in the high one.
+    pub high_share: Option<f64>,
 }
 
 fn synthetic_workloads() -> Vec<Workload> {
@@ -351,6 +371,7 @@ impl Suite {
             virtual_time: false,
             jobs: 1,
             smg_best: None,
+            high_share: None,
         };
         let workloads = |kinds: &[WorkloadKind]| kinds.iter().map(|k| Workload::new(*k)).collect();
         Ok(match name {
@@ -444,6 +465,16 @@ impl Suite {
                 jobs: crate::cpu::cores(),
                 ..base
             },
+            "overload" => Suite {
+                about: "overload protection: offered load from 80% to 150% of sustainable capacity, steady (`no-prefix`) and on/off bursts (`bursty`), two priority classes (20% high, sent with the priority header); dprank without admission, with `reject` and `queue`, smg's concurrency limiter and queue at three limits, a model of the Inference Extension's saturation detector (virtual time only) and SGLang's in-server balancer".into(),
+                workloads: workloads(&[WorkloadKind::NoPrefix, WorkloadKind::Bursty]),
+                loads: OVERLOAD_LOADS.to_vec(),
+                variants: OVERLOAD_VARIANTS.map(str::to_string).to_vec(),
+                seeds: SeedSet::Judge.seeds(5)?,
+                high_share: Some(OVERLOAD_HIGH_SHARE),
+                out: PathBuf::from("bench-results/overload"),
+                ..base
+            },
             "run" => Suite {
                 about: "a custom suite".into(),
                 ..base
@@ -516,7 +547,7 @@ impl Suite {
                             out.push(Cell {
                                 suite: self.name.clone(),
                                 workload: workload.clone(),
-                                variant: variant.clone(),
+                                variant: variant.for_ttft_target(slo.ttft_ms),
                                 seed: *seed,
                                 kv: *kv,
                                 preset: self.preset,
@@ -530,6 +561,7 @@ impl Suite {
                                 slo,
                                 capacity: capacity.clone(),
                                 provenance: provenance.clone(),
+                                high_share: self.high_share,
                             });
                         }
                     }
@@ -1281,6 +1313,7 @@ pub fn write_report(
     for (i, g) in groups.iter().enumerate() {
         let _ = writeln!(md, "## {}\n", group_title(g));
         md.push_str(&group_table(g, &suite.reference));
+        md.push_str(&report::overload_table(g));
         md.push_str(&group_notes(g));
         md.push('\n');
         if !sweep {

@@ -100,16 +100,29 @@ pub struct Variant {
     pub spread: Spread,
     /// Extra simulator flags for this variant.
     pub sim_args: Vec<String>,
+    /// Virtual time only: a model of the Inference Extension's saturation
+    /// detector before dprank's routing (`ie=on`).
+    pub ie_detector: bool,
 }
 
+/// Admission's limits when `wait=` and `queue-timeout=` do not set them,
+/// as docs/overload.md recommends: the wait limit is this share of the
+/// cell's TTFT target, the queue's time-out the target itself (a request
+/// held longer misses it anyway).
+pub const ADMIT_WAIT_SHARE_OF_TTFT: f64 = 0.5;
+
 /// Built-in variants: name, expansion, what it is.
-pub const ALIASES: [(&str, &str, &str); 19] = [
+pub const ALIASES: [(&str, &str, &str); 23] = [
     ("rr", "rr", "Envoy round robin over workers, each worker round robin over its ranks (SGLang's default controller)"),
     ("in-server", "in-server", "SGLang's own balancer: each worker sends a request to its rank with the fewest tokens (`--load-balance-method total_tokens`), Envoy least_request over workers"),
     ("clairvoyant", "clairvoyant", "the clairvoyant greedy chooser: the simulator places each request where its projected first token is earliest, seeing every rank's exact queue, reservations and cache at that moment and every answer's length; greedy (one request at a time), a reference, not a bound; behind Envoy round robin"),
     ("oracle", "clairvoyant", "the clairvoyant greedy chooser (its earlier name)"),
     ("dprank", "dprank", "Envoy + dprank, shipped configuration, polling every simulated second"),
     ("dprank-load-only", "dprank:set.prefix_affinity=false", "Envoy + dprank without prefix affinity: loads alone, polling every simulated second"),
+    ("dprank-reject", "dprank:admit=reject", "Envoy + dprank with admission: every rank's expected wait past half the TTFT target answers 429 (critical requests: the whole target)"),
+    ("dprank-queue", "dprank:admit=queue", "Envoy + dprank with admission: past half the TTFT target of expected wait a request is held in the filter (critical first) for at most the target, then 503"),
+    ("ie-model", "dprank:ie=on", "virtual time only: a model of the Gateway API Inference Extension's saturation detector (mean over workers of max(waiting/5, kv/0.8) >= 1, metrics every 50 ms) refusing the low class with 429 when saturated, before dprank's routing"),
+    ("smg-limit", "smg:policy=cache_aware:limit=64:queue-timeout=1", "smg --dp-aware --policy cache_aware --max-concurrent-requests 64 --queue-size 100 --queue-timeout-secs 1"),
     ("dprank-wall-1s", "dprank:poll-wall=1000", "Envoy + dprank polling every wall second: the control for smg's load monitor at its freshest (--load-monitor-interval 1)"),
     ("smg-cache-aware-workers", "smg:policy=cache_aware:dp-aware=off:dispatch=in-server:interval=1", "smg --policy cache_aware without --dp-aware: smg picks the worker (its own in-flight counts and request text), each worker's minimum-tokens controller picks the rank; loads polled every wall second"),
     ("smg-cache-aware", "smg:policy=cache_aware", "smg --dp-aware --policy cache_aware (smg's default policy)"),
@@ -179,6 +192,7 @@ impl Variant {
             gateways: 1,
             spread: Spread::Request,
             sim_args: Vec::new(),
+            ie_detector: false,
         };
         for token in &tokens[1..] {
             variant
@@ -219,12 +233,52 @@ impl Variant {
             Front::Dprank { poll, set } | Front::DprankPd { poll, set } => match key {
                 "poll" => *poll = Poll::SimMs(parse_ms(need("simulated ms")?)?),
                 "poll-wall" => *poll = Poll::WallMs(parse_ms(need("wall ms")?)?),
+                "admit" => {
+                    let mode = need("reject or queue")?;
+                    if !matches!(mode, "reject" | "queue") {
+                        return Err(format!("`admit` is reject or queue, not `{mode}`"));
+                    }
+                    with_admission(set, |block| {
+                        block.insert("when_saturated".into(), Value::from(mode));
+                    });
+                }
+                "wait" | "queue-timeout" | "max-queued" | "drain" | "requests" => {
+                    let n = parse_ms(need("a whole number")?)?;
+                    let field = match key {
+                        "wait" => "max_wait_ms",
+                        "queue-timeout" => "queue_timeout_ms",
+                        "max-queued" => "max_queued",
+                        "requests" => "max_requests_per_rank",
+                        _ => "prefill_tokens_per_s",
+                    };
+                    with_admission(set, |block| {
+                        block.insert(field.into(), Value::from(n));
+                    });
+                }
+                "kv" => {
+                    let raw = need("a share of KV, 0..=1")?;
+                    let share: f64 = raw
+                        .parse()
+                        .ok()
+                        .filter(|v: &f64| *v > 0.0 && *v <= 1.0)
+                        .ok_or_else(|| format!("`kv` is a share in (0, 1], not `{raw}`"))?;
+                    with_admission(set, |block| {
+                        block.insert("max_kv_usage".into(), Value::from(share));
+                    });
+                }
+                "ie" => {
+                    self.ie_detector = match need("on or off")? {
+                        "on" => true,
+                        "off" => false,
+                        other => return Err(format!("`ie` is on or off, not `{other}`")),
+                    }
+                }
                 _ if key.starts_with("set.") => {
                     let raw = need("a JSON value")?;
                     let parsed: Value = serde_json::from_str(raw).unwrap_or_else(|_| Value::String(raw.to_string()));
                     set.insert(key["set.".len()..].to_string(), parsed);
                 }
-                _ => return Err(format!("unknown key `{key}` (dprank keys: gw, spread, poll, poll-wall, set.<filter key>, sim.<flag>)")),
+                _ => return Err(format!("unknown key `{key}` (dprank keys: gw, spread, poll, poll-wall, admit, wait, queue-timeout, max-queued, drain, requests, kv, ie, set.<filter key>, sim.<flag>)")),
             },
             Front::Smg {
                 policy,
@@ -252,6 +306,19 @@ impl Variant {
                     args.push(format!("--{}", &key["arg.".len()..]));
                     args.extend(value.map(str::to_string));
                 }
+                "limit" | "queue" | "queue-timeout" => {
+                    let raw = need("a whole number")?;
+                    let n: u64 = raw
+                        .parse()
+                        .map_err(|_| format!("`{key}` is a whole number, not `{raw}`"))?;
+                    let flag = match key {
+                        "limit" => "--max-concurrent-requests",
+                        "queue" => "--queue-size",
+                        _ => "--queue-timeout-secs",
+                    };
+                    args.push(flag.to_string());
+                    args.push(n.to_string());
+                }
                 "cache-threshold" | "balance-abs" | "balance-rel" => {
                     let raw = need("a number")?;
                     let number: f64 = raw
@@ -269,7 +336,7 @@ impl Variant {
                 }
                 _ => {
                     return Err(format!(
-                        "unknown key `{key}` (smg keys: gw, spread, policy, interval, dp-aware, dispatch, cache-threshold, balance-abs, balance-rel, arg.<flag>, sim.<flag>)"
+                        "unknown key `{key}` (smg keys: gw, spread, policy, interval, dp-aware, dispatch, cache-threshold, balance-abs, balance-rel, limit, queue, queue-timeout, arg.<flag>, sim.<flag>)"
                     ))
                 }
             },
@@ -456,6 +523,42 @@ impl Variant {
     }
 }
 
+impl Variant {
+    /// This variant for a cell with TTFT target `ttft_ms`: a dprank
+    /// admission block without a wait limit gets half the target, and in
+    /// queue mode without a time-out the target ([`ADMIT_WAIT_SHARE_OF_TTFT`]).
+    pub fn for_ttft_target(&self, ttft_ms: f64) -> Variant {
+        let mut out = self.clone();
+        let (Front::Dprank { set, .. } | Front::DprankPd { set, .. }) = &mut out.front else {
+            return out;
+        };
+        if !(set.contains_key("admission") && ttft_ms.is_finite() && ttft_ms >= 1.0) {
+            return out;
+        }
+        with_admission(set, |block| {
+            let wait = (ttft_ms * ADMIT_WAIT_SHARE_OF_TTFT).round().max(1.0) as u64;
+            block.entry("max_wait_ms").or_insert(Value::from(wait));
+            if block.get("when_saturated").and_then(Value::as_str) == Some("queue") {
+                block
+                    .entry("queue_timeout_ms")
+                    .or_insert(Value::from(ttft_ms.round() as u64));
+            }
+        });
+        out
+    }
+}
+
+/// Changes the `admission` block of a dprank variant's filter keys (made
+/// if absent).
+fn with_admission(set: &mut Map<String, Value>, change: impl FnOnce(&mut Map<String, Value>)) {
+    let mut block = match set.remove("admission") {
+        Some(Value::Object(map)) => map,
+        _ => Map::new(),
+    };
+    change(&mut block);
+    set.insert("admission".into(), Value::Object(block));
+}
+
 fn parse_ms(text: &str) -> Result<u64, String> {
     text.parse::<u64>()
         .ok()
@@ -557,6 +660,38 @@ impl SimFeatures {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn admission_limits_follow_the_ttft_target_unless_set() {
+        let block = |spec: &str, ttft: f64| match Variant::parse(spec).unwrap().for_ttft_target(ttft).front {
+            Front::Dprank { set, .. } => set.get("admission").cloned(),
+            _ => None,
+        };
+        assert_eq!(
+            block("dprank-queue", 800.0),
+            Some(serde_json::json!({"when_saturated": "queue", "max_wait_ms": 400, "queue_timeout_ms": 800}))
+        );
+        assert_eq!(
+            block("dprank-reject", 800.0),
+            Some(serde_json::json!({"when_saturated": "reject", "max_wait_ms": 400})),
+            "no time-out in reject mode (the filter refuses one)"
+        );
+        assert_eq!(
+            block("dprank:admit=queue:wait=100:queue-timeout=300", 800.0),
+            Some(serde_json::json!({"when_saturated": "queue", "max_wait_ms": 100, "queue_timeout_ms": 300}))
+        );
+        assert_eq!(
+            block("dprank:admit=reject:requests=48", 800.0),
+            Some(
+                serde_json::json!({"when_saturated": "reject", "max_requests_per_rank": 48, "max_wait_ms": 400})
+            )
+        );
+        assert_eq!(block("dprank", 800.0), None, "no admission, none added");
+        for spec in ["dprank-queue", "dprank-reject"] {
+            let v = Variant::parse(spec).unwrap().for_ttft_target(800.0);
+            assert!(crate::offline::driver::dprank_config(&v, 2).is_ok(), "{spec}");
+        }
+    }
 
     #[test]
     fn descriptions_say_what_runs() {

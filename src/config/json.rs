@@ -109,6 +109,9 @@ pub struct ConfigJson {
     /// Header mode: tokens counted for a request without `content-length`.
     #[serde(default)]
     pub cost_without_length: Option<u64>,
+    /// Overload protection (`config/admission.rs`).
+    #[serde(default)]
+    pub admission: Option<super::admission::AdmissionJson>,
 }
 
 #[derive(Debug, Default, Deserialize)]

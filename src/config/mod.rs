@@ -2,12 +2,14 @@
 //! named steps (`validate.rs`) into the runtime [`Config`]. Every error names
 //! the key at fault.
 
+pub mod admission;
 pub mod gateways;
 mod json;
 pub mod prefix;
 mod transport;
 mod validate;
 
+pub use admission::{Admission, WhenSaturated};
 pub use gateways::{Pick, PickRule};
 pub use json::{ConfigJson, DiscoveryJson, PassiveHealthJson, WorkerJson};
 pub use prefix::{Prefix, QueueMeasure};
@@ -256,6 +258,8 @@ pub struct Config {
     pub state_reads: StateReads,
     /// Where the chosen rank travels: the JSON body or request headers.
     pub transport: Transport,
+    /// Overload protection (`config/admission.rs`); None = off.
+    pub admission: Option<Admission>,
     /// Client request headers removed from every request: the route header,
     /// the pin header, every rank and bootstrap header (derived, not configured).
     #[serde(skip)]

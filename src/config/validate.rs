@@ -73,6 +73,8 @@ impl TryFrom<ConfigJson> for Config {
             taken: &taken,
         })?;
         let removed_headers = removed_headers(&taken, &transport);
+        let removed: Vec<&str> = removed_headers.iter().map(String::as_str).collect();
+        let admission = admission::settings(json.admission.take(), &removed)?;
         Ok(Config {
             mode,
             poll_cluster: non_empty("poll_cluster", json.poll_cluster, DEFAULT_POLL_CLUSTER)?,
@@ -98,6 +100,7 @@ impl TryFrom<ConfigJson> for Config {
             state_refresh_ms,
             state_reads,
             transport,
+            admission,
             removed_headers,
         })
     }

@@ -83,6 +83,13 @@ pub type Call = (String, Vec<(String, String)>, u32);
 /// A local reply: status, headers, body.
 pub type Reply = (u32, Vec<(String, String)>, Vec<u8>);
 
+/// A request context other than the effective one: its headers and body.
+#[derive(Debug, Default)]
+struct Parked {
+    headers: Vec<(String, String)>,
+    body: Vec<u8>,
+}
+
 #[derive(Default)]
 pub struct MemoryHost {
     pub now: Cell<u64>,
@@ -108,6 +115,17 @@ pub struct MemoryHost {
     pub resumed: Cell<u32>,
     /// Properties by dotted path (`response.code`), as Envoy serialises them.
     pub properties: RefCell<HashMap<String, Vec<u8>>>,
+    /// Histogram values recorded, by name.
+    pub histograms: RefCell<HashMap<String, Vec<u64>>>,
+    /// The effective context: the request `request_headers` and
+    /// `request_body` belong to (0 until `start_request_as`).
+    pub context: Cell<u32>,
+    /// The context of each entry of `replies`, in order.
+    pub reply_contexts: RefCell<Vec<u32>>,
+    /// Contexts resumed by `resume_request`, in order.
+    pub resumed_contexts: RefCell<Vec<u32>>,
+    /// Other live contexts (`start_request_as`), keyed by id.
+    parked: RefCell<HashMap<u32, Parked>>,
     /// Host calls made, by `Host` method name.
     host_calls: RefCell<HashMap<&'static str, u64>>,
 }
@@ -150,6 +168,38 @@ impl MemoryHost {
             .map(|(k, v)| (k.to_string(), v.to_string()))
             .collect();
         *self.request_body.borrow_mut() = body.to_vec();
+    }
+    /// Starts request context `id` (effective from now) with these headers
+    /// and body; the previous effective context is kept for
+    /// `set_effective_context`.
+    pub fn start_request_as(&self, id: u32, headers: &[(&str, &str)], body: &[u8]) {
+        self.park();
+        self.context.set(id);
+        self.start_request(headers, body);
+    }
+    /// Request context `id` is over: `set_effective_context` fails for it.
+    pub fn end_context(&self, id: u32) {
+        self.parked.borrow_mut().remove(&id);
+        if self.context.get() == id {
+            self.request_headers.borrow_mut().clear();
+            self.request_body.borrow_mut().clear();
+            self.context.set(0);
+        }
+    }
+    /// Keeps the effective context's request aside.
+    fn park(&self) {
+        let id = self.context.get();
+        if id != 0 {
+            let parked = Parked {
+                headers: std::mem::take(&mut *self.request_headers.borrow_mut()),
+                body: std::mem::take(&mut *self.request_body.borrow_mut()),
+            };
+            self.parked.borrow_mut().insert(id, parked);
+        }
+    }
+    /// Values recorded in a histogram.
+    pub fn histogram_values(&self, name: &str) -> Vec<u64> {
+        self.histograms.borrow().get(name).cloned().unwrap_or_default()
     }
     /// Sets the properties Envoy has when a request ends: status, code
     /// details, the last attempt's host and the number of attempts.
@@ -201,6 +251,14 @@ impl Host for MemoryHost {
     fn gauge(&self, metric: &str, value: u64) {
         self.record("gauge");
         self.gauges.borrow_mut().insert(metric.to_string(), value);
+    }
+    fn histogram(&self, metric: &str, value: u64) {
+        self.record("histogram");
+        self.histograms
+            .borrow_mut()
+            .entry(metric.to_string())
+            .or_default()
+            .push(value);
     }
     fn http_call(&self, call: &Callout) -> Result<u32, String> {
         self.record("http_call");
@@ -263,10 +321,36 @@ impl Host for MemoryHost {
             .map(|(k, v)| (k.to_string(), v.to_string()))
             .collect();
         self.replies.borrow_mut().push((status, headers, body.to_vec()));
+        self.reply_contexts.borrow_mut().push(self.context.get());
     }
     fn resume_response(&self) {
         self.record("resume_response");
         self.resumed.set(self.resumed.get() + 1);
+    }
+    fn set_effective_context(&self, context_id: u32) -> bool {
+        self.record("set_effective_context");
+        if context_id == self.context.get() {
+            return true;
+        }
+        if context_id == 0 {
+            // The root context: no request.
+            self.park();
+            self.context.set(0);
+            return true;
+        }
+        let Some(next) = self.parked.borrow_mut().remove(&context_id) else {
+            return false;
+        };
+        self.park();
+        self.context.set(context_id);
+        *self.request_headers.borrow_mut() = next.headers;
+        *self.request_body.borrow_mut() = next.body;
+        true
+    }
+    fn resume_request(&self) -> bool {
+        self.record("resume_request");
+        self.resumed_contexts.borrow_mut().push(self.context.get());
+        true
     }
     fn property(&self, path: &[&str]) -> Option<Vec<u8>> {
         self.record("property");

@@ -2,6 +2,7 @@
 //! rank, the request's cost estimate, and prefix affinity's prompt and
 //! output budget.
 
+use super::pipeline::Prefill;
 use crate::body::JsonObject;
 use crate::config::{Config, CostEstimate};
 use crate::prefix::{PromptBlocks, RequestPrefix};
@@ -32,6 +33,25 @@ pub(super) fn prefix_request<'a>(
         streamed,
         output_budget(object),
         now_ms,
+    ))
+}
+
+/// Admission without prefix affinity: the request's prompt, charged to its
+/// rank's queue (prefix affinity charges its uncached part itself).
+pub(super) fn queue_charge(
+    config: &Config,
+    object: &JsonObject,
+    prefix: Option<&RequestPrefix>,
+) -> Option<Prefill> {
+    if config.admission.is_none() || prefix.is_some() {
+        return None;
+    }
+    let streamed = object
+        .raw_value("stream")
+        .is_some_and(|v| v.trim_ascii() == b"true");
+    Some(Prefill::plain(
+        object.estimated_tokens(CostEstimate::Bytes).max(1),
+        streamed,
     ))
 }
 

@@ -4,9 +4,9 @@
 //! affinity applies, a trusted client's rank constrains the choice, and a
 //! request that cannot be routed keeps no client rank field.
 
-use super::body_fields::{client_rank, estimated_tokens, prefix_request};
+use super::body_fields::{client_rank, estimated_tokens, prefix_request, queue_charge};
 use super::outcome::{pass, pass_or_reject, reject, PassReason, RejectReason};
-use super::pipeline::{self, Leg};
+use super::pipeline::{self, Leg, RouteArgs};
 use super::snapshot::{Side, Snapshot};
 use super::{pd, Decision, Routed};
 use crate::body::{may_name_a_rank, BodyError, JsonObject};
@@ -19,7 +19,8 @@ use std::rc::Rc;
 /// Decides where a request with this body goes. `cache` is this VM's copy
 /// of the workers' states and health record (read here). `pin` is the
 /// test-only pin header (already None unless the config enables it).
-/// `tie_breaker` varies per request so equal loads spread.
+/// `tie_breaker` varies per request so equal loads spread. Admission
+/// judges it by the configured `max_wait_ms` (`route_with` says otherwise).
 pub fn route(
     config: &Rc<Config>,
     host: &dyn Host,
@@ -28,8 +29,25 @@ pub fn route(
     pin: Option<&str>,
     tie_breaker: u64,
 ) -> Decision {
+    let args = RouteArgs {
+        pin,
+        tie_breaker,
+        max_wait_ms: None,
+    };
+    route_with(config, host, cache, body, &args)
+}
+
+/// `route`, with everything the lifecycle knows of the request in `args`.
+pub fn route_with(
+    config: &Rc<Config>,
+    host: &dyn Host,
+    cache: &mut StateCache,
+    body: &[u8],
+    args: &RouteArgs,
+) -> Decision {
+    let pin = args.pin;
     if let Some(pd) = config.pd() {
-        return pd::route_pd(config, pd, host, cache, body, pin, tie_breaker);
+        return pd::route_pd(config, pd, host, cache, body, args);
     }
     if body.is_empty() {
         // A chunked or HTTP/2 request whose body turned out empty.
@@ -43,7 +61,7 @@ pub fn route(
         .keep_client_rank
         .then(|| client_rank(config, &object))
         .flatten();
-    let snapshot = match pipeline::start(config, host, cache, tie_breaker) {
+    let snapshot = match pipeline::start(config, host, cache, args) {
         Ok(snapshot) => snapshot,
         Err(refused) => return refused.into(),
     };
@@ -61,7 +79,8 @@ pub fn route(
     };
     let moment = snapshot.moment();
     let cost = estimated_tokens(config, &object, prefix.as_ref());
-    let committed = pipeline::commit(config, host, cache, &choice, cost, prefix.as_mut());
+    let queued = queue_charge(config, &object, prefix.as_ref());
+    let committed = pipeline::commit(config, host, cache, &choice, cost, prefix.as_mut(), queued);
     // Stage `reply`: the rank goes into the body, unless the client's own stays.
     let body = trusted_rank.is_none().then(|| {
         let set = [(config.rank_field.as_str(), choice.chosen.rank.to_string())];

@@ -5,7 +5,7 @@
 //! written (the lifecycle writes the rank headers).
 
 use super::outcome::pass_or_reject;
-use super::pipeline::{self, Leg};
+use super::pipeline::{self, Leg, Prefill, RouteArgs};
 use super::snapshot::Side;
 use super::{Decision, Routed};
 use crate::config::{Config, CostEstimate, HeaderTransport};
@@ -38,7 +38,25 @@ pub fn route_by_headers(
     pin: Option<&str>,
     tie_breaker: u64,
 ) -> Decision {
-    let snapshot = match pipeline::start(config, host, cache, tie_breaker) {
+    let args = RouteArgs {
+        pin,
+        tie_breaker,
+        max_wait_ms: None,
+    };
+    route_by_headers_with(config, host, cache, cost, &args)
+}
+
+/// `route_by_headers`, with everything the lifecycle knows of the request
+/// in `args`.
+pub fn route_by_headers_with(
+    config: &Rc<Config>,
+    host: &dyn Host,
+    cache: &mut StateCache,
+    cost: u64,
+    args: &RouteArgs,
+) -> Decision {
+    let pin = args.pin;
+    let snapshot = match pipeline::start(config, host, cache, args) {
         Ok(snapshot) => snapshot,
         Err(refused) => return refused.into(),
     };
@@ -52,7 +70,11 @@ pub fn route_by_headers(
         return pass_or_reject(config, host, reason, None);
     };
     let moment = snapshot.moment();
-    let committed = pipeline::commit(config, host, cache, &choice, cost, None);
+    // Admission's queue: the length is all there is of the prompt; whether
+    // the answer streams is not known, so it leaves the queue when a poll
+    // counts it (or at its end).
+    let queued = config.admission.as_ref().map(|_| Prefill::plain(cost, false));
+    let committed = pipeline::commit(config, host, cache, &choice, cost, None, queued);
     Decision::Route(Routed::new(committed, moment, None))
 }
 

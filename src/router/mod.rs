@@ -5,7 +5,7 @@
 //! targets, account, record, reply. A request not routed is passed through
 //! or refused (`outcome.rs`); every local answer is in `replies.rs`.
 
-mod admission;
+pub mod admission;
 mod body_fields;
 mod by_body;
 mod by_header;
@@ -15,10 +15,12 @@ mod pipeline;
 mod replies;
 mod snapshot;
 
-pub use by_body::route;
-pub use by_header::{cost_from_length, route_by_headers};
+pub use admission::{queue as admission_queue, Overload};
+pub use by_body::{route, route_with};
+pub use by_header::{cost_from_length, route_by_headers, route_by_headers_with};
 pub use outcome::{pass_early, PassReason, RejectReason};
 pub use pd::{mark_unreachable, prefill_health, prefill_not_sent, prefill_outcome, PdRouted};
+pub use pipeline::RouteArgs;
 pub use replies::Reply;
 
 use crate::config::Config;
@@ -115,6 +117,30 @@ pub enum Decision {
         reason: RejectReason,
         reply: Reply,
     },
+    /// Admission: every candidate is saturated; nothing was chosen or
+    /// written. The lifecycle refuses or holds the request by its class.
+    Overloaded(Overload),
+}
+
+/// Admission now, as a request would find it: the overload if every
+/// candidate is saturated (None otherwise, or without admission), and how
+/// many candidate ranks are saturated.
+pub fn overload_now(config: &Rc<Config>, host: &dyn Host, cache: &mut StateCache) -> (Option<Overload>, u64) {
+    if config.admission.is_none() {
+        return (None, 0);
+    }
+    let snapshot = snapshot::refresh(config, host, cache, 0);
+    let overload = match admission::judge(&snapshot, None) {
+        crate::worker_state::saturation::Judgement::Saturated {
+            ranks,
+            retry_after_ms,
+        } => Some(Overload {
+            retry_after_ms,
+            saturated_ranks: ranks,
+        }),
+        _ => None,
+    };
+    (overload, admission::saturated_ranks(&snapshot))
 }
 
 /// Under prefix affinity, the request's prefill is over: its first response

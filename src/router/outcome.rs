@@ -76,6 +76,20 @@ pub enum RejectReason {
     ClientRankUnavailable,
     NoFreshData,
     NoneInRotation,
+    /// Admission, reject mode: every candidate is saturated.
+    Saturated,
+    /// Admission: a sheddable request while every candidate is saturated.
+    Sheddable,
+    /// Admission, queue mode: saturated, and the queue is full of requests
+    /// of this class or higher.
+    QueueFull,
+    /// Admission, queue mode: a higher class took its place in a full queue.
+    Displaced,
+    /// Admission, queue mode: no room came within `queue_timeout_ms`.
+    QueueTimeout,
+    /// Admission, queue mode: the filter (its configuration) went away
+    /// while the request waited.
+    Draining,
 }
 
 impl RejectReason {
@@ -87,7 +101,39 @@ impl RejectReason {
             RejectReason::ClientRankUnavailable => "client_rank_unavailable",
             RejectReason::NoFreshData => "no_fresh_data",
             RejectReason::NoneInRotation => "none_in_rotation",
+            RejectReason::Saturated => "saturated",
+            RejectReason::Sheddable => "sheddable",
+            RejectReason::QueueFull => "queue_full",
+            RejectReason::Displaced => "displaced",
+            RejectReason::QueueTimeout => "queue_timeout",
+            RejectReason::Draining => "draining",
         }
+    }
+
+    /// Admission's refusals: the answer, coming back after `retry_after_ms`.
+    pub fn admission_reply(self, retry_after_ms: u64) -> Reply {
+        let (status, message) = match self {
+            RejectReason::Saturated => (
+                429,
+                "every rank is saturated: its expected wait is past the limit",
+            ),
+            RejectReason::Sheddable => (
+                429,
+                "every rank is saturated and this request's class is sheddable",
+            ),
+            RejectReason::QueueFull => (429, "every rank is saturated and the admission queue is full"),
+            RejectReason::Displaced => (
+                429,
+                "a request of a higher class took this one's place in the admission queue",
+            ),
+            RejectReason::QueueTimeout => (503, "no rank had room before the admission queue's time-out"),
+            RejectReason::Draining => (
+                503,
+                "the filter's configuration was replaced while the request waited",
+            ),
+            _ => return self.reply(),
+        };
+        Reply::admission(status, self.as_str(), message, retry_after_ms)
     }
 
     /// The answer the client gets.
@@ -98,6 +144,12 @@ impl RejectReason {
             RejectReason::ClientRankUnavailable => Reply::client_rank_unavailable(),
             RejectReason::NoFreshData => Reply::no_fresh_data(),
             RejectReason::NoneInRotation => Reply::none_in_rotation(),
+            RejectReason::Saturated
+            | RejectReason::Sheddable
+            | RejectReason::QueueFull
+            | RejectReason::Displaced
+            | RejectReason::QueueTimeout
+            | RejectReason::Draining => self.admission_reply(1000),
         }
     }
 }

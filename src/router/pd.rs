@@ -7,9 +7,9 @@
 //! leg without fresh data still goes (prefill workers take turns, the
 //! decode worker is the cluster's pick).
 
-use super::body_fields::{estimated_tokens, prefix_request};
+use super::body_fields::{estimated_tokens, prefix_request, queue_charge};
 use super::outcome::{reject, PassReason, RejectReason};
-use super::pipeline::{self, Choice, Committed, Leg};
+use super::pipeline::{self, Choice, Committed, Leg, RouteArgs};
 use super::snapshot::{Moment, Side, Snapshot};
 use super::{Chosen, Decision, Reply};
 use crate::body::{bootstrap_fields, JsonObject};
@@ -64,9 +64,9 @@ pub(super) fn route_pd(
     host: &dyn Host,
     cache: &mut StateCache,
     body: &[u8],
-    pin: Option<&str>,
-    tie_breaker: u64,
+    args: &RouteArgs,
 ) -> Decision {
+    let (pin, tie_breaker) = (args.pin, args.tie_breaker);
     let object = match JsonObject::parse(body) {
         // Without the bootstrap fields neither side could serve it.
         Err(e) => {
@@ -75,7 +75,7 @@ pub(super) fn route_pd(
         }
         Ok(o) => o,
     };
-    let snapshot = match pipeline::start(config, host, cache, tie_breaker) {
+    let snapshot = match pipeline::start(config, host, cache, args) {
         Ok(snapshot) => snapshot,
         Err(refused) => return refused.into(),
     };
@@ -93,8 +93,10 @@ pub(super) fn route_pd(
         return reject(host, refusal, refusal.reply());
     };
     let cost = estimated_tokens(config, &object, prefix.as_ref());
-    let prefill = prefill.map(|c| pipeline::commit(config, host, cache, &c, cost, prefix.as_mut()));
-    let decode = decode.map(|c| pipeline::commit(config, host, cache, &c, cost, None));
+    // Admission judges the prefill pool: its queue is the prefill leg's.
+    let queued = queue_charge(config, &object, prefix.as_ref());
+    let prefill = prefill.map(|c| pipeline::commit(config, host, cache, &c, cost, prefix.as_mut(), queued));
+    let decode = decode.map(|c| pipeline::commit(config, host, cache, &c, cost, None, None));
     let prefill_to = prefill
         .as_ref()
         .map_or_else(|| Chosen::new(cache, prefill_index, None), |p| p.to.clone());

@@ -12,9 +12,8 @@
 //! affinity applies, and what reply it builds (`by_body.rs`, `by_header.rs`,
 //! `pd.rs`). Choosing writes nothing; `commit` writes.
 
-use super::admission::{self, Admission};
-use super::outcome::{PassReason, RejectReason};
-use super::replies::Reply;
+use super::admission::{self, Admission, Overload};
+use super::outcome::PassReason;
 use super::snapshot::{self, Side, Snapshot};
 use super::{Chosen, Decision};
 use crate::config::Config;
@@ -27,48 +26,46 @@ use crate::shared_data::{self, cache::StateCache};
 use crate::worker_state::{Charge, PrefillTicket, Ticket};
 use std::rc::Rc;
 
-/// A request admission refused, counted: its answer.
+/// A request admission did not let in: every candidate is saturated.
 #[derive(Debug, PartialEq, Eq)]
-pub(crate) struct Refused {
-    reason: RejectReason,
-    reply: Reply,
-}
+pub(crate) struct Refused(Overload);
 
 impl From<Refused> for Decision {
     fn from(r: Refused) -> Decision {
-        Decision::Reject {
-            reason: r.reason,
-            reply: r.reply,
-        }
+        Decision::Overloaded(r.0)
     }
 }
 
 /// Stages `refresh` and `admission`: the snapshot every later stage reads,
-/// or the answer to a request admission refuses.
+/// or the overload that keeps the request out (the lifecycle refuses or
+/// holds it and counts what it does).
 pub(crate) fn start<'a>(
     config: &'a Rc<Config>,
     host: &dyn Host,
     cache: &'a mut StateCache,
-    tie_breaker: u64,
+    args: &RouteArgs,
 ) -> Result<Snapshot<'a>, Refused> {
-    let snapshot = snapshot::refresh(config, host, cache, tie_breaker);
-    let admission = admission::admit(&snapshot);
-    admitted(host, snapshot, admission)
+    let mut snapshot = snapshot::refresh(config, host, cache, args.tie_breaker);
+    match admission::admit(host, &snapshot, args.max_wait_ms) {
+        Admission::Admit(room) => {
+            let side = admission::judged_side(&snapshot);
+            snapshot.room = room.map(|r| (side, r));
+            Ok(snapshot)
+        }
+        Admission::Overloaded(overload) => Err(Refused(overload)),
+    }
 }
 
-/// Goes on with `snapshot` if admitted; else counts the refusal.
-fn admitted<'a>(
-    host: &dyn Host,
-    snapshot: Snapshot<'a>,
-    admission: Admission,
-) -> Result<Snapshot<'a>, Refused> {
-    match admission {
-        Admission::Admit => Ok(snapshot),
-        Admission::Reject(reason, reply) => {
-            host.count(&metrics::rejected(reason.as_str()), 1);
-            Err(Refused { reason, reply })
-        }
-    }
+/// What the lifecycle tells the pipeline about a request besides its body.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct RouteArgs<'a> {
+    /// The test-only pin header's value.
+    pub pin: Option<&'a str>,
+    /// Varies per request so that equal costs spread.
+    pub tie_breaker: u64,
+    /// Admission: the request's class waits at most this long (None: the
+    /// configured `max_wait_ms`).
+    pub max_wait_ms: Option<u64>,
 }
 
 /// What one leg of a request asks of the pipeline.
@@ -144,8 +141,22 @@ fn choose_in_rotation(
     constraint: Constraint,
     mut prefix: Option<&mut RequestPrefix>,
 ) -> Option<(Candidate, Vec<Candidate>)> {
-    let ctx = snapshot.context(constraint);
+    let plain = snapshot.context(constraint);
     let config = snapshot.config;
+    // Admission let the request in: ranks with room first, as long as
+    // there are any (a constraint may keep only others).
+    let room = snapshot.room_for(leg.side);
+    let with_room = room.and_then(|room| {
+        let ctx = Context {
+            room: Some(room),
+            ..plain
+        };
+        run_scheduler(config, host, pool, ctx, prefix.as_deref_mut(), leg.alternates)
+    });
+    if with_room.is_some() {
+        return with_room;
+    }
+    let ctx = plain;
     run_scheduler(config, host, pool, ctx, prefix.as_deref_mut(), leg.alternates).or_else(|| {
         let probing = !ctx.admit_probing && ctx.health.any_probing(ctx.now_ms);
         probing
@@ -208,7 +219,8 @@ pub(crate) fn no_candidate_reason(snapshot: &Snapshot, side: Side) -> PassReason
 
 /// Stages `retry targets`, `account` and `record` of a chosen leg, which
 /// adds `cost` tokens to its rank until a poll counts them; with `prefix`,
-/// its prefill is charged and its prompt recorded in the worker's index.
+/// its prefill is charged and its prompt recorded in the worker's index;
+/// without, `queued` is charged if given (admission's queue).
 pub(crate) fn commit(
     config: &Config,
     host: &dyn Host,
@@ -216,12 +228,14 @@ pub(crate) fn commit(
     choice: &Choice,
     cost: u64,
     prefix: Option<&mut RequestPrefix>,
+    queued: Option<Prefill>,
 ) -> Committed {
     let at = choice.chosen;
     let alternates = retry_targets(host, cache, choice);
     let prefill = prefix
         .as_deref()
-        .map(|p| Prefill::of(p, at.worker - choice.pool_offset, at.rank));
+        .map(|p| Prefill::of(p, at.worker - choice.pool_offset, at.rank))
+        .or(queued);
     let (ticket, prefill) = account(config, host, cache, &at, cost, prefill);
     if let Some(prefix) = prefix {
         record(config, host, prefix, cache, choice.pool_offset, &at);
@@ -259,6 +273,15 @@ pub(crate) struct Prefill {
 }
 
 impl Prefill {
+    /// Admission without prefix affinity: the request's whole prompt
+    /// (`prompt` tokens) queues on its rank.
+    pub(crate) fn plain(prompt: u64, streamed: bool) -> Prefill {
+        Prefill {
+            charge: Charge { prompt, cached: 0 },
+            streamed,
+        }
+    }
+
     fn of(prefix: &RequestPrefix, pool_worker: usize, rank: u32) -> Prefill {
         Prefill {
             charge: Charge {
@@ -349,20 +372,24 @@ mod tests {
     }
 
     #[test]
-    fn a_refusal_by_admission_is_counted_and_answered() {
-        let (c, h) = fleet("");
+    fn an_overloaded_pool_chooses_nothing_and_writes_nothing() {
+        let (c, h) = fleet(r#","admission":{"max_wait_ms":100,"prefill_tokens_per_s":1}"#);
         let mut cache = StateCache::default();
-        assert!(start(&c, &h, &mut cache, 0).is_ok(), "admitted today");
-        let snapshot = snapshot::refresh(&c, &h, &mut cache, 0);
-        let refusal = Admission::Reject(RejectReason::NoFreshData, Reply::no_fresh_data());
-        let Err(refused) = admitted(&h, snapshot, refusal) else {
-            panic!("refused")
+        assert!(
+            start(&c, &h, &mut cache, &RouteArgs::default()).is_ok(),
+            "empty queues"
+        );
+        crate::shared_data::testing::queue_prefill(&c, &h, 1000);
+        let writes = h.host_calls("shared_set");
+        let Err(refused) = start(&c, &h, &mut cache, &RouteArgs::default()) else {
+            panic!("overloaded")
         };
-        let Decision::Reject { reason, reply } = refused.into() else {
-            panic!("answered by dprank")
+        let Decision::Overloaded(overload) = refused.into() else {
+            panic!("the lifecycle decides")
         };
-        assert_eq!((reason, reply.status), (RejectReason::NoFreshData, 503));
-        assert_eq!(h.counter("dprank.rejected.no_fresh_data"), 1);
+        assert_eq!(overload.saturated_ranks, 8);
+        assert_eq!(h.host_calls("shared_set"), writes);
+        assert!(h.counters.borrow().keys().all(|k| !k.contains("rejected")));
     }
 
     #[test]
@@ -432,7 +459,7 @@ mod tests {
         let mut cache = StateCache::default();
         let snapshot = snapshot::refresh(&c, &h, &mut cache, 0);
         let choice = choose(&h, &snapshot, &leg(None, 2), None).unwrap();
-        let committed = commit(&c, &h, &mut cache, &choice, 30, None);
+        let committed = commit(&c, &h, &mut cache, &choice, 30, None, None);
         assert_eq!(
             (
                 committed.to.worker,

@@ -8,6 +8,7 @@ use crate::health::{self, Health};
 use crate::host::Host;
 use crate::scheduler::{Constraint, Context, Pool};
 use crate::shared_data::cache::StateCache;
+use crate::worker_state::saturation::Room;
 use std::rc::Rc;
 
 /// Which pool a leg of a request chooses from.
@@ -29,6 +30,9 @@ pub(crate) struct Snapshot<'a> {
     pub admit_probing: bool,
     /// Varies per request so that equal costs spread.
     pub tie_breaker: u64,
+    /// Admission let the request in by this rule: the judged side chooses
+    /// among ranks with room (None: no admission, or no data to judge).
+    pub room: Option<(Side, Room)>,
 }
 
 /// When a request was routed and whether the health record listed nothing
@@ -60,6 +64,7 @@ pub(crate) fn refresh<'a>(
         now_ms,
         admit_probing,
         tie_breaker,
+        room: None,
     }
 }
 
@@ -112,7 +117,13 @@ impl<'a> Snapshot<'a> {
             prefix: None,
             pick: self.config.pick,
             gateways: self.config.gateways,
+            room: None,
         }
+    }
+
+    /// Admission's rule for a leg on `side`, if it let the request in.
+    pub fn room_for(&self, side: Side) -> Option<Room> {
+        self.room.filter(|(s, _)| *s == side).map(|(_, room)| room)
     }
 }
 

@@ -182,7 +182,7 @@ fn fail_closed_rejects_with_json_errors() {
     match route(&c, &h, &mut StateCache::default(), b"{}", None, 0) {
         Decision::Reject {
             reason: RejectReason::NoFreshData,
-            reply: Reply { status, body },
+            reply: Reply { status, body, .. },
         } => {
             assert_eq!(status, 503);
             let v: serde_json::Value = serde_json::from_str(&body).unwrap();
@@ -346,4 +346,88 @@ fn the_reply_of_a_routed_leg_carries_its_tickets_and_moment() {
         (to, Some(ticket), Some(&b"{}"[..]))
     );
     assert_eq!((r.routed_at_ms, r.health_was_clean), (77, false));
+}
+
+#[test]
+fn admission_sends_a_request_it_lets_in_to_a_rank_with_room() {
+    // Fewest tokens: b/2 (20 tokens), then a/1 (50). b/2's queue of 2000
+    // prompt tokens at 1000 tokens/s is 2 s of wait, past 500 ms: with
+    // admission on, the request goes to a/1, which has room.
+    let admission = r#","prefix_affinity":false,"admission":{"max_wait_ms":500,"prefill_tokens_per_s":1000,"learn_drain_rate":false}"#;
+    let pick = |extra: &str, queued: bool| {
+        let (c, h) = fleet(extra);
+        if queued {
+            queue_prefill_on(&c, &h, 0, &|_| 0);
+            queue_prefill_on(&c, &h, 1, &|r| if r == 2 { 2000 } else { 0 });
+        }
+        let r = routed(route(
+            &c,
+            &h,
+            &mut StateCache::default(),
+            br#"{"text":"hi"}"#,
+            None,
+            0,
+        ));
+        (r.to.worker, r.to.rank)
+    };
+    assert_eq!(
+        pick(r#","prefix_affinity":false"#, false),
+        (1, Some(2)),
+        "without admission"
+    );
+    assert_eq!(pick(admission, false), (1, Some(2)), "every rank has room");
+    assert_eq!(pick(admission, true), (0, Some(1)), "b/2 has no room");
+}
+
+#[test]
+fn admission_lets_a_long_prompt_onto_an_idle_rank() {
+    // 10,000 prompt tokens take 10 s to prefill at 1000 tokens/s, far past
+    // the 500 ms limit: the limit is on the wait before its prefill starts,
+    // and on an idle fleet nothing is ahead of it.
+    let (c, h) = fleet(
+        r#","prefix_affinity":false,"admission":{"max_wait_ms":500,"prefill_tokens_per_s":1000,"learn_drain_rate":false}"#,
+    );
+    queue_prefill(&c, &h, 0);
+    let body = format!(r#"{{"text":"{}"}}"#, "x".repeat(4 * 10_000));
+    let r = routed(route(
+        &c,
+        &h,
+        &mut StateCache::default(),
+        body.as_bytes(),
+        None,
+        0,
+    ));
+    assert_eq!((r.to.worker, r.to.rank), (1, Some(2)));
+}
+
+#[test]
+fn admission_caps_the_requests_on_a_rank() {
+    // Every rank reports 4 requests running; b/2 (fewest tokens) 8: with
+    // at most 8 requests per rank it has no room and a/1 is chosen; with
+    // every rank at 8, the pool is saturated.
+    let capped = r#","prefix_affinity":false,"admission":{"max_requests_per_rank":8}"#;
+    let (c, h) = fleet(capped);
+    let running = |c: &Config, h: &FakeHost, i: usize, n: &dyn Fn(usize) -> u64| {
+        crate::shared_data::testing::report_on(c, h, i, &|r| crate::load::RankLoad {
+            running_requests: Some(n(r)),
+            waiting_uncached_tokens: Some(0),
+            waiting_requests: Some(0),
+            ..crate::load::RankLoad::default()
+        })
+    };
+    running(&c, &h, 0, &|_| 4);
+    running(&c, &h, 1, &|r| if r == 2 { 8 } else { 4 });
+    let r = routed(route(
+        &c,
+        &h,
+        &mut StateCache::default(),
+        br#"{"text":"hi"}"#,
+        None,
+        0,
+    ));
+    assert_eq!((r.to.worker, r.to.rank), (0, Some(1)));
+    running(&c, &h, 0, &|_| 8);
+    running(&c, &h, 1, &|_| 8);
+    let d = route(&c, &h, &mut StateCache::default(), br#"{"text":"hi"}"#, None, 0);
+    assert!(matches!(d, Decision::Overloaded(_)), "{d:?}");
 }

@@ -297,6 +297,7 @@ fn choices_and_alternates_match_a_straightforward_implementation() {
                 prefix: None,
                 pick,
                 gateways: 1 + draw.below(4) as u32,
+                room: None,
             };
             let expected = straightforward_choice(&pool, &ctx);
             let got = choose(&pool, &ctx);
@@ -436,6 +437,7 @@ fn idle_fleets_match_a_straightforward_implementation() {
                 prefix: None,
                 pick: Pick::LeastCost,
                 gateways: if draw.chance(15) { 2 } else { 1 },
+                room: None,
             };
             let expected = straightforward_choice(&pool, &ctx);
             assert_eq!(choose(&pool, &ctx), expected, "ctx {ctx:?}\nstates {states:?}");

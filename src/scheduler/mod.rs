@@ -32,6 +32,7 @@ mod filters {
     pub(super) mod healthy;
     pub(super) mod only_rank;
     pub(super) mod pinned;
+    pub(super) mod unsaturated;
 }
 mod pickers {
     pub(super) mod alternates;
@@ -115,6 +116,9 @@ pub struct Context<'a> {
     pub pick: Pick,
     /// Gateways sharing the fleet (`other_gateways`, `rendezvous`).
     pub gateways: u32,
+    /// Admission let the request in: only ranks with room by this rule
+    /// are candidates (`unsaturated`); None: every rank.
+    pub room: Option<crate::worker_state::saturation::Room>,
 }
 
 /// One worker as the steps see it.

@@ -11,6 +11,7 @@ pub(super) enum FilterStep {
     Healthy,
     OnlyRank,
     Pinned,
+    Unsaturated,
 }
 
 /// Every scorer (`scorers/`).
@@ -28,7 +29,7 @@ use FilterStep::*;
 use ScorerStep::*;
 
 /// Filters, in order: the first that drops a worker ends its turn.
-pub(super) const FILTERS: &[FilterStep] = &[Fresh, Healthy, OnlyRank, Pinned];
+pub(super) const FILTERS: &[FilterStep] = &[Fresh, Healthy, OnlyRank, Pinned, Unsaturated];
 
 /// Scorers without prefix affinity (`prefix_affinity: false`, and PD's
 /// decode pool): the rank's load, then, with `gateways` > 1, the other

@@ -3,7 +3,7 @@
 //! step's loop be compiled into the worker's turn. Also the steps that
 //! apply to one choice, decided once per choice.
 
-use super::filters::{fresh, healthy, only_rank, pinned};
+use super::filters::{fresh, healthy, only_rank, pinned, unsaturated};
 use super::profile::{FilterStep, ScorerStep, FILTERS, LOAD_SCORERS, PREFIX_SCORERS};
 use super::scorers::{kv, load, other_gateways, prefix, queue, rendezvous};
 use super::{Context, Filter, Scorer, WorkerView};
@@ -17,6 +17,7 @@ impl Filter for FilterStep {
             FilterStep::Healthy => healthy::Healthy.applies(ctx),
             FilterStep::OnlyRank => only_rank::OnlyRank.applies(ctx),
             FilterStep::Pinned => pinned::Pinned.applies(ctx),
+            FilterStep::Unsaturated => unsaturated::Unsaturated.applies(ctx),
         }
     }
 
@@ -27,6 +28,7 @@ impl Filter for FilterStep {
             FilterStep::Healthy => healthy::Healthy.filter(ctx, worker, ranks),
             FilterStep::OnlyRank => only_rank::OnlyRank.filter(ctx, worker, ranks),
             FilterStep::Pinned => pinned::Pinned.filter(ctx, worker, ranks),
+            FilterStep::Unsaturated => unsaturated::Unsaturated.filter(ctx, worker, ranks),
         }
     }
 
@@ -36,6 +38,7 @@ impl Filter for FilterStep {
             FilterStep::Healthy => healthy::Healthy.drops_whole_workers_only(),
             FilterStep::OnlyRank => only_rank::OnlyRank.drops_whole_workers_only(),
             FilterStep::Pinned => pinned::Pinned.drops_whole_workers_only(),
+            FilterStep::Unsaturated => unsaturated::Unsaturated.drops_whole_workers_only(),
         }
     }
 }
@@ -146,6 +149,15 @@ mod tests {
             },
             health: &health,
             gateways: 3,
+            room: Some(crate::worker_state::saturation::Room {
+                limits: crate::worker_state::saturation::Limits {
+                    max_wait_ms: 1,
+                    max_kv_usage: None,
+                    max_requests: None,
+                },
+                prior_tokens_per_s: 1.0,
+                learn: false,
+            }),
             ..plain
         };
         let steps = Steps::of(&busy);

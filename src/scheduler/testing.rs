@@ -29,6 +29,7 @@ pub fn ctx(constraint: Constraint<'_>) -> Context<'_> {
         prefix: None,
         pick: Pick::LeastCost,
         gateways: 1,
+        room: None,
     }
 }
 

@@ -64,3 +64,47 @@ pub fn pd_fleet(extra: &str) -> (Rc<Config>, FakeHost) {
 pub fn json(bytes: &[u8]) -> serde_json::Value {
     serde_json::from_slice(bytes).unwrap()
 }
+
+/// Admission on: every rank of every worker reports `waiting` uncached
+/// prompt tokens queued (a new snapshot with the same tokens).
+pub fn queue_prefill(config: &Config, host: &FakeHost, waiting: u64) {
+    for i in 0..config.all_workers().count() {
+        queue_prefill_on(config, host, i, &|_| waiting);
+    }
+}
+
+/// Worker `i`'s ranks report `waiting(rank)` uncached prompt tokens
+/// waiting, at unchanged tokens, as a new poll.
+pub fn queue_prefill_on(config: &Config, host: &FakeHost, i: usize, waiting: &dyn Fn(usize) -> u64) {
+    report_on(config, host, i, &|r| crate::load::RankLoad {
+        waiting_uncached_tokens: Some(waiting(r)),
+        waiting_requests: Some(u64::from(waiting(r) > 0)),
+        ..crate::load::RankLoad::default()
+    });
+}
+
+/// Worker `i`'s ranks report `load(rank)` (its tokens kept as polled), as
+/// a new poll.
+pub fn report_on(config: &Config, host: &FakeHost, i: usize, load: &dyn Fn(usize) -> crate::load::RankLoad) {
+    use crate::load::RankLoad;
+    use crate::worker_state::RankFigures;
+    let now = host.now_ms();
+    update_worker(config, host, i, IfMissing::Skip, |s| {
+        let tokens: Vec<Option<u64>> = (0..s.ranks()).map(|r| s.polled_tokens(r)).collect();
+        let ranks: Vec<RankLoad> = tokens
+            .iter()
+            .enumerate()
+            .map(|(r, t)| RankLoad {
+                tokens: *t,
+                ..load(r)
+            })
+            .collect();
+        let figures: Vec<RankFigures> = ranks.iter().map(RankFigures::from).collect();
+        let seq = s.begin_poll();
+        s.apply_snapshot(seq, now, &tokens).then_some(())?;
+        s.apply_drain(0, &ranks, config.gateways);
+        s.apply_figures(seq, &figures);
+        Some(())
+    })
+    .unwrap();
+}

@@ -322,6 +322,11 @@ impl PrefillState {
         self.drained.retain(|b| b.seq >= seq);
     }
 
+    /// The rank's waiting work as its last report gave it (0 when not reported).
+    pub fn polled_waiting(&self, rank: usize) -> Queued {
+        self.polled_waiting.get(rank)
+    }
+
     /// The rank's reported KV capacity, if its report gave one.
     pub fn capacity(&self, rank: usize) -> Option<u64> {
         self.capacity.get(rank).copied().filter(|c| *c > 0)

@@ -20,8 +20,10 @@ use dprank_sim::output::text_upto;
 use dprank_sim::SimConfig;
 use serde_json::Value;
 
-use super::front::{mix, DprankGateway, Front, Held, Placement, PollCall};
-use super::smg::{CacheAware, SmgKnobs};
+use super::front::{
+    mix, Arrival, DprankGateway, Front, Held, IeDetector, Placement, PollCall, Released, SmgFront, IE_POLL_S,
+};
+use super::smg::{CacheAware, Limiter, SmgKnobs};
 use crate::envoy::Balancer;
 use crate::loadgen::{gateway_for, RequestRecord, RunOutput};
 use crate::variant::{Dispatch, Front as VariantFront, Variant};
@@ -75,6 +77,8 @@ enum Event {
         turn: usize,
     },
     Tick(usize),
+    /// The Inference Extension model reads the endpoints' metrics.
+    IePoll(usize),
     Poll {
         gateway: usize,
         token: u32,
@@ -115,6 +119,14 @@ struct InFlight {
     turn: Option<(usize, usize)>,
     /// The hash of the prompt's first 512 bytes (which prompts share a start).
     head: Option<u32>,
+}
+
+/// A request a front holds: what it needs once sent on or refused.
+struct Waiting {
+    gateway: usize,
+    body: bytes::Bytes,
+    record: RequestRecord,
+    turn: Option<(usize, usize)>,
 }
 
 /// The workers' addresses as dprank's configuration names them.
@@ -160,19 +172,25 @@ fn fronts(spec: &RunSpec) -> Result<Vec<Front>, String> {
                 },
                 VariantFront::Dprank { .. } => {
                     let config = dprank_config(spec.variant, spec.workers)?;
-                    Front::Dprank(Box::new(DprankGateway::new(config, salt, EPOCH_MS)))
+                    let gateway = DprankGateway::new(config, salt, EPOCH_MS);
+                    if spec.variant.ie_detector {
+                        Front::Ie(Box::new(IeDetector::new(gateway)))
+                    } else {
+                        Front::Dprank(Box::new(gateway))
+                    }
                 }
                 VariantFront::Smg {
                     policy,
                     dp_aware,
                     args,
                     ..
-                } if policy == "cache_aware" => Front::Smg(Box::new(CacheAware::new(
-                    spec.workers,
-                    spec.sim.dp_size(),
-                    *dp_aware,
-                    &SmgKnobs::from_args(args)?,
-                ))),
+                } if policy == "cache_aware" => {
+                    let knobs = SmgKnobs::from_args(args)?;
+                    Front::Smg(Box::new(SmgFront {
+                        policy: CacheAware::new(spec.workers, spec.sim.dp_size(), *dp_aware, &knobs),
+                        limiter: Limiter::of(&knobs),
+                    }))
+                }
                 _ => {
                     return Err(format!(
                         "`{}`: offline runs support rr, in-server, clairvoyant, dprank[...] and smg cache_aware (with or without --dp-aware)",
@@ -223,6 +241,9 @@ fn empty_record(sent_s: f64, gateway: usize, input: u32, output: u32) -> Request
         truncated: false,
         session: None,
         gaps_us: Vec::new(),
+        high: None,
+        rejected: None,
+        held_ms: None,
     }
 }
 
@@ -281,8 +302,11 @@ pub fn run(plan: &Plan, spec: &RunSpec) -> Result<Outcome, String> {
             );
         }
     }
-    for (g, front) in fronts.iter().enumerate() {
-        if let Front::Dprank(gateway) = front {
+    for (g, front) in fronts.iter_mut().enumerate() {
+        if matches!(front, Front::Ie(_)) {
+            queue.push(0.0, Event::IePoll(g));
+        }
+        if let Some(gateway) = front.dprank() {
             // Gateways start at independent points of their poll cycle.
             let interval_s = gateway.config.poll_interval_ms as f64 / 1000.0;
             let phase = (mix(spec.seed ^ g as u64) % 1000) as f64 / 1000.0 * interval_s;
@@ -290,6 +314,8 @@ pub fn run(plan: &Plan, spec: &RunSpec) -> Result<Outcome, String> {
         }
     }
     let mut in_flight: HashMap<u64, InFlight> = HashMap::new();
+    let mut waiting: HashMap<(usize, u64), Waiting> = HashMap::new();
+    let mut next_id: u64 = 0;
     let mut request_log: Option<Vec<String>> = spec.requests_out.as_ref().map(|_| Vec::new());
     let mut records: Vec<RequestRecord> = Vec::new();
     let mut beyond_horizon = 0usize;
@@ -297,8 +323,9 @@ pub fn run(plan: &Plan, spec: &RunSpec) -> Result<Outcome, String> {
     let mut late = 0usize;
     let mut gave_up = false;
     loop {
-        // Nothing left to send or answer: ticks alone do not keep a run going.
-        if arrivals_left == 0 && in_flight.is_empty() {
+        // Nothing left to send, hold or answer: ticks alone do not keep a
+        // run going.
+        if arrivals_left == 0 && in_flight.is_empty() && waiting.is_empty() {
             break;
         }
         if spec.cut_at_s.is_some_and(|cut| fleet.now() >= cut) {
@@ -391,6 +418,15 @@ pub fn run(plan: &Plan, spec: &RunSpec) -> Result<Outcome, String> {
             }
             records.push(flight.record);
         }
+        let now = fleet.now();
+        settle(
+            &mut fleet,
+            &mut fronts,
+            &mut waiting,
+            &mut in_flight,
+            &mut records,
+            now,
+        )?;
         if queue.peek_s().is_none_or(|t| t > fleet.now()) {
             continue;
         }
@@ -398,8 +434,17 @@ pub fn run(plan: &Plan, spec: &RunSpec) -> Result<Outcome, String> {
             continue;
         };
         match event {
+            Event::IePoll(g) => {
+                let loads: Vec<Value> = (0..spec.workers).map(|w| fleet.v1_loads(w)).collect();
+                if let Front::Ie(ie) = &mut fronts[g] {
+                    ie.poll(&loads);
+                }
+                if arrivals_left > 0 || !in_flight.is_empty() || !waiting.is_empty() {
+                    queue.push(t + IE_POLL_S, Event::IePoll(g));
+                }
+            }
             Event::Tick(g) => {
-                if let Front::Dprank(gateway) = &mut fronts[g] {
+                if let Some(gateway) = fronts[g].dprank() {
                     for call in gateway.tick(t) {
                         queue.push(
                             t + POLL_RTT_S,
@@ -420,7 +465,7 @@ pub fn run(plan: &Plan, spec: &RunSpec) -> Result<Outcome, String> {
             } => {
                 // The worker answers from what it last published.
                 let body = fleet.v1_loads(worker).to_string();
-                if let Front::Dprank(g) = &mut fronts[gateway] {
+                if let Some(g) = fronts[gateway].dprank() {
                     g.poll_answer(t, PollCall { token, worker }, body.as_bytes());
                 }
             }
@@ -428,17 +473,25 @@ pub fn run(plan: &Plan, spec: &RunSpec) -> Result<Outcome, String> {
                 arrivals_left -= 1;
                 let r = &plan.requests[i];
                 let g = gateway_for(spec.seed, i as u64, gateways);
-                let record = empty_record(t, g, r.input_tokens, r.output_tokens);
-                submit(
+                let mut record = empty_record(t, g, r.input_tokens, r.output_tokens);
+                record.high = r.high;
+                next_id += 1;
+                let arrival = Arrive {
+                    id: next_id,
+                    gateway: g,
+                    api: r.api,
+                    body: r.body.clone(),
+                    turn: None,
+                };
+                arrive(
                     &mut fleet,
                     &mut fronts,
                     &mut in_flight,
+                    &mut waiting,
+                    &mut records,
                     t,
-                    g,
-                    r.api,
-                    &r.body,
+                    arrival,
                     record,
-                    None,
                 )?;
             }
             Event::Turn { session, turn } => {
@@ -448,16 +501,23 @@ pub fn run(plan: &Plan, spec: &RunSpec) -> Result<Outcome, String> {
                 let (body, input) = turn_body(plan, session, turn);
                 let mut record = empty_record(t, g, input, s.turns[turn].output_tokens);
                 record.session = Some((s.id, turn as u32));
-                submit(
+                next_id += 1;
+                let arrival = Arrive {
+                    id: next_id,
+                    gateway: g,
+                    api: Api::Chat,
+                    body,
+                    turn: Some((session, turn)),
+                };
+                arrive(
                     &mut fleet,
                     &mut fronts,
                     &mut in_flight,
+                    &mut waiting,
+                    &mut records,
                     t,
-                    g,
-                    Api::Chat,
-                    &body,
+                    arrival,
                     record,
-                    Some((session, turn)),
                 )?;
             }
         }
@@ -524,19 +584,112 @@ fn counter_summary(fronts: &[Front]) -> Option<String> {
     })
 }
 
+/// An arriving request: its id, gateway, body and chat turn.
+struct Arrive {
+    id: u64,
+    gateway: usize,
+    api: Api,
+    body: bytes::Bytes,
+    turn: Option<(usize, usize)>,
+}
+
+/// A request reaches its gateway at `t`: sent to the fleet, held, or
+/// refused (recorded at once).
 #[allow(clippy::too_many_arguments)]
-fn submit(
+fn arrive(
     fleet: &mut Fleet,
     fronts: &mut [Front],
     in_flight: &mut HashMap<u64, InFlight>,
+    waiting: &mut HashMap<(usize, u64), Waiting>,
+    records: &mut Vec<RequestRecord>,
+    t: f64,
+    a: Arrive,
+    mut record: RequestRecord,
+) -> Result<(), String> {
+    let high = record.high;
+    let (arrival, held) = fronts[a.gateway].route(t, a.id, a.api.path(), &a.body, high);
+    match arrival {
+        Arrival::Go(placement) => submit(
+            fleet, in_flight, t, a.gateway, &a.body, placement, held, record, a.turn,
+        ),
+        Arrival::Waiting => {
+            waiting.insert(
+                (a.gateway, a.id),
+                Waiting {
+                    gateway: a.gateway,
+                    body: a.body,
+                    record,
+                    turn: a.turn,
+                },
+            );
+            Ok(())
+        }
+        Arrival::Refused(status) => {
+            refuse(&mut record, status, t);
+            records.push(record);
+            Ok(())
+        }
+    }
+}
+
+/// A refusal at `at_s` (status kept; the request counts as rejected).
+fn refuse(record: &mut RequestRecord, status: u16, at_s: f64) {
+    record.rejected = Some(status);
+    record.end_s = at_s;
+    record.e2e_ms = (at_s - record.sent_s) * 1000.0;
+}
+
+/// What the fronts sent on or refused of the requests they held, at `t`.
+fn settle(
+    fleet: &mut Fleet,
+    fronts: &mut [Front],
+    waiting: &mut HashMap<(usize, u64), Waiting>,
+    in_flight: &mut HashMap<u64, InFlight>,
+    records: &mut Vec<RequestRecord>,
+    t: f64,
+) -> Result<(), String> {
+    if waiting.is_empty() {
+        return Ok(());
+    }
+    for (g, front) in fronts.iter_mut().enumerate() {
+        for released in front.released(t) {
+            match released {
+                Released::Go { id, placement, held } => {
+                    let Some(w) = waiting.remove(&(g, id)) else {
+                        continue;
+                    };
+                    let mut record = w.record;
+                    record.held_ms = Some((t - record.sent_s) * 1000.0);
+                    submit(
+                        fleet, in_flight, t, w.gateway, &w.body, placement, held, record, w.turn,
+                    )?;
+                }
+                Released::Refused { id, status, at_s } => {
+                    if let Some(w) = waiting.remove(&(g, id)) {
+                        let mut record = w.record;
+                        refuse(&mut record, status, at_s);
+                        records.push(record);
+                    }
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Sends a request its front placed to the fleet at `t`.
+#[allow(clippy::too_many_arguments)]
+fn submit(
+    fleet: &mut Fleet,
+    in_flight: &mut HashMap<u64, InFlight>,
     t: f64,
     gateway: usize,
-    api: Api,
     body: &[u8],
+    placement: Placement,
+    held: Held,
     record: RequestRecord,
     turn: Option<(usize, usize)>,
 ) -> Result<(), String> {
-    let (placement, held) = fronts[gateway].route(t, api.path(), body);
     let (request, streamed) = sim_request(body, placement, record.output_tokens)?;
     let id = fleet.submit(t.max(fleet.now()), placement.worker, request)?;
     in_flight.insert(

@@ -1,17 +1,25 @@
 //! What sits in front of the simulated fleet in an offline run, one per
-//! gateway: Envoy's own balancers (round robin, least request), or Envoy +
-//! dprank, run as dprank's real request lifecycle (`dprank::request`) and
-//! poller (`dprank::poller`) on an in-memory host with its own shared data.
+//! gateway: Envoy's own balancers (round robin, least request), Envoy +
+//! dprank, run as dprank's real request lifecycle (`dprank::request`),
+//! admission's passes and poller (`dprank::poller`) on an in-memory host
+//! with its own shared data, the model of smg (and its limiter), or a
+//! model of the Inference Extension's saturation detector in front of
+//! dprank. A front may hold a request (dprank's queue, smg's limiter) and
+//! send it on, or refuse it, later ([`Front::released`]).
 
+use std::cell::RefCell;
 use std::collections::HashMap;
 use std::rc::Rc;
 
 use dprank::config::Config;
 use dprank::host::memory::MemoryHost;
-use dprank::poller::{tick_period_ms, Poller, POLL_DESTINATION_HEADER};
-use dprank::request::{Request, Routing};
+use dprank::host::Host;
+use dprank::poller::{Poller, POLL_DESTINATION_HEADER};
+use dprank::request::{queue_tick_period_ms, Request, Routing};
+use serde_json::Value;
 
-use super::smg::CacheAware;
+use super::smg::{CacheAware, Limiter, Permit};
+use crate::workload::{HIGH_CLASS, LOW_CLASS, PRIORITY_HEADER};
 
 /// Where a request goes: a worker, and the rank it names (None: the
 /// worker's own controller picks).
@@ -28,6 +36,28 @@ pub struct PollCall {
     pub worker: usize,
 }
 
+/// What a front does with an arriving request.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Arrival {
+    /// Sent to the fleet now.
+    Go(Placement),
+    /// Held by the front: [`Front::released`] says later what became of it.
+    Waiting,
+    /// Refused at once with this status.
+    Refused(u16),
+}
+
+/// A held request the front sent on, or refused, since the last look.
+pub enum Released {
+    Go {
+        id: u64,
+        placement: Placement,
+        held: Held,
+    },
+    /// Refused with this status at this simulated time.
+    Refused { id: u64, status: u16, at_s: f64 },
+}
+
 /// One Envoy + dprank.
 pub struct DprankGateway {
     pub host: MemoryHost,
@@ -39,6 +69,10 @@ pub struct DprankGateway {
     fallback: usize,
     /// Milliseconds since the Unix epoch at simulated time 0.
     epoch_ms: u64,
+    /// Requests admission holds, by context id.
+    waiting: HashMap<u32, Rc<RefCell<Request>>>,
+    /// Replies (local answers) already looked at.
+    replies_seen: usize,
 }
 
 impl DprankGateway {
@@ -54,14 +88,18 @@ impl DprankGateway {
         let config = Rc::new(config);
         let mut poller = Poller::new(host.now.get());
         let vm = poller.vm_id(&config, &host);
+        let routing = Routing::new(config.clone(), seed ^ vm.wrapping_mul(0x9E37_79B9));
+        routing.set_vm(vm);
         DprankGateway {
-            routing: Rc::new(Routing::new(config.clone(), seed ^ vm.wrapping_mul(0x9E37_79B9))),
+            routing: Rc::new(routing),
             host,
             config,
             poller,
             workers,
             fallback: seed as usize,
             epoch_ms,
+            waiting: HashMap::new(),
+            replies_seen: 0,
         }
     }
 
@@ -70,13 +108,16 @@ impl DprankGateway {
     }
 
     pub fn tick_period_s(&self) -> f64 {
-        tick_period_ms(&self.config) as f64 / 1000.0
+        queue_tick_period_ms(&self.config) as f64 / 1000.0
     }
 
-    /// The poller's tick at `t_s`; returns the polls it dispatched.
+    /// The root context's tick at `t_s` (the poller's, then admission's);
+    /// returns the polls it dispatched.
     pub fn tick(&mut self, t_s: f64) -> Vec<PollCall> {
         self.set_time(t_s);
+        self.host.set_effective_context(0);
         self.poller.on_tick(&self.config, &self.host);
+        self.routing.on_admission_tick(&self.host, 0);
         let calls = std::mem::take(&mut *self.host.calls.borrow_mut());
         calls
             .into_iter()
@@ -96,33 +137,111 @@ impl DprankGateway {
     /// A poll's answer (`/v1/loads` as the worker published it) at `t_s`.
     pub fn poll_answer(&mut self, t_s: f64, call: PollCall, body: &[u8]) {
         self.set_time(t_s);
+        self.host.set_effective_context(0);
         *self.host.callout.borrow_mut() = (Some(200), body.to_vec());
         self.poller
             .on_response(&self.config, &self.host, call.token, Some(200), body);
+        // As the filter's root context: a poll may show room.
+        self.routing.let_in(&self.host, 0, true);
     }
 
-    /// Routes a request at `t_s` through dprank's request lifecycle; the
-    /// request is returned for its later callbacks.
-    pub fn route(&mut self, t_s: f64, path: &str, body: &[u8]) -> (Placement, Request) {
+    /// Routes request `id` at `t_s` through dprank's request lifecycle
+    /// (with the priority header when it has a class): sent, held or
+    /// refused.
+    pub fn route(
+        &mut self,
+        t_s: f64,
+        id: u64,
+        path: &str,
+        body: &[u8],
+        high: Option<bool>,
+    ) -> (Arrival, Held) {
         self.set_time(t_s);
+        let ctx = id as u32;
         let length = body.len().to_string();
-        self.host.start_request(
-            &[
-                (":method", "POST"),
-                (":path", path),
-                ("content-type", "application/json"),
-                ("content-length", &length),
-            ],
-            body,
-        );
-        let mut request = Request::new(self.routing.clone());
-        request.on_request_headers(&self.host, false);
-        request.on_request_body(&self.host, body.len(), true);
+        let mut headers = vec![
+            (":method", "POST"),
+            (":path", path),
+            ("content-type", "application/json"),
+            ("content-length", &length),
+        ];
+        if let Some(high) = high {
+            headers.push((PRIORITY_HEADER, if high { HIGH_CLASS } else { LOW_CLASS }));
+        }
+        self.host.start_request_as(ctx, &headers, body);
+        let request = Request::shared(self.routing.clone(), ctx);
+        request.borrow_mut().on_request_headers(&self.host, false);
+        request.borrow_mut().on_request_body(&self.host, body.len(), true);
+        if let Some(status) = self.reply_to(ctx) {
+            self.host.end_context(ctx);
+            return (Arrival::Refused(status), Held::None);
+        }
+        if request.borrow().is_held() {
+            self.waiting.insert(ctx, request);
+            return (Arrival::Waiting, Held::None);
+        }
+        let placement = self.placement();
+        (Arrival::Go(placement), Held::Dprank(ctx, request))
+    }
+
+    /// The status of a local reply to context `ctx` among those not looked
+    /// at yet (the others are another context's, already counted).
+    fn reply_to(&mut self, ctx: u32) -> Option<u16> {
+        let contexts = self.host.reply_contexts.borrow();
+        let replies = self.host.replies.borrow();
+        let found = contexts[self.replies_seen..]
+            .iter()
+            .zip(&replies[self.replies_seen..])
+            .find(|(c, _)| **c == ctx)
+            .map(|(_, r)| r.0 as u16);
+        found
+    }
+
+    /// Held requests admission let in or answered since the last look.
+    pub fn released(&mut self, t_s: f64) -> Vec<Released> {
+        let mut out = Vec::new();
+        let resumed: Vec<u32> = std::mem::take(&mut *self.host.resumed_contexts.borrow_mut());
+        for ctx in resumed {
+            let Some(request) = self.waiting.remove(&ctx) else {
+                continue;
+            };
+            self.host.set_effective_context(ctx);
+            out.push(Released::Go {
+                id: u64::from(ctx),
+                placement: self.placement(),
+                held: Held::Dprank(ctx, request),
+            });
+        }
+        let replies: Vec<(u32, u16)> = {
+            let contexts = self.host.reply_contexts.borrow();
+            let replies = self.host.replies.borrow();
+            contexts[self.replies_seen..]
+                .iter()
+                .zip(&replies[self.replies_seen..])
+                .map(|(c, r)| (*c, r.0 as u16))
+                .collect()
+        };
+        self.replies_seen += replies.len();
+        for (ctx, status) in replies {
+            if self.waiting.remove(&ctx).is_some() {
+                self.host.end_context(ctx);
+                out.push(Released::Refused {
+                    id: u64::from(ctx),
+                    status,
+                    at_s: t_s,
+                });
+            }
+        }
+        out
+    }
+
+    /// Where the effective request goes, as its route header and body say.
+    fn placement(&mut self) -> Placement {
         let chosen = self
             .host
             .header(&self.config.route_header)
             .and_then(|value| first_endpoint(&value).and_then(|e| self.workers.get(e)).copied());
-        let placement = match chosen {
+        match chosen {
             Some(worker) => Placement {
                 worker,
                 rank: rank_in(&self.host.request_body.borrow(), &self.config.rank_field),
@@ -135,22 +254,76 @@ impl DprankGateway {
                     rank: None,
                 }
             }
-        };
-        (placement, request)
+        }
     }
 
     /// The response's head and first body chunk reached the gateway.
-    pub fn first_bytes(&self, t_s: f64, request: &mut Request) {
+    pub fn first_bytes(&self, t_s: f64, ctx: u32, request: &RefCell<Request>) {
         self.set_time(t_s);
-        request.on_response_headers(&self.host);
-        request.on_response_body(&self.host);
+        self.host.set_effective_context(ctx);
+        request.borrow_mut().on_response_headers(&self.host);
+        request.borrow_mut().on_response_body(&self.host);
     }
 
     /// The stream ended (Envoy's access log callback).
-    pub fn done(&self, t_s: f64, request: &mut Request) {
+    pub fn done(&self, t_s: f64, ctx: u32, request: &RefCell<Request>) {
         self.set_time(t_s);
-        request.on_done(&self.host);
+        self.host.set_effective_context(ctx);
+        request.borrow_mut().on_done(&self.host);
+        self.host.end_context(ctx);
     }
+}
+
+/// A model of the Gateway API Inference Extension's saturation detector
+/// (release-1.5, without flow control) in front of a dprank gateway: each
+/// endpoint (worker) scores `max(waiting / 5, kv_usage / 0.8)` from its
+/// metrics, polled every [`IE_POLL_S`]; the pool is saturated when the
+/// mean score reaches 1; then sheddable requests (the low class here) are
+/// refused with 429, and every other request is routed as dprank routes it.
+/// Metrics older than 200 ms would count as saturated; polled every 50 ms
+/// in virtual time, they never are.
+pub struct IeDetector {
+    pub gateway: DprankGateway,
+    saturated: bool,
+}
+
+/// How often the model reads the endpoints' metrics (s).
+pub const IE_POLL_S: f64 = 0.05;
+
+impl IeDetector {
+    pub fn new(gateway: DprankGateway) -> IeDetector {
+        IeDetector {
+            gateway,
+            saturated: false,
+        }
+    }
+
+    /// The endpoints' `/v1/loads` at this moment.
+    pub fn poll(&mut self, loads: &[Value]) {
+        let scores: Vec<f64> = loads.iter().map(ie_score).collect();
+        self.saturated = !scores.is_empty() && scores.iter().sum::<f64>() / scores.len() as f64 >= 1.0;
+    }
+}
+
+/// One endpoint's saturation score from its `/v1/loads`.
+fn ie_score(loads: &Value) -> f64 {
+    let ranks = loads
+        .get("loads")
+        .and_then(Value::as_array)
+        .cloned()
+        .unwrap_or_default();
+    let field = |r: &Value, k: &str| r.get(k).and_then(Value::as_f64).unwrap_or(0.0);
+    let waiting: f64 = ranks.iter().map(|r| field(r, "num_waiting_reqs")).sum();
+    let used: f64 = ranks.iter().map(|r| field(r, "num_used_tokens")).sum();
+    let max: f64 = ranks.iter().map(|r| field(r, "max_total_num_tokens")).sum();
+    let kv = if max > 0.0 { used / max } else { 0.0 };
+    (waiting / 5.0).max(kv / 0.8)
+}
+
+/// smg: its policy and, with `--max-concurrent-requests`, its limiter.
+pub struct SmgFront {
+    pub policy: CacheAware,
+    pub limiter: Option<Limiter>,
 }
 
 /// The worker a route header names first: Envoy's `override_host` sends
@@ -178,24 +351,34 @@ pub enum Front {
         draws: u64,
     },
     Dprank(Box<DprankGateway>),
-    /// A model of smg's `cache_aware` policy with `--dp-aware`.
-    Smg(Box<CacheAware>),
+    /// A model of smg's `cache_aware` policy (and its limiter).
+    Smg(Box<SmgFront>),
+    /// A model of the Inference Extension's saturation detector before dprank.
+    Ie(Box<IeDetector>),
 }
 
 /// What a front keeps of one request until it ends.
 pub enum Held {
     None,
-    Dprank(Box<Request>),
+    /// dprank's request: its context id and lifecycle.
+    Dprank(u32, Rc<RefCell<Request>>),
 }
 
 impl Front {
-    /// Chooses where a request goes.
-    pub fn route(&mut self, t_s: f64, path: &str, body: &[u8]) -> (Placement, Held) {
+    /// Chooses where request `id` goes (or holds, or refuses it).
+    pub fn route(
+        &mut self,
+        t_s: f64,
+        id: u64,
+        path: &str,
+        body: &[u8],
+        high: Option<bool>,
+    ) -> (Arrival, Held) {
         match self {
             Front::RoundRobin { next, workers } => {
                 *next = next.wrapping_add(1);
                 let worker = *next % (*workers).max(1);
-                (Placement { worker, rank: None }, Held::None)
+                (Arrival::Go(Placement { worker, rank: None }), Held::None)
             }
             Front::LeastRequest { active, draws } => {
                 *draws = draws.wrapping_add(1);
@@ -206,31 +389,88 @@ impl Front {
                 if let Some(count) = active.get_mut(worker) {
                     *count += 1;
                 }
-                (Placement { worker, rank: None }, Held::None)
+                (Arrival::Go(Placement { worker, rank: None }), Held::None)
             }
-            Front::Dprank(gateway) => {
-                let (placement, request) = gateway.route(t_s, path, body);
-                (placement, Held::Dprank(Box::new(request)))
+            Front::Dprank(gateway) => gateway.route(t_s, id, path, body, high),
+            Front::Ie(ie) => {
+                if ie.saturated && high == Some(false) {
+                    return (Arrival::Refused(429), Held::None);
+                }
+                ie.gateway.route(t_s, id, path, body, high)
             }
-            Front::Smg(smg) => (smg.route(body), Held::None),
+            Front::Smg(smg) => {
+                let permit = match &mut smg.limiter {
+                    Some(limiter) => limiter.arrive(id, t_s, body),
+                    None => Permit::Go,
+                };
+                match permit {
+                    Permit::Go => (Arrival::Go(smg.policy.route(body)), Held::None),
+                    Permit::Queued => (Arrival::Waiting, Held::None),
+                    Permit::Refused(status, _) => (Arrival::Refused(status), Held::None),
+                }
+            }
+        }
+    }
+
+    /// Held requests sent on or refused since the last look, at `t_s`.
+    pub fn released(&mut self, t_s: f64) -> Vec<Released> {
+        match self {
+            Front::Dprank(gateway) => gateway.released(t_s),
+            Front::Ie(ie) => ie.gateway.released(t_s),
+            Front::Smg(smg) => {
+                let Some(limiter) = &mut smg.limiter else {
+                    return Vec::new();
+                };
+                limiter
+                    .settle(t_s)
+                    .into_iter()
+                    .map(|(id, outcome)| match outcome {
+                        Ok(body) => Released::Go {
+                            id,
+                            placement: smg.policy.route(&body),
+                            held: Held::None,
+                        },
+                        Err((status, at_s)) => Released::Refused { id, status, at_s },
+                    })
+                    .collect()
+            }
+            Front::RoundRobin { .. } | Front::LeastRequest { .. } => Vec::new(),
+        }
+    }
+
+    /// The dprank gateway of this front, if it has one.
+    pub fn dprank(&mut self) -> Option<&mut DprankGateway> {
+        match self {
+            Front::Dprank(g) => Some(g),
+            Front::Ie(ie) => Some(&mut ie.gateway),
+            _ => None,
         }
     }
 
     pub fn first_bytes(&mut self, t_s: f64, held: &mut Held) {
-        if let (Front::Dprank(gateway), Held::Dprank(request)) = (self, held) {
-            gateway.first_bytes(t_s, request);
+        if let (Some(gateway), Held::Dprank(ctx, request)) = (self.dprank(), held) {
+            gateway.first_bytes(t_s, *ctx, request);
         }
     }
 
     pub fn done(&mut self, t_s: f64, placement: Placement, held: &mut Held) {
         match (self, held) {
-            (Front::Dprank(gateway), Held::Dprank(request)) => gateway.done(t_s, request),
             (Front::LeastRequest { active, .. }, _) => {
                 if let Some(count) = active.get_mut(placement.worker) {
                     *count = count.saturating_sub(1);
                 }
             }
-            (Front::Smg(smg), _) => smg.done(placement),
+            (Front::Smg(smg), _) => {
+                smg.policy.done(placement);
+                if let Some(limiter) = &mut smg.limiter {
+                    limiter.done();
+                }
+            }
+            (front, Held::Dprank(ctx, request)) => {
+                if let Some(gateway) = front.dprank() {
+                    gateway.done(t_s, *ctx, request);
+                }
+            }
             _ => {}
         }
     }
@@ -274,8 +514,15 @@ mod tests {
         }
         let body = br#"{"text":"hello","sampling_params":{"max_new_tokens":4}}"#;
         for i in 0..4 {
-            let (placement, _) = g.route(0.01 + f64::from(i) * 0.001, "/generate", body);
-            assert_eq!((placement.worker, placement.rank), (1, Some(0)), "request {i}");
+            let (arrival, _) = g.route(0.01 + f64::from(i) * 0.001, i as u64 + 1, "/generate", body, None);
+            assert_eq!(
+                arrival,
+                Arrival::Go(Placement {
+                    worker: 1,
+                    rank: Some(0)
+                }),
+                "request {i}"
+            );
         }
     }
 }

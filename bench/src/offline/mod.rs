@@ -57,7 +57,7 @@ pub fn sim_config(
 /// One cell in virtual time, summarised as the harness summarises its runs;
 /// with `requests_out`, every request as JSONL in that directory.
 pub fn run_cell(cell: &Cell, requests_out: Option<&Path>) -> Result<RunRecord, String> {
-    let plan = cell.workload.plan(&cell.shape())?;
+    let plan = cell.plan()?;
     let started = Instant::now();
     let spec = driver::RunSpec {
         variant: &cell.variant,

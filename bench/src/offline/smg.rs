@@ -23,8 +23,14 @@
 //! are not evicted (smg's `--max-tree-size` default is far above a run).
 //! This is our model, built from that description and smg 1.13's `--help`,
 //! not smg's code: tables label it a model.
+//!
+//! With `--max-concurrent-requests N` the model also limits what is in
+//! flight (a permit per request, held until its answer ends, as 1.13's
+//! `--help` says): beyond N a request waits in a first-come queue of
+//! `--queue-size` (default 100; a full queue answers 429) for at most
+//! `--queue-timeout-secs` (default 60; then 408).
 
-use std::collections::HashSet;
+use std::collections::{HashSet, VecDeque};
 
 use dprank::body::JsonObject;
 use dprank::prefix::PromptBlocks;
@@ -34,12 +40,18 @@ use super::front::Placement;
 const MATCH_BYTES: u32 = 16;
 const BALANCE_ABS_FLOOR: f64 = 4.0;
 
-/// smg's `cache_aware` knobs (its 1.13 defaults unless the variant sets them).
+/// smg's `cache_aware` knobs and its concurrency limiter (its 1.13
+/// defaults unless the variant sets them).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct SmgKnobs {
     pub cache_threshold: f64,
     pub balance_abs: f64,
     pub balance_rel: f64,
+    /// `--max-concurrent-requests` (None: no limit, as its default bound of
+    /// thousands is here).
+    pub max_concurrent: Option<usize>,
+    pub queue_size: usize,
+    pub queue_timeout_s: f64,
 }
 
 impl Default for SmgKnobs {
@@ -48,6 +60,9 @@ impl Default for SmgKnobs {
             cache_threshold: 0.3,
             balance_abs: 64.0,
             balance_rel: 1.5,
+            max_concurrent: None,
+            queue_size: 100,
+            queue_timeout_s: 60.0,
         }
     }
 }
@@ -70,6 +85,12 @@ impl SmgKnobs {
                 "--cache-threshold" | "--cache-match-threshold" => knobs.cache_threshold = value()?,
                 "--balance-abs-threshold" | "--spill-abs-threshold" => knobs.balance_abs = value()?,
                 "--balance-rel-threshold" | "--spill-rel-threshold" => knobs.balance_rel = value()?,
+                "--max-concurrent-requests" => {
+                    let n = value()?;
+                    knobs.max_concurrent = (n > 0.0).then_some(n as usize);
+                }
+                "--queue-size" => knobs.queue_size = value()? as usize,
+                "--queue-timeout-secs" => knobs.queue_timeout_s = value()?,
                 other => return Err(format!("the offline model of smg has no part for `{other}`")),
             }
             i += 2;
@@ -164,6 +185,92 @@ impl CacheAware {
     }
 }
 
+/// A request waiting for a permit.
+struct Queued {
+    id: u64,
+    at_s: f64,
+    body: Vec<u8>,
+}
+
+/// A waiting request's end: its body, now in flight; or refused (status, when).
+pub type Settled = Result<Vec<u8>, (u16, f64)>;
+
+/// smg's concurrency limiter and its queue.
+pub struct Limiter {
+    max: usize,
+    queue_size: usize,
+    timeout_s: f64,
+    in_flight: usize,
+    queue: VecDeque<Queued>,
+}
+
+/// What the limiter does with a request.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Permit {
+    /// In flight now.
+    Go,
+    /// Waiting for a permit.
+    Queued,
+    /// Refused with this status at this time.
+    Refused(u16, f64),
+}
+
+impl Limiter {
+    pub fn of(knobs: &SmgKnobs) -> Option<Limiter> {
+        Some(Limiter {
+            max: knobs.max_concurrent?,
+            queue_size: knobs.queue_size,
+            timeout_s: knobs.queue_timeout_s,
+            in_flight: 0,
+            queue: VecDeque::new(),
+        })
+    }
+
+    /// A request arrives at `t_s`.
+    pub fn arrive(&mut self, id: u64, t_s: f64, body: &[u8]) -> Permit {
+        if self.in_flight < self.max {
+            self.in_flight += 1;
+            Permit::Go
+        } else if self.queue.len() < self.queue_size {
+            self.queue.push_back(Queued {
+                id,
+                at_s: t_s,
+                body: body.to_vec(),
+            });
+            Permit::Queued
+        } else {
+            Permit::Refused(429, t_s)
+        }
+    }
+
+    /// A request in flight ended: its permit is free.
+    pub fn done(&mut self) {
+        self.in_flight = self.in_flight.saturating_sub(1);
+    }
+
+    /// At `t_s`: requests whose wait ran out (408 at their deadline), and
+    /// those that get a permit now, with their bodies.
+    pub fn settle(&mut self, t_s: f64) -> Vec<(u64, Settled)> {
+        let mut out = Vec::new();
+        let timeout = self.timeout_s;
+        self.queue.retain(|q| {
+            let expired = q.at_s + timeout <= t_s;
+            if expired {
+                out.push((q.id, Err((408, q.at_s + timeout))));
+            }
+            !expired
+        });
+        while self.in_flight < self.max {
+            let Some(q) = self.queue.pop_front() else {
+                break;
+            };
+            self.in_flight += 1;
+            out.push((q.id, Ok(q.body)));
+        }
+        out
+    }
+}
+
 /// Index of the smallest value (first of equals).
 fn argmin(values: &[u64]) -> usize {
     values
@@ -205,7 +312,47 @@ mod tests {
             (0.6, 4.0, 1.5)
         );
         assert!(SmgKnobs::from_args(&["--policy".to_string(), "x".to_string()]).is_err());
+        let limited = SmgKnobs::from_args(
+            &[
+                "--max-concurrent-requests",
+                "2",
+                "--queue-size",
+                "1",
+                "--queue-timeout-secs",
+                "1",
+            ]
+            .map(str::to_string),
+        )
+        .unwrap();
+        assert_eq!(
+            (
+                limited.max_concurrent,
+                limited.queue_size,
+                limited.queue_timeout_s
+            ),
+            (Some(2), 1, 1.0)
+        );
         assert!(SmgKnobs::from_args(&["--cache-threshold".to_string()]).is_err());
+    }
+
+    #[test]
+    fn the_limiter_queues_beyond_its_permits_and_times_out_or_refuses() {
+        let knobs = SmgKnobs {
+            max_concurrent: Some(1),
+            queue_size: 1,
+            queue_timeout_s: 1.0,
+            ..SmgKnobs::default()
+        };
+        let mut l = Limiter::of(&knobs).unwrap();
+        assert_eq!(l.arrive(1, 0.0, b"a"), Permit::Go);
+        assert_eq!(l.arrive(2, 0.1, b"b"), Permit::Queued);
+        assert_eq!(l.arrive(3, 0.2, b"c"), Permit::Refused(429, 0.2), "queue full");
+        assert!(l.settle(0.5).is_empty(), "no permit free yet");
+        l.done();
+        assert_eq!(l.settle(0.6), vec![(2, Ok(b"b".to_vec()))]);
+        assert_eq!(l.arrive(4, 0.7, b"d"), Permit::Queued);
+        assert_eq!(l.settle(1.8), vec![(4, Err((408, 1.7)))], "at its deadline");
+        assert!(Limiter::of(&SmgKnobs::default()).is_none());
     }
 
     #[test]

@@ -144,6 +144,7 @@ pub fn rows(batches: usize) -> Result<(String, Timing), String> {
                 admit_probing: false,
                 pick: config.pick,
                 gateways: config.gateways,
+                room: None,
                 prefix: None,
             };
             // As the router does: the indexes of the workers the filters keep, then the choice.

@@ -247,7 +247,16 @@ pub struct OpenRequest {
     /// The tenant sending it, in workloads whose clients share a prompt
     /// (`tenants`); the load generator can keep a tenant on one gateway.
     pub tenant: Option<u32>,
+    /// Its priority class when the run has two (`Plan::assign_classes`):
+    /// true for the high class. Sent as the priority header.
+    pub high: Option<bool>,
 }
+
+/// The priority header and its values for the two classes
+/// (dprank's default classes: `critical` above `standard`).
+pub const PRIORITY_HEADER: &str = "x-dprank-priority";
+pub const HIGH_CLASS: &str = "critical";
+pub const LOW_CLASS: &str = "standard";
 
 /// One closed-loop chat session.
 #[derive(Debug, Clone)]
@@ -286,6 +295,16 @@ impl Plan {
     /// Requests the plan sends (open-loop requests plus every session turn).
     pub fn request_count(&self) -> usize {
         self.requests.len() + self.sessions.iter().map(|s| s.turns.len()).sum::<usize>()
+    }
+
+    /// Puts a `high_share` of the open-loop requests in the high class,
+    /// drawn from (seed, index) alone: every variant of a seed gets the same
+    /// classes.
+    pub fn assign_classes(&mut self, high_share: f64, seed: u64) {
+        for (i, r) in self.requests.iter_mut().enumerate() {
+            let draw = text::seed_of(&[0xC1A5, seed, i as u64]) % 1_000_000;
+            r.high = Some((draw as f64) < high_share * 1_000_000.0);
+        }
     }
 
     /// When the last open-loop request arrives or the last session starts.

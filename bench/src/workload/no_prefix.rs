@@ -49,6 +49,7 @@ pub fn with_lengths(
                 output_tokens,
                 answer_tag: prompt.tag,
                 tenant: None,
+                high: None,
             }
         })
         .collect()

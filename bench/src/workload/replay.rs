@@ -206,6 +206,7 @@ pub fn from_lines(
                 output_tokens,
                 answer_tag: tag,
                 tenant: None,
+                high: None,
             }
         })
         .collect();

@@ -69,6 +69,7 @@ pub fn requests(shape: &Shape, cap: OutputCap) -> Result<Vec<OpenRequest>, Strin
                 output_tokens,
                 answer_tag: question.tag,
                 tenant: Some(tenant as u32),
+                high: None,
             }
         })
         .collect())

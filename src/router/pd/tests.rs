@@ -190,7 +190,7 @@ fn prefill_outcomes() {
     };
     assert_eq!(prefill_outcome(&c, &h, 2, Some(200), b"{}"), None);
     assert_eq!(h.counter("dprank.prefill_ok.p0"), 1);
-    let Reply { status, body } = prefill_outcome(&c, &h, 2, Some(500), b"internal").unwrap();
+    let Reply { status, body, .. } = prefill_outcome(&c, &h, 2, Some(500), b"internal").unwrap();
     assert_eq!(status, 502);
     assert!(body.contains("500") && body.contains("internal"));
     assert_eq!(json(body.as_bytes())["error"]["type"], "prefill_failed");
@@ -203,7 +203,8 @@ fn prefill_outcomes() {
     assert!(!fresh(&h));
     poll(&c, &h, 2, &[9, 1]);
     assert!(fresh(&h), "a good poll brings it back");
-    let Reply { status, body } = prefill_outcome(&c, &h, 2, Some(503), b"upstream connect error").unwrap();
+    let Reply { status, body, .. } =
+        prefill_outcome(&c, &h, 2, Some(503), b"upstream connect error").unwrap();
     assert_eq!(status, 502);
     assert!(body.contains("upstream connect error"));
     assert!(!fresh(&h), "Envoy's own 503 means unreachable");
