@@ -2,12 +2,14 @@
 //! named steps (`validate.rs`) into the runtime [`Config`]. Every error names
 //! the key at fault.
 
+pub mod engine;
 pub mod gateways;
 mod json;
 pub mod prefix;
 mod transport;
 mod validate;
 
+pub use engine::{Engine, EngineKind};
 pub use gateways::{Pick, PickRule};
 pub use json::{ConfigJson, DiscoveryJson, PassiveHealthJson, WorkerJson};
 pub use prefix::{Prefix, QueueMeasure};
@@ -213,6 +215,8 @@ pub enum Mode {
 
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct Config {
+    /// The engine the workers run: their load source and defaults.
+    pub engine: Engine,
     pub mode: Mode,
     pub poll_cluster: String,
     pub route_header: String,
@@ -287,6 +291,12 @@ impl Config {
             Transport::Header(h) => Some(h),
             Transport::Body => None,
         }
+    }
+
+    /// Header mode's settings when the choice is made as the request
+    /// headers arrive (no prefix affinity: the body is never read).
+    pub fn decides_at_headers(&self) -> Option<&HeaderTransport> {
+        self.header_transport().filter(|h| !h.reads_body)
     }
 
     /// Every rank field name a client could use to pick a rank itself.
