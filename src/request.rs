@@ -1,14 +1,15 @@
 //! One request's life in the filter, as plain Rust behind the `Host` trait:
 //! one method per Envoy callback, each returning what Envoy should do next.
 //! It strips the headers only dprank may set, decides which requests to
-//! route, buffers the body (body mode) or routes at once from the headers
-//! (header mode), applies the router's decision (route and rank headers,
+//! route, buffers the body (body mode, and header mode under prefix
+//! affinity) or routes at once from the headers (header mode), applies the
+//! router's decision (route and rank headers,
 //! body and `content-length`, local replies), runs PD mode's prefill leg and
 //! holds the decode response until it is done, and gives every estimate back
 //! and reports how it went to passive health when the request ends.
 //! `filter.rs` only translates callbacks to it.
 
-use crate::config::{Config, Transport};
+use crate::config::Config;
 use crate::discovery::Membership;
 use crate::health_updates::{self, SentTo};
 use crate::host::{Callout, HeaderMap, Host};
@@ -127,17 +128,17 @@ impl Request {
             router::pass_early(host, reason);
             return Action::Continue;
         }
-        match &config.transport {
-            Transport::Body => {
-                self.will_route = true;
-                self.had_content_length = headers.contains("content-length");
-                Action::Pause
-            }
-            Transport::Header(settings) => {
+        if let Some(settings) = config.header_transport() {
+            // A compressed body cannot be read for its prompt: routed by load
+            // from the headers, as header mode without prefix affinity does.
+            if !settings.reads_body || encoded(&headers) {
                 let cost = router::cost_from_length(&config, settings, headers.content_length());
-                self.route_by_headers(host, cost)
+                return self.route_by_headers(host, cost);
             }
         }
+        self.will_route = true;
+        self.had_content_length = headers.contains("content-length");
+        Action::Pause
     }
 
     pub fn on_request_body(&mut self, host: &dyn Host, body_size: usize, end_of_stream: bool) -> Action {
@@ -281,12 +282,21 @@ impl Request {
         }
     }
 
-    /// Applies a routed decision's headers and remembers where it went (either transport).
+    /// Applies a routed decision's headers (the route header; in header
+    /// mode the rank headers, which hold for every retry since the
+    /// alternates have the same rank) and remembers where it went.
     fn apply_routed(&mut self, host: &dyn Host, routed: &Routed) {
         host.set_request_header(
             &self.config.route_header,
             &route_value(&routed.to, &routed.alternates),
         );
+        if let (Some(settings), Some(rank)) = (self.config.header_transport(), routed.to.rank) {
+            let mut digits = itoa::Buffer::new();
+            let rank = digits.format(rank);
+            for name in &settings.rank_headers {
+                host.set_request_header(name, rank);
+            }
+        }
         self.remember_sent_to(
             std::iter::once(&routed.to).chain(&routed.alternates),
             routed.to.rank,
@@ -334,8 +344,8 @@ impl Request {
         }
     }
 
-    /// Header mode: routes on what the headers tell and lets the body stream
-    /// through untouched.
+    /// Header mode deciding from the headers: routes on what they tell and
+    /// lets the body stream through untouched.
     fn route_by_headers(&mut self, host: &dyn Host, cost: u64) -> Action {
         self.config = self.routing.current(host);
         let tie_breaker = self.routing.next_tie_breaker();
@@ -349,15 +359,7 @@ impl Request {
         );
         match decision {
             Decision::Route(routed) => {
-                // The alternates have the same rank: the rank headers hold for every retry.
                 self.apply_routed(host, &routed);
-                if let (Some(settings), Some(rank)) = (self.config.header_transport(), routed.to.rank) {
-                    let mut digits = itoa::Buffer::new();
-                    let rank = digits.format(rank);
-                    for name in &settings.rank_headers {
-                        host.set_request_header(name, rank);
-                    }
-                }
                 self.ticket = routed.ticket;
                 Action::Continue
             }
@@ -468,6 +470,13 @@ fn remove_client_headers(config: &Config, host: &dyn Host, headers: &HeaderMap) 
     }
 }
 
+/// Whether the body is compressed (unreadable without decompressing it).
+fn encoded(headers: &HeaderMap) -> bool {
+    headers
+        .get_bytes("content-encoding")
+        .is_some_and(|e| !e.eq_ignore_ascii_case(b"identity"))
+}
+
 /// Why a request is not routed, as far as its headers tell.
 fn pass_reason(config: &Config, headers: &HeaderMap, end_of_stream: bool) -> Option<PassReason> {
     let header_mode = config.header_transport().is_some();
@@ -475,12 +484,8 @@ fn pass_reason(config: &Config, headers: &HeaderMap, end_of_stream: bool) -> Opt
         Some(PassReason::Method)
     } else if !headers.get(":path").is_some_and(|p| config.routes_path(p)) {
         Some(PassReason::Path)
-    } else if !header_mode
-        && headers
-            .get_bytes("content-encoding")
-            .is_some_and(|e| !e.eq_ignore_ascii_case(b"identity"))
-    {
-        // The body would have to be decompressed; header mode never reads it.
+    } else if !header_mode && encoded(headers) {
+        // The body would have to be decompressed; header mode routes it by load.
         Some(PassReason::Encoded)
     } else if end_of_stream || headers.content_length() == Some(0) {
         Some(PassReason::EmptyBody)
