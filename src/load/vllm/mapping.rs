@@ -103,7 +103,7 @@ pub fn rank_loads(report: &VllmReport, memory: &mut CacheCounters, context: &Rep
         .map(|(engine, hit_rate)| {
             let used = capacity
                 .zip(engine.kv_usage)
-                .map(|(c, share)| (c as f64 * share).round() as u64);
+                .map(|(c, share)| ((c as f64 * share).round() as u64).min(c));
             // Without the KV figures, each running request counts as a mean request.
             let in_use = used.or_else(|| engine.running.map(|r| r.saturating_mul(request)));
             let queued = engine.waiting.map(|w| w.saturating_mul(request));
@@ -112,7 +112,7 @@ pub fn rank_loads(report: &VllmReport, memory: &mut CacheCounters, context: &Rep
                 waiting_requests: engine.waiting,
                 running_requests: engine.running,
                 waiting_uncached_tokens: queued
-                    .map(|q| (q as f64 * (1.0 - hit_rate.unwrap_or(0.0))).round() as u64),
+                    .map(|q| ((q as f64 * (1.0 - hit_rate.unwrap_or(0.0))).round() as u64).min(q)),
                 used_tokens: used,
                 capacity_tokens: capacity,
                 kv_usage: engine.kv_usage,
