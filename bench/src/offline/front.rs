@@ -125,7 +125,7 @@ impl DprankGateway {
         let placement = match chosen {
             Some(worker) => Placement {
                 worker,
-                rank: rank_in(&self.host.request_body.borrow(), &self.config.rank_field),
+                rank: self.rank_named(),
             },
             None => {
                 // The cluster's fallback (round robin); the worker picks the rank.
@@ -137,6 +137,19 @@ impl DprankGateway {
             }
         };
         (placement, request)
+    }
+
+    /// The rank dprank named for the request just routed: in its first rank
+    /// header in header mode (vLLM), else in the body.
+    fn rank_named(&self) -> Option<usize> {
+        match self.config.header_transport() {
+            Some(h) => h
+                .rank_headers
+                .first()
+                .and_then(|name| self.host.header(name))
+                .and_then(|value| value.parse().ok()),
+            None => rank_in(&self.host.request_body.borrow(), &self.config.rank_field),
+        }
     }
 
     /// The response's head and first body chunk reached the gateway.
