@@ -3,10 +3,10 @@
 //! It strips the headers only dprank may set, decides which requests to
 //! route, buffers the body (body mode, and header mode under prefix
 //! affinity) or routes at once from the headers (header mode), applies the
-//! router's decision (route and rank headers,
-//! body and `content-length`, local replies), runs PD mode's prefill leg and
-//! holds the decode response until it is done, and gives every estimate back
-//! and reports how it went to passive health when the request ends.
+//! router's decision (route and rank headers, body and `content-length`,
+//! local replies), runs PD mode's prefill leg and holds the decode response
+//! until it is done, and gives every estimate back and reports how it went
+//! to passive health when the request ends.
 //! `filter.rs` only translates callbacks to it.
 
 use crate::config::Config;
