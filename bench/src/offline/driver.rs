@@ -257,12 +257,14 @@ pub struct Outcome {
 /// Runs `plan` under `spec`.
 pub fn run(plan: &Plan, spec: &RunSpec) -> Result<Outcome, String> {
     let mut sim = spec.sim.clone();
-    sim.dispatch = match spec.variant.dispatch {
-        Dispatch::InServer => dprank_sim::Dispatch::TotalTokens,
-        Dispatch::Clairvoyant => dprank_sim::Dispatch::Oracle,
-        Dispatch::RoundRobin => dprank_sim::Dispatch::RoundRobin,
-        Dispatch::RoomModulo => return Err("PD variants do not run offline".into()),
-    };
+    sim.dispatch = Some(match (spec.variant.dispatch, sim.is_vllm()) {
+        (Dispatch::Clairvoyant, _) => dprank_sim::Dispatch::Oracle,
+        (Dispatch::RoomModulo, _) => return Err("PD variants do not run offline".into()),
+        // A vLLM server has one balancer of its own.
+        (_, true) => dprank_sim::Dispatch::Vllm,
+        (Dispatch::InServer, false) => dprank_sim::Dispatch::TotalTokens,
+        (Dispatch::RoundRobin, false) => dprank_sim::Dispatch::RoundRobin,
+    });
     let mut fleet = Fleet::new(sim, spec.workers)?;
     let mut fronts = fronts(spec)?;
     let gateways = fronts.len();
