@@ -123,8 +123,13 @@ pub fn worker_address(i: usize) -> String {
 }
 
 /// dprank's configuration for a variant: the shipped filter keys, the
-/// variant's poll interval (simulated ms) and overrides.
-pub fn dprank_config(variant: &Variant, workers: usize) -> Result<dprank::config::Config, String> {
+/// variant's poll interval (simulated ms) and overrides; `"engine": "vllm"`
+/// in front of vLLM servers (unless the variant says otherwise).
+pub fn dprank_config(
+    variant: &Variant,
+    workers: usize,
+    vllm: bool,
+) -> Result<dprank::config::Config, String> {
     let VariantFront::Dprank { poll, set } = &variant.front else {
         return Err(format!("`{}` is not a dprank variant", variant.name));
     };
@@ -135,6 +140,9 @@ pub fn dprank_config(variant: &Variant, workers: usize) -> Result<dprank::config
         "workers": list,
         "poll_interval_ms": poll.sim_ms(1.0) as u64,
     });
+    if vllm {
+        json["engine"] = Value::from("vllm");
+    }
     if let Some(map) = json.as_object_mut() {
         for (k, v) in set {
             map.insert(k.clone(), v.clone());
@@ -159,7 +167,7 @@ fn fronts(spec: &RunSpec) -> Result<Vec<Front>, String> {
                     draws: salt,
                 },
                 VariantFront::Dprank { .. } => {
-                    let config = dprank_config(spec.variant, spec.workers)?;
+                    let config = dprank_config(spec.variant, spec.workers, spec.sim.is_vllm())?;
                     Front::Dprank(Box::new(DprankGateway::new(config, salt, EPOCH_MS)))
                 }
                 VariantFront::Smg {
@@ -420,8 +428,13 @@ pub fn run(plan: &Plan, spec: &RunSpec) -> Result<Outcome, String> {
                 token,
                 worker,
             } => {
-                // The worker answers from what it last published.
-                let body = fleet.v1_loads(worker).to_string();
+                // The worker answers from what it last published: a vLLM
+                // server its /metrics, an SGLang one its /v1/loads.
+                let body = if spec.sim.is_vllm() {
+                    fleet.metrics(worker)
+                } else {
+                    fleet.v1_loads(worker).to_string()
+                };
                 if let Front::Dprank(g) = &mut fronts[gateway] {
                     g.poll_answer(t, PollCall { token, worker }, body.as_bytes());
                 }

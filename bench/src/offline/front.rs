@@ -273,9 +273,12 @@ mod tests {
 
     #[test]
     fn a_gateway_routes_where_dprank_chose_not_by_its_fallback() {
-        let config =
-            crate::offline::driver::dprank_config(&crate::variant::Variant::parse("dprank").unwrap(), 2)
-                .unwrap();
+        let config = crate::offline::driver::dprank_config(
+            &crate::variant::Variant::parse("dprank").unwrap(),
+            2,
+            false,
+        )
+        .unwrap();
         let mut g = DprankGateway::new(config, 0, 1_000_000);
         let loads = |waiting: u64| {
             serde_json::json!({"loads": [{"dp_rank": 0, "num_total_tokens": waiting, "num_waiting_reqs": 0}]})
@@ -290,5 +293,64 @@ mod tests {
             let (placement, _) = g.route(0.01 + f64::from(i) * 0.001, "/generate", body);
             assert_eq!((placement.worker, placement.rank), (1, Some(0)), "request {i}");
         }
+    }
+
+    #[test]
+    fn a_gateway_in_front_of_vllm_reads_metrics_and_names_the_engine_in_its_header() {
+        use clap::Parser;
+        let args = [
+            "dprank-sim",
+            "--engine",
+            "vllm",
+            "--dp-size",
+            "2",
+            "--listen",
+            "127.0.0.1:1",
+        ];
+        let sim = dprank_sim::Cli::try_parse_from(args).unwrap().sim;
+        let mut fleet = dprank_sim::offline::Fleet::new(sim, 2).unwrap();
+        let config = crate::offline::driver::dprank_config(
+            &crate::variant::Variant::parse("dprank").unwrap(),
+            2,
+            true,
+        )
+        .unwrap();
+        let mut g = DprankGateway::new(config, 0, 1_000_000);
+        // Engine 1 of worker 0 is busy: a long prompt is running there.
+        let prompt = dprank_sim::offline::Prompt::Text("the cat sat far ".repeat(2000));
+        fleet
+            .submit(0.0, 0, dprank_sim::offline::Request::new(prompt, 4096).on_rank(1))
+            .unwrap();
+        fleet.run_until(3.0);
+        for call in g.tick(3.0) {
+            g.poll_answer(3.001, call, fleet.metrics(call.worker).as_bytes());
+        }
+        assert_eq!(
+            g.host.counter("dprank.poll_ok.w0"),
+            1,
+            "the /metrics answer was read"
+        );
+        assert_eq!(g.host.counter("dprank.poll_ok.w1"), 1);
+        assert!(g
+            .host
+            .gauge_value("dprank.tokens.w0.rank_1")
+            .is_some_and(|t| t > 0));
+        assert_eq!(g.host.gauge_value("dprank.tokens.w0.rank_0"), Some(0));
+        let body = br#"{"model":"m","prompt":"hello","max_tokens":4}"#;
+        let (placement, _) = g.route(3.01, "/v1/completions", body);
+        assert!(
+            placement.rank.is_some(),
+            "the engine is named in x-data-parallel-rank"
+        );
+        assert_ne!(
+            (placement.worker, placement.rank),
+            (0, Some(1)),
+            "not the busy engine"
+        );
+        assert_eq!(
+            g.host.request_body.borrow().as_slice(),
+            body,
+            "the body is untouched"
+        );
     }
 }
