@@ -342,6 +342,7 @@ pub fn start_fleets(
     cell: &Cell,
     name: &str,
 ) -> Result<Fleets, String> {
+    let vllm = cell.preset.vllm;
     let common = |dispatch: &str| -> Vec<String> {
         let mut args = vec![
             "--dp-size".to_string(),
@@ -365,7 +366,7 @@ pub fn start_fleets(
     };
     if cell.variant.is_pd() {
         let mut prefill_args = listen_args(cell.fleet.prefill, true);
-        prefill_args.extend(common(features.dispatch_arg(Dispatch::RoomModulo)?));
+        prefill_args.extend(common(features.dispatch_arg(Dispatch::RoomModulo, vllm)?));
         prefill_args.extend(["--role".into(), "prefill".into()]);
         let prefill = SimFleet::spawn(
             tools,
@@ -374,13 +375,13 @@ pub fn start_fleets(
             &format!("{name}-prefill"),
         )?;
         let mut decode_args = listen_args(cell.fleet.decode, false);
-        decode_args.extend(common(features.dispatch_arg(cell.variant.dispatch)?));
+        decode_args.extend(common(features.dispatch_arg(cell.variant.dispatch, vllm)?));
         decode_args.extend(["--role".into(), "decode".into()]);
         let decode = SimFleet::spawn(tools, &decode_args, cell.fleet.decode, &format!("{name}-decode"))?;
         Ok(Fleets::Pd { prefill, decode })
     } else {
         let mut args = listen_args(cell.fleet.workers, false);
-        args.extend(common(features.dispatch_arg(cell.variant.dispatch)?));
+        args.extend(common(features.dispatch_arg(cell.variant.dispatch, vllm)?));
         Ok(Fleets::Regular(SimFleet::spawn(
             tools,
             &args,
@@ -521,11 +522,18 @@ pub async fn run_cell(
             "smg is not installed (DPRANK_WITH_SMG=1 ./scripts/setup.sh installs it)".into(),
         )));
     }
-    if let Err(reason) = features.dispatch_arg(cell.variant.dispatch) {
+    if let Err(reason) = features.dispatch_arg(cell.variant.dispatch, cell.preset.vllm) {
         return Ok(Err(Skipped(reason)));
+    }
+    if matches!(cell.variant.front, VariantFront::Gie { .. }) {
+        return Ok(Err(Skipped(
+            "the Inference Extension is modelled in virtual time only".into(),
+        )));
     }
     features.check_preset(cell.preset)?;
     let plan = cell.workload.plan(&cell.shape())?;
+    // A vLLM server has no /generate: those requests go to /v1/completions.
+    let plan = if cell.preset.vllm { plan.to_openai() } else { plan };
     let started_at = crate::report::now_utc();
     let wall_start = Instant::now();
     let client = pooled_client();

@@ -11,6 +11,7 @@ use dprank::host::memory::MemoryHost;
 use dprank::poller::{tick_period_ms, Poller, POLL_DESTINATION_HEADER};
 use dprank::request::{Request, Routing};
 
+use super::gie::Gie;
 use super::smg::CacheAware;
 
 /// Where a request goes: a worker, and the rank it names (None: the
@@ -21,11 +22,12 @@ pub struct Placement {
     pub rank: Option<usize>,
 }
 
-/// A poll dprank dispatched: its token, and the worker it asks.
-#[derive(Debug, Clone, Copy)]
+/// A poll dprank dispatched: its token, the worker it asks, the path.
+#[derive(Debug, Clone)]
 pub struct PollCall {
     pub token: u32,
     pub worker: usize,
+    pub path: String,
 }
 
 /// One Envoy + dprank.
@@ -85,20 +87,27 @@ impl DprankGateway {
                     .iter()
                     .find(|(k, _)| k == POLL_DESTINATION_HEADER)
                     .and_then(|(_, v)| self.workers.get(v))?;
+                let path = headers
+                    .iter()
+                    .find(|(k, _)| k == ":path")
+                    .map(|(_, v)| v.clone())
+                    .unwrap_or_default();
                 Some(PollCall {
                     token,
                     worker: *worker,
+                    path,
                 })
             })
             .collect()
     }
 
-    /// A poll's answer (`/v1/loads` as the worker published it) at `t_s`.
-    pub fn poll_answer(&mut self, t_s: f64, call: PollCall, body: &[u8]) {
+    /// A poll's answer (what the worker last published: `/v1/loads`, or a
+    /// vLLM server's `/metrics`) at `t_s`.
+    pub fn poll_answer(&mut self, t_s: f64, call: PollCall, status: u32, body: &[u8]) {
         self.set_time(t_s);
-        *self.host.callout.borrow_mut() = (Some(200), body.to_vec());
+        *self.host.callout.borrow_mut() = (Some(status), body.to_vec());
         self.poller
-            .on_response(&self.config, &self.host, call.token, Some(200), body);
+            .on_response(&self.config, &self.host, call.token, Some(status), body);
     }
 
     /// Routes a request at `t_s` through dprank's request lifecycle; the
@@ -193,6 +202,8 @@ pub enum Front {
     Dprank(Box<DprankGateway>),
     /// A model of smg's `cache_aware` policy with `--dp-aware`.
     Smg(Box<CacheAware>),
+    /// A model of the Inference Extension's endpoint picker (per pod).
+    Gie(Box<Gie>),
 }
 
 /// What a front keeps of one request until it ends.
@@ -226,6 +237,7 @@ impl Front {
                 (placement, Held::Dprank(Box::new(request)))
             }
             Front::Smg(smg) => (smg.route(body), Held::None),
+            Front::Gie(gie) => (gie.route(&prompt_text(body)), Held::None),
         }
     }
 
@@ -247,6 +259,23 @@ impl Front {
             _ => {}
         }
     }
+}
+
+/// The prompt text of a serving body as a gateway reads it: the rendered
+/// conversation of a chat, else `prompt` or `text`.
+fn prompt_text(body: &[u8]) -> Vec<u8> {
+    let Ok(value) = serde_json::from_slice::<serde_json::Value>(body) else {
+        return Vec::new();
+    };
+    if let Some(text) = value.get("messages").and_then(dprank_sim::chat::template_json) {
+        return text.into_bytes();
+    }
+    value
+        .get("prompt")
+        .or_else(|| value.get("text"))
+        .and_then(|v| v.as_str())
+        .map(|text| text.as_bytes().to_vec())
+        .unwrap_or_default()
 }
 
 /// splitmix64.
@@ -286,7 +315,7 @@ mod tests {
         };
         for call in g.tick(0.0) {
             let body = if call.worker == 1 { loads(0) } else { loads(50_000) };
-            g.poll_answer(0.001, call, body.as_bytes());
+            g.poll_answer(0.001, call, 200, body.as_bytes());
         }
         let body = br#"{"text":"hello","sampling_params":{"max_new_tokens":4}}"#;
         for i in 0..4 {
@@ -323,7 +352,8 @@ mod tests {
             .unwrap();
         fleet.run_until(3.0);
         for call in g.tick(3.0) {
-            g.poll_answer(3.001, call, fleet.metrics(call.worker).as_bytes());
+            let body = fleet.metrics(call.worker);
+            g.poll_answer(3.001, call, 200, body.as_bytes());
         }
         assert_eq!(
             g.host.counter("dprank.poll_ok.w0"),
