@@ -19,7 +19,7 @@ help:
 	@echo "make bench-pd    - PD fleet: dprank vs the old rule vs smg, equal freshness and defaults (~9 min)"
 	@echo "make bench-quick - a quick look (~6 min)"
 	@echo "make bench-full  - everything for the committed results (~6 h; dprank-bench full --resume continues one)"
-	@echo "make gateways-figure - redraw bench-results/gateways-ttft-p99.png from the stored several-gateways runs (seconds)"
+	@echo "make gateways-figure - redraw bench-results/legacy-model/gateways-ttft-p99.png from the stored several-gateways runs (seconds)"
 	@echo "make build  - build the filter ($(WASM)), the simulator and the bench tool"
 	@echo "make image  - build the filter in Docker and package it as an OCI image $(IMAGE) (needs a Docker engine; IMAGE=registry/name:tag)"
 	@echo "make wasm   - build $(WASM)"
@@ -83,14 +83,14 @@ bench-full: setup wasm noop-wasm tools
 
 # The several-gateways figure of docs/benchmarks.md, from runs already in bench-results/.
 gateways-figure: tools
-	./target/release/dprank-bench gateways-figure --out bench-results/gateways-ttft-p99.png \
+	./target/release/dprank-bench gateways-figure --out bench-results/legacy-model/gateways-ttft-p99.png \
 	  --target 4=1.15 --target 8=1.3 \
-	  --series "no shared prefixes, today's rule (1000 ms polls);bench-results/gateways;dprank,dprank:gw=2,dprank:gw=4,dprank:gw=8" \
-	  --series "no shared prefixes, gateways: N, 200 ms polls;bench-results/gateways;dprank:set.gateways=4:poll=200:gw=4,dprank:set.gateways=8:poll=200:gw=8" \
-	  --series "tenants (shared prefixes), gateways: N, 200 ms polls;bench-results/gateways-tenants;dprank:poll=200,dprank:set.gateways=4:poll=200:gw=4,dprank:set.gateways=8:poll=200:gw=8" \
-	  --series "tenants, smg cache_aware replicas (÷ one smg);bench-results/gateways-tenants-smg;smg-cache-aware,smg-cache-aware:gw=4,smg-cache-aware:gw=8;smg-cache-aware" \
-	  --series "tenants, today's rule (1000 ms polls);bench-results/gateways-tenants-plain;dprank:gw=1,dprank:gw=4,dprank:gw=8;dprank:gw=1" \
-	  --series "tenants, each tenant kept on one gateway, today's rule;bench-results/gateways-tenants-affine;dprank:gw=1,dprank:gw=4:spread=tenant,dprank:gw=8:spread=tenant;dprank:gw=1"
+	  --series "no shared prefixes, today's rule (1000 ms polls);bench-results/legacy-model/gateways;dprank,dprank:gw=2,dprank:gw=4,dprank:gw=8" \
+	  --series "no shared prefixes, gateways: N, 200 ms polls;bench-results/legacy-model/gateways;dprank:set.gateways=4:poll=200:gw=4,dprank:set.gateways=8:poll=200:gw=8" \
+	  --series "tenants (shared prefixes), gateways: N, 200 ms polls;bench-results/legacy-model/gateways-tenants;dprank:poll=200,dprank:set.gateways=4:poll=200:gw=4,dprank:set.gateways=8:poll=200:gw=8" \
+	  --series "tenants, smg cache_aware replicas (÷ one smg);bench-results/legacy-model/gateways-tenants-smg;smg-cache-aware,smg-cache-aware:gw=4,smg-cache-aware:gw=8;smg-cache-aware" \
+	  --series "tenants, today's rule (1000 ms polls);bench-results/legacy-model/gateways-tenants-plain;dprank:gw=1,dprank:gw=4,dprank:gw=8;dprank:gw=1" \
+	  --series "tenants, each tenant kept on one gateway, today's rule;bench-results/legacy-model/gateways-tenants-affine;dprank:gw=1,dprank:gw=4:spread=tenant,dprank:gw=8:spread=tenant;dprank:gw=1"
 
 # Builds the filter from source inside Docker (docker/wasm-image.Dockerfile).
 image:

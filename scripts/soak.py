@@ -1,6 +1,6 @@
 """The Python half of scripts/soak.sh: free ports, the rendered Envoy
 config, the samples taken every 10 s, the run's metadata and the final
-report (bench-results/soak.md). soak.sh calls it as
+report (bench-results/soak/soak.md). soak.sh calls it as
 `python3 scripts/soak.py <command> ...`.
 """
 

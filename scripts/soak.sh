@@ -2,14 +2,14 @@
 # Soak: Envoy + dprank in front of three simulated SGLang workers for a long
 # while, under mixed traffic, while workers come and go; checks that Envoy's
 # memory and dprank's shared data stay bounded and that every failed request
-# is explained by an injected fault. Writes bench-results/soak.md.
+# is explained by an injected fault. Writes bench-results/soak/soak.md.
 #
 #   scripts/soak.sh [minutes]        (default 10; decimals allowed, e.g. 2.5)
 #
 # Builds nothing: run `make wasm tools` (and `make setup` for Envoy) first.
 # Env: ENVOY_BIN (default .venv/bin/envoy), SOAK_RATE (arrivals per simulated
 # second of the load generator, default 2), SOAK_OUT (report path, default
-# bench-results/soak.md).
+# bench-results/soak/soak.md).
 #
 # What runs (all on 127.0.0.1, ports below the ephemeral range, checked free):
 # - three `dprank-sim` processes (--cost-model legacy --dp-size 4
@@ -38,7 +38,7 @@ fi
 DURATION_S=$(awk -v m="$MINUTES" 'BEGIN { printf "%d", m * 60 }')
 RATE="${SOAK_RATE:-2}"
 TIME_SCALE=10
-OUT="${SOAK_OUT:-bench-results/soak.md}"
+OUT="${SOAK_OUT:-bench-results/soak/soak.md}"
 ENVOY="${ENVOY_BIN:-.venv/bin/envoy}"
 SIM=target/release/dprank-sim
 BENCH=target/release/dprank-bench

@@ -46,7 +46,7 @@ cargo_counts() {
         awk '{ p += $1; f += $2 } END { print p + 0, f + 0 }'
 }
 
-run rust cargo test --workspace --release -- --test-threads 2
+run rust cargo test --workspace --release --no-fail-fast -- --test-threads 2
 rc=$?
 read -r p f < <(cargo_counts "$logs/rust.log")
 # A build failure runs no test: count it as one failure.

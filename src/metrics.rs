@@ -1,5 +1,5 @@
 //! Every counter and gauge dprank defines, named in one place. Envoy shows
-//! them as `wasmcustom.<name>`; the README's tables list what each counts.
+//! them as `wasmcustom.<name>`; docs/requests.md ("Counters and gauges") lists what each counts.
 
 // Counters without a worker.
 /// Shared-data compare-and-swap retries ran out (another thread kept writing).

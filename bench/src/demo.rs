@@ -81,7 +81,7 @@ pub fn shade(values: &[f64], max: f64) -> String {
 pub async fn demo(tools: &Tools, args: &DemoArgs) -> Result<(), String> {
     let features = SimFeatures::detect(&tools.sim)?;
     let fleet = FleetShape::default();
-    let legacy = crate::preset::preset(crate::preset::DEFAULT_PRESET)?;
+    let legacy = crate::preset::preset("legacy")?;
     let (slo, _) = crate::slo::resolve(legacy)?;
     let provenance = crate::provenance::Provenance::current(&tools.root, "dprank-bench demo");
     let workload = Workload::new(WorkloadKind::NoPrefix);

@@ -29,7 +29,7 @@ pub struct GatewaysFigureArgs {
     /// Top of the ratio axis: intervals above it are cut there and their top written beside them.
     #[arg(long, default_value_t = 2.6)]
     y_max: f64,
-    #[arg(long, default_value = "bench-results/gateways-ttft-p99.png")]
+    #[arg(long, default_value = "bench-results/legacy-model/gateways-ttft-p99.png")]
     out: PathBuf,
 }
 

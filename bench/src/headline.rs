@@ -57,7 +57,7 @@ pub struct BenchArgs {
     /// Judging seeds of the capacity check.
     #[arg(long, default_value_t = 3)]
     pub check_seeds: u64,
-    #[arg(long, default_value = "legacy")]
+    #[arg(long, default_value = crate::preset::DEFAULT_PRESET)]
     pub sim_preset: String,
     /// Harness time scale (default: the preset's per KV).
     #[arg(long)]
@@ -204,7 +204,6 @@ pub async fn bench(
     let provenance = Provenance::current(root, command_line);
     let (virtual_suite, virtual_args) = virtual_suite(args)?;
     let (harness, harness_args) = harness_suite(args)?;
-    let (slo, slo_why) = crate::slo::resolve(virtual_suite.preset)?;
     // 1. Capacities (also what the dry run needs to know the rates).
     let capacity_dir = args.out.join("capacity");
     let file = CapacityFile::new(&capacity_dir);
@@ -213,15 +212,16 @@ pub async fn bench(
     all.workloads.dedup_by(|a, b| a.name() == b.name());
     let measured_before = file.load()?.len();
     let started = std::time::Instant::now();
-    let rates = suites::capacities(&all, slo, &file, false, args.dry_run, &provenance)?;
+    let slos = suites::Slos::of_suite(&all)?;
+    let rates = suites::capacities(&all, &slos, &file, false, args.dry_run, &provenance)?;
     if !args.dry_run {
         folder_readme(
             &capacity_dir,
             "capacity",
             &provenance,
             &format!(
-                "SLO: TTFT <= {} ms ({slo_why}). Entries in capacity.json:\n\n{}",
-                slo.ttft_ms,
+                "SLOs: {}. Entries in capacity.json:\n\n{}",
+                slos.describe(),
                 file.load()?
                     .iter()
                     .filter(|e| e.method == capacity::METHOD)
@@ -352,7 +352,12 @@ fn estimate(suite: &Suite, rates: &[(String, Kv, f64, String)], best: Option<&su
         .smg_best
         .as_ref()
         .and_then(|p| suites::SmgBest::load(p).ok().flatten());
-    let Ok(cells) = suite.cells(&rate_of, slo, best.or(stored.as_ref()), &Provenance::default()) else {
+    let Ok(cells) = suite.cells(
+        &rate_of,
+        &|_, _| Ok(slo),
+        best.or(stored.as_ref()),
+        &Provenance::default(),
+    ) else {
         return f64::NAN;
     };
     let known: Vec<&crate::runner::Cell> = cells.iter().filter(|c| c.rate.is_finite()).collect();
@@ -435,7 +440,7 @@ pub struct CheckArgs {
     /// Judging seeds.
     #[arg(long, default_value_t = 3)]
     pub seeds: u64,
-    #[arg(long, default_value = "legacy")]
+    #[arg(long, default_value = crate::preset::DEFAULT_PRESET)]
     pub sim_preset: String,
     #[arg(long)]
     pub trace_dir: Option<PathBuf>,
@@ -510,7 +515,6 @@ fn per_minute(runs: &[Vec<(f64, f64)>]) -> Vec<f64> {
 pub fn capacity_check(args: &CheckArgs, command_line: &str, root: &Path) -> Result<f64, String> {
     let preset = preset::preset(&args.sim_preset)?;
     let provenance = Provenance::current(root, command_line);
-    let (slo, slo_why) = crate::slo::resolve(preset)?;
     let workloads: Vec<Workload> = if args.workloads.is_empty() {
         WorkloadKind::SYNTHETIC
             .into_iter()
@@ -543,8 +547,16 @@ pub fn capacity_check(args: &CheckArgs, command_line: &str, root: &Path) -> Resu
     let started = std::time::Instant::now();
     let mut estimate = 0.0;
     let mut rows = Vec::new();
+    let mut slo_lines = Vec::new();
     for w in &workloads {
         for kv in &args.kv {
+            let (slo, why) = crate::slo::for_workload(preset, w, *kv, crate::slo::SloOverride::default())?;
+            slo_lines.push(format!(
+                "`{}`, KV {}: TTFT <= {} ms ({why})",
+                w.name(),
+                kv.name(),
+                slo.ttft_ms
+            ));
             let entry = match file.lookup(w, *kv, &fleet, preset, &slo)? {
                 Some(e) => e,
                 None if args.dry_run => {
@@ -655,6 +667,7 @@ pub fn capacity_check(args: &CheckArgs, command_line: &str, root: &Path) -> Resu
                     format!("`{}`", w.name()),
                     kv.name().to_string(),
                     format!("{:.0}% = {rate:.2} req/s", load * 100.0),
+                    format!("{}", slo.ttft_ms),
                     p90.display(0),
                     minutes
                         .iter()
@@ -684,18 +697,19 @@ pub fn capacity_check(args: &CheckArgs, command_line: &str, root: &Path) -> Resu
     );
     let _ = writeln!(
         md,
-        "The clairvoyant chooser, {} s of warm-up then {} s measured, in virtual time (preset `{}`), judging seeds {:?}. SLO: TTFT p90 <= {} ms ({slo_why}). TTFT p90 pooled over the seeds with its 95% cluster-bootstrap interval, and per minute of send time (pooled over seeds). At 110% a queue that grows shows as a mean TTFT that climbs from the first third of the window to the last: the verdict says growing when it climbed by more than the SLO, and by half at least.\n",
+        "The clairvoyant chooser, {} s of warm-up then {} s measured, in virtual time (preset `{}`), judging seeds {:?}. SLO per workload and KV (the table's column): {}. TTFT p90 pooled over the seeds with its 95% cluster-bootstrap interval, and per minute of send time (pooled over seeds). At 110% a queue that grows shows as a mean TTFT that climbs from the first third of the window to the last: the verdict says growing when it climbed by more than the SLO, and by half at least.\n",
         capacity::WARMUP_S,
         capacity::WINDOW_S,
         preset.name,
         seeds,
-        slo.ttft_ms
+        slo_lines.join("; ")
     );
     md.push_str(&markdown_table(
         &[
             "workload",
             "KV",
             "offered",
+            "SLO TTFT ms",
             "TTFT p90 [95%]",
             "TTFT p90 per minute",
             "verdict",

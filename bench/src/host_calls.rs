@@ -31,7 +31,7 @@ pub struct HostCallsArgs {
     /// Interleaved runs; intervals are over runs.
     #[arg(long, default_value_t = 5)]
     pub runs: usize,
-    #[arg(long, default_value = "bench-results")]
+    #[arg(long, default_value = "bench-results/cost")]
     pub out: PathBuf,
 }
 

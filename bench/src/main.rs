@@ -80,8 +80,14 @@ enum Command {
     Capacity(SuiteArgs),
     /// 10 minutes at 85% and 110% of the sustainable capacity: is it real, and a limit?
     CapacityCheck(headline::CheckArgs),
-    /// The SLO of each simulator preset and the idle latencies it rests on.
-    Slo,
+    /// The SLO of each simulator preset and workload, and the idle
+    /// latencies it rests on.
+    Slo {
+        /// Where the public traces are (default: DPRANK_TRACE_DIR, then
+        /// target/traces/mooncake).
+        #[arg(long)]
+        trace_dir: Option<std::path::PathBuf>,
+    },
     /// Rebuild the reports from runs.jsonl without running anything.
     Report {
         #[arg(long, default_value = "bench-results")]
@@ -164,7 +170,7 @@ struct LoadArgs {
 
 async fn load(args: LoadArgs) -> Result<(), String> {
     let workload = Workload::new(WorkloadKind::parse(&args.workload)?);
-    let legacy = preset::preset(preset::DEFAULT_PRESET)?;
+    let legacy = preset::preset("legacy")?;
     let plan = workload.plan(&Shape {
         rate: args.rate,
         duration_s: args.duration,
@@ -279,33 +285,45 @@ async fn full(
 fn capacities(args: &SuiteArgs, command_line: &str, root: &std::path::Path) -> Result<(), String> {
     let mut suite = args.apply(Suite::named("run")?)?;
     suite.jobs = args.jobs.unwrap_or_else(cpu::cores);
-    let (slo, why) = match suite.slo {
-        Some(slo) => (slo, "set on the command line".into()),
-        None => slo::resolve(suite.preset)?,
-    };
-    println!("SLO: TTFT <= {} ms ({why})", slo.ttft_ms);
+    let slos = suites::Slos::of_suite(&suite)?;
+    println!("SLOs: {}", slos.describe());
     let dir = args.capacity_dir.clone().unwrap_or_else(|| suite.out.clone());
     let file = capacity::CapacityFile::new(&dir);
     let provenance = provenance::Provenance::current(root, command_line);
-    suites::capacities(&suite, slo, &file, args.remeasure, args.dry_run, &provenance)?;
+    suites::capacities(&suite, &slos, &file, args.remeasure, args.dry_run, &provenance)?;
     println!("capacities in {}", file.path.display());
     Ok(())
 }
 
 /// Every preset's SLO with the idle latencies behind it.
-fn slos() -> Result<(), String> {
+fn slos(trace_dir: Option<std::path::PathBuf>) -> Result<(), String> {
+    use workload::{Workload, WorkloadKind};
     for p in &preset::PRESETS {
-        let idle = slo::idle_latencies(p, preset::IDLE_PROMPT_TOKENS);
-        let resolved = slo::resolve(p);
-        match (idle, resolved) {
-            (Ok((ttft, tpot)), Ok((slo, why))) => println!(
-                "{}: idle TTFT {ttft:.1} ms, TPOT {tpot:.2} ms ({}-token prompt); SLO TTFT <= {} ms, TPOT <= {} ms: {why}",
-                p.name,
-                preset::IDLE_PROMPT_TOKENS,
-                slo.ttft_ms,
-                slo.tpot_ms
-            ),
-            (Err(e), _) | (_, Err(e)) => println!("{}: {e}", p.name),
+        let (ttft, tpot) = slo::idle_latencies(p, preset::IDLE_PROMPT_TOKENS)?;
+        println!(
+            "{}: idle TTFT {ttft:.1} ms, TPOT {tpot:.2} ms ({}-token prompt)",
+            p.name,
+            preset::IDLE_PROMPT_TOKENS
+        );
+        let kinds = WorkloadKind::SYNTHETIC
+            .into_iter()
+            .chain(WorkloadKind::PUBLIC_TRACES);
+        for kind in kinds {
+            let mut w = Workload::new(kind);
+            w.trace.dir = trace_dir.clone();
+            w.trace.input_scale = p.trace_input_scale;
+            for kv in [runner::Kv::Small, runner::Kv::Large] {
+                match slo::for_workload(p, &w, kv, slo::SloOverride::default()) {
+                    Ok((s, why)) => println!(
+                        "  {} KV {}: TTFT <= {} ms, TPOT <= {} ms: {why}",
+                        w.name(),
+                        kv.name(),
+                        s.ttft_ms,
+                        s.tpot_ms
+                    ),
+                    Err(e) => println!("  {} KV {}: {e}", w.name(), kv.name()),
+                }
+            }
         }
     }
     Ok(())
@@ -371,7 +389,7 @@ async fn run(cli: Cli) -> Result<(), String> {
         Command::Full(args) => full(&tools()?, args, line, root).await,
         Command::Capacity(args) => capacities(args, line, root),
         Command::CapacityCheck(args) => headline::capacity_check(args, line, root).map(|_| ()),
-        Command::Slo => slos(),
+        Command::Slo { trace_dir } => slos(trace_dir.clone()),
         Command::Report { out, allow_mixed } => rebuild_reports(out, *allow_mixed, line),
         Command::GatewaysFigure(args) => figure::gateways_figure(args),
         Command::Demo(args) => demo::demo(&tools()?, args).await,

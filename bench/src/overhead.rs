@@ -38,7 +38,7 @@ pub struct OverheadArgs {
     /// core, the load generator and the worker on the others).
     #[arg(long)]
     pub no_pin: bool,
-    #[arg(long, default_value = "bench-results")]
+    #[arg(long, default_value = "bench-results/cost")]
     pub out: PathBuf,
 }
 
@@ -49,7 +49,7 @@ impl OverheadArgs {
             runs: 3,
             stream_tokens: 64,
             no_pin: false,
-            out: PathBuf::from("bench-results"),
+            out: PathBuf::from("bench-results/cost"),
         }
     }
 }

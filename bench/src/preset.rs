@@ -114,8 +114,11 @@ pub const PRESETS: [SimPreset; 5] = [
         },
         max_prompt: 65_536,
         max_output: 4096,
-        // Ranks hold 100k+ tokens: the traces replay at their own lengths.
-        trace_input_scale: 1.0,
+        // A rank prefills a prompt alone: the quadratic attention of the
+        // conversation trace's p90 prompt (27k tokens) alone takes ~5 s, where
+        // the trace's own deployment split long prefills over several nodes.
+        // Lengths and blocks x 1/4 keep arrivals, sharing and answers.
+        trace_input_scale: 0.25,
         slo: SloRule::FromIdle,
         time_scale_small: 2.0,
         time_scale_large: 1.0,
@@ -190,7 +193,7 @@ pub const PRESETS: [SimPreset; 5] = [
 ];
 
 /// The default preset.
-pub const DEFAULT_PRESET: &str = "legacy";
+pub const DEFAULT_PRESET: &str = "deepseek-v3-dp8";
 
 /// The preset named `name`.
 pub fn preset(name: &str) -> Result<&'static SimPreset, String> {
@@ -277,9 +280,15 @@ mod tests {
             }
         }
         assert!(preset("nope").unwrap_err().contains("legacy"));
-        let legacy = preset(DEFAULT_PRESET).unwrap();
+        let legacy = preset("legacy").unwrap();
+        assert_eq!(preset(DEFAULT_PRESET).unwrap().name, "deepseek-v3-dp8");
         assert_eq!(legacy.max_prompt(Kv::Small), 8192);
-        assert!(legacy.provisional.is_none() && legacy.sim_args == ["--cost-model", "legacy"]);
+        assert!(legacy.provisional.is_none());
+        assert_eq!(
+            legacy.sim_args,
+            ["--cost-model", "legacy"],
+            "the simulator's default is a calibrated model"
+        );
         // vLLM presets say so in their flags too.
         for p in &PRESETS {
             assert_eq!(

@@ -454,8 +454,11 @@ pub fn group_title(g: &Group) -> String {
     } else {
         "synthetic"
     };
+    let slo = g.all().next().map_or(String::new(), |r| {
+        format!(", SLO TTFT <= {} ms, TPOT <= {} ms", r.slo.ttft_ms, r.slo.tpot_ms)
+    });
     format!(
-        "`{}` ({real}), KV {}, offered {}{:.2} req/s (simulated), preset `{}`, {source}{when}",
+        "`{}` ({real}), KV {}, offered {}{:.2} req/s (simulated), preset `{}`{slo}, {source}{when}",
         g.workload, g.kv, load, g.rate, g.preset
     )
 }

@@ -30,7 +30,7 @@ pub struct SelectionArgs {
     /// Timed batches per case; the median batch is reported.
     #[arg(long, default_value_t = 51)]
     pub batches: usize,
-    #[arg(long, default_value = "bench-results")]
+    #[arg(long, default_value = "bench-results/cost")]
     pub out: PathBuf,
 }
 
@@ -38,7 +38,7 @@ impl SelectionArgs {
     pub fn defaults() -> SelectionArgs {
         SelectionArgs {
             batches: 51,
-            out: PathBuf::from("bench-results"),
+            out: PathBuf::from("bench-results/cost"),
         }
     }
 }

@@ -1,17 +1,47 @@
-//! The goodput SLO of a simulator preset, and the idle latencies it rests
-//! on. A calibrated preset's SLO is derived from its own model: 5x the idle
-//! TTFT and 3x the idle TPOT of a 4,096-token prompt (one request on an
-//! empty fleet, in virtual time), rounded up to two significant digits; a
-//! fixed SLO (the `legacy` preset's) is stated with its reason. Reports
-//! print the SLO with how it was set.
+//! The goodput SLO of a workload on a simulator preset, and the latencies
+//! it rests on. A calibrated preset's SLO is derived from its own model, per
+//! workload and KV size: TTFT at most 5x the idle TTFT of the workload's
+//! 90th-percentile prompt (so long-prompt traces and short-prompt workloads
+//! are held to the same slowdown), and TPOT at most one decode step of a
+//! full batch (the preset's large-KV running limit at 2,000 KV tokens per
+//! sequence: the operating point the cost model's decode figures were
+//! published at), each rounded up to two significant digits. A fixed SLO
+//! (the `legacy` preset's) is stated with its reason. The command line can
+//! override either figure. Reports print the SLO with how it was set.
 
 use dprank_sim::offline::{Fleet, Prompt, Request};
+
+use dprank_sim::engine::cost::DecodeWork;
 
 use crate::offline::sim_config;
 use crate::preset::{SimPreset, SloRule, IDLE_PROMPT_TOKENS, IDLE_TPOT_FACTOR, IDLE_TTFT_FACTOR};
 use crate::runner::Kv;
-use crate::stats::Slo;
-use crate::workload::text;
+use crate::stats::{percentile, Slo};
+use crate::workload::chat::TEMPLATE_TOKENS_PER_MESSAGE;
+use crate::workload::{text, Plan, Shape, Workload};
+
+/// The prompt percentile the TTFT SLO is set at.
+pub const SLO_PROMPT_PERCENTILE: f64 = 90.0;
+/// KV tokens per sequence of the full batch whose decode step is the TPOT SLO.
+pub const FULL_BATCH_KV_PER_SEQUENCE: u64 = 2_000;
+/// The plan the prompt lengths are read from: its seed (apart from every
+/// tuning and judging seed), rate and length.
+const PROMPT_SAMPLE_SEED: u64 = 0x510_5eed;
+const PROMPT_SAMPLE_RATE: f64 = 4.0;
+const PROMPT_SAMPLE_S: f64 = 600.0;
+
+/// Either figure of an SLO set on the command line.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct SloOverride {
+    pub ttft_ms: Option<f64>,
+    pub tpot_ms: Option<f64>,
+}
+
+impl SloOverride {
+    pub fn is_empty(&self) -> bool {
+        self.ttft_ms.is_none() && self.tpot_ms.is_none()
+    }
+}
 
 /// Output tokens of the idle request.
 const IDLE_OUTPUT: u64 = 256;
@@ -62,12 +92,91 @@ pub fn from_idle(preset: &SimPreset) -> Result<(Slo, String), String> {
     Ok((slo, why))
 }
 
-/// The preset's SLO and how it was set.
+/// The preset's SLO for a 4,096-token prompt and how it was set (what
+/// `dprank-bench slo` prints beside each workload's).
 pub fn resolve(preset: &SimPreset) -> Result<(Slo, String), String> {
     match preset.slo {
         SloRule::Fixed(slo, why) => Ok((slo, why.to_string())),
         SloRule::FromIdle => from_idle(preset),
     }
+}
+
+/// Every prompt's length in tokens (as the simulator counts them) of a
+/// plan; a chat turn's prompt is its whole conversation so far (counted
+/// with the template's tokens per message).
+pub fn prompt_lengths(plan: &Plan) -> Vec<f64> {
+    let mut out: Vec<f64> = plan.requests.iter().map(|r| f64::from(r.input_tokens)).collect();
+    for session in &plan.sessions {
+        let mut history =
+            dprank_sim::tokenizer::count_tokens(&session.system) as f64 + TEMPLATE_TOKENS_PER_MESSAGE;
+        for turn in &session.turns {
+            history += dprank_sim::tokenizer::count_tokens(&turn.user) as f64 + TEMPLATE_TOKENS_PER_MESSAGE;
+            out.push(history + TEMPLATE_TOKENS_PER_MESSAGE);
+            history += f64::from(turn.output_tokens) + TEMPLATE_TOKENS_PER_MESSAGE;
+        }
+    }
+    out
+}
+
+/// The workload's 90th-percentile prompt with KV `kv` on `preset`.
+pub fn prompt_p90(preset: &SimPreset, workload: &Workload, kv: Kv) -> Result<u32, String> {
+    let plan = workload.plan(&Shape {
+        rate: PROMPT_SAMPLE_RATE,
+        duration_s: PROMPT_SAMPLE_S,
+        seed: PROMPT_SAMPLE_SEED,
+        max_prompt: preset.max_prompt(kv),
+        max_output: preset.max_output,
+    })?;
+    let lengths = prompt_lengths(&plan);
+    if lengths.is_empty() {
+        return Err(format!("{}: the sample plan sends nothing", workload.name()));
+    }
+    Ok(percentile(&lengths, SLO_PROMPT_PERCENTILE).round().max(1.0) as u32)
+}
+
+/// One decode step of a full batch on `preset` (ms): its large-KV running
+/// limit, each sequence reading [`FULL_BATCH_KV_PER_SEQUENCE`] KV tokens.
+pub fn full_batch_step_ms(preset: &SimPreset) -> Result<f64, String> {
+    let config = sim_config(preset, Kv::Large, preset.dp_size, &[])?;
+    let seqs = u64::from(preset.large.running);
+    let step = config.cost().decode_us(DecodeWork {
+        seqs,
+        kv_tokens: seqs * FULL_BATCH_KV_PER_SEQUENCE,
+    });
+    Ok(step as f64 / 1000.0)
+}
+
+/// The SLO of `workload` with KV `kv` on `preset`, and how it was set;
+/// `over` replaces either figure.
+pub fn for_workload(
+    preset: &SimPreset,
+    workload: &Workload,
+    kv: Kv,
+    over: SloOverride,
+) -> Result<(Slo, String), String> {
+    let (mut slo, mut why) = match preset.slo {
+        SloRule::Fixed(slo, why) => (slo, why.to_string()),
+        SloRule::FromIdle => {
+            let prompt = prompt_p90(preset, workload, kv)?;
+            let (ttft, _) = idle_latencies(preset, prompt)?;
+            let step = full_batch_step_ms(preset)?;
+            let slo = Slo {
+                ttft_ms: round_up_2(IDLE_TTFT_FACTOR * ttft),
+                tpot_ms: round_up_2(step),
+            };
+            let why = format!(
+                "TTFT {IDLE_TTFT_FACTOR}x the idle TTFT ({ttft:.0} ms) of the workload's p90 prompt ({prompt} tokens); TPOT one decode step of a full batch ({} sequences of {FULL_BATCH_KV_PER_SEQUENCE} KV tokens: {step:.1} ms); preset `{}`, rounded up to two significant digits",
+                preset.large.running, preset.name
+            );
+            (slo, why)
+        }
+    };
+    if !over.is_empty() {
+        slo.ttft_ms = over.ttft_ms.unwrap_or(slo.ttft_ms);
+        slo.tpot_ms = over.tpot_ms.unwrap_or(slo.tpot_ms);
+        why = format!("set on the command line (otherwise: {why})");
+    }
+    Ok((slo, why))
 }
 
 #[cfg(test)]

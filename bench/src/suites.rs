@@ -26,6 +26,7 @@ use crate::runner::{
     measured_window, run_cell, settings_of, Cell, FleetShape, Kv, ResultsFile, RunRecord, Skipped,
 };
 use crate::seeds::SeedSet;
+use crate::slo::SloOverride;
 use crate::stats::{Pooled, Slo};
 use crate::variant::{SimFeatures, Variant};
 use crate::workload::{OutputCap, Workload, WorkloadKind};
@@ -305,8 +306,9 @@ pub struct Suite {
     pub reference: String,
     pub fleet: FleetShape,
     pub preset: &'static SimPreset,
-    /// None: the preset's SLO (`slo::resolve`).
-    pub slo: Option<Slo>,
+    /// Figures of the SLO set on the command line; the rest per workload
+    /// (`slo::for_workload`).
+    pub slo_override: SloOverride,
     /// Where records and reports go.
     pub out: PathBuf,
     /// Run in virtual time (the offline model) instead of on the harness.
@@ -323,7 +325,7 @@ fn synthetic_workloads() -> Vec<Workload> {
 
 impl Suite {
     pub fn named(name: &str) -> Result<Suite, String> {
-        let legacy = preset::preset(preset::DEFAULT_PRESET)?;
+        let default = preset::preset(preset::DEFAULT_PRESET)?;
         let base = Suite {
             name: name.to_string(),
             about: String::new(),
@@ -340,11 +342,11 @@ impl Suite {
             time_scale: None,
             reference: "dprank".into(),
             fleet: FleetShape {
-                dp_size: legacy.dp_size,
+                dp_size: default.dp_size,
                 ..FleetShape::default()
             },
-            preset: legacy,
-            slo: None,
+            preset: default,
+            slo_override: SloOverride::default(),
             out: PathBuf::from("bench-results"),
             virtual_time: false,
             jobs: 1,
@@ -495,7 +497,7 @@ impl Suite {
     pub fn cells(
         &self,
         rate_of: &dyn Fn(&Workload, Kv, f64) -> Result<(f64, Option<(String, f64)>), String>,
-        slo: Slo,
+        slo_of: &dyn Fn(&Workload, Kv) -> Result<Slo, String>,
         best: Option<&SmgBest>,
         provenance: &Provenance,
     ) -> Result<Vec<Cell>, String> {
@@ -504,6 +506,7 @@ impl Suite {
             for workload in &self.workloads {
                 let variants = self.variants_for(workload, best)?;
                 for kv in &self.kvs {
+                    let slo = slo_of(workload, *kv)?;
                     for load in &self.loads {
                         let (rate, capacity) = match self.rate {
                             Some(rate) => (rate, None),
@@ -720,14 +723,10 @@ impl SuiteArgs {
             suite.fleet.dp_size = d;
         }
         if self.slo_ttft_ms.is_some() || self.slo_tpot_ms.is_some() {
-            let (base, _) = match suite.slo {
-                Some(slo) => (slo, String::new()),
-                None => crate::slo::resolve(suite.preset)?,
+            suite.slo_override = SloOverride {
+                ttft_ms: self.slo_ttft_ms.or(suite.slo_override.ttft_ms),
+                tpot_ms: self.slo_tpot_ms.or(suite.slo_override.tpot_ms),
             };
-            suite.slo = Some(Slo {
-                ttft_ms: self.slo_ttft_ms.unwrap_or(base.ttft_ms),
-                tpot_ms: self.slo_tpot_ms.unwrap_or(base.tpot_ms),
-            });
         }
         if self.virtual_time {
             suite.virtual_time = true;
@@ -782,11 +781,56 @@ pub fn estimate_virtual_run_s(cell: &Cell) -> f64 {
     VIRTUAL_S_PER_RUN + requests * VIRTUAL_S_PER_REQUEST * long_prompts
 }
 
+/// The SLO of each (workload, KV) of a suite (`slo::for_workload`), each
+/// resolved once, with how it was set.
+pub struct Slos {
+    entries: Vec<(String, Kv, Slo, String)>,
+}
+
+impl Slos {
+    pub fn of_suite(suite: &Suite) -> Result<Slos, String> {
+        let mut entries = Vec::new();
+        for workload in &suite.workloads {
+            for kv in &suite.kvs {
+                let (slo, why) = crate::slo::for_workload(suite.preset, workload, *kv, suite.slo_override)?;
+                entries.push((workload.name(), *kv, slo, why));
+            }
+        }
+        Ok(Slos { entries })
+    }
+
+    pub fn of(&self, workload: &Workload, kv: Kv) -> Result<Slo, String> {
+        let name = workload.name();
+        self.entries
+            .iter()
+            .find(|(w, k, _, _)| *w == name && *k == kv)
+            .map(|(_, _, slo, _)| *slo)
+            .ok_or_else(|| format!("no SLO resolved for {name} with KV {}", kv.name()))
+    }
+
+    /// One line per (workload, KV): the SLO and how it was set.
+    pub fn describe(&self) -> String {
+        let lines: Vec<String> = self
+            .entries
+            .iter()
+            .map(|(w, kv, slo, why)| {
+                format!(
+                    "`{w}`, KV {}: TTFT <= {} ms, TPOT <= {} ms ({why})",
+                    kv.name(),
+                    slo.ttft_ms,
+                    slo.tpot_ms
+                )
+            })
+            .collect();
+        lines.join("; ")
+    }
+}
+
 /// The capacities a suite needs, measured (in virtual time) when missing.
 #[allow(clippy::too_many_arguments)]
 pub fn capacities(
     suite: &Suite,
-    slo: Slo,
+    slos: &Slos,
     file: &CapacityFile,
     remeasure: bool,
     dry_run: bool,
@@ -798,6 +842,7 @@ pub fn capacities(
     }
     for workload in &suite.workloads {
         for kv in &suite.kvs {
+            let slo = slos.of(workload, *kv)?;
             let job = CapacityJob {
                 workload,
                 kv: *kv,
@@ -855,15 +900,12 @@ pub async fn run_suite(
     if let Some(features) = &features {
         features.check_preset(suite.preset)?;
     }
-    let (slo, slo_why) = match suite.slo {
-        Some(slo) => (slo, "set on the command line".to_string()),
-        None => crate::slo::resolve(suite.preset)?,
-    };
+    let slos = Slos::of_suite(suite)?;
     let results = ResultsFile::new(&suite.out.join("runs.jsonl"));
     let capacity_file = CapacityFile::new(args.capacity_dir.as_deref().unwrap_or(&suite.out));
     let rates = capacities(
         suite,
-        slo,
+        &slos,
         &capacity_file,
         args.remeasure,
         args.dry_run,
@@ -903,7 +945,7 @@ pub async fn run_suite(
         }
     }
     let suite = &suite;
-    let cells = suite.cells(&rate_of, slo, best.as_ref(), &provenance)?;
+    let cells = suite.cells(&rate_of, &|w, kv| slos.of(w, kv), best.as_ref(), &provenance)?;
     let done = if args.resume {
         let records = results.load()?;
         let reused = reusable(&records, &suite.name, &cells);
@@ -998,7 +1040,7 @@ pub async fn run_suite(
         )?;
     }
     let context = ReportContext {
-        slo_why,
+        slo_why: slos.describe(),
         capacities: capacity_file.load()?,
         allow_mixed: args.allow_mixed,
         smg_best: best,
@@ -1433,7 +1475,9 @@ mod tests {
         }
         assert!(Suite::named("nope").is_err());
         let suite = Suite::named("quick").unwrap();
-        let cells = suite.cells(&rate, slo(), None, &Provenance::default()).unwrap();
+        let cells = suite
+            .cells(&rate, &|_, _| Ok(slo()), None, &Provenance::default())
+            .unwrap();
         // smg-best is left out without a choice.
         assert_eq!(cells.len(), 2 * 5 * 3);
         assert_eq!(cells[0].seed, 1);
@@ -1457,7 +1501,9 @@ mod tests {
             (60.0, 300.0, 101)
         );
         let slow = |_: &Workload, _: Kv, _: f64| Ok((2.0, None));
-        let cells = suite.cells(&slow, slo(), None, &Provenance::default()).unwrap();
+        let cells = suite
+            .cells(&slow, &|_, _| Ok(slo()), None, &Provenance::default())
+            .unwrap();
         assert!(cells
             .iter()
             .all(|c| c.duration_s == 500.0 && c.nominal_duration_s == 300.0));
@@ -1550,8 +1596,8 @@ mod tests {
             ..bench.clone()
         };
         let p = Provenance::default();
-        let bench_cells = bench.cells(&rate, slo(), None, &p).unwrap();
-        let tables_cells = tables.cells(&rate, slo(), None, &p).unwrap();
+        let bench_cells = bench.cells(&rate, &|_, _| Ok(slo()), None, &p).unwrap();
+        let tables_cells = tables.cells(&rate, &|_, _| Ok(slo()), None, &p).unwrap();
         let ran = |c: &Cell| RunRecord {
             key: c.key(),
             suite: c.suite.clone(),
@@ -1570,7 +1616,12 @@ mod tests {
             duration_s: 400.0,
             ..tables
         };
-        assert!(reusable(&records, "other", &longer.cells(&rate, slo(), None, &p).unwrap()).is_empty());
+        assert!(reusable(
+            &records,
+            "other",
+            &longer.cells(&rate, &|_, _| Ok(slo()), None, &p).unwrap()
+        )
+        .is_empty());
     }
 
     #[test]
@@ -1586,7 +1637,7 @@ mod tests {
         let cells = suite
             .cells(
                 &|_, _, _| Err("no capacity needed".into()),
-                slo(),
+                &|_, _| Ok(slo()),
                 None,
                 &Provenance::default(),
             )
@@ -1607,7 +1658,7 @@ mod tests {
         };
         let suite = deep.apply(Suite::named("run").unwrap()).unwrap();
         assert_eq!(suite.fleet.dp_size, 8);
-        assert_eq!(suite.workloads[0].trace.input_scale, 1.0);
+        assert_eq!(suite.workloads[0].trace.input_scale, 0.25);
         let replay = SuiteArgs {
             workloads: vec!["replay".into()],
             replay_trace: Some(PathBuf::from("t.jsonl")),
@@ -1615,6 +1666,6 @@ mod tests {
         };
         let suite = replay.apply(Suite::named("run").unwrap()).unwrap();
         assert_eq!(suite.workloads[0].kind, WorkloadKind::TraceFile);
-        assert_eq!(suite.workloads[0].trace.input_scale, 0.125);
+        assert_eq!(suite.workloads[0].trace.input_scale, 0.25);
     }
 }

@@ -1,5 +1,5 @@
-//! Settings for several gateways sharing one fleet (README "Several
-//! gateways"): `gateways`, `pick` and `pick_choices`, their defaults and
+//! Settings for several gateways sharing one fleet (docs/gateways.md):
+//! `gateways`, `pick` and `pick_choices`, their defaults and
 //! their validation.
 
 use super::json::ConfigJson;

@@ -1,4 +1,4 @@
-//! Prefix affinity's settings (README "Prefix affinity"): the keys, their
+//! Prefix affinity's settings (docs/prefix-affinity.md): the keys, their
 //! defaults and their validation.
 
 use super::json::ConfigJson;
