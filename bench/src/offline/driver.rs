@@ -659,7 +659,15 @@ mod tests {
         };
         for kind in [WorkloadKind::NoPrefix, WorkloadKind::Tenants] {
             let plan = Workload::new(kind).plan(&shape).unwrap();
-            for name in ["rr", "in-server", "in-server-rr", "gie", "gie-sum", "clairvoyant", "dprank"] {
+            for name in [
+                "rr",
+                "in-server",
+                "in-server-rr",
+                "gie",
+                "gie-sum",
+                "clairvoyant",
+                "dprank",
+            ] {
                 let variant = Variant::parse(name).unwrap();
                 let outcome = run(&plan, &vllm_spec(&variant)).unwrap();
                 let records = &outcome.output.records;
