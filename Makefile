@@ -81,7 +81,7 @@ bench-full: setup wasm noop-wasm tools
 	DPRANK_WITH_SMG=1 ./scripts/setup.sh
 	./target/release/dprank-bench full
 
-# The several-gateways figure of docs/benchmarks.md, from runs already in bench-results/.
+# The several-gateways figure of bench-results/legacy-model/results.md, from runs already in bench-results/.
 gateways-figure: tools
 	./target/release/dprank-bench gateways-figure --out bench-results/legacy-model/gateways-ttft-p99.png \
 	  --target 4=1.15 --target 8=1.3 \

@@ -1,6 +1,6 @@
 //! `gateways-figure`: TTFT p99 of stored runs divided by a reference
 //! variant's, paired by seed, against the number of gateways each variant
-//! ran behind (docs/benchmarks.md, "Several gateways"). It runs nothing: it
+//! ran behind (bench-results/legacy-model/results.md, "Several gateways"). It runs nothing: it
 //! reads the `runs.jsonl` of finished suites.
 
 use std::path::{Path, PathBuf};
