@@ -249,6 +249,16 @@ def normalised(doc):
     return doc
 
 
+def as_shipped_for_sglang(doc):
+    """A vLLM config with its names and its `engine` key put back to the
+    shipped config's: envoy/vllm.yaml differs from envoy/dprank.yaml only there."""
+    doc = normalised(doc)
+    for _, pc in plugin_configs(doc):
+        pc["configuration"]["value"].pop("engine", None)
+    text = json.dumps(doc).replace('"vllm_ingress"', '"sglang_ingress"').replace('"vllm"', '"sglang"')
+    return json.loads(text)
+
+
 def check_envoy_configs():
     """1. Plain Envoy configs; returns (shipped, wasm_service, compose_envoy)."""
     shipped = check_plain("envoy/dprank.yaml")
@@ -258,6 +268,13 @@ def check_envoy_configs():
         rel = str(other.relative_to(ROOT))
         if rel not in ("envoy/dprank.yaml", "envoy/wasm-service.yaml") and "static_resources" in (load(rel) or {}):
             check_plain(rel)
+
+    if as_shipped_for_sglang(load("envoy/vllm.yaml")) != normalised(shipped):
+        bad(
+            "envoy/vllm.yaml has drifted from envoy/dprank.yaml beyond names, workers and `engine`: carry the change over"
+        )
+    else:
+        ok("envoy/vllm.yaml: same as envoy/dprank.yaml but for names, workers and engine")
 
     for path, doc in (("docker/envoy-compose.yaml", compose_envoy), ("envoy/wasm-service.yaml", wasm_service)):
         if normalised(doc) != normalised(shipped):

@@ -7,7 +7,7 @@ use crate::config::{Config, Discovery, Worker};
 use crate::discovery;
 use crate::health_updates;
 use crate::host::{Callout, Host};
-use crate::load::{Answer, LoadReport, LoadSource, Poll, Source};
+use crate::load::{Answer, LoadSource, Poll, Reading, ReportContext, Source};
 use crate::metrics::{self, PerWorker};
 use crate::prefix::index::IndexRecord;
 use crate::shared_data::{self, IfMissing, Members};
@@ -186,13 +186,13 @@ impl Poller {
         let Some(w) = config.worker(index) else {
             return;
         };
+        let source = Source::of(config);
         let polled = shared_data::update_worker(config, host, index, IfMissing::Create, |state| {
-            Some((state.begin_poll(), state.load_fallback))
+            Some((state.begin_poll(), source.poll(&state.source)))
         });
-        let Some((seq, fallback)) = polled else {
+        let Some((seq, poll)) = polled else {
             return;
         };
-        let poll = Source::of(config).poll(fallback);
         let authority = w.endpoint();
         let call = Callout {
             cluster: &config.poll_cluster,
@@ -245,7 +245,7 @@ impl Poller {
     /// knows.
     fn fall_back(&mut self, config: &Config, host: &dyn Host, index: usize) {
         shared_data::update_worker(config, host, index, IfMissing::Create, |state| {
-            state.load_fallback = true;
+            state.source.fallback = true;
             Some(())
         });
         self.dispatch(config, host, index);
@@ -269,7 +269,7 @@ impl Poller {
         };
         let source = Source::of(config);
         let outcome = match status.map(|code| source.answer(&call.poll, code, body)) {
-            Some(Answer::Report(report)) => Ok(report),
+            Some(Answer::Report(reading)) => Ok(reading),
             Some(Answer::Refused(why)) => {
                 refuse(config, host, w, &why);
                 return;
@@ -279,7 +279,12 @@ impl Poller {
                     "{} has no {}; polling {} from now on",
                     w.endpoint(),
                     call.poll.path,
-                    source.poll(true).path
+                    source
+                        .poll(&crate::load::SourceMemory {
+                            fallback: true,
+                            ..Default::default()
+                        })
+                        .path
                 );
                 self.fall_back(config, host, index);
                 return;
@@ -288,8 +293,8 @@ impl Poller {
             None => Err("no response (timeout or connection failure)".to_string()),
         };
         let ok = match outcome {
-            Ok(report) => {
-                apply_report(config, host, index, w, call.seq, report);
+            Ok(reading) => {
+                apply_report(config, host, index, w, call.seq, &reading);
                 self.create_index(config, host, index, w);
                 health_updates::poll_answered(config, host, w.address);
                 if shared_data::set_refused(config, host, w.address, false) {
@@ -333,43 +338,55 @@ fn refuse(config: &Config, host: &dyn Host, w: &Worker, why: &str) {
 }
 
 /// Stores a good report as worker `index`'s snapshot (poll `seq`), trimmed
-/// to a configured `dp_size`, and publishes its figures. Under prefix
+/// to a configured `dp_size`, and publishes its figures. The report is
+/// worked out in the same write, with what the source remembers of the
+/// worker and this gateway's mean request (`Reading::report`). Under prefix
 /// affinity, ranks reporting far fewer cache hits than their index
 /// expected lose part of their index.
-fn apply_report(config: &Config, host: &dyn Host, index: usize, w: &Worker, seq: u64, report: LoadReport) {
-    let mut ranks = report.ranks;
-    if let Some(dp) = w.dp_size {
-        if ranks.len() != dp as usize {
-            host.count(&PerWorker::DpSizeMismatch.of(&w.name), 1);
-            log::warn!(
-                "{} reports {} ranks but dp_size is {dp}; using ranks below {dp}",
-                w.endpoint(),
-                ranks.len()
-            );
+fn apply_report(config: &Config, host: &dyn Host, index: usize, w: &Worker, seq: u64, reading: &Reading) {
+    let now = host.now_ms();
+    let applied = shared_data::update_worker(config, host, index, IfMissing::Create, |state| {
+        let context = ReportContext {
+            now_ms: now,
+            request_tokens: state.request_tokens(),
+        };
+        let mut ranks = reading.report(&mut state.source, &context).ranks;
+        let reported = ranks.len();
+        if let Some(dp) = w.dp_size {
             ranks.truncate(dp as usize);
         }
-    }
-    let tokens: Vec<Option<u64>> = ranks.iter().map(|r| r.tokens).collect();
-    let figures: Vec<RankFigures> = ranks.iter().map(RankFigures::from).collect();
-    let now = host.now_ms();
-    let shrink = shared_data::update_worker(config, host, index, IfMissing::Create, |state| {
         let elapsed = match state.snapshot_seq {
             0 => 0,
             _ => now.saturating_sub(state.snapshot_at_ms),
         };
+        let tokens: Vec<Option<u64>> = ranks.iter().map(|r| r.tokens).collect();
         if !state.apply_snapshot(seq, now, &tokens) {
             return None;
         }
         if config.admission.is_some() {
             state.apply_drain(elapsed, &ranks, config.gateways);
         }
+        let figures: Vec<RankFigures> = ranks.iter().map(RankFigures::from).collect();
         state.apply_figures(seq, &figures);
-        Some(match config.prefix {
+        let shrink = match config.prefix {
             Some(_) => state.prefill.cache_feedback(config.poll_interval_ms),
             None => Vec::new(),
-        })
+        };
+        Some((tokens, shrink, reported))
     });
-    if let (Some(prefix), Some(shrink)) = (&config.prefix, shrink.filter(|s| !s.is_empty())) {
+    let Some((tokens, shrink, reported)) = applied else {
+        // An answer older than the snapshot in place: answered, not applied.
+        host.count(&PerWorker::PollOk.of(&w.name), 1);
+        return;
+    };
+    if let Some(dp) = w.dp_size.filter(|dp| *dp as usize != reported) {
+        host.count(&PerWorker::DpSizeMismatch.of(&w.name), 1);
+        log::warn!(
+            "{} reports {reported} ranks but dp_size is {dp}; using ranks below {dp}",
+            w.endpoint()
+        );
+    }
+    if let (Some(prefix), false) = (&config.prefix, shrink.is_empty()) {
         shared_data::update_index(config, host, index, None, |view| {
             let mut record = IndexRecord::from_view(view.as_ref(), prefix.block_bytes, now);
             let mut changed = false;

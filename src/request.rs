@@ -1,11 +1,12 @@
 //! One request's life in the filter, as plain Rust behind the `Host` trait:
 //! one method per Envoy callback, each returning what Envoy should do next.
 //! It strips the headers only dprank may set, decides which requests to
-//! route, buffers the body (body mode) or routes at once from the headers
-//! (header mode), applies the router's decision (route and rank headers,
-//! body and `content-length`, local replies), runs PD mode's prefill leg and
-//! holds the decode response until it is done, and gives every estimate back
-//! and reports how it went to passive health when the request ends. With
+//! route, buffers the body (body mode, and header mode under prefix
+//! affinity) or routes at once from the headers (header mode), applies the
+//! router's decision (route and rank headers, body and `content-length`,
+//! local replies), runs PD mode's prefill leg and holds the decode response
+//! until it is done, and gives every estimate back and reports how it went
+//! to passive health when the request ends. With
 //! admission on, a request every rank is too busy for is refused or held
 //! (`held.rs`: this thread's queue, and the passes that let held requests
 //! in). `filter.rs` only translates callbacks to it.
@@ -13,7 +14,7 @@
 mod held;
 pub mod held_record;
 
-use crate::config::{Config, Transport};
+use crate::config::Config;
 use crate::discovery::Membership;
 use crate::health_updates::{self, SentTo};
 use crate::host::{Callout, HeaderMap, Host};
@@ -130,6 +131,9 @@ pub struct Request {
     config: Rc<Config>,
     /// The body will be read and routed.
     will_route: bool,
+    /// The decision is made on the body (body mode, and header mode under
+    /// prefix affinity), not on the headers alone.
+    routes_on_body: bool,
     /// Bytes buffered so far.
     body_size: usize,
     had_content_length: bool,
@@ -159,6 +163,7 @@ impl Request {
             prefill_token: None,
             config,
             will_route: false,
+            routes_on_body: false,
             body_size: 0,
             had_content_length: false,
             pin: None,
@@ -206,17 +211,18 @@ impl Request {
                 holds_place: false,
             });
         }
-        match &config.transport {
-            Transport::Body => {
-                self.will_route = true;
-                self.had_content_length = headers.contains("content-length");
-                Action::Pause
-            }
-            Transport::Header(settings) => {
+        if let Some(settings) = config.header_transport() {
+            // A compressed body cannot be read for its prompt: routed by load
+            // from the headers, as header mode without prefix affinity does.
+            if !settings.reads_body || encoded(&headers) {
                 self.header_cost = router::cost_from_length(&config, settings, headers.content_length());
-                self.route_by_headers(host)
+                return self.route_by_headers(host);
             }
         }
+        self.will_route = true;
+        self.routes_on_body = true;
+        self.had_content_length = headers.contains("content-length");
+        Action::Pause
     }
 
     /// Whether admission holds this request now.
@@ -388,12 +394,21 @@ impl Request {
         }
     }
 
-    /// Applies a routed decision's headers and remembers where it went (either transport).
+    /// Applies a routed decision's headers (the route header; in header
+    /// mode the rank headers, which hold for every retry since the
+    /// alternates have the same rank) and remembers where it went.
     fn apply_routed(&mut self, host: &dyn Host, routed: &Routed) {
         host.set_request_header(
             &self.config.route_header,
             &route_value(&routed.to, &routed.alternates),
         );
+        if let (Some(settings), Some(rank)) = (self.config.header_transport(), routed.to.rank) {
+            let mut digits = itoa::Buffer::new();
+            let rank = digits.format(rank);
+            for name in &settings.rank_headers {
+                host.set_request_header(name, rank);
+            }
+        }
         self.remember_sent_to(
             std::iter::once(&routed.to).chain(&routed.alternates),
             routed.to.rank,
@@ -458,11 +473,11 @@ impl Request {
         }
     }
 
-    /// The router's decision for this request's transport.
+    /// The router's decision, on the body or on the headers.
     fn decide(&mut self, host: &dyn Host) -> Decision {
-        match self.config.transport {
-            Transport::Body => self.decide_body(host),
-            Transport::Header(_) => self.decide_header(host),
+        match self.routes_on_body {
+            true => self.decide_body(host),
+            false => self.decide_header(host),
         }
     }
 
@@ -514,15 +529,7 @@ impl Request {
     fn apply_header(&mut self, host: &dyn Host, decision: Decision) -> Action {
         match decision {
             Decision::Route(routed) => {
-                // The alternates have the same rank: the rank headers hold for every retry.
                 self.apply_routed(host, &routed);
-                if let (Some(settings), Some(rank)) = (self.config.header_transport(), routed.to.rank) {
-                    let mut digits = itoa::Buffer::new();
-                    let rank = digits.format(rank);
-                    for name in &settings.rank_headers {
-                        host.set_request_header(name, rank);
-                    }
-                }
                 self.ticket = routed.ticket;
                 self.prefill_charge = routed.prefill;
                 Action::Continue
@@ -675,9 +682,9 @@ impl Request {
             decision => {
                 self.leave_queue(host, Left::Admitted);
                 self.count_admitted(host);
-                Resumed::Go(match self.config.transport {
-                    Transport::Body => self.apply_body(host, decision),
-                    Transport::Header(_) => self.apply_header(host, decision),
+                Resumed::Go(match self.routes_on_body {
+                    true => self.apply_body(host, decision),
+                    false => self.apply_header(host, decision),
                 })
             }
         }
@@ -799,6 +806,13 @@ fn remove_client_headers(config: &Config, host: &dyn Host, headers: &HeaderMap) 
     }
 }
 
+/// Whether the body is compressed (unreadable without decompressing it).
+fn encoded(headers: &HeaderMap) -> bool {
+    headers
+        .get_bytes("content-encoding")
+        .is_some_and(|e| !e.eq_ignore_ascii_case(b"identity"))
+}
+
 /// Why a request is not routed, as far as its headers tell.
 fn pass_reason(config: &Config, headers: &HeaderMap, end_of_stream: bool) -> Option<PassReason> {
     let header_mode = config.header_transport().is_some();
@@ -806,12 +820,8 @@ fn pass_reason(config: &Config, headers: &HeaderMap, end_of_stream: bool) -> Opt
         Some(PassReason::Method)
     } else if !headers.get(":path").is_some_and(|p| config.routes_path(p)) {
         Some(PassReason::Path)
-    } else if !header_mode
-        && headers
-            .get_bytes("content-encoding")
-            .is_some_and(|e| !e.eq_ignore_ascii_case(b"identity"))
-    {
-        // The body would have to be decompressed; header mode never reads it.
+    } else if !header_mode && encoded(headers) {
+        // The body would have to be decompressed; header mode routes it by load.
         Some(PassReason::Encoded)
     } else if end_of_stream || headers.content_length() == Some(0) {
         Some(PassReason::EmptyBody)

@@ -547,7 +547,7 @@ mod tests {
         let mut w = polled(&[5, u64::MAX - 1, 7]);
         w.begin_poll();
         w.add(1, 2, 99).unwrap();
-        w.load_fallback = true;
+        w.source.fallback = true;
         w.mark_unreachable();
         let bytes = encode(&w);
         assert_eq!(decode::<WorkerState>(&bytes), Some(w.clone()));

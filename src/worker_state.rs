@@ -7,6 +7,11 @@
 
 /// Tokens value stored for a rank the report said nothing usable about.
 const UNKNOWN: u64 = u64::MAX;
+/// Requests the mean request estimate follows (a moving mean over about these).
+const MEAN_SPAN: u64 = 64;
+/// A request's estimate before any was routed to the worker: the tokens
+/// header mode counts a request of unknown length.
+pub const UNSIZED_REQUEST_TOKENS: u64 = crate::config::DEFAULT_COST_WITHOUT_LENGTH;
 
 mod drain;
 mod load_table;
@@ -16,6 +21,7 @@ pub mod saturation;
 use crate::codec::Record;
 use crate::config::QueueMeasure;
 use crate::load::RankLoad;
+use crate::load::SourceMemory;
 pub use drain::{DrainState, RankQueue};
 pub use load_table::LoadTable;
 pub use prefill::{Charge, PrefillState, PrefillTicket, RankFigures};
@@ -31,9 +37,15 @@ pub struct WorkerState {
     pub snapshot_at_ms: u64,
     /// A request to this worker failed to connect: out of rotation until the next good poll.
     pub unreachable: bool,
-    /// The worker's load source fell back to its second endpoint here
-    /// (SGLang under `load_endpoint: auto`: no `/v1/loads`, poll `/get_load`).
-    pub load_fallback: bool,
+    /// What the worker's load source keeps between polls (SGLang's
+    /// fallback endpoint, vLLM's prefix-cache counters).
+    pub source: SourceMemory,
+    /// This gateway's mean estimate of a request routed here, over about
+    /// the last `MEAN_SPAN` requests (`request_tokens`), in 1/`MEAN_SPAN`
+    /// tokens so that small steps are not lost to rounding.
+    routed_mean: u64,
+    /// Requests in that mean, up to `MEAN_SPAN`.
+    routed_count: u64,
     /// Polled tokens per rank, `UNKNOWN` where the report had no usable figure.
     #[serde(with = "crate::codec::words")]
     tokens: Vec<u64>,
@@ -104,6 +116,26 @@ impl WorkerState {
             && self.pending.iter().all(|p| p.tokens.len() <= max)
             && self.prefill.within_limits(max)
             && self.drain.within_limits(max)
+            && self.source.within_limits(max)
+    }
+
+    /// This gateway's mean estimate of a request routed to the worker, in
+    /// tokens (`UNSIZED_REQUEST_TOKENS` before the first): what a load
+    /// source that counts requests without sizing them weighs each at.
+    pub fn request_tokens(&self) -> u64 {
+        match self.routed_count {
+            0 => UNSIZED_REQUEST_TOKENS,
+            _ => (self.routed_mean + MEAN_SPAN / 2) / MEAN_SPAN,
+        }
+    }
+
+    /// Moves the mean request estimate toward a routed request's.
+    fn note_request(&mut self, cost: u64) {
+        self.routed_count = (self.routed_count + 1).min(MEAN_SPAN);
+        let mean = self.routed_mean as f64;
+        let cost = cost.min(u64::MAX / MEAN_SPAN / 2).saturating_mul(MEAN_SPAN) as f64;
+        let moved = mean + ((cost - mean) / self.routed_count as f64).round();
+        self.routed_mean = moved.max(0.0) as u64;
     }
 
     /// Estimates of requests a poll has not counted yet, on `rank`.
@@ -176,6 +208,7 @@ impl WorkerState {
         }
         let slot = bucket.tokens.get_mut(index)?;
         *slot = slot.saturating_add(cost);
+        self.note_request(cost);
         Some(Ticket {
             worker,
             rank,
@@ -382,6 +415,33 @@ mod tests {
         assert_eq!(w.effective_tokens(1), Some(4));
         assert_eq!(w.add(0, 2, 1), None);
         assert_eq!(w.effective_tokens(9), None);
+    }
+
+    #[test]
+    fn the_mean_request_estimate_follows_the_routed_requests() {
+        let mut w = polled(&[0, 0]);
+        assert_eq!(w.request_tokens(), UNSIZED_REQUEST_TOKENS, "nothing routed yet");
+        w.add(0, 0, 100).unwrap();
+        assert_eq!(w.request_tokens(), 100);
+        w.add(0, 1, 300).unwrap();
+        assert_eq!(w.request_tokens(), 200);
+        assert_eq!(
+            w.add(0, 5, 1_000_000),
+            None,
+            "a request not added counts for nothing"
+        );
+        for _ in 0..1000 {
+            w.add(0, 0, 10).unwrap();
+        }
+        assert_eq!(w.request_tokens(), 10, "older requests fade");
+        w.add(0, 0, 74).unwrap();
+        assert_eq!(
+            w.request_tokens(),
+            11,
+            "one request moves it by a 64th of the gap"
+        );
+        w.add(0, 0, u64::MAX).unwrap();
+        assert!(w.request_tokens() > u64::MAX / 64 / 128, "no overflow");
     }
 
     #[test]

@@ -1,5 +1,5 @@
 //! End-to-end tests of the dprank filter (regular mode) in a real Envoy, with
-//! simulated SGLang workers (`dprank-sim`). Each test starts its own workers
+//! simulated SGLang or vLLM workers (`dprank-sim`). Each test starts its own workers
 //! and Envoy from the shipped `envoy/dprank.yaml` plus the overrides in its
 //! scenario folder `tests/e2e/<scenario>/`. Needs Envoy, the wasm and the
 //! simulator built: `make test` does all of it.
@@ -53,3 +53,5 @@ mod header;
 mod health;
 #[path = "e2e/prefix.rs"]
 mod prefix;
+#[path = "e2e/vllm.rs"]
+mod vllm;

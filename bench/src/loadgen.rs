@@ -206,6 +206,7 @@ async fn sample_loads(
     mut stop: watch::Receiver<bool>,
 ) -> Vec<LoadSample> {
     let mut samples = Vec::new();
+    let mut vllm = vec![false; workers.len()];
     let mut tick = tokio::time::interval(every);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
     loop {
@@ -221,9 +222,22 @@ async fn sample_loads(
             cache_hit_rate: Vec::new(),
         };
         let mut complete = true;
-        for worker in &workers {
-            let uri = format!("http://{worker}/v1/loads?include=core");
-            match get_text(&client, &uri).await.ok().and_then(|t| parse_loads(&t)) {
+        for (index, worker) in workers.iter().enumerate() {
+            let ranks = if vllm[index] {
+                sample_metrics(&client, worker).await
+            } else {
+                let uri = format!("http://{worker}/v1/loads?include=core");
+                match get_text(&client, &uri).await {
+                    Ok(text) => parse_loads(&text),
+                    // A vLLM server: its engines' figures are on /metrics.
+                    Err(e) if e.ends_with("HTTP 404") => {
+                        vllm[index] = true;
+                        sample_metrics(&client, worker).await
+                    }
+                    Err(_) => None,
+                }
+            };
+            match ranks {
                 Some(ranks) => {
                     for (tokens, waiting, hit) in ranks {
                         sample.tokens.push(tokens);
@@ -239,6 +253,29 @@ async fn sample_loads(
         }
     }
     samples
+}
+
+/// A vLLM server's engines as a sample has them, read from `/metrics` with
+/// dprank's own reader: KV usage in millionths stands for the tokens (the
+/// imbalance is a ratio), waiting requests as they are, the hit rate over
+/// the whole run from the prefix-cache counters.
+async fn sample_metrics(client: &PooledClient, worker: &SocketAddr) -> Option<Vec<(u64, u64, f64)>> {
+    let text = get_text(client, &format!("http://{worker}/metrics")).await.ok()?;
+    let report = dprank::load::vllm::parse_vllm_metrics(text.as_bytes(), None).ok()?;
+    Some(
+        report
+            .engines
+            .iter()
+            .map(|engine| {
+                let kv = (engine.kv_usage.unwrap_or(0.0) * 1e6).round() as u64;
+                let hit = match (engine.prefix_hits, engine.prefix_queries) {
+                    (Some(hits), Some(queries)) if queries > 0 => hits as f64 / queries as f64,
+                    _ => f64::NAN,
+                };
+                (kv, engine.waiting.unwrap_or(0), hit)
+            })
+            .collect(),
+    )
 }
 
 /// Which of `n` gateways gets `key` (a request index, a session id or a

@@ -42,6 +42,10 @@ pub struct SimPreset {
     pub about: &'static str,
     /// Simulator flags selecting the model.
     pub sim_args: &'static [&'static str],
+    /// The workers are vLLM servers (`--engine vllm`): `/v1/completions`
+    /// for SGLang's `/generate`, `/metrics` for `/v1/loads`, vLLM's own
+    /// balancer as the in-server choice.
+    pub vllm: bool,
     /// Ranks per worker.
     pub dp_size: usize,
     pub small: KvRegime,
@@ -59,13 +63,16 @@ pub struct SimPreset {
     pub provisional: Option<&'static str>,
 }
 
+const PROVISIONAL_VLLM: &str = "the SGLang preset's regime values on vLLM servers, not yet checked against vLLM's own scheduling (KV per engine, running requests, time scales) (bench/README.md, \"Presets\")";
+
 const PROVISIONAL: &str = "regime values set before the calibrated cost model was merged: check KV per rank, limits, trace scale and time scales against it (bench/README.md, \"Presets\")";
 
-pub const PRESETS: [SimPreset; 3] = [
+pub const PRESETS: [SimPreset; 5] = [
     SimPreset {
         name: "legacy",
         about: "the uncalibrated model of the earlier results: prefill 20k tokens/s per rank, decode steps 20 ms + 0.25 us per KV token, 4 ranks per worker in lockstep",
         sim_args: &["--cost-model", "legacy"],
+        vllm: false,
         dp_size: 4,
         small: KvRegime {
             tokens: 10_000,
@@ -95,6 +102,7 @@ pub const PRESETS: [SimPreset; 3] = [
         name: "deepseek-v3-dp8",
         about: "the calibrated DeepSeek-V3-class DP-attention node: 8 ranks per worker in lockstep (`--cost-model deepseek-v3-dp8`)",
         sim_args: &["--cost-model", "deepseek-v3-dp8"],
+        vllm: false,
         dp_size: 8,
         small: KvRegime {
             tokens: 100_000,
@@ -120,6 +128,7 @@ pub const PRESETS: [SimPreset; 3] = [
         name: "dense-8b",
         about: "the calibrated small dense model: 4 data-parallel replicas per worker (`--cost-model dense-8b`)",
         sim_args: &["--cost-model", "dense-8b"],
+        vllm: false,
         dp_size: 4,
         small: KvRegime {
             tokens: 100_000,
@@ -136,6 +145,50 @@ pub const PRESETS: [SimPreset; 3] = [
         time_scale_small: 2.0,
         time_scale_large: 1.0,
         provisional: Some(PROVISIONAL),
+    },
+    SimPreset {
+        name: "vllm-dense-8b",
+        about: "vLLM serving the calibrated small dense model: 4 data-parallel engines per server stepping on their own, vLLM's scheduler (8,192 tokens per step, 16-token blocks) and internal balancer (0.14) (`--engine vllm --cost-model dense-8b`)",
+        sim_args: &["--engine", "vllm", "--cost-model", "dense-8b"],
+        vllm: true,
+        dp_size: 4,
+        small: KvRegime {
+            tokens: 100_000,
+            running: 128,
+        },
+        large: KvRegime {
+            tokens: 400_000,
+            running: 256,
+        },
+        max_prompt: 32_768,
+        max_output: 4096,
+        trace_input_scale: 1.0,
+        slo: SloRule::FromIdle,
+        time_scale_small: 2.0,
+        time_scale_large: 1.0,
+        provisional: Some(PROVISIONAL_VLLM),
+    },
+    SimPreset {
+        name: "vllm-deepseek-v3-dp8",
+        about: "vLLM serving the calibrated DeepSeek-V3-class model with DP and expert parallelism: 8 engines per server stepping together, vLLM's scheduler (8,192 tokens per step, 64-token blocks) and internal balancer (0.14) (`--engine vllm --cost-model deepseek-v3-dp8`)",
+        sim_args: &["--engine", "vllm", "--cost-model", "deepseek-v3-dp8"],
+        vllm: true,
+        dp_size: 8,
+        small: KvRegime {
+            tokens: 100_000,
+            running: 128,
+        },
+        large: KvRegime {
+            tokens: 400_000,
+            running: 256,
+        },
+        max_prompt: 65_536,
+        max_output: 4096,
+        trace_input_scale: 1.0,
+        slo: SloRule::FromIdle,
+        time_scale_small: 2.0,
+        time_scale_large: 1.0,
+        provisional: Some(PROVISIONAL_VLLM),
     },
 ];
 
@@ -236,5 +289,14 @@ mod tests {
             ["--cost-model", "legacy"],
             "the simulator's default is a calibrated model"
         );
+        // vLLM presets say so in their flags too.
+        for p in &PRESETS {
+            assert_eq!(
+                p.vllm,
+                p.sim_args.windows(2).any(|w| w == ["--engine", "vllm"]),
+                "{}",
+                p.name
+            );
+        }
     }
 }

@@ -358,6 +358,7 @@ pub fn start_fleets(
     cell: &Cell,
     name: &str,
 ) -> Result<Fleets, String> {
+    let vllm = cell.preset.vllm;
     let common = |dispatch: &str| -> Vec<String> {
         let mut args = vec![
             "--dp-size".to_string(),
@@ -381,7 +382,7 @@ pub fn start_fleets(
     };
     if cell.variant.is_pd() {
         let mut prefill_args = listen_args(cell.fleet.prefill, true);
-        prefill_args.extend(common(features.dispatch_arg(Dispatch::RoomModulo)?));
+        prefill_args.extend(common(features.dispatch_arg(Dispatch::RoomModulo, vllm)?));
         prefill_args.extend(["--role".into(), "prefill".into()]);
         let prefill = SimFleet::spawn(
             tools,
@@ -390,13 +391,13 @@ pub fn start_fleets(
             &format!("{name}-prefill"),
         )?;
         let mut decode_args = listen_args(cell.fleet.decode, false);
-        decode_args.extend(common(features.dispatch_arg(cell.variant.dispatch)?));
+        decode_args.extend(common(features.dispatch_arg(cell.variant.dispatch, vllm)?));
         decode_args.extend(["--role".into(), "decode".into()]);
         let decode = SimFleet::spawn(tools, &decode_args, cell.fleet.decode, &format!("{name}-decode"))?;
         Ok(Fleets::Pd { prefill, decode })
     } else {
         let mut args = listen_args(cell.fleet.workers, false);
-        args.extend(common(features.dispatch_arg(cell.variant.dispatch)?));
+        args.extend(common(features.dispatch_arg(cell.variant.dispatch, vllm)?));
         Ok(Fleets::Regular(SimFleet::spawn(
             tools,
             &args,
@@ -537,7 +538,7 @@ pub async fn run_cell(
             "smg is not installed (DPRANK_WITH_SMG=1 ./scripts/setup.sh installs it)".into(),
         )));
     }
-    if let Err(reason) = features.dispatch_arg(cell.variant.dispatch) {
+    if let Err(reason) = features.dispatch_arg(cell.variant.dispatch, cell.preset.vllm) {
         return Ok(Err(Skipped(reason)));
     }
     if cell.variant.ie_detector {
@@ -545,8 +546,15 @@ pub async fn run_cell(
             "a model of the Inference Extension's saturation detector runs in virtual time only".into(),
         )));
     }
+    if matches!(cell.variant.front, VariantFront::Gie { .. }) {
+        return Ok(Err(Skipped(
+            "the Inference Extension is modelled in virtual time only".into(),
+        )));
+    }
     features.check_preset(cell.preset)?;
     let plan = cell.plan()?;
+    // A vLLM server has no /generate: those requests go to /v1/completions.
+    let plan = if cell.preset.vllm { plan.to_openai() } else { plan };
     let started_at = crate::report::now_utc();
     let wall_start = Instant::now();
     let client = pooled_client();

@@ -78,6 +78,9 @@ pub enum Front {
     },
     /// Envoy + dprank in PD mode (envoy/pd.yaml).
     DprankPd { poll: Poll, set: Map<String, Value> },
+    /// A model of the Gateway API Inference Extension's endpoint picker
+    /// (default profile, per pod; `offline/gie.rs`): offline only.
+    Gie { reading: GieReading },
     /// `smg launch --pd-disaggregation [--dp-minimum-tokens-scheduler]`.
     SmgPd {
         prefill: String,
@@ -86,6 +89,15 @@ pub enum Front {
         interval_s: Option<u32>,
         args: Vec<String>,
     },
+}
+
+/// How the Inference Extension model reads a pod's per-engine metrics.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GieReading {
+    /// The first sample of each series (engine 0's), as the EPP does.
+    FirstSample,
+    /// Waiting summed, KV usage averaged over the engines.
+    Sum,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -112,9 +124,12 @@ pub struct Variant {
 pub const ADMIT_WAIT_SHARE_OF_TTFT: f64 = 0.5;
 
 /// Built-in variants: name, expansion, what it is.
-pub const ALIASES: [(&str, &str, &str); 23] = [
-    ("rr", "rr", "Envoy round robin over workers, each worker round robin over its ranks (SGLang's default controller)"),
-    ("in-server", "in-server", "SGLang's own balancer: each worker sends a request to its rank with the fewest tokens (`--load-balance-method total_tokens`), Envoy least_request over workers"),
+pub const ALIASES: [(&str, &str, &str); 26] = [
+    ("rr", "rr", "Envoy round robin over workers, each worker round robin over its ranks (SGLang's default controller; on vLLM servers, vLLM's internal balancer)"),
+    ("in-server", "in-server", "the servers' own balancer: each SGLang worker sends a request to its rank with the fewest tokens (`--load-balance-method total_tokens`), each vLLM server's internal balancer picks its engine; Envoy least_request over workers"),
+    ("in-server-rr", "in-server:lb=round_robin", "the servers' own balancer (SGLang `total_tokens`, vLLM's internal balancer) behind Envoy round robin over workers"),
+    ("gie", "gie", "a model of the Gateway API Inference Extension's endpoint picker, default profile: prefix-cache (weight 3), queue (2) and KV-cache utilisation (2) scorers per pod over its own index of routed prompts and metrics polled every 50 ms, reading the first sample of each series (engine 0's on a DP server) as its metric mapping does; each server's own balancer picks the engine (offline only)"),
+    ("gie-sum", "gie:metrics=sum", "the Inference Extension model reading a pod's waiting requests summed and its KV usage averaged over its engines (a charitable reading; offline only)"),
     ("clairvoyant", "clairvoyant", "the clairvoyant greedy chooser: the simulator places each request where its projected first token is earliest, seeing every rank's exact queue, reservations and cache at that moment and every answer's length; greedy (one request at a time), a reference, not a bound; behind Envoy round robin"),
     ("oracle", "clairvoyant", "the clairvoyant greedy chooser (its earlier name)"),
     ("dprank", "dprank", "Envoy + dprank, shipped configuration, polling every simulated second"),
@@ -156,6 +171,9 @@ impl Variant {
             front: match base {
                 "rr" | "clairvoyant" | "oracle" => Front::Envoy(Balancer::RoundRobin),
                 "in-server" => Front::Envoy(Balancer::LeastRequest),
+                "gie" => Front::Gie {
+                    reading: GieReading::FirstSample,
+                },
                 "dprank" => Front::Dprank {
                     poll: DPRANK_DEFAULT_POLL,
                     set: Map::new(),
@@ -179,13 +197,13 @@ impl Variant {
                 },
                 other => {
                     return Err(format!(
-                        "unknown variant `{other}`; bases: rr, in-server, clairvoyant, dprank, smg, dprank-pd, old-rule, smg-pd; aliases: {}",
+                        "unknown variant `{other}`; bases: rr, in-server, clairvoyant, gie, dprank, smg, dprank-pd, old-rule, smg-pd; aliases: {}",
                         ALIASES.map(|a| a.0).join(", ")
                     ))
                 }
             },
             dispatch: match base {
-                "in-server" => Dispatch::InServer,
+                "in-server" | "gie" => Dispatch::InServer,
                 "clairvoyant" | "oracle" => Dispatch::Clairvoyant,
                 _ => Dispatch::RoundRobin,
             },
@@ -364,7 +382,26 @@ impl Variant {
                     ))
                 }
             },
-            Front::Envoy(_) => return Err(format!("unknown key `{key}` (keys: gw, spread, sim.<flag>)")),
+            Front::Envoy(balancer) => match key {
+                "lb" => {
+                    *balancer = match need("round_robin or least_request")? {
+                        "round_robin" => Balancer::RoundRobin,
+                        "least_request" => Balancer::LeastRequest,
+                        other => return Err(format!("`lb` is round_robin or least_request, not `{other}`")),
+                    }
+                }
+                _ => return Err(format!("unknown key `{key}` (keys: gw, spread, lb, sim.<flag>)")),
+            },
+            Front::Gie { reading } => match key {
+                "metrics" => {
+                    *reading = match need("first or sum")? {
+                        "first" => GieReading::FirstSample,
+                        "sum" => GieReading::Sum,
+                        other => return Err(format!("`metrics` is first or sum, not `{other}`")),
+                    }
+                }
+                _ => return Err(format!("unknown key `{key}` (gie keys: gw, metrics, sim.<flag>)")),
+            },
         }
         Ok(())
     }
@@ -389,9 +426,17 @@ impl Variant {
             )
         };
         match &self.front {
+            Front::Gie { reading } => match reading {
+                GieReading::FirstSample => {
+                    "EPP model: pod metrics polled every 50 ms (engine 0's sample) + its own index of routed prompts; the server's balancer picks the engine".into()
+                }
+                GieReading::Sum => {
+                    "EPP model: pod metrics polled every 50 ms (summed over engines) + its own index of routed prompts; the server's balancer picks the engine".into()
+                }
+            },
             Front::Envoy(_) => match self.dispatch {
                 Dispatch::InServer => {
-                    "each worker's DP controller: its ranks' published loads (re-read every 20 ms) + the requests it sent since"
+                    "each worker's own balancer: SGLang's DP controller (published loads re-read every 20 ms + requests sent since) or vLLM's (coordinator counts every 100 ms + its own picks since)"
                         .into()
                 }
                 Dispatch::Clairvoyant => {
@@ -488,6 +533,7 @@ impl Variant {
         let args = |a: &[String]| a.iter().map(|x| format!(" {x}")).collect::<String>();
         match &self.front {
             Front::Envoy(balancer) => format!("Envoy, {balancer:?}"),
+            Front::Gie { reading } => format!("Inference Extension EPP model, default profile, {reading:?}"),
             Front::Dprank { poll: p, set } => format!("Envoy + dprank polling {}{}", poll(p), keys(set)),
             Front::DprankPd { poll: p, set } => {
                 format!("Envoy + dprank in PD mode polling {}{}", poll(p), keys(set))
@@ -592,6 +638,8 @@ pub struct SimFeatures {
     pub cache_report: bool,
     /// `--cost-model`: the calibrated presets.
     pub cost_model: bool,
+    /// `--engine vllm`: vLLM servers.
+    pub vllm: bool,
 }
 
 impl SimFeatures {
@@ -625,11 +673,18 @@ impl SimFeatures {
             prefix_cache: help.contains("--prefix-cache"),
             cache_report: help.contains("--enable-cache-report"),
             cost_model: help.contains("--cost-model"),
+            vllm: help.contains("--engine"),
         }
     }
 
     /// Whether this simulator build can run `preset`.
     pub fn check_preset(&self, preset: &crate::preset::SimPreset) -> Result<(), String> {
+        if preset.vllm && !self.vllm {
+            return Err(format!(
+                "simulator preset `{}` needs `dprank-sim --engine vllm`, which this simulator build lacks (`make tools`)",
+                preset.name
+            ));
+        }
         if preset.sim_args.contains(&"--cost-model") && !self.cost_model {
             return Err(format!(
                 "simulator preset `{}` needs `dprank-sim --cost-model`, which this simulator build lacks (the calibrated cost model is not merged, or the binary is old: `make tools`)",
@@ -640,8 +695,17 @@ impl SimFeatures {
     }
 
     /// The `--dispatch` value for `d`, or why this simulator cannot run it.
-    pub fn dispatch_arg(&self, d: Dispatch) -> Result<&'static str, String> {
+    /// A vLLM server has one balancer of its own (`vllm`): it is the
+    /// in-server and the round-robin variants' choice alike.
+    pub fn dispatch_arg(&self, d: Dispatch, vllm: bool) -> Result<&'static str, String> {
         let has = |name: &str| self.dispatch.iter().any(|x| x == name);
+        if vllm {
+            return match d {
+                Dispatch::Clairvoyant => Ok("oracle"),
+                Dispatch::RoomModulo => Err("vLLM servers run no prefill/decode roles here".into()),
+                Dispatch::InServer | Dispatch::RoundRobin => Ok("vllm"),
+            };
+        }
         match d {
             Dispatch::RoundRobin => Ok("round_robin"),
             Dispatch::RoomModulo => Ok("room_modulo"),
@@ -689,7 +753,10 @@ mod tests {
         assert_eq!(block("dprank", 800.0), None, "no admission, none added");
         for spec in ["dprank-queue", "dprank-reject"] {
             let v = Variant::parse(spec).unwrap().for_ttft_target(800.0);
-            assert!(crate::offline::driver::dprank_config(&v, 2).is_ok(), "{spec}");
+            assert!(
+                crate::offline::driver::dprank_config(&v, 2, false).is_ok(),
+                "{spec}"
+            );
         }
     }
 
@@ -854,13 +921,17 @@ mod tests {
     #[test]
     fn features_come_from_the_help_text() {
         let old = SimFeatures::from_help("          - round_robin:    x\n          - minimum_tokens: y\n");
-        assert_eq!(old.dispatch_arg(Dispatch::InServer), Ok("minimum_tokens"));
-        assert!(old.dispatch_arg(Dispatch::Clairvoyant).is_err());
+        assert_eq!(old.dispatch_arg(Dispatch::InServer, false), Ok("minimum_tokens"));
+        assert!(old.dispatch_arg(Dispatch::Clairvoyant, false).is_err());
         let new = SimFeatures::from_help(
             "--dispatch round_robin|total_tokens|total_requests|room_modulo|oracle\n--prefix-cache on|off",
         );
-        assert_eq!(new.dispatch_arg(Dispatch::InServer), Ok("total_tokens"));
-        assert_eq!(new.dispatch_arg(Dispatch::Clairvoyant), Ok("oracle"));
+        assert_eq!(new.dispatch_arg(Dispatch::InServer, false), Ok("total_tokens"));
+        assert_eq!(new.dispatch_arg(Dispatch::Clairvoyant, false), Ok("oracle"));
         assert!(new.prefix_cache && !new.cache_report && !old.prefix_cache);
+        assert_eq!(new.dispatch_arg(Dispatch::InServer, true), Ok("vllm"));
+        assert_eq!(new.dispatch_arg(Dispatch::RoundRobin, true), Ok("vllm"));
+        assert_eq!(new.dispatch_arg(Dispatch::Clairvoyant, true), Ok("oracle"));
+        assert!(!new.vllm && SimFeatures::from_help("--engine <ENGINE>").vllm);
     }
 }

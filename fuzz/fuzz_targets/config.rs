@@ -19,20 +19,28 @@
 //! - what is given is taken as written (intervals, rank field, headers), the
 //!   default stale limit is 3 x the poll interval, and PD-only keys are
 //!   refused outside PD mode;
-//! - header mode (`rank_transport: header`) is never accepted with what
-//!   needs the body (PD, `keep_client_rank`, `cost_estimate: words`); its
-//!   rank headers are lowercase, distinct and none of the filter's own; and
-//!   every rank or bootstrap header servers read, the route, pin and rank
-//!   headers among them, is removed from clients;
+//! - header mode (`rank_transport: header`) is never accepted with PD or
+//!   `keep_client_rank`; it reads the body exactly when prefix affinity is
+//!   on, `cost_estimate: words` only then and `cost_without_length` never
+//!   then; its rank headers are lowercase, distinct and none of the filter's
+//!   own; and every rank or bootstrap header servers read, the route, pin
+//!   and rank headers among them, is removed from clients;
 //! - gateways, retry alternates and the picker are taken as written
 //!   (`pick_choices` only with `pick: headroom`); prefix affinity is on by
-//!   default in body mode and never in header mode, its tuning keys refused
-//!   without it; passive health is on unless `enabled: false`.
+//!   default in body mode and with `engine: vllm`, in SGLang's header mode
+//!   only when asked for, its tuning keys refused without it; passive
+//!   health is on unless `enabled: false`;
+//! - `engine: vllm` is accepted only in header mode with
+//!   `x-data-parallel-rank` among the rank headers, never with PD, a
+//!   `rank_field`, `naming`, `keep_client_rank: true` or `load_endpoint`;
+//!   `served_model_name` only with it.
 #![no_main]
 
 use arbitrary::{Result, Unstructured};
 use dprank::body::JsonObject;
-use dprank::config::{Config, ConfigError, CostEstimate, Pick, StateReads, Transport, MAX_DP_SIZE, MIN_POLL_INTERVAL_MS};
+use dprank::config::{
+    Config, ConfigError, CostEstimate, Engine, Pick, StateReads, Transport, MAX_DP_SIZE, MIN_POLL_INTERVAL_MS,
+};
 use dprank::headers::CLIENT_RANK_HEADERS;
 use libfuzzer_sys::fuzz_target;
 use serde_json::{json, Map, Value};
@@ -97,7 +105,9 @@ fn check_accepted(c: &Config) {
     assert!(removed(&c.route_header) && c.pin_header.as_deref().is_none_or(removed));
     assert!(CLIENT_RANK_HEADERS.iter().all(|h| removed(h)), "{:?}", c.removed_headers);
     if let Transport::Header(h) = &c.transport {
-        assert!(c.pd().is_none() && !c.keep_client_rank && c.cost_estimate != CostEstimate::Words);
+        assert!(c.pd().is_none() && !c.keep_client_rank);
+        assert_eq!(h.reads_body, c.prefix.is_some(), "the body is read for prefix affinity only");
+        assert!(h.reads_body || c.cost_estimate != CostEstimate::Words);
         assert!(!h.rank_headers.is_empty() && h.cost_without_length >= 1);
         for (i, name) in h.rank_headers.iter().enumerate() {
             assert!(is_header_name(name) && removed(name), "rank header {name:?}");
@@ -304,6 +314,13 @@ fn generate(u: &mut Unstructured) -> Result<Map<String, Value>> {
         }
         c.insert("workers_from_cluster".into(), Value::Object(d));
     }
+    if let Some(v) = g.maybe(|g| g.text(&["sglang", "vllm", "vllm"], &["tgi", "VLLM"]))? {
+        c.insert("engine".into(), v);
+    }
+    if g.u.ratio(1, 5)? {
+        let v = g.text(&["Qwen/Qwen3-8B", "m"], &[""])?;
+        c.insert("served_model_name".into(), v);
+    }
     // Keys of the other modes: refused, so only now and then.
     let pd = c.contains_key("prefill_workers");
     let pd_keys = ["prefill_timeout_ms", "prefill_cluster", "prefill_rank_field", "decode_rank_field", "decode_prefill_rank_field"];
@@ -475,6 +492,7 @@ fn check_taken_as_written(given: &Map<String, Value>, c: &Config) {
     let header_only = ["rank_headers", "cost_without_length"];
     if let Transport::Header(h) = &c.transport {
         if let Some(v) = num("cost_without_length") {
+            assert!(!h.reads_body, "cost_without_length accepted under prefix affinity");
             assert_eq!(h.cost_without_length, v);
         }
         if let Some(list) = given.get("rank_headers").and_then(Value::as_array) {
@@ -514,20 +532,42 @@ fn check_taken_as_written(given: &Map<String, Value>, c: &Config) {
             assert_eq!(u64::from(choices), num("pick_choices").unwrap_or(2));
         }
     }
-    // Prefix affinity: on by default in body mode, never in header mode;
-    // its tuning keys only with it, taken as written.
+    // The engine: vLLM only with its header, never with a body rank field.
+    let vllm = txt("engine") == Some("vllm");
+    assert_eq!(c.engine.is_vllm(), vllm);
+    match &c.engine {
+        Engine::Sglang => assert!(given.get("served_model_name").is_none_or(Value::is_null)),
+        Engine::Vllm { served_model_name } => {
+            assert_eq!(served_model_name.as_deref(), txt("served_model_name"));
+            let Transport::Header(h) = &c.transport else {
+                panic!("engine vllm accepted without header mode");
+            };
+            assert!(h.rank_headers.iter().any(|r| r == "x-data-parallel-rank"));
+            assert!(c.pd().is_none());
+            for key in ["rank_field", "naming", "load_endpoint"] {
+                assert!(given.get(key).is_none_or(Value::is_null), "`{key}` accepted with engine vllm");
+            }
+            assert_ne!(given.get("keep_client_rank"), Some(&json!(true)));
+        }
+    }
+    // Prefix affinity: on by default in body mode and for vLLM, in SGLang's
+    // header mode only when asked for; its tuning keys only with it, taken
+    // as written.
     let header = matches!(c.transport, Transport::Header(_));
     let affinity = given.get("prefix_affinity").and_then(Value::as_bool);
     match &c.prefix {
         None => {
-            assert!(header || affinity == Some(false), "affinity off in body mode without asking");
+            assert!(
+                (header && !vllm) || affinity == Some(false),
+                "affinity off without asking"
+            );
             let tuning = given.keys().filter(|k| k.starts_with("prefix_") && *k != "prefix_affinity");
             for k in tuning {
                 assert!(given.get(k).is_none_or(Value::is_null), "`{k}` accepted with affinity off");
             }
         }
         Some(p) => {
-            assert!(!header, "affinity on in header mode");
+            assert!(!header || vllm || affinity == Some(true), "affinity on in header mode without asking");
             assert_ne!(affinity, Some(false));
             if let Some(v) = num("prefix_block_bytes") {
                 assert_eq!(u64::from(p.block_bytes), v);

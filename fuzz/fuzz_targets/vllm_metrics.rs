@@ -1,6 +1,7 @@
 //! `parse_vllm_metrics` (and the line reader under it) on arbitrary bytes,
 //! and on `/metrics` answers generated from a specification drawn from the
-//! same bytes (`arbitrary`).
+//! same bytes (`arbitrary`); the vLLM load source's answer and the mapping
+//! of a report into load figures, over polls, on both.
 //!
 //! The oracles do not read the text the way `load/vllm.rs` does:
 //! - raw bytes: never panics; `prometheus::lines` gives one line per line
@@ -19,14 +20,24 @@
 //!   missing, one beyond MAX_DP_SIZE, a second model, a broken line, a cut
 //!   last line. The expected result is computed from those decisions, never
 //!   from the text.
+//! - the source and the mapping (every readable answer, read as three polls
+//!   a drawn time apart with a drawn mean request): the source reports only
+//!   a readable answer ending with a line feed whose engines all have their
+//!   running, waiting and KV figures, refuses only bad engines; per rank,
+//!   KV in use is at most the engine's share of the capacity, tokens are KV
+//!   in use (or running x mean) plus waiting x mean, waiting uncached at
+//!   most waiting x mean, a hit rate within 0..=1; the memory stays within
+//!   its limits and a first poll knows no hit rate.
 #![no_main]
 
 use arbitrary::{Arbitrary, Result, Unstructured};
 use dprank::config::MAX_DP_SIZE;
 use dprank::load::prometheus::{self, Line};
+use dprank::load::vllm::mapping::{rank_loads, CacheCounters};
 use dprank::load::vllm::{
-    parse_vllm_metrics, EngineFigures, VllmMetricsError, VllmReport, MAX_METRICS_BYTES,
+    parse_vllm_metrics, EngineFigures, Vllm, VllmMetricsError, VllmReport, MAX_METRICS_BYTES,
 };
+use dprank::load::{Answer, LoadSource, Reading, ReportContext, SourceMemory};
 use libfuzzer_sys::fuzz_target;
 
 const FIGURES: [&str; 5] = [
@@ -559,6 +570,98 @@ fn check_generated(data: &[u8]) {
         eprintln!("TRACE {body}\nTRACE => {got:?}\nTRACE want {want:?}");
     }
     assert!(same(&got, &want), "answer:\n{body}\n got {got:?}\nwant {want:?}");
+    check_source(&mut u, body.as_bytes(), filter.map(|m| MODELS[m]));
+}
+
+/// The source's answer to `body`, and its report over three polls.
+fn check_source(u: &mut Unstructured<'_>, body: &[u8], model: Option<&str>) {
+    let vllm = Vllm { model };
+    let poll = vllm.poll(&SourceMemory::default());
+    let answer = vllm.answer(&poll, 200, body);
+    let parsed = parse_vllm_metrics(body, model);
+    match (&answer, &parsed) {
+        (Answer::Report(Reading::Vllm(report)), Ok(parsed)) => {
+            assert_eq!(report, parsed);
+            assert!(body.ends_with(b"\n"), "a cut answer is no report");
+            assert!(
+                report
+                    .engines
+                    .iter()
+                    .all(|e| e.running.is_some() && e.waiting.is_some() && e.kv_usage.is_some()),
+                "{report:?}"
+            );
+        }
+        (Answer::Refused(_), Err(VllmMetricsError::BadEngines(_) | VllmMetricsError::TooManyEngines(_))) => {}
+        (Answer::Failed(_), _) => {
+            // Bad engines are refused, unless the answer was cut short first.
+            let cut = !body.is_empty() && !body.ends_with(b"\n") && body.len() <= MAX_METRICS_BYTES;
+            assert!(
+                cut || !matches!(
+                    parsed,
+                    Err(VllmMetricsError::BadEngines(_) | VllmMetricsError::TooManyEngines(_))
+                )
+            );
+        }
+        other => panic!("the source answered {other:?}"),
+    }
+    let Ok(report) = parsed else { return };
+    let mut memory = SourceMemory::default();
+    let mut now: u64 = u.int_in_range(0..=u64::MAX / 4).unwrap_or(0);
+    for poll in 0..3 {
+        let context = ReportContext {
+            now_ms: now,
+            request_tokens: u.arbitrary().unwrap_or(0),
+        };
+        let loads = Reading::Vllm(report.clone()).report(&mut memory, &context);
+        check_loads(&report, &loads.ranks, &context, poll == 0);
+        assert!(memory.within_limits(report.engines.len()));
+        now = now.saturating_add(u.int_in_range(0..=100_000).unwrap_or(0));
+    }
+    let mut counters = CacheCounters::default();
+    let first = rank_loads(
+        &report,
+        &mut counters,
+        &ReportContext {
+            now_ms: 1,
+            request_tokens: 1,
+        },
+    );
+    assert!(first.ranks.iter().all(|r| r.cache_hit_rate.is_none()));
+}
+
+fn check_loads(report: &VllmReport, ranks: &[dprank::load::RankLoad], context: &ReportContext, first: bool) {
+    assert_eq!(ranks.len(), report.engines.len());
+    let mean = context.request_tokens.max(1);
+    let engines = report.engines.len() as u64;
+    let capacity = report.kv_capacity_tokens.map(|c| c / engines).filter(|c| *c > 0);
+    for (rank, engine) in ranks.iter().zip(&report.engines) {
+        assert_eq!(rank.capacity_tokens, capacity);
+        assert_eq!(
+            (rank.waiting_requests, rank.running_requests),
+            (engine.waiting, engine.running)
+        );
+        if let (Some(used), Some(c)) = (rank.used_tokens, capacity) {
+            assert!(used <= c, "{used} of {c}");
+        }
+        assert_eq!(
+            rank.used_tokens.is_some(),
+            capacity.is_some() && engine.kv_usage.is_some()
+        );
+        let queued = engine.waiting.map(|w| w.saturating_mul(mean));
+        let in_use = rank
+            .used_tokens
+            .or(engine.running.map(|r| r.saturating_mul(mean)));
+        assert_eq!(rank.tokens, in_use.zip(queued).map(|(a, b)| a.saturating_add(b)));
+        if let (Some(uncached), Some(q)) = (rank.waiting_uncached_tokens, queued) {
+            assert!(uncached <= q);
+        }
+        assert_eq!(rank.waiting_uncached_tokens.is_some(), queued.is_some());
+        assert!(rank.cache_hit_rate.is_none_or(|h| (0.0..=1.0).contains(&h)));
+        assert!(
+            !first || rank.cache_hit_rate.is_none(),
+            "a first poll knows no rate"
+        );
+    }
 }
 
 fn check_raw(data: &[u8]) {
@@ -595,6 +698,7 @@ fn check_raw(data: &[u8]) {
         Err(VllmMetricsError::TooLarge(n)) => assert!(n > MAX_METRICS_BYTES),
         Err(_) => {}
     }
+    check_source(&mut Unstructured::new(data), data, None);
 }
 
 fuzz_target!(|data: &[u8]| {

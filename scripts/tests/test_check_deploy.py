@@ -116,6 +116,15 @@ class Walking(unittest.TestCase):
         c["static_resources"]["listeners"][0]["filters"][0]["config"]["failure_policy"] = "FAIL_OPEN"
         self.assertNotEqual(cd.normalised(a), cd.normalised(c))
 
+    def test_the_vllm_config_compares_to_the_shipped_one_but_for_names_and_engine(self):
+        shipped = bootstrap()
+        vllm = json.loads(json.dumps(shipped).replace('"sglang"', '"vllm"'))
+        pc = vllm["static_resources"]["listeners"][0]["filters"][0]["config"]
+        pc["configuration"]["value"] = json.dumps({"engine": "vllm", "workers": [{"address": "10.0.0.9:8000"}]})
+        self.assertEqual(cd.as_shipped_for_sglang(vllm), cd.normalised(shipped))
+        pc["failure_policy"] = "FAIL_OPEN"
+        self.assertNotEqual(cd.as_shipped_for_sglang(vllm), cd.normalised(shipped))
+
     def test_workers_cluster_stands_in_for_the_platforms(self):
         c = cd.workers_cluster({"workers": [{"address": "[::1]:8000"}, {"address": "10.0.0.1:1"}]})
         self.assertEqual(c["name"], "workers")

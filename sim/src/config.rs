@@ -18,6 +18,9 @@ pub const RETRACT_DECODE_STEPS: u64 = 20;
 pub const CLIP_MAX_NEW_TOKENS: u64 = 4096;
 /// server_args: schedule_conservativeness *= 0.3 with --enable-dp-attention.
 pub const DP_ATTENTION_CONSERVATIVENESS: f64 = 0.3;
+/// vLLM's `max_num_batched_tokens` for the OpenAI server on GPUs of 70 GiB
+/// or more other than A100 (engine/arg_utils.py, `get_batch_defaults`).
+pub const VLLM_MAX_NUM_BATCHED_TOKENS: u64 = 8192;
 
 /// How a worker picks a rank for a request that names none.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -48,6 +51,10 @@ pub enum Dispatch {
     /// first token (greedy, not optimal; not a bound).
     #[value(name = "oracle", alias = "clairvoyant")]
     Oracle,
+    /// vLLM's internal balancer (`DPLBAsyncMPClient`), the only one a vLLM
+    /// server has; the default with `--engine vllm`.
+    #[value(name = "vllm", alias = "dplb")]
+    Vllm,
 }
 
 impl Dispatch {
@@ -59,6 +66,44 @@ impl Dispatch {
             Dispatch::TotalRequests => "total_requests",
             Dispatch::RoomModulo => "follow_bootstrap_room",
             Dispatch::Oracle => "oracle",
+            Dispatch::Vllm => "vllm",
+        }
+    }
+}
+
+/// The server the simulator speaks as.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum EngineKind {
+    /// SGLang with `--dp-size N` (`/generate`, `/v1/loads`, body rank fields).
+    #[value(name = "sglang")]
+    Sglang,
+    /// `vllm serve --data-parallel-size N`: one engine per rank behind one
+    /// API server (`/metrics`, the `X-data-parallel-rank` header, vLLM's
+    /// scheduler and internal balancer). See sim/README.md, "vLLM mode".
+    #[value(name = "vllm")]
+    Vllm,
+}
+
+/// The vLLM release whose behaviour the vLLM mode follows where releases
+/// differ (the balancer, who publishes counts to it, the streamed answer
+/// to an out-of-range rank, the API processes and `/metrics`' shape).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum VllmVersion {
+    /// 0.14 to 0.33 as read in 0.14: `waiting * 4 + running`, one API
+    /// process.
+    #[value(name = "0.14")]
+    V0_14,
+    /// 0.34: `max(in flight, waiting + running)` plus a KV-pressure penalty,
+    /// rotating start, one API process per engine.
+    #[value(name = "0.34")]
+    V0_34,
+}
+
+impl VllmVersion {
+    pub fn name(self) -> &'static str {
+        match self {
+            VllmVersion::V0_14 => "0.14.0",
+            VllmVersion::V0_34 => "0.34.0",
         }
     }
 }
@@ -148,6 +193,12 @@ impl Role {
 /// (see sim/README.md).
 #[derive(Debug, Clone, Args)]
 pub struct SimConfig {
+    /// The server simulated: SGLang, or vLLM (sim/README.md, "vLLM mode").
+    #[arg(long, value_enum, default_value_t = EngineKind::Sglang)]
+    pub engine: EngineKind,
+    /// vLLM mode: the vLLM release whose behaviour is followed.
+    #[arg(long, value_enum, default_value_t = VllmVersion::V0_14)]
+    pub vllm_version: VllmVersion,
     /// The modelled deployment (step costs and shape); the flags below
     /// override its values one by one.
     #[arg(long, value_enum, default_value_t = CostPreset::DeepseekV3Dp8)]
@@ -155,9 +206,10 @@ pub struct SimConfig {
     /// Data-parallel ranks per worker (default: the cost model's).
     #[arg(long)]
     pub dp_size: Option<usize>,
-    /// Rank choice for requests that carry no rank.
-    #[arg(long, value_enum, default_value_t = Dispatch::RoundRobin)]
-    pub dispatch: Dispatch,
+    /// Rank choice for requests that carry no rank (default: SGLang's
+    /// round_robin; vLLM's internal balancer in vLLM mode).
+    #[arg(long, value_enum)]
+    pub dispatch: Option<Dispatch>,
     /// Every modelled duration is divided by this (10 = ten times faster).
     #[arg(long, default_value_t = 1.0)]
     pub time_scale: f64,
@@ -185,9 +237,9 @@ pub struct SimConfig {
     /// model's).
     #[arg(long)]
     pub kv_capacity: Option<u64>,
-    /// Maximum running requests per rank (SGLang --max-running-requests;
-    /// default: the cost model's).
-    #[arg(long)]
+    /// Maximum running requests per rank (SGLang --max-running-requests,
+    /// vLLM --max-num-seqs; default: the cost model's).
+    #[arg(long, alias = "max-num-seqs")]
     pub max_running: Option<u64>,
     /// Step all ranks of a worker together, each step lasting as long as
     /// the slowest rank's (DP attention; default: on where the cost model
@@ -216,6 +268,19 @@ pub struct SimConfig {
     /// SGLang --max-prefill-tokens: prompt tokens per prefill batch.
     #[arg(long, default_value_t = 16384)]
     pub max_prefill_tokens: u64,
+    /// vLLM mode: KV block size in tokens (default: the cost model's, as
+    /// vLLM picks it for the model's attention backend).
+    #[arg(long)]
+    pub block_size: Option<u64>,
+    /// vLLM mode: tokens one engine schedules per step, prefill chunks and
+    /// decodes together (vLLM's default for the OpenAI server on a GPU of
+    /// 70 GiB or more: 8192).
+    #[arg(long, default_value_t = VLLM_MAX_NUM_BATCHED_TOKENS)]
+    pub max_num_batched_tokens: u64,
+    /// vLLM mode: API server processes, each with its own balancer (default:
+    /// 1 for 0.14, one per engine for 0.34).
+    #[arg(long)]
+    pub api_server_count: Option<usize>,
     /// Fixed delay from a request's arrival to its tokenized form reaching
     /// the scheduler, in microseconds.
     #[arg(long, default_value_t = 500.0)]
@@ -235,9 +300,9 @@ pub struct SimConfig {
     /// headers on /generate and /v1/chat/completions.
     #[arg(long)]
     pub header_overrides: bool,
-    /// SGLang --enable-cache-report: usage.prompt_tokens_details on the
-    /// OpenAI endpoints.
-    #[arg(long)]
+    /// SGLang --enable-cache-report (vLLM: --enable-prompt-tokens-details):
+    /// usage.prompt_tokens_details on the OpenAI endpoints.
+    #[arg(long, alias = "enable-prompt-tokens-details")]
     pub enable_cache_report: bool,
     /// Answer at once, modelling no delay at all (overhead benchmarks).
     #[arg(long)]
@@ -270,9 +335,11 @@ pub struct SimConfig {
 impl Default for SimConfig {
     fn default() -> Self {
         Self {
+            engine: EngineKind::Sglang,
+            vllm_version: VllmVersion::V0_14,
             cost_model: CostPreset::DeepseekV3Dp8,
             dp_size: None,
-            dispatch: Dispatch::RoundRobin,
+            dispatch: None,
             time_scale: 1.0,
             prefill_step_ms: None,
             prefill_tokens_per_s: None,
@@ -290,6 +357,9 @@ impl Default for SimConfig {
             page_size: 1,
             chunked_prefill_size: 8192,
             max_prefill_tokens: 16384,
+            block_size: None,
+            max_num_batched_tokens: VLLM_MAX_NUM_BATCHED_TOKENS,
+            api_server_count: None,
             tokenizer_delay_us: 500.0,
             tokenizer_us_per_token: 1.0,
             load_publish_interval: 15,
@@ -365,7 +435,73 @@ impl SimConfig {
                 return Err(format!("{name} must be a non-negative number"));
             }
         }
+        if self.engine == EngineKind::Vllm {
+            self.validate_vllm()?;
+        } else if self.dispatch == Some(Dispatch::Vllm) {
+            return Err("--dispatch vllm needs --engine vllm".into());
+        }
         Ok(())
+    }
+
+    fn validate_vllm(&self) -> Result<(), String> {
+        if self.role != Role::Regular {
+            return Err("--engine vllm runs the regular role only (no prefill/decode roles)".into());
+        }
+        match self.dispatch() {
+            Dispatch::Vllm | Dispatch::Oracle => {}
+            other => {
+                return Err(format!(
+                    "--dispatch {} is SGLang's; a vLLM server has its internal balancer (`vllm`) or, in the simulator, `oracle`",
+                    other.name()
+                ))
+            }
+        }
+        let block = self.block_size();
+        if block == 0 || self.kv_capacity() / block < 2 {
+            return Err(
+                "--block-size must be at least 1 and --kv-capacity must hold at least 2 blocks".into(),
+            );
+        }
+        if self.max_num_batched_tokens == 0 {
+            return Err("--max-num-batched-tokens must be at least 1".into());
+        }
+        if self.api_server_count == Some(0) {
+            return Err("--api-server-count must be at least 1".into());
+        }
+        Ok(())
+    }
+
+    /// Whether the simulated server is vLLM.
+    pub fn is_vllm(&self) -> bool {
+        self.engine == EngineKind::Vllm
+    }
+
+    /// How a rank is chosen for a request naming none.
+    pub fn dispatch(&self) -> Dispatch {
+        self.dispatch.unwrap_or(match self.engine {
+            EngineKind::Sglang => Dispatch::RoundRobin,
+            EngineKind::Vllm => Dispatch::Vllm,
+        })
+    }
+
+    /// vLLM mode: the KV block size.
+    pub fn block_size(&self) -> u64 {
+        self.block_size.unwrap_or(self.deployment().vllm_block_size)
+    }
+
+    /// vLLM mode: KV blocks per engine (`num_gpu_blocks`).
+    pub fn num_gpu_blocks(&self) -> u64 {
+        self.kv_capacity() / self.block_size().max(1)
+    }
+
+    /// vLLM mode: API server processes.
+    pub fn api_servers(&self) -> usize {
+        self.api_server_count
+            .unwrap_or(match self.vllm_version {
+                VllmVersion::V0_14 => 1,
+                VllmVersion::V0_34 => self.dp_size(),
+            })
+            .max(1)
     }
 
     /// The output a sequence with a `prompt`-token prompt may have: what it
@@ -373,7 +509,12 @@ impl SimConfig {
     /// page to spare (SGLang's admission needs that strictly); None if not
     /// even one output token fits.
     pub fn fit_output(&self, prompt: u64, wanted: u64) -> Option<u64> {
-        let room = self.kv_capacity().checked_sub(prompt + self.page_size + 1)?;
+        let (capacity, page) = if self.is_vllm() {
+            (self.num_gpu_blocks() * self.block_size(), self.block_size())
+        } else {
+            (self.kv_capacity(), self.page_size)
+        };
+        let room = capacity.checked_sub(prompt + page + 1)?;
         (room >= 1).then(|| wanted.clamp(1, room))
     }
 
@@ -387,14 +528,18 @@ impl SimConfig {
         self.dp_size.unwrap_or(self.deployment().dp_size).max(1)
     }
 
-    /// KV tokens per rank.
+    /// KV tokens per rank (vLLM mode: whole blocks of them are used).
     pub fn kv_capacity(&self) -> u64 {
         self.kv_capacity.unwrap_or(self.deployment().kv_capacity)
     }
 
-    /// Running requests per rank.
+    /// Running requests per rank (vLLM mode: `max_num_seqs`).
     pub fn max_running(&self) -> u64 {
-        self.max_running.unwrap_or(self.deployment().max_running)
+        let deployment = self.deployment();
+        self.max_running.unwrap_or(match self.engine {
+            EngineKind::Sglang => deployment.max_running,
+            EngineKind::Vllm => deployment.vllm_max_num_seqs,
+        })
     }
 
     /// Whether the modelled server runs DP attention (SGLang
@@ -461,7 +606,7 @@ impl SimConfig {
     name = "dprank-sim",
     // A later flag wins: harnesses append overrides to a base command line.
     args_override_self = true,
-    about = "Simulated SGLang server(s) with data-parallel ranks (--dp-size N --enable-dp-attention)"
+    about = "Simulated SGLang server(s) with data-parallel ranks (--dp-size N --enable-dp-attention), or vLLM servers (--engine vllm: vllm serve --data-parallel-size N)"
 )]
 pub struct Cli {
     /// Address of one worker; repeat for a fleet served by this process.

@@ -1,12 +1,14 @@
 //! A simulated SGLang server with data-parallel ranks (`--dp-size N
-//! --enable-dp-attention`), speaking the real wire format, with a control
-//! API for tests. See sim/README.md for the model.
+//! --enable-dp-attention`), or a vLLM server with data-parallel engines
+//! (`--engine vllm`), speaking the real wire format, with a control API for
+//! tests. See sim/README.md for the model.
 
 pub mod answers;
 pub mod chat;
 pub mod config;
 pub mod engine;
 pub mod loads;
+pub mod metrics;
 pub mod offline;
 pub mod output;
 pub mod protocol;
@@ -14,5 +16,7 @@ pub mod server;
 pub mod tokenizer;
 pub mod worker;
 
-pub use config::{Admission, Cli, CostPreset, Dispatch, RankHeader, Role, SimConfig, Toggle};
+pub use config::{
+    Admission, Cli, CostPreset, Dispatch, EngineKind, RankHeader, Role, SimConfig, Toggle, VllmVersion,
+};
 pub use server::SimServer;

@@ -27,6 +27,7 @@ use crate::chat::{self, Message};
 use crate::config::SimConfig;
 use crate::engine::{self, Arrival, Event, EventKind, Micros, RankSnapshot, ReqId};
 use crate::loads::{self, LoadView};
+use crate::metrics::{self, Garble, MetricsView};
 use crate::tokenizer;
 
 /// A prompt as a client sends it.
@@ -371,6 +372,28 @@ impl Fleet {
     pub fn v1_loads(&self, worker: usize) -> Value {
         let snapshots = self.snapshots(worker);
         loads::v1_loads(&self.view(&snapshots))
+    }
+
+    /// vLLM mode: what each engine of `worker` last reported.
+    pub fn engine_stats(&self, worker: usize) -> Vec<crate::engine::EngineStats> {
+        self.engine.engine_stats(worker)
+    }
+
+    /// vLLM mode: what `GET /metrics` on `worker` would answer now (one API
+    /// process unless `--api-server-count` or the release says more; the
+    /// series created at virtual time 0).
+    pub fn metrics(&self, worker: usize) -> String {
+        let stats = self.engine_stats(worker);
+        metrics::exposition(&MetricsView {
+            stats: &stats,
+            extra_engines: 0,
+            model: &self.config.model,
+            block_size: self.config.block_size(),
+            num_gpu_blocks: self.config.num_gpu_blocks(),
+            created: 0.0,
+            multiprocess: self.config.api_servers() > 1,
+            garble: Garble::None,
+        })
     }
 
     /// What `GET /get_load` on `worker` would answer now.

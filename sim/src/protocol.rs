@@ -1,10 +1,10 @@
-//! SGLang / OpenAI request parsing and response shapes.
+//! SGLang / vLLM / OpenAI request parsing and response shapes.
 
 use axum::http::HeaderMap;
 use bytes::Bytes;
 use serde_json::{json, Map, Value};
 
-use crate::config::{RankHeader, Role, SimConfig};
+use crate::config::{RankHeader, Role, SimConfig, VllmVersion};
 use crate::output::{text_upto, token_text};
 use crate::{answers, chat, tokenizer};
 
@@ -55,13 +55,76 @@ pub struct ParsedRequest {
 pub struct Rejection {
     pub status: u16,
     pub message: String,
+    /// Answered as a stream: 200, one SSE error event, then `[DONE]` (how
+    /// vLLM 0.34 refuses an out-of-range rank on a streamed request).
+    pub in_stream: bool,
 }
 
 fn bad_request(message: impl Into<String>) -> Rejection {
     Rejection {
         status: 400,
         message: message.into(),
+        in_stream: false,
     }
+}
+
+/// Python's `int(text)` on a header value: surrounding whitespace, an
+/// optional sign, decimal digits with single underscores between them
+/// (`" 1 "`, `"+1"`, `"1_0"`); None for anything else. Header bytes are
+/// read as Latin-1, as the ASGI server hands them over. A number beyond
+/// i128 saturates (it is out of any range all the same).
+pub fn python_int(bytes: &[u8]) -> Option<i128> {
+    let is_space = |b: &u8| {
+        matches!(
+            b,
+            b' ' | b'\t' | b'\n' | 0x0b | 0x0c | b'\r' | 0x1c..=0x1f | 0x85 | 0xa0
+        )
+    };
+    let start = bytes.iter().position(|b| !is_space(b))?;
+    let end = bytes.iter().rposition(|b| !is_space(b))? + 1;
+    let text = &bytes[start..end];
+    let (negative, digits) = match text.first() {
+        Some(b'-') => (true, &text[1..]),
+        Some(b'+') => (false, &text[1..]),
+        _ => (false, text),
+    };
+    let mut value: i128 = 0;
+    let mut previous_digit = false;
+    for byte in digits {
+        match byte {
+            b'0'..=b'9' => {
+                value = value.saturating_mul(10).saturating_add(i128::from(byte - b'0'));
+                previous_digit = true;
+            }
+            b'_' if previous_digit => previous_digit = false,
+            _ => return None,
+        }
+    }
+    if !previous_digit {
+        return None;
+    }
+    Some(if negative { -value } else { value })
+}
+
+/// vLLM: the rank `X-data-parallel-rank` pins (`_get_data_parallel_rank`:
+/// first value, not an integer = no rank); an out-of-range one is refused
+/// as vLLM's input processor refuses it.
+fn vllm_rank(headers: &HeaderMap, config: &SimConfig, stream: bool) -> Result<Option<usize>, Rejection> {
+    let Some(value) = headers.get("x-data-parallel-rank") else {
+        return Ok(None);
+    };
+    let Some(rank) = python_int(value.as_bytes()) else {
+        return Ok(None);
+    };
+    let dp_size = config.dp_size();
+    if rank < 0 || rank >= dp_size as i128 {
+        return Err(Rejection {
+            status: 400,
+            message: format!("data_parallel_rank {rank} is out of range [0, {dp_size})."),
+            in_stream: stream && config.vllm_version == VllmVersion::V0_34,
+        });
+    }
+    Ok(Some(rank as usize))
 }
 
 /// The tokens of a text prompt; an empty prompt still counts one token.
@@ -347,6 +410,28 @@ pub fn parse_request(
         .and_then(|options| options.get("include_usage"))
         .and_then(Value::as_bool)
         .unwrap_or(false);
+    if config.is_vllm() {
+        // vLLM has no body field for the rank: the header alone pins it,
+        // on the OpenAI endpoints (the only serving ones it has here).
+        let rank = if reads_rank_header(api, config.rank_header) {
+            vllm_rank(headers, config, stream)?
+        } else {
+            None
+        };
+        return Ok(ParsedRequest {
+            api,
+            max_new_tokens: max_new_tokens(api, &body)?,
+            answer_tags: answer_tags(api, &body),
+            prompts,
+            pretokenized,
+            batched,
+            stream,
+            include_usage,
+            rank,
+            bootstrap: None,
+            model: body.get("model").and_then(Value::as_str).map(str::to_string),
+        });
+    }
     let mut rank = parse_rank(&body, role, dp_size)?;
     if reads_rank_header(api, config.rank_header) {
         if let Some(header) = header_int(headers, "x-data-parallel-rank")? {
@@ -396,7 +481,7 @@ fn answer_tags(api: Api, body: &Map<String, Value>) -> Vec<Option<String>> {
     }
 }
 
-/// The JSON error body SGLang answers with.
+/// The JSON error body SGLang and vLLM answer with.
 pub fn error_body(status: u16, message: &str) -> Value {
     let kind = match status {
         400 => "BadRequestError",
@@ -404,7 +489,7 @@ pub fn error_body(status: u16, message: &str) -> Value {
         503 => "ServiceUnavailableError",
         _ => "InternalServerError",
     };
-    json!({"error": {"message": message, "type": kind, "code": status}})
+    json!({"error": {"message": message, "type": kind, "param": null, "code": status}})
 }
 
 /// The responses of one admitted request, as its sequences progress.
@@ -425,6 +510,8 @@ pub struct ResponseShape {
     pub include_usage: bool,
     /// `--enable-cache-report`: cached tokens in OpenAI usage.
     pub cache_report: bool,
+    /// vLLM: the details only when some prompt tokens were cached.
+    pub cached_only_when_hit: bool,
     /// Output tokens so far, per sequence.
     pub counts: Vec<u64>,
     /// Prompt tokens served from the prefix cache, per sequence.
@@ -442,7 +529,12 @@ pub fn sse_done() -> Bytes {
 
 /// An error event inside an already started stream.
 pub fn sse_error(message: &str) -> Bytes {
-    sse(&error_body(500, message))
+    sse_error_status(500, message)
+}
+
+/// An SSE error event with this status in its body.
+pub fn sse_error_status(status: u16, message: &str) -> Bytes {
+    sse(&error_body(status, message))
 }
 
 impl ResponseShape {
@@ -486,9 +578,9 @@ impl ResponseShape {
         let prompt: u64 = self.prompt_tokens.iter().sum();
         let completion: u64 = self.counts.iter().sum();
         let mut usage = json!({"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion});
-        if self.cache_report {
+        let cached: u64 = self.cached.iter().sum();
+        if self.cache_report && (cached > 0 || !self.cached_only_when_hit) {
             if let Some(object) = usage.as_object_mut() {
-                let cached: u64 = self.cached.iter().sum();
                 object.insert("prompt_tokens_details".into(), json!({"cached_tokens": cached}));
             }
         }
@@ -855,6 +947,37 @@ mod tests {
                 .unwrap()
                 .rooms,
             vec![i64::MAX as u64]
+        );
+    }
+
+    #[test]
+    fn header_ranks_parse_as_python_int_does() {
+        for (text, value) in [
+            ("1", Some(1)),
+            (" 1 ", Some(1)),
+            ("+1", Some(1)),
+            ("-3", Some(-3)),
+            ("1_0", Some(10)),
+            ("007", Some(7)),
+            ("\t2\r", Some(2)),
+            ("1__0", None),
+            ("_1", None),
+            ("1_", None),
+            ("1.0", None),
+            ("", None),
+            ("  ", None),
+            ("+", None),
+            ("0x1", None),
+            ("1 2", None),
+        ] {
+            assert_eq!(python_int(text.as_bytes()), value, "{text:?}");
+        }
+        // Latin-1 no-break space is whitespace to Python; a huge number is
+        // still a number.
+        assert_eq!(python_int(b"\xa01\xa0"), Some(1));
+        assert_eq!(
+            python_int(b"99999999999999999999999999999999999999999"),
+            Some(i128::MAX)
         );
     }
 

@@ -83,6 +83,9 @@ async fn tag_response(State(listener): State<Listener>, request: Request, next: 
 
 /// The main router of a worker.
 pub fn router(worker: Listener) -> Router {
+    if worker.shared.config.is_vllm() {
+        return vllm_router(worker);
+    }
     Router::new()
         .route("/health", get(|| async { StatusCode::OK }))
         .route("/health_generate", get(|| async { StatusCode::OK }))
@@ -109,6 +112,77 @@ pub fn router(worker: Listener) -> Router {
         .with_state(worker)
 }
 
+/// The router of a vLLM server: its OpenAI endpoints, `/metrics`, and the
+/// simulator's control API. SGLang's own endpoints (`/generate`,
+/// `/get_load`, `/v1/loads`, `/server_info`, ...) answer 404 here.
+fn vllm_router(worker: Listener) -> Router {
+    Router::new()
+        .route("/health", get(|| async { StatusCode::OK }))
+        .route("/ping", get(|| async { StatusCode::OK }))
+        .route("/version", get(version))
+        .route("/v1/models", get(models))
+        .route("/metrics", get(metrics))
+        .route("/v1/completions", post(completions))
+        .route("/v1/chat/completions", post(chat))
+        .route("/_sim/control", get(control_get).post(control_post))
+        .route("/_sim/reset", post(reset))
+        .route("/_sim/requests", get(requests))
+        .route("/_sim/counters", get(counters))
+        .route("/_sim/answers", get(answers_get).post(answers_post))
+        .fallback(not_found)
+        .layer(DefaultBodyLimit::max(256 << 20))
+        .layer(middleware::from_fn_with_state(worker.clone(), tag_response))
+        .with_state(worker)
+}
+
+async fn version(State(worker): State<Listener>) -> Response {
+    json_response(
+        StatusCode::OK,
+        &json!({"version": worker.shared.config.vllm_version.name()}),
+    )
+}
+
+/// vLLM's `/metrics`: the exposition of what each engine last reported.
+async fn metrics(State(worker): State<Listener>) -> Response {
+    worker.server().count_metrics_poll();
+    let text = |fault| worker.shared.metrics_text(worker.index, fault);
+    let plain = |body: String| {
+        (
+            StatusCode::OK,
+            [(
+                header::CONTENT_TYPE,
+                HeaderValue::from_static("text/plain; version=0.0.4; charset=utf-8"),
+            )],
+            body,
+        )
+            .into_response()
+    };
+    match worker.server().control().load_fault {
+        LoadFault::None => plain(text(LoadFault::None)),
+        fault @ (LoadFault::WrongDpSize | LoadFault::Nan | LoadFault::WrongLabels | LoadFault::Huge) => {
+            plain(text(fault))
+        }
+        LoadFault::Http500 => error_response(500, "injected load fault"),
+        LoadFault::NotFound => not_found().await,
+        LoadFault::Malformed => (
+            StatusCode::OK,
+            [(header::CONTENT_TYPE, HeaderValue::from_static("text/html"))],
+            "<html><body>this is not the exposition</body></html>",
+        )
+            .into_response(),
+        LoadFault::Truncated => {
+            let mut body = text(LoadFault::None);
+            let mut cut = body.len() / 2;
+            while !body.is_char_boundary(cut) {
+                cut -= 1;
+            }
+            body.truncate(cut);
+            plain(body)
+        }
+        LoadFault::Hang => std::future::pending::<Response>().await,
+    }
+}
+
 /// The router of the prefill bootstrap listener: only the KV rooms.
 pub fn bootstrap_router(worker: Listener) -> Router {
     Router::new()
@@ -126,11 +200,12 @@ async fn not_found() -> Response {
 async fn models(State(worker): State<Listener>) -> Response {
     let config = &worker.shared.config;
     let model = &config.model;
+    let owner = if config.is_vllm() { "vllm" } else { "sglang" };
     json_response(
         StatusCode::OK,
         &json!({"object": "list", "data": [{
-            "id": model, "object": "model", "created": 0, "owned_by": "sglang",
-            "root": model, "max_model_len": config.kv_capacity(),
+            "id": model, "object": "model", "created": unix_seconds(), "owned_by": owner,
+            "root": model, "parent": null, "max_model_len": config.kv_capacity(),
         }]}),
     )
 }
@@ -148,7 +223,7 @@ async fn server_info(State(worker): State<Listener>) -> Response {
             // it each rank is a whole replica (one GPU in the presets).
             "tp_size": if config.dp_attention() { config.dp_size() } else { 1 },
             "enable_dp_attention": config.dp_attention(),
-            "load_balance_method": config.dispatch.name(),
+            "load_balance_method": config.dispatch().name(),
             "page_size": config.page_size,
             "chunked_prefill_size": config.chunked_prefill_size,
             "max_prefill_tokens": config.max_prefill_tokens,
@@ -180,6 +255,9 @@ async fn model_info(State(worker): State<Listener>) -> Response {
 
 async fn get_load(State(worker): State<Listener>) -> Response {
     worker.server().count_load_poll(false);
+    if worker.shared.config.is_vllm() {
+        return not_found().await;
+    }
     load_response(&worker, false).await
 }
 
@@ -200,7 +278,9 @@ async fn load_response(worker: &Listener, v1: bool) -> Response {
         }
     };
     match worker.server().control().load_fault {
-        LoadFault::None => json_response(StatusCode::OK, &report(0)),
+        LoadFault::None | LoadFault::Nan | LoadFault::WrongLabels | LoadFault::Huge => {
+            json_response(StatusCode::OK, &report(0))
+        }
         LoadFault::WrongDpSize => json_response(StatusCode::OK, &report(2)),
         LoadFault::Http500 => error_response(500, "injected load fault"),
         LoadFault::NotFound => not_found().await,
@@ -248,14 +328,22 @@ fn parse_control(body: &[u8]) -> Result<ControlUpdate, String> {
 }
 
 async fn control_post(State(worker): State<Listener>, body: Bytes) -> Response {
-    match parse_control(&body).and_then(|update| worker.server().apply_control(update)) {
+    match parse_control(&body).and_then(|update| {
+        worker
+            .server()
+            .apply_control(update, worker.shared.config.is_vllm())
+    }) {
         Ok(control) => json_response(StatusCode::OK, &json!(control)),
         Err(message) => error_response(400, &message),
     }
 }
 
 async fn reset(State(worker): State<Listener>, body: Bytes) -> Response {
-    match parse_control(&body).and_then(|update| worker.server().apply_control(update)) {
+    match parse_control(&body).and_then(|update| {
+        worker
+            .server()
+            .apply_control(update, worker.shared.config.is_vllm())
+    }) {
         Ok(control) => {
             worker.server().reset();
             json_response(StatusCode::OK, &json!(control))
@@ -284,7 +372,10 @@ async fn requests(State(worker): State<Listener>) -> Response {
 }
 
 async fn counters(State(worker): State<Listener>) -> Response {
-    json_response(StatusCode::OK, &worker.server().counters_json())
+    json_response(
+        StatusCode::OK,
+        &worker.server().counters_json(worker.shared.config.is_vllm()),
+    )
 }
 
 async fn generate(
@@ -379,6 +470,21 @@ async fn serve(
 }
 
 fn rejection_response(rejection: &Rejection) -> Response {
+    if rejection.in_stream {
+        let body = concat(vec![
+            protocol::sse_error_status(rejection.status, &rejection.message),
+            protocol::sse_done(),
+        ]);
+        return (
+            StatusCode::OK,
+            [(
+                header::CONTENT_TYPE,
+                HeaderValue::from_static("text/event-stream"),
+            )],
+            body,
+        )
+            .into_response();
+    }
     error_response(rejection.status, &rejection.message)
 }
 
@@ -437,6 +543,7 @@ async fn answer(
         batched: request.batched,
         include_usage: request.include_usage,
         cache_report: config.enable_cache_report,
+        cached_only_when_hit: config.is_vllm(),
         counts: vec![0; sequences],
         cached: vec![0; sequences],
     };
@@ -716,6 +823,9 @@ impl SimServer {
         );
         if let Some(bootstrap) = self.bootstrap_addr {
             line.push_str(&format!(" bootstrap={bootstrap}"));
+        }
+        if config.is_vllm() {
+            line.push_str(&format!(" engine=vllm-{}", config.vllm_version.name()));
         }
         line
     }

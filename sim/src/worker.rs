@@ -15,8 +15,9 @@ use tokio::sync::Notify;
 
 use crate::answers::AnswerBook;
 use crate::config::{Dispatch, Role, SimConfig};
-use crate::engine::{Arrival, Event, EventKind, Fleet, Micros, RankSnapshot, ReqId};
+use crate::engine::{Arrival, EngineStats, Event, EventKind, Fleet, Micros, RankSnapshot, ReqId};
 use crate::loads::{self, LoadView};
+use crate::metrics::{self, Garble, MetricsView};
 use crate::protocol::{Bootstrap, ParsedRequest, Rejection};
 
 /// Locks a mutex, ignoring poisoning (no lock holder panics in this crate).
@@ -37,6 +38,12 @@ pub enum LoadFault {
     Hang,
     WrongDpSize,
     NotFound,
+    /// vLLM `/metrics` only: running counts and KV usage read `NaN`.
+    Nan,
+    /// vLLM `/metrics` only: engine labels that are not engine numbers.
+    WrongLabels,
+    /// vLLM `/metrics` only: padded beyond 9 MiB.
+    Huge,
 }
 
 /// Fault injected into the serving endpoints.
@@ -254,6 +261,7 @@ pub struct Server {
     records: Mutex<VecDeque<Arc<Mutex<Record>>>>,
     get_load_polls: AtomicU64,
     v1_loads_polls: AtomicU64,
+    metrics_polls: AtomicU64,
     served: Vec<AtomicU64>,
     in_flight: Vec<AtomicU64>,
     rooms: Mutex<Rooms>,
@@ -272,6 +280,8 @@ pub struct Shared {
     /// Wakes the task stepping each (worker, group).
     wakes: Vec<Vec<Notify>>,
     clock: Instant,
+    /// Unix seconds at start (`_created` samples of `/metrics`).
+    started_unix: f64,
     http: reqwest::Client,
 }
 
@@ -301,6 +311,7 @@ impl Shared {
                 records: Mutex::new(VecDeque::new()),
                 get_load_polls: AtomicU64::new(0),
                 v1_loads_polls: AtomicU64::new(0),
+                metrics_polls: AtomicU64::new(0),
                 served: (0..dp_size).map(|_| AtomicU64::new(0)).collect(),
                 in_flight: (0..dp_size).map(|_| AtomicU64::new(0)).collect(),
                 rooms: Mutex::new(Rooms::default()),
@@ -318,6 +329,9 @@ impl Shared {
             }),
             wakes,
             clock: Instant::now(),
+            started_unix: SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0.0, |elapsed| elapsed.as_secs_f64()),
             http,
         }))
     }
@@ -368,6 +382,7 @@ impl Shared {
         };
         let Some(max_new_tokens) = config.fit_output(longest, wanted) else {
             return Err(Rejection {
+                in_stream: false,
                 status: 400,
                 message: format!(
                     "The input ({longest} tokens) is longer than the KV cache capacity ({} tokens) of a rank.",
@@ -463,13 +478,15 @@ impl Shared {
         let server = &self.servers[receiving];
         let dp_size = self.config.dp_size().max(1);
         let room = request.bootstrap.as_ref().and_then(|b| b.rooms.first().copied());
-        match (self.config.dispatch, room) {
+        match (self.config.dispatch(), room) {
             (Dispatch::RoomModulo, Some(room)) => (room % dp_size as u64) as usize,
-            (Dispatch::TotalTokens | Dispatch::TotalRequests | Dispatch::Oracle, _) => lock(&server.instant)
-                .iter()
-                .enumerate()
-                .min_by_key(|(index, load)| (load.total_tokens, load.running, *index))
-                .map_or(0, |(index, _)| index),
+            (Dispatch::TotalTokens | Dispatch::TotalRequests | Dispatch::Oracle | Dispatch::Vllm, _) => {
+                lock(&server.instant)
+                    .iter()
+                    .enumerate()
+                    .min_by_key(|(index, load)| (load.total_tokens, load.running, *index))
+                    .map_or(0, |(index, _)| index)
+            }
             _ => server.round_robin.fetch_add(1, Ordering::Relaxed) % dp_size,
         }
     }
@@ -753,6 +770,39 @@ impl Shared {
         loads::get_load(&self.load_view(&snapshots, &base, extra_ranks))
     }
 
+    /// vLLM mode: the `/metrics` text of a server (what each engine last
+    /// reported; the requests being answered with --instant), garbled as
+    /// `fault` says.
+    pub fn metrics_text(&self, worker: usize, fault: LoadFault) -> String {
+        let stats: Vec<EngineStats> = if self.config.instant {
+            self.snapshots(worker)
+                .iter()
+                .map(|load| EngineStats {
+                    running: load.running,
+                    ..EngineStats::default()
+                })
+                .collect()
+        } else {
+            lock(&self.model).fleet.engine_stats(worker)
+        };
+        let garble = match fault {
+            LoadFault::Nan => Garble::Nan,
+            LoadFault::WrongLabels => Garble::WrongLabels,
+            LoadFault::Huge => Garble::Huge,
+            _ => Garble::None,
+        };
+        metrics::exposition(&MetricsView {
+            stats: &stats,
+            extra_engines: if fault == LoadFault::WrongDpSize { 2 } else { 0 },
+            model: &self.config.model,
+            block_size: self.config.block_size(),
+            num_gpu_blocks: self.config.num_gpu_blocks(),
+            created: self.started_unix,
+            multiprocess: self.config.api_servers() > 1,
+            garble,
+        })
+    }
+
     /// The load report as `/v1/loads` shapes it.
     pub fn v1_loads_json(&self, worker: usize, extra_ranks: usize) -> Value {
         let base = self.servers[worker].control().base_tokens;
@@ -766,8 +816,20 @@ impl Server {
         lock(&self.control).clone()
     }
 
-    pub fn apply_control(&self, update: ControlUpdate) -> Result<Control, String> {
+    /// Applies a control update; `vllm` says whether the server is vLLM
+    /// (whose `/metrics` alone takes the exposition faults).
+    pub fn apply_control(&self, update: ControlUpdate, vllm: bool) -> Result<Control, String> {
         let dp_size = self.served.len();
+        if !vllm
+            && matches!(
+                update.load_fault,
+                Some(LoadFault::Nan | LoadFault::WrongLabels | LoadFault::Huge)
+            )
+        {
+            return Err(
+                "load_fault nan, wrong_labels and huge apply to vLLM's /metrics (--engine vllm)".into(),
+            );
+        }
         if let Some(base) = &update.base_tokens {
             if base.len() > dp_size {
                 return Err(format!(
@@ -798,6 +860,7 @@ impl Server {
         lock(&self.records).clear();
         self.get_load_polls.store(0, Ordering::Relaxed);
         self.v1_loads_polls.store(0, Ordering::Relaxed);
+        self.metrics_polls.store(0, Ordering::Relaxed);
         for served in &self.served {
             served.store(0, Ordering::Relaxed);
         }
@@ -820,6 +883,10 @@ impl Server {
         Value::Array(records.iter().map(|record| lock(record).to_json()).collect())
     }
 
+    pub fn count_metrics_poll(&self) {
+        self.metrics_polls.fetch_add(1, Ordering::Relaxed);
+    }
+
     pub fn count_load_poll(&self, v1: bool) {
         let counter = if v1 {
             &self.v1_loads_polls
@@ -829,18 +896,23 @@ impl Server {
         counter.fetch_add(1, Ordering::Relaxed);
     }
 
-    pub fn counters_json(&self) -> Value {
+    /// The counters; `vllm` adds the `/metrics` polls to the load requests.
+    pub fn counters_json(&self, vllm: bool) -> Value {
         let read = |counters: &[AtomicU64]| {
             counters
                 .iter()
                 .map(|n| n.load(Ordering::Relaxed))
                 .collect::<Vec<_>>()
         };
+        let mut load_requests = json!({
+            "/get_load": self.get_load_polls.load(Ordering::Relaxed),
+            "/v1/loads": self.v1_loads_polls.load(Ordering::Relaxed),
+        });
+        if vllm {
+            load_requests["/metrics"] = json!(self.metrics_polls.load(Ordering::Relaxed));
+        }
         json!({
-            "load_requests": {
-                "/get_load": self.get_load_polls.load(Ordering::Relaxed),
-                "/v1/loads": self.v1_loads_polls.load(Ordering::Relaxed),
-            },
+            "load_requests": load_requests,
             "served_per_rank": read(&self.served),
             "in_flight_per_rank": read(&self.in_flight),
         })

@@ -397,7 +397,7 @@ fn the_tokenizer_delays_requests_one_after_the_other() {
 #[test]
 fn total_tokens_dispatch_reads_published_loads_plus_what_it_sent() {
     let config = SimConfig {
-        dispatch: Dispatch::TotalTokens,
+        dispatch: Some(Dispatch::TotalTokens),
         ..one_rank()
     };
     let mut fleet = Fleet::new(
@@ -445,7 +445,7 @@ fn oracle(workers: usize) -> Fleet {
     Fleet::new(
         SimConfig {
             dp_size: Some(2),
-            dispatch: Dispatch::Oracle,
+            dispatch: Some(Dispatch::Oracle),
             ..one_rank()
         },
         workers,
@@ -560,7 +560,7 @@ fn ttft_of(base: &SimConfig, dispatch: Dispatch, rate: f64, shared: f64, seconds
     };
     let mut fleet = Fleet::new(
         SimConfig {
-            dispatch,
+            dispatch: Some(dispatch),
             kv_capacity: Some(60_000),
             ..base.clone()
         },

@@ -177,7 +177,7 @@ async fn cached_tokens_are_reported_in_responses() {
 async fn the_oracle_places_requests_across_the_workers_of_a_process() {
     let config = Arc::new(SimConfig {
         dp_size: Some(2),
-        dispatch: Dispatch::Oracle,
+        dispatch: Some(Dispatch::Oracle),
         prefill_tokens_per_s: Some(2000.0),
         ..fast_config()
     });

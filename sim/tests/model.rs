@@ -316,7 +316,7 @@ async fn prompts_larger_than_the_kv_cache_are_rejected() {
 #[tokio::test]
 async fn minimum_tokens_dispatch_avoids_the_loaded_rank() {
     let server = start(SimConfig {
-        dispatch: Dispatch::TotalTokens,
+        dispatch: Some(Dispatch::TotalTokens),
         decode_step_ms: Some(2000.0),
         ..fast_config()
     })

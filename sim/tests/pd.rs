@@ -203,7 +203,7 @@ async fn batched_pd_requests_mark_and_wait_for_every_room() {
 async fn room_modulo_dispatch_picks_the_room_modulo_dp_size() {
     let prefill = start_with_bootstrap(SimConfig {
         role: Role::Prefill,
-        dispatch: dprank_sim::Dispatch::RoomModulo,
+        dispatch: Some(dprank_sim::Dispatch::RoomModulo),
         ..fast_config()
     })
     .await;

@@ -2,13 +2,20 @@
 //! so that validation (`validate.rs`) can name what is missing or wrong.
 
 use super::{
-    CostEstimate, FailMode, LoadEndpoint, Naming, PickRule, QueueMeasure, RankTransport, StateReads,
+    CostEstimate, EngineKind, FailMode, LoadEndpoint, Naming, PickRule, QueueMeasure, RankTransport,
+    StateReads,
 };
 use serde::Deserialize;
 
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ConfigJson {
+    /// `sglang` (default) or `vllm` (`config/engine.rs`).
+    #[serde(default)]
+    pub engine: Option<EngineKind>,
+    /// vLLM: the `model_name` whose figures are read.
+    #[serde(default)]
+    pub served_model_name: Option<String>,
     /// Regular mode: the workers requests are routed to.
     #[serde(default)]
     pub workers: Option<Vec<WorkerJson>>,

@@ -3,6 +3,7 @@
 //! the key at fault.
 
 pub mod admission;
+pub mod engine;
 pub mod gateways;
 mod json;
 pub mod prefix;
@@ -10,6 +11,7 @@ mod transport;
 mod validate;
 
 pub use admission::{Admission, WhenSaturated};
+pub use engine::{Engine, EngineKind};
 pub use gateways::{Pick, PickRule};
 pub use json::{ConfigJson, DiscoveryJson, PassiveHealthJson, WorkerJson};
 pub use prefix::{Prefix, QueueMeasure};
@@ -215,6 +217,8 @@ pub enum Mode {
 
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct Config {
+    /// The engine the workers run: their load source and defaults.
+    pub engine: Engine,
     pub mode: Mode,
     pub poll_cluster: String,
     pub route_header: String,
@@ -291,6 +295,12 @@ impl Config {
             Transport::Header(h) => Some(h),
             Transport::Body => None,
         }
+    }
+
+    /// Header mode's settings when the choice is made as the request
+    /// headers arrive (no prefix affinity: the body is never read).
+    pub fn decides_at_headers(&self) -> Option<&HeaderTransport> {
+        self.header_transport().filter(|h| !h.reads_body)
     }
 
     /// Every rank field name a client could use to pick a rank itself.

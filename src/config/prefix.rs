@@ -104,7 +104,8 @@ fn weight(key: &str, value: Option<f64>, default: f64) -> Result<f64, ConfigErro
 
 /// `prefix_affinity` and its tuning keys: None when affinity is off (the
 /// tuning keys are then refused, as they would do nothing). Off by default
-/// under `rank_transport: header`.
+/// under `rank_transport: header`, so that the body streams through unread;
+/// on there, the body is read for the prompt (and never changed).
 pub fn settings(json: &ConfigJson) -> Result<Option<Prefix>, ConfigError> {
     let tuning = [
         ("prefix_block_bytes", json.prefix_block_bytes.is_some()),
@@ -116,15 +117,7 @@ pub fn settings(json: &ConfigJson) -> Result<Option<Prefix>, ConfigError> {
         ("prefix_kv_weight", json.prefix_kv_weight.is_some()),
         ("prefix_queue", json.prefix_queue.is_some()),
     ];
-    // Affinity hashes the prompt, which header transport never reads: off
-    // there unless asked for, and refused if asked for.
     let header = matches!(json.rank_transport, Some(RankTransport::Header));
-    if header && json.prefix_affinity == Some(true) {
-        return Err(invalid(
-            "prefix_affinity",
-            "needs the prompt, which rank_transport header never reads".into(),
-        ));
-    }
     if !json.prefix_affinity.unwrap_or(!header) {
         return match tuning.iter().find(|(_, set)| *set) {
             Some((key, _)) => Err(invalid(key, "applies only with prefix_affinity: true".into())),

@@ -617,16 +617,28 @@ fn header_transport_refuses_what_needs_the_body() {
 }
 
 #[test]
-fn header_transport_turns_prefix_affinity_off_and_refuses_it() {
+fn header_transport_reads_the_body_only_under_prefix_affinity() {
     let c = regular(r#","rank_transport":"header""#).unwrap();
-    assert_eq!(c.prefix, None, "off by default: the prompt is never read");
-    assert_eq!(
-        key_of(regular(r#","rank_transport":"header","prefix_affinity":true"#)),
-        "prefix_affinity"
-    );
+    assert_eq!(c.prefix, None, "off by default: the body streams through unread");
+    assert!(c.decides_at_headers().is_some());
     assert_eq!(
         key_of(regular(r#","rank_transport":"header","prefix_ttl_ms":5000"#)),
         "prefix_ttl_ms"
+    );
+    let reads = regular(r#","rank_transport":"header","prefix_affinity":true,"prefix_ttl_ms":5000"#).unwrap();
+    assert_eq!(reads.prefix.as_ref().map(|p| p.ttl_ms), Some(5000));
+    assert!(reads.header_transport().is_some_and(|h| h.reads_body));
+    assert!(
+        reads.decides_at_headers().is_none(),
+        "decided at the end of the body"
+    );
+    // The cost comes from the body then: words is fine, the length fallback is not.
+    assert!(regular(r#","rank_transport":"header","prefix_affinity":true,"cost_estimate":"words""#).is_ok());
+    assert_eq!(
+        key_of(regular(
+            r#","rank_transport":"header","prefix_affinity":true,"cost_without_length":5"#
+        )),
+        "cost_without_length"
     );
     assert!(regular(r#","rank_transport":"header","prefix_affinity":false"#).is_ok());
 }
@@ -662,5 +674,81 @@ fn state_reads_follow_the_change_log_from_the_fleet_size_auto_chooses() {
     assert!(matches!(
         parse(r#"{"workers":[{"address":"10.0.0.1:1"}],"state_reads":"sometimes"}"#),
         Err(ConfigError::Json(e)) if e.contains("sometimes")
+    ));
+}
+
+#[test]
+fn engine_vllm_puts_the_rank_in_its_header_and_reads_the_prompt() {
+    assert_eq!(regular("").unwrap().engine, Engine::Sglang, "the default");
+    let c = regular(r#","engine":"vllm""#).unwrap();
+    assert_eq!(
+        c.engine,
+        Engine::Vllm {
+            served_model_name: None
+        }
+    );
+    let h = c.header_transport().unwrap();
+    assert_eq!(h.rank_headers, [engine::VLLM_RANK_HEADER]);
+    assert!(h.reads_body, "prefix affinity reads the prompt");
+    assert!(c.decides_at_headers().is_none());
+    assert_eq!(c.prefix, Some(Prefix::default()));
+    assert_eq!(c.paths, engine::VLLM_PATHS);
+    assert_eq!(c.poll_interval_ms, DEFAULT_POLL_INTERVAL_MS);
+    let v: serde_json::Value = serde_json::from_str(&c.to_json()).unwrap();
+    assert_eq!(v["engine"]["vllm"]["served_model_name"], serde_json::Value::Null);
+    // Load only: decided from the headers, the body never read.
+    let load_only = regular(r#","engine":"vllm","prefix_affinity":false,"cost_without_length":9"#).unwrap();
+    assert_eq!(
+        load_only.decides_at_headers().map(|h| h.cost_without_length),
+        Some(9)
+    );
+    // The keys that change nothing for the body are accepted.
+    let c = regular(
+        r#","engine":"vllm","rank_transport":"header","keep_client_rank":false,"served_model_name":"Qwen/Qwen3-8B",
+            "rank_headers":["x-data-parallel-rank","x-trace-rank"],"paths":["/v1/chat/completions"]"#,
+    )
+    .unwrap();
+    assert_eq!(
+        c.engine,
+        Engine::Vllm {
+            served_model_name: Some("Qwen/Qwen3-8B".into())
+        }
+    );
+    assert_eq!(c.header_transport().unwrap().rank_headers.len(), 2);
+    assert_eq!(c.paths, ["/v1/chat/completions"]);
+}
+
+#[test]
+fn engine_vllm_refuses_every_key_that_would_send_a_body_rank_field() {
+    let cases = [
+        (r#","engine":"vllm","rank_transport":"body""#, "rank_transport"),
+        (r#","engine":"vllm","rank_field":"rank""#, "rank_field"),
+        (r#","engine":"vllm","naming":"current""#, "naming"),
+        (r#","engine":"vllm","keep_client_rank":true"#, "keep_client_rank"),
+        (r#","engine":"vllm","load_endpoint":"auto""#, "load_endpoint"),
+        (
+            r#","engine":"vllm","rank_headers":["x-override-routed-dp-rank"]"#,
+            "rank_headers",
+        ),
+        (r#","engine":"vllm","served_model_name":"""#, "served_model_name"),
+        (r#","served_model_name":"m""#, "served_model_name"),
+    ];
+    for (extra, key) in cases {
+        let refused = regular(extra);
+        assert_eq!(key_of(refused.clone()), key, "{extra}");
+        let Err(ConfigError::Invalid { reason, .. }) = refused else {
+            unreachable!()
+        };
+        if extra.contains("vllm") && key != "served_model_name" {
+            assert!(reason.contains("vllm"), "{extra}: {reason}");
+        }
+    }
+    let pd = parse(
+        r#"{"engine":"vllm","prefill_workers":[{"address":"127.0.0.1:1"}],"decode_workers":[{"address":"127.0.0.1:2"}]}"#,
+    );
+    assert_eq!(key_of(pd), "prefill_workers");
+    assert!(matches!(
+        regular(r#","engine":"tgi""#),
+        Err(ConfigError::Json(e)) if e.contains("tgi")
     ));
 }

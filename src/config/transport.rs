@@ -1,7 +1,8 @@
 //! Where the chosen rank travels (`rank_transport`): in the JSON body, which
 //! every SGLang version reads, or in request headers, which current servers
-//! read on some endpoints (docs/rank-headers.md) and which spare the filter
-//! from buffering and rewriting the body.
+//! read on some endpoints (docs/rank-headers.md) and vLLM reads only, and
+//! which spare the filter from rewriting the body (and, without prefix
+//! affinity, from buffering it).
 
 use super::{ConfigError, CostEstimate, Mode};
 use crate::headers::is_lowercase_header_name;
@@ -30,8 +31,12 @@ pub enum RankTransport {
 pub struct HeaderTransport {
     /// Each gets the chosen rank.
     pub rank_headers: Vec<String>,
-    /// Tokens counted for a request without `content-length`.
+    /// Tokens counted for a request without `content-length`, when the
+    /// choice is made from the headers.
     pub cost_without_length: u64,
+    /// The choice waits for the whole body, read for prefix affinity (and
+    /// never changed); otherwise it is made when the headers arrive.
+    pub reads_body: bool,
 }
 
 /// Where the chosen rank travels.
@@ -40,8 +45,9 @@ pub struct HeaderTransport {
 pub enum Transport {
     /// Spliced into the JSON body, which is buffered whole first.
     Body,
-    /// Written to request headers, decided when the headers arrive; the body
-    /// is never buffered, read or changed.
+    /// Written to request headers, decided when the headers arrive (the
+    /// body is never buffered or read) or, under prefix affinity, at the end
+    /// of the body; the body is never changed.
     Header(HeaderTransport),
 }
 
@@ -60,6 +66,8 @@ pub struct TransportInput<'a> {
     pub mode: &'a Mode,
     pub keep_client_rank: bool,
     pub cost_estimate: CostEstimate,
+    /// Prefix affinity is on: header mode reads the body for the prompt.
+    pub reads_body: bool,
     /// Headers already taken (route and pin header).
     pub taken: &'a [&'a str],
 }
@@ -90,13 +98,19 @@ pub fn transport(input: TransportInput) -> Result<Transport, ConfigError> {
     if header.keep_client_rank {
         return Err(invalid(
             "keep_client_rank",
-            "reads the client's rank from the body, which rank_transport header never reads",
+            "keeps a client's body rank field, while rank_transport header writes dprank's rank to headers, which servers prefer",
         ));
     }
-    if header.cost_estimate == CostEstimate::Words {
+    if header.cost_estimate == CostEstimate::Words && !header.reads_body {
         return Err(invalid(
             "cost_estimate",
-            "rank_transport header sees only content-length: use `bytes` (content-length / 4) or `one`",
+            "rank_transport header without prefix affinity sees only content-length: use `bytes` (content-length / 4) or `one`",
+        ));
+    }
+    if header.reads_body && header.cost_without_length.is_some() {
+        return Err(invalid(
+            "cost_without_length",
+            "applies when rank_transport header decides from the headers; under prefix affinity the cost comes from the body",
         ));
     }
     let rank_headers = match header.rank_headers {
@@ -110,6 +124,7 @@ pub fn transport(input: TransportInput) -> Result<Transport, ConfigError> {
     Ok(Transport::Header(HeaderTransport {
         rank_headers,
         cost_without_length,
+        reads_body: header.reads_body,
     }))
 }
 

@@ -17,6 +17,8 @@ impl TryFrom<ConfigJson> for Config {
     type Error = ConfigError;
 
     fn try_from(mut json: ConfigJson) -> Result<Self, Self::Error> {
+        // First: it writes its defaults into `json` for the steps below.
+        let engine = super::engine::engine(&mut json)?;
         let naming = json.naming.unwrap_or(Naming::Current);
         let prefix = prefix::settings(&json)?;
         let (gateways, pick) = (super::gateways::gateways(&json)?, super::gateways::pick(&json)?);
@@ -70,12 +72,14 @@ impl TryFrom<ConfigJson> for Config {
             mode: &mode,
             keep_client_rank,
             cost_estimate,
+            reads_body: prefix.is_some(),
             taken: &taken,
         })?;
         let removed_headers = removed_headers(&taken, &transport);
         let removed: Vec<&str> = removed_headers.iter().map(String::as_str).collect();
         let admission = admission::settings(json.admission.take(), &removed)?;
         Ok(Config {
+            engine,
             mode,
             poll_cluster: non_empty("poll_cluster", json.poll_cluster, DEFAULT_POLL_CLUSTER)?,
             route_header,

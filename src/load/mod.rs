@@ -1,15 +1,23 @@
 //! Load sources: what a worker's engine is asked for its load, and how its
 //! answer is read into one [`LoadReport`]. The poller asks the source what
-//! to request and hands it the answer; it knows no engine. One engine
-//! today, SGLang (`sglang.rs`); another is a module beside it and a
-//! [`Source`] variant (docs/architecture.md).
+//! to request and hands it the answer; it knows no engine. Two engines:
+//! SGLang (`sglang.rs`) and vLLM (`vllm.rs`, its figures mapped in
+//! `vllm/mapping.rs`); another is a module beside them and a [`Source`]
+//! variant (docs/architecture.md). What a source needs between polls is its
+//! [`SourceMemory`], kept in the worker's state.
 
 pub mod prometheus;
 pub mod sglang;
 pub mod vllm;
 
-use crate::config::{Config, MAX_DP_SIZE};
+use crate::config::{Config, Engine, MAX_DP_SIZE};
+use serde::{Deserialize, Serialize};
 use std::fmt;
+
+/// The window a rank's cache hit rate covers: SGLang reports its own over
+/// its last 15 s of admissions (`SGLANG_CACHE_HIT_RATE_WINDOW_SECONDS`);
+/// vLLM's is worked out from its counters over the same.
+pub const HIT_RATE_WINDOW_MS: u64 = 15_000;
 
 /// What one engine reports about each of its data-parallel ranks, by rank
 /// (index = rank); a figure the report did not give, or gave unusably, is
@@ -80,9 +88,9 @@ pub struct Poll {
 /// What a worker's answer to a [`Poll`] means.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Answer {
-    Report(LoadReport),
+    Report(Reading),
     /// The endpoint does not exist on this worker: poll it again at once on
-    /// the source's fallback, and from now on (`WorkerState::load_fallback`).
+    /// the source's fallback, and from now on (`SourceMemory::fallback`).
     FallBack,
     /// A report whose ranks cannot be trusted: not applied, logged once.
     Refused(String),
@@ -90,39 +98,94 @@ pub enum Answer {
     Failed(String),
 }
 
+/// A readable answer, before what needs the worker's memory and this
+/// gateway's estimates is worked out ([`Reading::report`]).
+#[derive(Debug, Clone, PartialEq)]
+pub enum Reading {
+    /// A report complete in itself (SGLang's, in tokens).
+    Complete(LoadReport),
+    /// vLLM's per-engine figures (requests, a share of KV, counters).
+    Vllm(vllm::VllmReport),
+}
+
+/// What a report's figures are worked out with, besides the answer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ReportContext {
+    /// When the answer came (ms since the epoch).
+    pub now_ms: u64,
+    /// This gateway's mean estimate of a request routed to the worker, in
+    /// tokens: what a request the engine counts but does not size weighs.
+    pub request_tokens: u64,
+}
+
+impl Reading {
+    /// The report, per rank; `memory` (the worker's) learns this poll.
+    pub fn report(&self, memory: &mut SourceMemory, context: &ReportContext) -> LoadReport {
+        match self {
+            Reading::Complete(report) => report.clone(),
+            Reading::Vllm(figures) => vllm::mapping::rank_loads(figures, &mut memory.prefix_cache, context),
+        }
+    }
+}
+
+/// What a load source keeps of a worker between polls, in the worker's
+/// state (so whichever thread polls next knows).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SourceMemory {
+    /// The source fell back to its second endpoint for this worker (SGLang
+    /// under `load_endpoint: auto`: no `/v1/loads`, poll `/get_load`).
+    pub fallback: bool,
+    /// vLLM: the prefix-cache counters of the last poll, for the hit rate.
+    pub prefix_cache: vllm::mapping::CacheCounters,
+}
+
+impl SourceMemory {
+    /// Whether the sizes are within what dprank ever writes.
+    pub fn within_limits(&self, max_ranks: usize) -> bool {
+        self.prefix_cache.within_limits(max_ranks)
+    }
+}
+
 /// An engine's load endpoint.
 pub trait LoadSource {
-    /// The poll of a worker; `fallback`: its state says an earlier answer
-    /// sent it to the source's fallback endpoint.
-    fn poll(&self, fallback: bool) -> Poll;
+    /// The poll of a worker, given what the source remembers of it.
+    fn poll(&self, memory: &SourceMemory) -> Poll;
     /// What the worker's answer to `poll` (HTTP `status`, `body`) means.
     fn answer(&self, poll: &Poll, status: u32, body: &[u8]) -> Answer;
 }
 
 /// The load source of a configuration, dispatched statically.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Source {
+pub enum Source<'c> {
     Sglang(sglang::Sglang),
+    Vllm(vllm::Vllm<'c>),
 }
 
-impl Source {
-    pub fn of(config: &Config) -> Source {
-        Source::Sglang(sglang::Sglang {
-            endpoint: config.load_endpoint,
-        })
+impl Source<'_> {
+    pub fn of(config: &Config) -> Source<'_> {
+        match &config.engine {
+            Engine::Sglang => Source::Sglang(sglang::Sglang {
+                endpoint: config.load_endpoint,
+            }),
+            Engine::Vllm { served_model_name } => Source::Vllm(vllm::Vllm {
+                model: served_model_name.as_deref(),
+            }),
+        }
     }
 }
 
-impl LoadSource for Source {
-    fn poll(&self, fallback: bool) -> Poll {
+impl LoadSource for Source<'_> {
+    fn poll(&self, memory: &SourceMemory) -> Poll {
         match self {
-            Source::Sglang(s) => s.poll(fallback),
+            Source::Sglang(s) => s.poll(memory),
+            Source::Vllm(s) => s.poll(memory),
         }
     }
 
     fn answer(&self, poll: &Poll, status: u32, body: &[u8]) -> Answer {
         match self {
             Source::Sglang(s) => s.answer(poll, status, body),
+            Source::Vllm(s) => s.answer(poll, status, body),
         }
     }
 }

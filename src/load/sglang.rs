@@ -4,7 +4,7 @@
 //! never guessed; a report whose ranks are not exactly 0..N-1 is refused
 //! whole ([`LoadError::BadRanks`]: docs/protocol.md, "Load reports").
 
-use super::{Answer, LoadError, LoadReport, LoadSource, Poll, RankLoad};
+use super::{Answer, LoadError, LoadReport, LoadSource, Poll, RankLoad, Reading, SourceMemory};
 use crate::config::{LoadEndpoint, MAX_DP_SIZE};
 use serde::Deserialize;
 use serde_json::Value;
@@ -25,11 +25,11 @@ pub struct Sglang {
 }
 
 impl LoadSource for Sglang {
-    fn poll(&self, fallback: bool) -> Poll {
+    fn poll(&self, memory: &SourceMemory) -> Poll {
         match self.endpoint {
             LoadEndpoint::GetLoad => GET_LOAD,
             LoadEndpoint::V1Loads => V1_LOADS,
-            LoadEndpoint::Auto if fallback => GET_LOAD,
+            LoadEndpoint::Auto if memory.fallback => GET_LOAD,
             LoadEndpoint::Auto => V1_LOADS,
         }
     }
@@ -37,7 +37,7 @@ impl LoadSource for Sglang {
     fn answer(&self, poll: &Poll, status: u32, body: &[u8]) -> Answer {
         match status {
             200 => match parse(body) {
-                Ok(report) => Answer::Report(report),
+                Ok(report) => Answer::Report(Reading::Complete(report)),
                 Err(LoadError::BadRanks(why)) => Answer::Refused(why),
                 Err(e) => Answer::Failed(e.to_string()),
             },
@@ -204,33 +204,38 @@ mod tests {
     #[test]
     fn polls_as_load_endpoint_says_and_falls_back_on_404_only_under_auto() {
         let source = |endpoint| Sglang { endpoint };
+        let first = SourceMemory::default();
+        let fell_back = SourceMemory {
+            fallback: true,
+            ..SourceMemory::default()
+        };
         let auto = source(LoadEndpoint::Auto);
-        assert_eq!(auto.poll(false).path, "/v1/loads?include=core");
-        assert_eq!(auto.poll(true).path, "/get_load");
+        assert_eq!(auto.poll(&first).path, "/v1/loads?include=core");
+        assert_eq!(auto.poll(&fell_back).path, "/get_load");
         assert_eq!(
-            source(LoadEndpoint::V1Loads).poll(true).path,
+            source(LoadEndpoint::V1Loads).poll(&fell_back).path,
             "/v1/loads?include=core"
         );
-        assert_eq!(source(LoadEndpoint::GetLoad).poll(false).path, "/get_load");
-        assert_eq!(auto.answer(&auto.poll(false), 404, b""), Answer::FallBack);
+        assert_eq!(source(LoadEndpoint::GetLoad).poll(&first).path, "/get_load");
+        assert_eq!(auto.answer(&auto.poll(&first), 404, b""), Answer::FallBack);
         assert_eq!(
-            auto.answer(&auto.poll(true), 404, b""),
+            auto.answer(&auto.poll(&fell_back), 404, b""),
             Answer::Failed("HTTP 404 from /get_load".into())
         );
         let v1 = source(LoadEndpoint::V1Loads);
-        assert!(matches!(v1.answer(&v1.poll(false), 404, b""), Answer::Failed(_)));
+        assert!(matches!(v1.answer(&v1.poll(&first), 404, b""), Answer::Failed(_)));
         assert_eq!(
-            auto.answer(&auto.poll(false), 503, b""),
+            auto.answer(&auto.poll(&first), 503, b""),
             Answer::Failed("HTTP 503 from /v1/loads?include=core".into())
         );
-        let report = auto.answer(&auto.poll(false), 200, br#"[{"num_tokens":4}]"#);
-        assert!(matches!(report, Answer::Report(r) if r.tokens() == [Some(4)]));
+        let report = auto.answer(&auto.poll(&first), 200, br#"[{"num_tokens":4}]"#);
+        assert!(matches!(report, Answer::Report(Reading::Complete(r)) if r.tokens() == [Some(4)]));
         let twice = br#"[{"dp_rank":0},{"dp_rank":0}]"#;
         assert!(
-            matches!(auto.answer(&auto.poll(false), 200, twice), Answer::Refused(why) if why.contains("twice"))
+            matches!(auto.answer(&auto.poll(&first), 200, twice), Answer::Refused(why) if why.contains("twice"))
         );
         assert!(matches!(
-            auto.answer(&auto.poll(false), 200, b"<html>"),
+            auto.answer(&auto.poll(&first), 200, b"<html>"),
             Answer::Failed(_)
         ));
     }

@@ -1,17 +1,86 @@
 //! The per-engine figures of a vLLM server's `/metrics` (Prometheus text):
 //! requests running and waiting, KV-cache usage and the prefix-cache
-//! counters, each labelled `engine="N"` and `model_name`. Every other metric
-//! and label is ignored. As for SGLang's reports, the engines must be exactly
-//! 0..N-1 or the report is refused whole; a figure that is missing or
-//! unusable is unknown (`None`). The rules and why: docs/vllm-metrics.md.
+//! counters, each labelled `engine="N"` and `model_name`, and the server's
+//! KV cache size from `vllm:cache_config_info`. Every other metric and label
+//! is ignored. As for SGLang's reports, the engines must be exactly 0..N-1
+//! or the report is refused whole; a figure that is missing or unusable is
+//! unknown (`None`). The rules and why: docs/vllm-metrics.md. How the
+//! figures become dprank's load: `vllm/mapping.rs`.
+
+pub mod mapping;
 
 use super::prometheus::{self, Label, Line, Sample};
+use super::{Answer, LoadSource, Poll, Reading, SourceMemory};
 use crate::config::MAX_DP_SIZE;
 use std::borrow::Cow;
 use std::fmt;
 
 /// The largest `/metrics` answer read (vLLM writes about 40 KiB per engine).
 pub const MAX_METRICS_BYTES: usize = 8 << 20;
+
+/// vLLM's `/metrics`, asked for plain text. The poll sends no
+/// `accept-encoding`: a gzipped answer could not be read.
+const METRICS: Poll = Poll {
+    path: "/metrics",
+    accept: "text/plain",
+};
+
+/// vLLM's load source: the per-engine figures of `/metrics`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Vllm<'c> {
+    /// Only the figures of this `model_name`; None: the one model reported.
+    pub model: Option<&'c str>,
+}
+
+impl LoadSource for Vllm<'_> {
+    fn poll(&self, _memory: &SourceMemory) -> Poll {
+        METRICS
+    }
+
+    /// Engines that are not exactly 0..N-1 refuse the report, as SGLang's
+    /// ranks do. Any other unusable answer is a failed poll, so that the
+    /// worker keeps its last good snapshot until it goes stale: not vLLM's,
+    /// too large, two models, cut short (vLLM ends every answer with a line
+    /// feed), or an engine without a usable count of its running or waiting
+    /// requests or its KV usage (vLLM writes all three for every engine).
+    fn answer(&self, poll: &Poll, status: u32, body: &[u8]) -> Answer {
+        if status != 200 {
+            return Answer::Failed(format!("HTTP {status} from {}", poll.path));
+        }
+        if !body.is_empty() && !body.ends_with(b"\n") && body.len() <= MAX_METRICS_BYTES {
+            return Answer::Failed("vLLM metrics answer cut short (no line feed at its end)".into());
+        }
+        let report = match parse_vllm_metrics(body, self.model) {
+            Ok(report) => report,
+            Err(VllmMetricsError::BadEngines(why)) => return Answer::Refused(why),
+            Err(VllmMetricsError::TooManyEngines(engine)) => {
+                return Answer::Refused(format!("engine {engine}, at or above the limit of {MAX_DP_SIZE}"))
+            }
+            Err(e) => return Answer::Failed(e.to_string()),
+        };
+        match incomplete(&report) {
+            Some(why) => Answer::Failed(why),
+            None => Answer::Report(Reading::Vllm(report)),
+        }
+    }
+}
+
+/// The first engine without a usable running or waiting count or KV usage.
+fn incomplete(report: &VllmReport) -> Option<String> {
+    report.engines.iter().enumerate().find_map(|(engine, f)| {
+        let missing = [
+            (f.running.is_none(), Figure::Running),
+            (f.waiting.is_none(), Figure::Waiting),
+            (f.kv_usage.is_none(), Figure::KvUsage),
+        ]
+        .into_iter()
+        .find_map(|(missing, figure)| missing.then_some(figure))?;
+        Some(format!(
+            "vLLM metrics answer without a usable {} for engine {engine} (missing, NaN, negative or out of range)",
+            missing.name()
+        ))
+    })
+}
 
 /// What one engine reports; `None` = missing or unusable.
 #[derive(Debug, Clone, Copy, PartialEq, Default)]
@@ -35,6 +104,11 @@ pub struct VllmReport {
     pub engines: Vec<EngineFigures>,
     /// The `model_name` the figures are labelled with.
     pub model_name: String,
+    /// The KV cache of the server's engines together, in tokens:
+    /// `num_gpu_blocks` x `block_size` of `vllm:cache_config_info` (vLLM
+    /// sums the blocks of its engines there). None: not reported, not
+    /// numbers, or two different values.
+    pub kv_capacity_tokens: Option<u64>,
     /// Lines that broke the format (or a last line without its line feed):
     /// skipped.
     pub skipped_lines: usize,
@@ -173,6 +247,7 @@ pub fn parse_vllm_metrics(body: &[u8], model: Option<&str>) -> Result<VllmReport
     let mut read_model: Option<Cow<'_, str>> = None;
     let mut other_model: Option<Cow<'_, str>> = None;
     let mut skipped_lines = 0;
+    let mut capacity = Capacity::Unseen;
     for line in prometheus::lines(body) {
         let sample = match line {
             Line::Sample(sample) => sample,
@@ -183,6 +258,9 @@ pub fn parse_vllm_metrics(body: &[u8], model: Option<&str>) -> Result<VllmReport
             Line::Blank | Line::Help { .. } | Line::Type { .. } | Line::Eof | Line::Comment => continue,
         };
         let Some(figure) = Figure::of(sample.name) else {
+            if is_cache_config(sample.name) {
+                capacity.read(&sample);
+            }
             continue;
         };
         let Some((model_name, engine_label)) = labels_of(&sample) else {
@@ -235,8 +313,58 @@ pub fn parse_vllm_metrics(body: &[u8], model: Option<&str>) -> Result<VllmReport
     Ok(VllmReport {
         engines,
         model_name: model_name.into_owned(),
+        kv_capacity_tokens: capacity.tokens(),
         skipped_lines,
     })
+}
+
+fn is_cache_config(sample_name: &str) -> bool {
+    matches!(sample_name, "vllm:cache_config_info" | "vllm_cache_config_info")
+}
+
+/// The KV capacity `vllm:cache_config_info` gives, over its samples.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Capacity {
+    Unseen,
+    Tokens(u64),
+    /// Two samples disagree, or one is unusable: unknown.
+    Unknown,
+}
+
+impl Capacity {
+    /// Reads one sample: its `engine` must be an engine number (vLLM writes
+    /// one sample per engine, all alike; others are passed over), and
+    /// `num_gpu_blocks` and `block_size` decimal integers.
+    fn read(&mut self, sample: &Sample<'_>) {
+        let Label::Value(engine) = sample.label("engine") else {
+            return;
+        };
+        if !matches!(engine_number(&engine), Ok(Some(n)) if n < MAX_DP_SIZE as usize) {
+            return;
+        }
+        let integer = |name: &str| match sample.label(name) {
+            Label::Value(text) if !text.is_empty() && text.bytes().all(|b| b.is_ascii_digit()) => {
+                text.parse::<u64>().ok()
+            }
+            _ => None,
+        };
+        let tokens = integer("num_gpu_blocks")
+            .zip(integer("block_size"))
+            .and_then(|(blocks, size)| blocks.checked_mul(size))
+            .filter(|t| *t > 0);
+        *self = match (*self, tokens) {
+            (Capacity::Unseen, Some(t)) => Capacity::Tokens(t),
+            (Capacity::Tokens(seen), Some(t)) if seen == t => Capacity::Tokens(t),
+            _ => Capacity::Unknown,
+        };
+    }
+
+    fn tokens(self) -> Option<u64> {
+        match self {
+            Capacity::Tokens(t) => Some(t),
+            Capacity::Unseen | Capacity::Unknown => None,
+        }
+    }
 }
 
 /// `model_name` (empty when absent) and `engine` of a sample; `None` when
@@ -405,7 +533,123 @@ http_requests_created{handler="/v1/chat/completions",method="POST",status="2xx"}
         let report = read(SINGLE_PROCESS);
         assert_eq!(report.engines, single_process_engines());
         assert_eq!(report.model_name, "Qwen/Qwen3-8B");
+        assert_eq!(report.kv_capacity_tokens, Some(27306 * 16));
         assert_eq!(report.skipped_lines, 0);
+    }
+
+    #[test]
+    fn the_kv_capacity_needs_agreeing_usable_cache_config_samples() {
+        let info = r#"vllm:cache_config_info{block_size="16",cache_dtype="auto",enable_prefix_caching="True",engine="1",gpu_memory_utilization="0.9",num_gpu_blocks="27306"} 1.0"#;
+        let capacity = |to: &str| read(&edited(info, to)).kv_capacity_tokens;
+        assert_eq!(capacity(""), Some(27306 * 16), "one sample is enough");
+        assert_eq!(
+            capacity(&info.replace("27306", "27307")),
+            None,
+            "two values: unknown"
+        );
+        for bad in ["None", "", "-5", "2.5e4", " 27306", "0"] {
+            let to = info.replace(r#"num_gpu_blocks="27306""#, &format!(r#"num_gpu_blocks="{bad}""#));
+            assert_eq!(capacity(&to), None, "{bad:?}");
+        }
+        let huge = info.replace("27306", "99999999999999999999");
+        assert_eq!(capacity(&huge), None);
+        let overflow = info
+            .replace("27306", &u64::MAX.to_string())
+            .replace(r#"block_size="16""#, r#"block_size="2""#);
+        assert_eq!(capacity(&overflow), None);
+        // Samples without an engine number are passed over, whatever they say.
+        let other = info
+            .replace(r#"engine="1""#, r#"engine="one""#)
+            .replace("27306", "5");
+        assert_eq!(capacity(&other), Some(27306 * 16));
+        let without = SINGLE_PROCESS
+            .lines()
+            .filter(|l| !l.contains("cache_config_info"))
+            .map(|l| format!("{l}\n"))
+            .collect::<String>();
+        assert_eq!(read(&without).kv_capacity_tokens, None);
+    }
+
+    fn answer(body: &[u8]) -> Answer {
+        let vllm = Vllm { model: None };
+        vllm.answer(&vllm.poll(&SourceMemory::default()), 200, body)
+    }
+
+    #[test]
+    fn the_source_polls_metrics_and_refuses_only_bad_engines() {
+        let vllm = Vllm { model: None };
+        let poll = vllm.poll(&SourceMemory::default());
+        assert_eq!((poll.path, poll.accept), ("/metrics", "text/plain"));
+        assert!(
+            matches!(answer(SINGLE_PROCESS.as_bytes()), Answer::Report(Reading::Vllm(r)) if r.engines.len() == 2)
+        );
+        assert_eq!(
+            vllm.answer(&poll, 404, b"{}"),
+            Answer::Failed("HTTP 404 from /metrics".into())
+        );
+        let gap = "vllm:num_requests_running{engine=\"0\",model_name=\"m\"} 1\n\
+                   vllm:num_requests_running{engine=\"2\",model_name=\"m\"} 1\n";
+        assert_eq!(
+            answer(gap.as_bytes()),
+            Answer::Refused("no figures for engine 1 of 3".into())
+        );
+        let beyond = "vllm:num_requests_running{engine=\"4096\",model_name=\"m\"} 1\n";
+        assert!(matches!(answer(beyond.as_bytes()), Answer::Refused(why) if why.contains("4096")));
+        let two_models = format!(
+            "{SINGLE_PROCESS}{}",
+            SINGLE_PROCESS.replace("Qwen/Qwen3-8B", "other")
+        );
+        assert!(matches!(answer(two_models.as_bytes()), Answer::Failed(why) if why.contains("configure")));
+        let only_qwen = Vllm {
+            model: Some("Qwen/Qwen3-8B"),
+        };
+        assert!(matches!(
+            only_qwen.answer(&poll, 200, two_models.as_bytes()),
+            Answer::Report(_)
+        ));
+        for hostile in [
+            &b"<html><body>busy</body></html>\n"[..],
+            b"",
+            &vec![b'#'; MAX_METRICS_BYTES + 1],
+        ] {
+            assert!(
+                matches!(answer(hostile), Answer::Failed(_)),
+                "{:?}",
+                &hostile[..hostile.len().min(20)]
+            );
+        }
+    }
+
+    #[test]
+    fn an_answer_cut_short_or_without_a_usable_gauge_fails_the_poll() {
+        let cut = &SINGLE_PROCESS[..SINGLE_PROCESS.len() - 1];
+        assert!(matches!(answer(cut.as_bytes()), Answer::Failed(why) if why.contains("cut short")));
+        for (from, to) in [
+            (
+                r#"vllm:num_requests_waiting{engine="1",model_name="Qwen/Qwen3-8B"} 0.0"#,
+                r#"vllm:num_requests_waiting{engine="1",model_name="Qwen/Qwen3-8B"} NaN"#,
+            ),
+            (
+                r#"vllm:kv_cache_usage_perc{engine="0",model_name="Qwen/Qwen3-8B"} 0.04123456789012345"#,
+                r#"vllm:kv_cache_usage_perc{engine="0",model_name="Qwen/Qwen3-8B"} 1.5"#,
+            ),
+            (
+                r#"vllm:num_requests_running{engine="1",model_name="Qwen/Qwen3-8B"} 0.0"#,
+                "",
+            ),
+        ] {
+            let body = edited(from, to);
+            assert!(
+                matches!(answer(body.as_bytes()), Answer::Failed(why) if why.contains("without a usable")),
+                "{to}"
+            );
+        }
+        // The counters are not needed: without them the hit rate is unknown.
+        let no_counters = edited(
+            r#"vllm:prefix_cache_hits_total{engine="0",model_name="Qwen/Qwen3-8B"} 8.765432e+06"#,
+            r#"vllm:prefix_cache_hits_total{engine="0",model_name="Qwen/Qwen3-8B"} NaN"#,
+        );
+        assert!(matches!(answer(no_counters.as_bytes()), Answer::Report(_)));
     }
 
     /// vLLM 0.34 runs one API process per engine by default, so

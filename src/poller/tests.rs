@@ -1,6 +1,7 @@
 use super::*;
 use crate::host::fake::FakeHost;
 use crate::shared_data::{read_worker_states, Keys};
+use crate::worker_state::WorkerState;
 
 fn config(extra: &str) -> Config {
     Config::from_json(
@@ -467,4 +468,123 @@ fn a_poll_round_logs_its_writes_in_one_append() {
     // Reading every state (the default on 2 workers): no log.
     let (c, h, _) = first_round("");
     assert!(h.shared_get(&Keys::of(&c).changes()).is_none());
+}
+
+/// vLLM's `/metrics` for engines of (running, waiting, KV usage, prefix
+/// queries, prefix hits), with 1000 blocks of 16 tokens per engine in
+/// `cache_config_info` (vLLM writes its engines' sum there).
+fn vllm_metrics(engines: &[(u64, u64, f64, u64, u64)]) -> String {
+    let blocks = 1000 * engines.len();
+    let mut text =
+        String::from("# HELP vllm:num_requests_running Number of requests in model execution batches.\n");
+    for (series, value) in [
+        ("vllm:num_requests_running", 0),
+        ("vllm:num_requests_waiting", 1),
+        ("vllm:kv_cache_usage_perc", 2),
+        ("vllm:prefix_cache_queries_total", 3),
+        ("vllm:prefix_cache_hits_total", 4),
+    ] {
+        for (e, f) in engines.iter().enumerate() {
+            let v = match value {
+                0 => f.0 as f64,
+                1 => f.1 as f64,
+                2 => f.2,
+                3 => f.3 as f64,
+                _ => f.4 as f64,
+            };
+            text.push_str(&format!("{series}{{engine=\"{e}\",model_name=\"m\"}} {v:?}\n"));
+        }
+        for e in 0..engines.len() {
+            text.push_str(&format!(
+                "vllm:cache_config_info{{block_size=\"16\",engine=\"{e}\",num_gpu_blocks=\"{blocks}\"}} 1.0\n"
+            ));
+        }
+    }
+    text
+}
+
+/// The tokens of every fresh poll on `token` as the state of worker 0 holds them.
+fn answer_a(c: &Config, h: &FakeHost, p: &mut Poller, at_ms: u64, body: &str) -> WorkerState {
+    h.now.set(at_ms);
+    h.calls.borrow_mut().clear();
+    p.on_tick(c, h);
+    let token = h.calls.borrow()[0].2;
+    h.now.set(at_ms + 5);
+    p.on_response(c, h, token, Some(200), body.as_bytes());
+    read_worker_states(c, h)[0].clone().unwrap()
+}
+
+#[test]
+fn vllm_workers_are_polled_on_metrics_and_their_figures_become_tokens() {
+    use crate::config::QueueMeasure;
+    use crate::worker_state::UNSIZED_REQUEST_TOKENS;
+    let (c, h, mut p) = first_round(r#","engine":"vllm""#);
+    {
+        let calls = h.calls.borrow();
+        assert_eq!(header(&calls, 0, ":path"), "/metrics");
+        assert_eq!(header(&calls, 0, "accept"), "text/plain");
+        assert!(
+            calls[0].1.iter().all(|(k, _)| k != "accept-encoding"),
+            "no compressed answers"
+        );
+    }
+    let body = vllm_metrics(&[(3, 2, 0.5, 1000, 0), (0, 0, 0.0, 0, 0)]);
+    p.on_response(&c, &h, 1, Some(200), body.as_bytes());
+    let a = read_worker_states(&c, &h)[0].clone().unwrap();
+    // 2000 blocks of 16 for two engines: 16000 tokens each, half of it in use.
+    assert_eq!(a.polled_tokens(0), Some(8000 + 2 * UNSIZED_REQUEST_TOKENS));
+    assert_eq!(a.polled_tokens(1), Some(0));
+    assert_eq!(
+        (a.prefill.capacity(0), a.prefill.used(0)),
+        (Some(16_000), Some(8000))
+    );
+    assert_eq!(h.gauge_value("dprank.tokens.a.rank_0"), Some(8000 + 2048));
+    // Requests routed here set the mean request: 500 tokens.
+    shared_data::update_worker(&c, &h, 0, IfMissing::Skip, |s| s.add(0, 1, 500).map(|_| ()));
+    // The counters grew by 1000 queries, 750 hits: a waiting request is
+    // expected a quarter uncached.
+    let body = vllm_metrics(&[(3, 2, 0.5, 2000, 750), (0, 0, 0.0, 0, 0)]);
+    let a = answer_a(&c, &h, &mut p, 9_001_000, &body);
+    assert_eq!(a.polled_tokens(0), Some(8000 + 2 * 500));
+    assert_eq!(a.prefill.queued(0, QueueMeasure::Polled).tokens, 250);
+    assert_eq!(a.prefill.queued(0, QueueMeasure::Polled).requests, 2);
+    // The memory is the worker's: another poller carries on from it.
+    let mut other = Poller::new(1);
+    let body = vllm_metrics(&[(3, 4, 0.5, 3000, 1750), (0, 0, 0.0, 0, 0)]);
+    let a = answer_a(&c, &h, &mut other, 9_002_000, &body);
+    // Over the window: (1000 x 0.936 + 1000) queries, (750 x 0.936 + 1000)
+    // hits: 12% of 4 x 500 uncached (a first read would know no rate: 2000).
+    assert_eq!(a.prefill.queued(0, QueueMeasure::Polled).tokens, 242);
+}
+
+#[test]
+fn hostile_metrics_answers_change_only_the_workers_freshness() {
+    let (c, h, mut p) = first_round(r#","engine":"vllm""#);
+    let good = vllm_metrics(&[(1, 0, 0.25, 10, 5), (2, 1, 0.5, 10, 5)]);
+    p.on_response(&c, &h, 1, Some(200), good.as_bytes());
+    let before = read_worker_states(&c, &h)[0].clone().unwrap();
+    let huge = "#".repeat(9 << 20) + "\n";
+    let hostile: Vec<(&str, String)> = vec![
+        ("html", "<html><body>502 Bad Gateway</body></html>\n".into()),
+        ("truncated", good[..good.len() / 2].to_string()),
+        ("huge", huge),
+        ("wrong labels", good.replace("engine=\"1\"", "engine=\"01\"")),
+        ("NaN", good.replace("} 0.5\n", "} NaN\n")),
+        ("empty", String::new()),
+    ];
+    for (round, (what, body)) in hostile.iter().enumerate() {
+        let at = 9_000_000 + 1000 * (round as u64 + 1);
+        let after = answer_a(&c, &h, &mut p, at, body);
+        assert_eq!(after.snapshot_seq, before.snapshot_seq, "{what}");
+        assert_eq!(after.polled_tokens(0), before.polled_tokens(0), "{what}");
+        assert_eq!(after.polled_tokens(1), before.polled_tokens(1), "{what}");
+        assert_eq!(
+            after.source, before.source,
+            "{what}: the memory waits for a good answer"
+        );
+        assert!(!after.unreachable, "{what}");
+    }
+    assert_eq!(h.counter("dprank.report_refused.a"), 1, "wrong labels");
+    assert_eq!(h.counter("dprank.poll_failed.a"), 5);
+    assert_eq!(h.counter("dprank.poll_ok.a"), 1);
 }

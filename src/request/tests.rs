@@ -2,8 +2,9 @@
 //! calls them.
 
 use super::*;
+use crate::config::QueueMeasure;
 use crate::host::fake::FakeHost;
-use crate::shared_data::testing::{fleet, json, pd_fleet};
+use crate::shared_data::testing::{fleet, json, pd_fleet, poll};
 use crate::shared_data::{self, read_worker_states};
 
 fn request(config: &Config) -> Request {
@@ -809,4 +810,123 @@ fn header_mode_ejects_probes_retries_and_attributes_like_body_mode() {
     assert_eq!((route.as_str(), rank.as_str()), ("", ""));
     assert_eq!(h.counter("dprank.passthrough.none_in_rotation"), 1);
     assert_eq!(h.counter("dprank.failures.a"), 5 + 1);
+}
+
+/// A chat request whose first message is a long system prompt shared by
+/// every request with the same `system`, then `question`.
+fn chat(system: &str, question: &str) -> Vec<u8> {
+    format!(
+        r#"{{"model":"m","messages":[{{"role":"system","content":"{}"}},{{"role":"user","content":"{question}"}}],"stream":true}}"#,
+        system.repeat(400)
+    )
+    .into_bytes()
+}
+
+#[test]
+fn header_mode_under_prefix_affinity_decides_at_the_end_of_the_body_and_never_changes_it() {
+    let (c, h) = fleet(r#","engine":"vllm""#);
+    let mut r = request(&c);
+    let body = chat("You are terse. ", "hello");
+    post(&h, "/v1/chat/completions", &body, &CLIENT_RANK);
+    assert_eq!(
+        r.on_request_headers(&h, false),
+        Action::Pause,
+        "waits for the prompt"
+    );
+    for (name, _) in CLIENT_RANK {
+        assert_eq!(h.header(name), None, "{name}");
+    }
+    assert_eq!(r.on_request_body(&h, body.len(), true), Action::Continue);
+    assert_eq!(
+        h.header("x-dprank-endpoint").as_deref(),
+        Some("127.0.0.1:2,127.0.0.1:1")
+    );
+    assert_eq!(h.header("x-data-parallel-rank").as_deref(), Some("2"));
+    assert_eq!(
+        h.header("x-override-routed-dp-rank"),
+        None,
+        "vLLM reads one header"
+    );
+    assert_eq!(h.request_body.borrow().as_slice(), body, "byte for byte");
+    assert_eq!(h.header("content-length"), Some(body.len().to_string()));
+    assert_eq!(
+        (h.host_calls("request_body"), h.host_calls("replace_request_body")),
+        (1, 0)
+    );
+    let state = |i: usize| read_worker_states(&c, &h)[i].clone().unwrap();
+    let prompt = state(1).pending_total();
+    assert!(prompt > 1000, "the prompt's estimate: {prompt}");
+    assert_eq!(state(1).prefill.queued(2, QueueMeasure::Local).requests, 1);
+    // The first streamed byte ends its prefill; its end gives the estimate back.
+    assert_eq!(r.on_response_headers(&h), Action::Continue);
+    assert_eq!(r.on_response_body(&h), Action::Continue);
+    assert_eq!(state(1).prefill.queued(2, QueueMeasure::Local).requests, 0);
+    r.on_done(&h);
+    assert_eq!(pending(&c, &h), 0);
+    // The prompt went into b/2's index: the same system prompt follows it
+    // there, though a/1 now has less load.
+    poll(&c, &h, 0, &[100, 0, 100, 100]);
+    let mut again = request(&c);
+    post(
+        &h,
+        "/v1/chat/completions",
+        &chat("You are terse. ", "and now?"),
+        &[],
+    );
+    send(&mut again, &h);
+    assert_eq!(h.header("x-data-parallel-rank").as_deref(), Some("2"));
+    assert_eq!(
+        h.header("x-dprank-endpoint").as_deref().map(|r| &r[..11]),
+        Some("127.0.0.1:2")
+    );
+    let mut other = request(&c);
+    post(
+        &h,
+        "/v1/chat/completions",
+        &chat("Answer in French. ", "bonjour"),
+        &[],
+    );
+    send(&mut other, &h);
+    assert_eq!(
+        (
+            h.header("x-dprank-endpoint").as_deref().map(|r| &r[..11]),
+            h.header("x-data-parallel-rank").as_deref()
+        ),
+        (Some("127.0.0.1:1"), Some("1")),
+        "another prompt goes by load"
+    );
+}
+
+#[test]
+fn header_mode_under_prefix_affinity_routes_unreadable_bodies_by_load() {
+    let (c, h) = fleet(r#","engine":"vllm","fail_mode":"closed""#);
+    // Not JSON: the server's to refuse; routed by its length, untouched.
+    let mut r = request(&c);
+    let body = b"{\"messages\": [oops";
+    post(&h, "/v1/completions", body, &[]);
+    assert_eq!(send(&mut r, &h), (Action::Pause, Action::Continue));
+    assert_eq!(h.header("x-data-parallel-rank").as_deref(), Some("2"));
+    assert_eq!(h.request_body.borrow().as_slice(), body);
+    assert_eq!(pending(&c, &h), (body.len() as u64).div_ceil(4));
+    r.on_done(&h);
+    // Compressed: it cannot be read, so it is routed from the headers.
+    let mut r = request(&c);
+    post(
+        &h,
+        "/v1/completions",
+        b"\x1f\x8b\x08",
+        &[("content-encoding", "gzip")],
+    );
+    assert_eq!(r.on_request_headers(&h, false), Action::Continue);
+    assert_eq!(h.header("x-data-parallel-rank").as_deref(), Some("2"));
+    assert_eq!(h.host_calls("request_body"), 1, "only the first request's");
+    r.on_done(&h);
+    assert!(h.replies.borrow().is_empty());
+    // No fresh data: refused at the end of the body in closed mode.
+    h.now.set(10_000 + c.stale_after_ms + 1);
+    let mut r = request(&c);
+    post(&h, "/v1/completions", br#"{"prompt":"x"}"#, &[]);
+    assert_eq!(send(&mut r, &h), (Action::Pause, Action::Pause));
+    assert_eq!(reply_status(&h), vec![503]);
+    assert_eq!(h.header("x-data-parallel-rank"), None);
 }

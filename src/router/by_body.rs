@@ -1,5 +1,6 @@
 //! Body mode (`rank_transport: body`, the default): the choice made once
-//! the whole JSON body is buffered, the chosen rank written into it. What
+//! the whole JSON body is buffered, the chosen rank written into it (a
+//! buffered body under header mode goes to `by_header.rs`). What
 //! differs from the other paths: the cost comes from the body, prefix
 //! affinity applies, a trusted client's rank constrains the choice, and a
 //! request that cannot be routed keeps no client rank field.
@@ -8,7 +9,7 @@ use super::body_fields::{client_rank, estimated_tokens, prefix_request, queue_ch
 use super::outcome::{pass, pass_or_reject, reject, PassReason, RejectReason};
 use super::pipeline::{self, Leg, RouteArgs};
 use super::snapshot::{Side, Snapshot};
-use super::{pd, Decision, Routed};
+use super::{by_header, pd, Decision, Routed};
 use crate::body::{may_name_a_rank, BodyError, JsonObject};
 use crate::config::Config;
 use crate::host::Host;
@@ -52,6 +53,9 @@ pub fn route_with(
     if body.is_empty() {
         // A chunked or HTTP/2 request whose body turned out empty.
         return pass(host, PassReason::EmptyBody, None);
+    }
+    if let Some(settings) = config.header_transport() {
+        return by_header::route_by_prompt(config, settings, host, cache, body, args);
     }
     let object = match JsonObject::parse(body) {
         Ok(object) => object,

@@ -1,13 +1,18 @@
-//! Header mode (`rank_transport: header`): the choice made from the request
-//! headers alone, before any body byte has arrived. What differs from body
-//! mode: the cost is what the request lifecycle estimated from
-//! `content-length`, no prefix affinity, no client rank, and no body
-//! written (the lifecycle writes the rank headers).
+//! Header mode (`rank_transport: header`): the rank goes in request
+//! headers (the lifecycle writes them) and the body is never changed. The
+//! choice is made from the headers alone, before any body byte has arrived
+//! (the cost from `content-length`, no prefix affinity), or, under prefix
+//! affinity, at the end of the body, whose prompt is read as in body mode.
+//! What differs from body mode either way: no client rank, no body written,
+//! and a body that is no JSON object is the server's to refuse (routed by
+//! load).
 
+use super::body_fields::{estimated_tokens, prefix_request, queue_charge};
 use super::outcome::pass_or_reject;
 use super::pipeline::{self, Leg, Prefill, RouteArgs};
-use super::snapshot::Side;
+use super::snapshot::{Side, Snapshot};
 use super::{Decision, Routed};
+use crate::body::JsonObject;
 use crate::config::{Config, CostEstimate, HeaderTransport};
 use crate::host::Host;
 use crate::scheduler::Constraint;
@@ -60,14 +65,8 @@ pub fn route_by_headers_with(
         Ok(snapshot) => snapshot,
         Err(refused) => return refused.into(),
     };
-    let leg = Leg {
-        side: Side::Routed,
-        constraint: Constraint { only_rank: None, pin },
-        alternates: config.retry_alternates as usize,
-    };
-    let Some(choice) = pipeline::choose(host, &snapshot, &leg, None) else {
-        let reason = pipeline::no_candidate_reason(&snapshot, Side::Routed);
-        return pass_or_reject(config, host, reason, None);
+    let Some(choice) = pipeline::choose(host, &snapshot, &leg(config, pin), None) else {
+        return no_candidate(config, host, &snapshot);
     };
     let moment = snapshot.moment();
     // Admission's queue: the length is all there is of the prompt; whether
@@ -76,6 +75,60 @@ pub fn route_by_headers_with(
     let queued = config.admission.as_ref().map(|_| Prefill::plain(cost, false));
     let committed = pipeline::commit(config, host, cache, &choice, cost, None, queued);
     Decision::Route(Routed::new(committed, moment, None))
+}
+
+/// Header mode under prefix affinity: decides at the end of the (non-empty)
+/// body, scoring the prompt it holds as body mode does, and leaves the body
+/// as it came. A body that is no JSON object is routed by load, its cost
+/// from its length.
+pub(super) fn route_by_prompt(
+    config: &Rc<Config>,
+    settings: &HeaderTransport,
+    host: &dyn Host,
+    cache: &mut StateCache,
+    body: &[u8],
+    args: &RouteArgs,
+) -> Decision {
+    let pin = args.pin;
+    let object = JsonObject::parse(body).ok();
+    let snapshot = match pipeline::start(config, host, cache, args) {
+        Ok(snapshot) => snapshot,
+        Err(refused) => return refused.into(),
+    };
+    let mut prefix = object
+        .as_ref()
+        .and_then(|o| prefix_request(config, o, snapshot.now_ms));
+    let Some(choice) = pipeline::choose(host, &snapshot, &leg(config, pin), prefix.as_mut()) else {
+        return no_candidate(config, host, &snapshot);
+    };
+    let moment = snapshot.moment();
+    let cost = match &object {
+        Some(object) => estimated_tokens(config, object, prefix.as_ref()),
+        None => cost_from_length(config, settings, Some(body.len() as u64)),
+    };
+    let queued = match &object {
+        Some(object) => queue_charge(config, object, prefix.as_ref()),
+        None => config.admission.as_ref().map(|_| Prefill::plain(cost, false)),
+    };
+    let committed = pipeline::commit(config, host, cache, &choice, cost, prefix.as_mut(), queued);
+    Decision::Route(Routed::new(committed, moment, None))
+}
+
+/// Header mode's leg: the routed pool, a test pin if any, the configured
+/// alternates (the rank headers travel unchanged with every retry).
+fn leg<'r>(config: &Config, pin: Option<&'r str>) -> Leg<'r> {
+    Leg {
+        side: Side::Routed,
+        constraint: Constraint { only_rank: None, pin },
+        alternates: config.retry_alternates as usize,
+    }
+}
+
+/// Nobody can be chosen: passed on with no rank header (or refused in
+/// closed mode), the body untouched.
+fn no_candidate(config: &Config, host: &dyn Host, snapshot: &Snapshot) -> Decision {
+    let reason = pipeline::no_candidate_reason(snapshot, Side::Routed);
+    pass_or_reject(config, host, reason, None)
 }
 
 #[cfg(test)]

@@ -1,4 +1,5 @@
-//! A real Envoy running the shipped `envoy/dprank.yaml`, rendered for a test:
+//! A real Envoy running a shipped config (`envoy/dprank.yaml`, or
+//! `envoy/vllm.yaml` for vLLM-shaped workers), rendered for a test:
 //! ports 0, the started workers as cluster endpoints and filter `workers`,
 //! the wasm path made absolute, and the scenario's filter overrides merged in.
 
@@ -14,6 +15,8 @@ pub const SHIPPED_CONFIG: &str = "envoy/dprank.yaml";
 
 #[derive(Debug, Clone)]
 pub struct EnvoyOptions {
+    /// The shipped config rendered: `envoy/dprank.yaml`, or `envoy/vllm.yaml`.
+    pub shipped: &'static str,
     pub concurrency: u32,
     /// Overrides the listener's `per_connection_buffer_limit_bytes`.
     pub listener_buffer_limit: Option<u64>,
@@ -24,6 +27,7 @@ pub struct EnvoyOptions {
 impl Default for EnvoyOptions {
     fn default() -> Self {
         EnvoyOptions {
+            shipped: SHIPPED_CONFIG,
             concurrency: 2,
             listener_buffer_limit: None,
             wait_for_polls: true,
@@ -36,17 +40,17 @@ fn object_mut<'a>(value: &'a mut Value, path: &[&str]) -> &'a mut Map<String, Va
     for key in path {
         at = at
             .get_mut(*key)
-            .unwrap_or_else(|| panic!("{SHIPPED_CONFIG}: no `{}` (path {path:?})", key));
+            .unwrap_or_else(|| panic!("the shipped config: no `{}` (path {path:?})", key));
     }
     at.as_object_mut()
-        .unwrap_or_else(|| panic!("{SHIPPED_CONFIG}: {path:?} is not a mapping"))
+        .unwrap_or_else(|| panic!("the shipped config: {path:?} is not a mapping"))
 }
 
 fn array_mut<'a>(value: &'a mut Value, key: &str) -> &'a mut Vec<Value> {
     value
         .get_mut(key)
         .and_then(Value::as_array_mut)
-        .unwrap_or_else(|| panic!("{SHIPPED_CONFIG}: no list `{key}`"))
+        .unwrap_or_else(|| panic!("the shipped config: no list `{key}`"))
 }
 
 /// The dprank wasm filters (`envoy.filters.http.wasm` with root_id dprank) of a listener.
@@ -81,13 +85,13 @@ pub fn render_config(
     wasm: &Path,
     listener_buffer_limit: Option<u64>,
 ) -> String {
-    let mut doc: Value =
-        serde_yaml_ng::from_str(shipped_yaml).unwrap_or_else(|e| panic!("{SHIPPED_CONFIG} is not YAML: {e}"));
+    let mut doc: Value = serde_yaml_ng::from_str(shipped_yaml)
+        .unwrap_or_else(|e| panic!("the shipped config is not YAML: {e}"));
     object_mut(&mut doc, &["admin", "address", "socket_address"]).insert("port_value".into(), json!(0));
 
     let resources = doc
         .get_mut("static_resources")
-        .unwrap_or_else(|| panic!("{SHIPPED_CONFIG}: no static_resources"));
+        .unwrap_or_else(|| panic!("the shipped config: no static_resources"));
     let mut filters_seen = 0;
     for listener in array_mut(resources, "listeners") {
         object_mut(listener, &["address", "socket_address"]).insert("port_value".into(), json!(0));
@@ -102,9 +106,9 @@ pub fn render_config(
             let shipped_text = configuration
                 .get("value")
                 .and_then(Value::as_str)
-                .unwrap_or_else(|| panic!("{SHIPPED_CONFIG}: filter configuration has no value"));
+                .unwrap_or_else(|| panic!("the shipped config: filter configuration has no value"));
             let mut filter: Value = serde_json::from_str(shipped_text)
-                .unwrap_or_else(|e| panic!("{SHIPPED_CONFIG}: filter configuration is not JSON: {e}"));
+                .unwrap_or_else(|e| panic!("the shipped config: filter configuration is not JSON: {e}"));
             let generated: Vec<Value> = workers
                 .iter()
                 .map(|(name, addr)| json!({"address": addr.to_string(), "name": name}))
@@ -121,16 +125,20 @@ pub fn render_config(
     }
     assert_eq!(
         filters_seen, 1,
-        "{SHIPPED_CONFIG}: expected exactly one dprank wasm filter"
+        "the shipped config: expected exactly one dprank wasm filter"
     );
 
+    // The workers' cluster: the one whose policy is override_host.
     let clusters = array_mut(resources, "clusters");
-    let sglang = clusters
+    let routed = clusters
         .iter_mut()
-        .find(|c| c["name"] == "sglang")
-        .unwrap_or_else(|| panic!("{SHIPPED_CONFIG}: no cluster `sglang`"));
+        .find(|c| {
+            c["load_balancing_policy"]["policies"][0]["typed_extension_config"]["name"]
+                == "envoy.load_balancing_policies.override_host"
+        })
+        .unwrap_or_else(|| panic!("the shipped config has no cluster with the override_host policy"));
     let addrs: Vec<SocketAddr> = workers.iter().map(|(_, addr)| *addr).collect();
-    object_mut(sglang, &["load_assignment"]).insert("endpoints".into(), lb_endpoints(&addrs));
+    object_mut(routed, &["load_assignment"]).insert("endpoints".into(), lb_endpoints(&addrs));
 
     serde_yaml_ng::to_string(&doc).expect("rendered config serialises")
 }
@@ -142,8 +150,8 @@ pub struct Envoy(EnvoyProcess);
 
 impl Envoy {
     pub fn start(dir: &TestDir, scenario: &Scenario, sims: &[Sim], options: &EnvoyOptions) -> Envoy {
-        let shipped = std::fs::read_to_string(repo_root().join(SHIPPED_CONFIG))
-            .unwrap_or_else(|e| panic!("cannot read {SHIPPED_CONFIG}: {e}"));
+        let shipped = std::fs::read_to_string(repo_root().join(options.shipped))
+            .unwrap_or_else(|e| panic!("cannot read {}: {e}", options.shipped));
         let workers: Vec<(&str, SocketAddr)> = sims.iter().map(|s| (s.name.as_str(), s.addr)).collect();
         let rendered = render_config(
             &shipped,

@@ -183,7 +183,7 @@ fn client_rank_headers_are_stripped_from_requests_header_mode_does_not_route() {
 
 /// The Python interpreter with the `openai` package: `DPRANK_PYTHON`, else
 /// the project's `.venv` (`scripts/setup.sh` installs the package there).
-fn python() -> PathBuf {
+pub fn python() -> PathBuf {
     std::env::var_os("DPRANK_PYTHON")
         .map(PathBuf::from)
         .unwrap_or_else(|| repo_root().join(".venv/bin/python"))
@@ -223,10 +223,10 @@ fn the_openai_client_works_streamed_and_not() {
         );
     }
 
-    // The worker saw three requests, each with dprank's rank in headers and
+    // The worker saw four requests, each with dprank's rank in headers and
     // the client's JSON untouched (no rank field added).
     let recorded: Vec<_> = world.sims.iter().flat_map(|s| s.requests()).collect();
-    assert_eq!(recorded.len(), 3, "{recorded:?}");
+    assert_eq!(recorded.len(), 4, "{recorded:?}");
     for request in &recorded {
         assert_rank_headers(&world, request, "1", &request.path);
         assert_eq!(request.rank, Some(1), "served on the header's rank");

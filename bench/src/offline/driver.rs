@@ -23,10 +23,11 @@ use serde_json::Value;
 use super::front::{
     mix, Arrival, DprankGateway, Front, Held, IeDetector, Placement, PollCall, Released, SmgFront, IE_POLL_S,
 };
+use super::gie::{self, Gie, Reading};
 use super::smg::{CacheAware, Limiter, SmgKnobs};
 use crate::envoy::Balancer;
 use crate::loadgen::{gateway_for, RequestRecord, RunOutput};
-use crate::variant::{Dispatch, Front as VariantFront, Variant};
+use crate::variant::{Dispatch, Front as VariantFront, GieReading, Variant};
 use crate::workload::{bodies, text, Api, Plan};
 
 /// Round trip of a load poll (the worker answers from its last published
@@ -83,7 +84,11 @@ enum Event {
         gateway: usize,
         token: u32,
         worker: usize,
+        /// The load endpoint asked: `/metrics` or SGLang's.
+        metrics: bool,
     },
+    /// An Inference Extension model's metrics refresh.
+    GiePoll(usize),
 }
 
 struct Queue {
@@ -135,8 +140,13 @@ pub fn worker_address(i: usize) -> String {
 }
 
 /// dprank's configuration for a variant: the shipped filter keys, the
-/// variant's poll interval (simulated ms) and overrides.
-pub fn dprank_config(variant: &Variant, workers: usize) -> Result<dprank::config::Config, String> {
+/// variant's poll interval (simulated ms) and overrides; `"engine": "vllm"`
+/// in front of vLLM servers (unless the variant says otherwise).
+pub fn dprank_config(
+    variant: &Variant,
+    workers: usize,
+    vllm: bool,
+) -> Result<dprank::config::Config, String> {
     let VariantFront::Dprank { poll, set } = &variant.front else {
         return Err(format!("`{}` is not a dprank variant", variant.name));
     };
@@ -147,6 +157,9 @@ pub fn dprank_config(variant: &Variant, workers: usize) -> Result<dprank::config
         "workers": list,
         "poll_interval_ms": poll.sim_ms(1.0) as u64,
     });
+    if vllm {
+        json["engine"] = Value::from("vllm");
+    }
     if let Some(map) = json.as_object_mut() {
         for (k, v) in set {
             map.insert(k.clone(), v.clone());
@@ -171,7 +184,7 @@ fn fronts(spec: &RunSpec) -> Result<Vec<Front>, String> {
                     draws: salt,
                 },
                 VariantFront::Dprank { .. } => {
-                    let config = dprank_config(spec.variant, spec.workers)?;
+                    let config = dprank_config(spec.variant, spec.workers, spec.sim.is_vllm())?;
                     let gateway = DprankGateway::new(config, salt, EPOCH_MS);
                     if spec.variant.ie_detector {
                         Front::Ie(Box::new(IeDetector::new(gateway)))
@@ -179,6 +192,15 @@ fn fronts(spec: &RunSpec) -> Result<Vec<Front>, String> {
                         Front::Dprank(Box::new(gateway))
                     }
                 }
+                VariantFront::Gie { reading } => Front::Gie(Box::new(Gie::new(
+                    spec.workers,
+                    match reading {
+                        GieReading::FirstSample => Reading::FirstSample,
+                        GieReading::Sum => Reading::Sum,
+                    },
+                    &spec.sim.model,
+                    salt,
+                ))),
                 VariantFront::Smg {
                     policy,
                     dp_aware,
@@ -193,7 +215,7 @@ fn fronts(spec: &RunSpec) -> Result<Vec<Front>, String> {
                 }
                 _ => {
                     return Err(format!(
-                        "`{}`: offline runs support rr, in-server, clairvoyant, dprank[...] and smg cache_aware (with or without --dp-aware)",
+                        "`{}`: offline runs support rr, in-server, clairvoyant, gie, dprank[...] and smg cache_aware (with or without --dp-aware)",
                         spec.variant.name
                     ))
                 }
@@ -206,10 +228,13 @@ fn fronts(spec: &RunSpec) -> Result<Vec<Front>, String> {
 /// plan's number, given out of band: the body carries only the cap).
 fn sim_request(body: &[u8], placement: Placement, answer: u32) -> Result<(Request, bool), String> {
     let value: Value = serde_json::from_slice(body).map_err(|e| format!("body: {e}"))?;
-    let prompt = match (value.get("messages"), value.get("text")) {
+    let prompt = match (
+        value.get("messages"),
+        value.get("text").or_else(|| value.get("prompt")),
+    ) {
         (Some(messages), _) => Prompt::Text(template_json(messages).ok_or("messages not a list")?),
         (_, Some(Value::String(text))) => Prompt::Text(text.clone()),
-        _ => return Err("a body with neither messages nor text".into()),
+        _ => return Err("a body with neither messages nor a text prompt".into()),
     };
     let max_new = value
         .pointer("/sampling_params/max_new_tokens")
@@ -275,15 +300,41 @@ pub struct Outcome {
     pub gave_up: bool,
 }
 
+/// What a worker answers a load poll of `path` with: status and body.
+pub fn poll_answer(fleet: &Fleet, vllm: bool, worker: usize, metrics: bool) -> (u32, String) {
+    let not_found = || {
+        (
+            404,
+            r#"{"error":{"message":"Not Found","type":"NotFoundError","param":null,"code":404}}"#.to_string(),
+        )
+    };
+    match (vllm, metrics) {
+        (true, true) => (200, fleet.metrics(worker)),
+        (false, false) => (200, fleet.v1_loads(worker).to_string()),
+        _ => not_found(),
+    }
+}
+
 /// Runs `plan` under `spec`.
 pub fn run(plan: &Plan, spec: &RunSpec) -> Result<Outcome, String> {
-    let mut sim = spec.sim.clone();
-    sim.dispatch = match spec.variant.dispatch {
-        Dispatch::InServer => dprank_sim::Dispatch::TotalTokens,
-        Dispatch::Clairvoyant => dprank_sim::Dispatch::Oracle,
-        Dispatch::RoundRobin => dprank_sim::Dispatch::RoundRobin,
-        Dispatch::RoomModulo => return Err("PD variants do not run offline".into()),
+    let vllm = spec.sim.is_vllm();
+    // A vLLM server has no /generate: its requests go to /v1/completions.
+    let converted;
+    let plan = if vllm {
+        converted = plan.to_openai();
+        &converted
+    } else {
+        plan
     };
+    let mut sim = spec.sim.clone();
+    sim.dispatch = Some(match (spec.variant.dispatch, sim.is_vllm()) {
+        (Dispatch::Clairvoyant, _) => dprank_sim::Dispatch::Oracle,
+        (Dispatch::RoomModulo, _) => return Err("PD variants do not run offline".into()),
+        // A vLLM server has one balancer of its own.
+        (_, true) => dprank_sim::Dispatch::Vllm,
+        (Dispatch::InServer, false) => dprank_sim::Dispatch::TotalTokens,
+        (Dispatch::RoundRobin, false) => dprank_sim::Dispatch::RoundRobin,
+    });
     let mut fleet = Fleet::new(sim, spec.workers)?;
     let mut fronts = fronts(spec)?;
     let gateways = fronts.len();
@@ -303,14 +354,17 @@ pub fn run(plan: &Plan, spec: &RunSpec) -> Result<Outcome, String> {
         }
     }
     for (g, front) in fronts.iter_mut().enumerate() {
+        // Gateways start at independent points of their poll cycle.
+        let phase = |interval_s: f64| (mix(spec.seed ^ g as u64) % 1000) as f64 / 1000.0 * interval_s;
         if matches!(front, Front::Ie(_)) {
             queue.push(0.0, Event::IePoll(g));
         }
+        if matches!(front, Front::Gie(_)) {
+            queue.push(phase(gie::POLL_S), Event::GiePoll(g));
+        }
         if let Some(gateway) = front.dprank() {
-            // Gateways start at independent points of their poll cycle.
             let interval_s = gateway.config.poll_interval_ms as f64 / 1000.0;
-            let phase = (mix(spec.seed ^ g as u64) % 1000) as f64 / 1000.0 * interval_s;
-            queue.push(phase, Event::Tick(g));
+            queue.push(phase(interval_s), Event::Tick(g));
         }
     }
     let mut in_flight: HashMap<u64, InFlight> = HashMap::new();
@@ -452,6 +506,7 @@ pub fn run(plan: &Plan, spec: &RunSpec) -> Result<Outcome, String> {
                                 gateway: g,
                                 token: call.token,
                                 worker: call.worker,
+                                metrics: call.path.starts_with("/metrics"),
                             },
                         );
                     }
@@ -462,11 +517,25 @@ pub fn run(plan: &Plan, spec: &RunSpec) -> Result<Outcome, String> {
                 gateway,
                 token,
                 worker,
+                metrics,
             } => {
                 // The worker answers from what it last published.
-                let body = fleet.v1_loads(worker).to_string();
+                let (status, body) = poll_answer(&fleet, vllm, worker, metrics);
                 if let Some(g) = fronts[gateway].dprank() {
-                    g.poll_answer(t, PollCall { token, worker }, body.as_bytes());
+                    let call = PollCall {
+                        token,
+                        worker,
+                        path: String::new(),
+                    };
+                    g.poll_answer(t, call, status, body.as_bytes());
+                }
+            }
+            Event::GiePoll(g) => {
+                if let Front::Gie(model) = &mut fronts[g] {
+                    for worker in 0..spec.workers {
+                        model.poll(worker, &fleet.engine_stats(worker));
+                    }
+                    queue.push(t + gie::POLL_S, Event::GiePoll(g));
                 }
             }
             Event::Open(i) => {
@@ -709,4 +778,96 @@ fn submit(
         },
     );
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::runner::Kv;
+    use crate::workload::{Shape, Workload, WorkloadKind};
+
+    fn vllm_spec(variant: &Variant) -> RunSpec<'_> {
+        let preset = crate::preset::preset("vllm-dense-8b").unwrap();
+        RunSpec {
+            variant,
+            sim: crate::offline::sim_config(preset, Kv::Small, 4, &[]).unwrap(),
+            workers: 2,
+            seed: 3,
+            turn_horizon_s: f64::INFINITY,
+            cut_at_s: None,
+            requests_out: None,
+            give_up: None,
+        }
+    }
+
+    #[test]
+    fn vllm_fleets_run_behind_every_front_that_fits_them() {
+        let shape = Shape {
+            rate: 4.0,
+            duration_s: 10.0,
+            seed: 3,
+            max_prompt: 4000,
+            max_output: 256,
+        };
+        for kind in [WorkloadKind::NoPrefix, WorkloadKind::Tenants] {
+            let plan = Workload::new(kind).plan(&shape).unwrap();
+            for name in [
+                "rr",
+                "in-server",
+                "in-server-rr",
+                "gie",
+                "gie-sum",
+                "clairvoyant",
+                "dprank",
+            ] {
+                let variant = Variant::parse(name).unwrap();
+                let outcome = run(&plan, &vllm_spec(&variant)).unwrap();
+                let records = &outcome.output.records;
+                assert_eq!(records.len(), plan.request_count(), "{name} {kind:?}");
+                assert!(records.iter().all(|r| r.ok()), "{name} {kind:?}");
+                assert!(
+                    records.iter().all(|r| r.prompt_tokens.unwrap_or(0) > 0),
+                    "{name} {kind:?}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn a_vllm_server_answers_polls_of_metrics_and_refuses_sglang_s() {
+        let preset = crate::preset::preset("vllm-dense-8b").unwrap();
+        let sim = crate::offline::sim_config(preset, Kv::Small, 4, &[]).unwrap();
+        let fleet = Fleet::new(sim, 2).unwrap();
+        let (status, body) = poll_answer(&fleet, true, 1, true);
+        assert_eq!(status, 200);
+        let report = dprank::load::vllm::parse_vllm_metrics(body.as_bytes(), None).unwrap();
+        assert_eq!(report.engines.len(), 4);
+        assert_eq!(poll_answer(&fleet, true, 1, false).0, 404);
+        let sglang =
+            crate::offline::sim_config(crate::preset::preset("legacy").unwrap(), Kv::Small, 4, &[]).unwrap();
+        let fleet = Fleet::new(sglang, 1).unwrap();
+        assert_eq!(poll_answer(&fleet, false, 0, false).0, 200);
+        assert_eq!(poll_answer(&fleet, false, 0, true).0, 404);
+    }
+
+    #[test]
+    fn generate_requests_become_completions_for_vllm() {
+        let shape = Shape {
+            rate: 2.0,
+            duration_s: 5.0,
+            seed: 1,
+            max_prompt: 2000,
+            max_output: 100,
+        };
+        let plan = Workload::new(WorkloadKind::NoPrefix).plan(&shape).unwrap();
+        let openai = plan.to_openai();
+        for (before, after) in plan.requests.iter().zip(&openai.requests) {
+            assert_eq!(after.api, Api::Completions);
+            let a: Value = serde_json::from_slice(&before.body).unwrap();
+            let b: Value = serde_json::from_slice(&after.body).unwrap();
+            assert_eq!(a["text"], b["prompt"]);
+            assert_eq!(a["sampling_params"]["max_new_tokens"], b["max_tokens"]);
+            assert_eq!(a["stream"], b["stream"]);
+        }
+    }
 }

@@ -18,6 +18,7 @@ use dprank::poller::{Poller, POLL_DESTINATION_HEADER};
 use dprank::request::{queue_tick_period_ms, Request, Routing};
 use serde_json::Value;
 
+use super::gie::Gie;
 use super::smg::{CacheAware, Limiter, Permit};
 use crate::workload::{HIGH_CLASS, LOW_CLASS, PRIORITY_HEADER};
 
@@ -29,11 +30,12 @@ pub struct Placement {
     pub rank: Option<usize>,
 }
 
-/// A poll dprank dispatched: its token, and the worker it asks.
-#[derive(Debug, Clone, Copy)]
+/// A poll dprank dispatched: its token, the worker it asks, the path.
+#[derive(Debug, Clone)]
 pub struct PollCall {
     pub token: u32,
     pub worker: usize,
+    pub path: String,
 }
 
 /// What a front does with an arriving request.
@@ -126,21 +128,28 @@ impl DprankGateway {
                     .iter()
                     .find(|(k, _)| k == POLL_DESTINATION_HEADER)
                     .and_then(|(_, v)| self.workers.get(v))?;
+                let path = headers
+                    .iter()
+                    .find(|(k, _)| k == ":path")
+                    .map(|(_, v)| v.clone())
+                    .unwrap_or_default();
                 Some(PollCall {
                     token,
                     worker: *worker,
+                    path,
                 })
             })
             .collect()
     }
 
-    /// A poll's answer (`/v1/loads` as the worker published it) at `t_s`.
-    pub fn poll_answer(&mut self, t_s: f64, call: PollCall, body: &[u8]) {
+    /// A poll's answer (what the worker last published: `/v1/loads`, or a
+    /// vLLM server's `/metrics`) at `t_s`.
+    pub fn poll_answer(&mut self, t_s: f64, call: PollCall, status: u32, body: &[u8]) {
         self.set_time(t_s);
         self.host.set_effective_context(0);
-        *self.host.callout.borrow_mut() = (Some(200), body.to_vec());
+        *self.host.callout.borrow_mut() = (Some(status), body.to_vec());
         self.poller
-            .on_response(&self.config, &self.host, call.token, Some(200), body);
+            .on_response(&self.config, &self.host, call.token, Some(status), body);
         // As the filter's root context: a poll may show room.
         self.routing.let_in(&self.host, 0, true);
     }
@@ -244,7 +253,7 @@ impl DprankGateway {
         match chosen {
             Some(worker) => Placement {
                 worker,
-                rank: rank_in(&self.host.request_body.borrow(), &self.config.rank_field),
+                rank: self.rank_named(),
             },
             None => {
                 // The cluster's fallback (round robin); the worker picks the rank.
@@ -254,6 +263,19 @@ impl DprankGateway {
                     rank: None,
                 }
             }
+        }
+    }
+
+    /// The rank dprank named for the request just routed: in its first rank
+    /// header in header mode (vLLM), else in the body.
+    fn rank_named(&self) -> Option<usize> {
+        match self.config.header_transport() {
+            Some(h) => h
+                .rank_headers
+                .first()
+                .and_then(|name| self.host.header(name))
+                .and_then(|value| value.parse().ok()),
+            None => rank_in(&self.host.request_body.borrow(), &self.config.rank_field),
         }
     }
 
@@ -355,6 +377,8 @@ pub enum Front {
     Smg(Box<SmgFront>),
     /// A model of the Inference Extension's saturation detector before dprank.
     Ie(Box<IeDetector>),
+    /// A model of the Inference Extension's endpoint picker (per pod).
+    Gie(Box<Gie>),
 }
 
 /// What a front keeps of one request until it ends.
@@ -409,6 +433,7 @@ impl Front {
                     Permit::Refused(status, _) => (Arrival::Refused(status), Held::None),
                 }
             }
+            Front::Gie(gie) => (Arrival::Go(gie.route(&prompt_text(body))), Held::None),
         }
     }
 
@@ -434,7 +459,7 @@ impl Front {
                     })
                     .collect()
             }
-            Front::RoundRobin { .. } | Front::LeastRequest { .. } => Vec::new(),
+            Front::RoundRobin { .. } | Front::LeastRequest { .. } | Front::Gie(_) => Vec::new(),
         }
     }
 
@@ -476,6 +501,23 @@ impl Front {
     }
 }
 
+/// The prompt text of a serving body as a gateway reads it: the rendered
+/// conversation of a chat, else `prompt` or `text`.
+fn prompt_text(body: &[u8]) -> Vec<u8> {
+    let Ok(value) = serde_json::from_slice::<serde_json::Value>(body) else {
+        return Vec::new();
+    };
+    if let Some(text) = value.get("messages").and_then(dprank_sim::chat::template_json) {
+        return text.into_bytes();
+    }
+    value
+        .get("prompt")
+        .or_else(|| value.get("text"))
+        .and_then(|v| v.as_str())
+        .map(|text| text.as_bytes().to_vec())
+        .unwrap_or_default()
+}
+
 /// splitmix64.
 pub fn mix(x: u64) -> u64 {
     let mut z = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
@@ -500,9 +542,12 @@ mod tests {
 
     #[test]
     fn a_gateway_routes_where_dprank_chose_not_by_its_fallback() {
-        let config =
-            crate::offline::driver::dprank_config(&crate::variant::Variant::parse("dprank").unwrap(), 2)
-                .unwrap();
+        let config = crate::offline::driver::dprank_config(
+            &crate::variant::Variant::parse("dprank").unwrap(),
+            2,
+            false,
+        )
+        .unwrap();
         let mut g = DprankGateway::new(config, 0, 1_000_000);
         let loads = |waiting: u64| {
             serde_json::json!({"loads": [{"dp_rank": 0, "num_total_tokens": waiting, "num_waiting_reqs": 0}]})
@@ -510,7 +555,7 @@ mod tests {
         };
         for call in g.tick(0.0) {
             let body = if call.worker == 1 { loads(0) } else { loads(50_000) };
-            g.poll_answer(0.001, call, body.as_bytes());
+            g.poll_answer(0.001, call, 200, body.as_bytes());
         }
         let body = br#"{"text":"hello","sampling_params":{"max_new_tokens":4}}"#;
         for i in 0..4 {
@@ -524,5 +569,68 @@ mod tests {
                 "request {i}"
             );
         }
+    }
+
+    #[test]
+    fn a_gateway_in_front_of_vllm_reads_metrics_and_names_the_engine_in_its_header() {
+        use clap::Parser;
+        let args = [
+            "dprank-sim",
+            "--engine",
+            "vllm",
+            "--dp-size",
+            "2",
+            "--listen",
+            "127.0.0.1:1",
+        ];
+        let sim = dprank_sim::Cli::try_parse_from(args).unwrap().sim;
+        let mut fleet = dprank_sim::offline::Fleet::new(sim, 2).unwrap();
+        let config = crate::offline::driver::dprank_config(
+            &crate::variant::Variant::parse("dprank").unwrap(),
+            2,
+            true,
+        )
+        .unwrap();
+        let mut g = DprankGateway::new(config, 0, 1_000_000);
+        // Engine 1 of worker 0 is busy: a long prompt is running there.
+        let prompt = dprank_sim::offline::Prompt::Text("the cat sat far ".repeat(2000));
+        fleet
+            .submit(0.0, 0, dprank_sim::offline::Request::new(prompt, 4096).on_rank(1))
+            .unwrap();
+        fleet.run_until(3.0);
+        for call in g.tick(3.0) {
+            let body = fleet.metrics(call.worker);
+            g.poll_answer(3.001, call, 200, body.as_bytes());
+        }
+        assert_eq!(
+            g.host.counter("dprank.poll_ok.w0"),
+            1,
+            "the /metrics answer was read"
+        );
+        assert_eq!(g.host.counter("dprank.poll_ok.w1"), 1);
+        assert!(g
+            .host
+            .gauge_value("dprank.tokens.w0.rank_1")
+            .is_some_and(|t| t > 0));
+        assert_eq!(g.host.gauge_value("dprank.tokens.w0.rank_0"), Some(0));
+        let body = br#"{"model":"m","prompt":"hello","max_tokens":4}"#;
+        let (arrival, _) = g.route(3.01, 1, "/v1/completions", body, None);
+        let Arrival::Go(placement) = arrival else {
+            panic!("routed, not held or refused: {arrival:?}");
+        };
+        assert!(
+            placement.rank.is_some(),
+            "the engine is named in x-data-parallel-rank"
+        );
+        assert_ne!(
+            (placement.worker, placement.rank),
+            (0, Some(1)),
+            "not the busy engine"
+        );
+        assert_eq!(
+            g.host.request_body.borrow().as_slice(),
+            body,
+            "the body is untouched"
+        );
     }
 }

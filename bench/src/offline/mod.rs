@@ -15,6 +15,7 @@
 
 pub mod driver;
 mod front;
+mod gie;
 mod smg;
 
 use std::path::Path;

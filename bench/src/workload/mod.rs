@@ -153,6 +153,9 @@ pub enum Api {
     Generate,
     /// OpenAI `POST /v1/chat/completions` (streamed deltas, usage chunk).
     Chat,
+    /// OpenAI `POST /v1/completions` (streamed text, usage chunk): what a
+    /// `/generate` request becomes for a vLLM server.
+    Completions,
 }
 
 impl Api {
@@ -160,6 +163,7 @@ impl Api {
         match self {
             Api::Generate => "/generate",
             Api::Chat => "/v1/chat/completions",
+            Api::Completions => "/v1/completions",
         }
     }
 }
@@ -292,6 +296,30 @@ pub struct Plan {
 }
 
 impl Plan {
+    /// The plan for servers without SGLang's `/generate` (vLLM): every
+    /// `/generate` request becomes the same prompt, cap and streaming on
+    /// `/v1/completions`; chat is unchanged.
+    pub fn to_openai(&self) -> Plan {
+        let mut plan = self.clone();
+        for request in &mut plan.requests {
+            if request.api != Api::Generate {
+                continue;
+            }
+            let Ok(value) = serde_json::from_slice::<serde_json::Value>(&request.body) else {
+                continue;
+            };
+            let text = value.get("text").and_then(|t| t.as_str()).unwrap_or_default();
+            let cap = value
+                .pointer("/sampling_params/max_new_tokens")
+                .and_then(|n| n.as_u64())
+                .unwrap_or(1) as u32;
+            let stream = value.get("stream").and_then(|s| s.as_bool()).unwrap_or(false);
+            request.body = bodies::completions(text, cap, stream);
+            request.api = Api::Completions;
+        }
+        plan
+    }
+
     /// Requests the plan sends (open-loop requests plus every session turn).
     pub fn request_count(&self) -> usize {
         self.requests.len() + self.sessions.iter().map(|s| s.turns.len()).sum::<usize>()
@@ -473,6 +501,23 @@ pub mod bodies {
             "stream": true,
             "stream_options": {"include_usage": true},
         });
+        Bytes::from(body.to_string())
+    }
+
+    /// A `/v1/completions` body with the cap `max_tokens` (streamed: the
+    /// usage chunk asked for, so the response reports prompt and cached
+    /// tokens).
+    pub fn completions(prompt: &str, max_tokens: u32, stream: bool) -> Bytes {
+        let mut body = serde_json::json!({
+            "model": MODEL,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "stream": stream,
+        });
+        if stream {
+            body["stream_options"] = serde_json::json!({"include_usage": true});
+        }
         Bytes::from(body.to_string())
     }
 

@@ -67,6 +67,29 @@ impl CostModel {
             + self.decode_us_per_kv_token * work.kv_tokens as f64;
         us.max(0.0).round() as Micros
     }
+
+    /// A step mixing prefill chunks and decodes in one forward pass (vLLM's
+    /// unified batches): one fixed cost, the larger of the two kinds' when
+    /// both are in it, plus each kind's variable terms. A step of one kind
+    /// costs what `prefill_us` or `decode_us` says.
+    pub fn mixed_us(&self, prefill: PrefillWork, decode: DecodeWork) -> Micros {
+        let has_prefill = prefill.tokens > 0;
+        let has_decode = decode.seqs > 0;
+        if !has_prefill && !has_decode {
+            return 0;
+        }
+        let base = match (has_prefill, has_decode) {
+            (true, true) => self.prefill_base_us.max(self.decode_base_us),
+            (true, false) => self.prefill_base_us,
+            _ => self.decode_base_us,
+        };
+        let us = base
+            + self.prefill_us_per_token * prefill.tokens as f64
+            + self.prefill_us_per_pair * prefill.pairs
+            + self.decode_us_per_seq * decode.seqs as f64
+            + self.decode_us_per_kv_token * decode.kv_tokens as f64;
+        us.max(0.0).round() as Micros
+    }
 }
 
 /// What a preset models: a rank's step costs and the deployment's shape.
@@ -83,6 +106,11 @@ pub struct Deployment {
     pub kv_capacity: u64,
     /// Running requests per rank.
     pub max_running: u64,
+    /// vLLM mode: the KV block size vLLM uses for the model (16 by default on
+    /// CUDA; 64 for MLA under FlashMLA).
+    pub vllm_block_size: u64,
+    /// vLLM mode: `max_num_seqs` per engine.
+    pub vllm_max_num_seqs: u64,
 }
 
 /// DeepSeek-V3 under DP attention and expert parallelism on H100-class
@@ -100,6 +128,11 @@ pub const DEEPSEEK_V3_DP8: Deployment = Deployment {
     dp_attention: true,
     kv_capacity: 500_000,
     max_running: 256,
+    // vLLM forces 64-token blocks for MLA under FlashMLA (Hopper);
+    // platforms/cuda.py. 256 sequences: the fitted batch (vLLM's own default
+    // of 1024 would run the decode fit far outside what it was fitted on).
+    vllm_block_size: 64,
+    vllm_max_num_seqs: 256,
 };
 
 /// A Llama-3.1-8B-class dense model, one replica per H100, ranks
@@ -117,6 +150,10 @@ pub const DENSE_8B: Deployment = Deployment {
     dp_attention: false,
     kv_capacity: 400_000,
     max_running: 256,
+    // vLLM's defaults on an H100 for the OpenAI server: 16-token blocks,
+    // max_num_seqs 1024.
+    vllm_block_size: 16,
+    vllm_max_num_seqs: 1024,
 };
 
 /// The simulator's earlier, uncalibrated model: prefill at 20k tokens/s,
@@ -135,6 +172,8 @@ pub const LEGACY: Deployment = Deployment {
     dp_attention: true,
     kv_capacity: 200_000,
     max_running: 64,
+    vllm_block_size: 16,
+    vllm_max_num_seqs: 64,
 };
 
 impl Deployment {
@@ -204,6 +243,40 @@ mod tests {
         }
         let model = &DEEPSEEK_V3_DP8.cost;
         assert!(decode(model, 64, 100_000) > decode(model, 32, 100_000));
+    }
+
+    #[test]
+    fn a_mixed_step_pays_one_fixed_cost_and_both_kinds_of_work() {
+        for preset in [DEEPSEEK_V3_DP8, DENSE_8B, LEGACY] {
+            let model = &preset.cost;
+            let mut prefill = PrefillWork::default();
+            prefill.add(1000, 2000);
+            let decode = DecodeWork {
+                seqs: 32,
+                kv_tokens: 64_000,
+            };
+            // Alone, each kind costs what its own formula says.
+            assert_eq!(
+                model.mixed_us(prefill, DecodeWork::default()),
+                model.prefill_us(prefill)
+            );
+            assert_eq!(
+                model.mixed_us(PrefillWork::default(), decode),
+                model.decode_us(decode)
+            );
+            // Together: both variable parts, one fixed cost.
+            let both = model.mixed_us(prefill, decode);
+            let base = model.prefill_base_us.max(model.decode_base_us) as Micros;
+            let parts = model.prefill_us(prefill) - model.prefill_base_us as Micros + model.decode_us(decode)
+                - model.decode_base_us as Micros;
+            assert!(both.abs_diff(base + parts) <= 2, "{both} vs {base} + {parts}");
+            let separate = model.prefill_us(prefill) + model.decode_us(decode);
+            assert!(both <= separate + 2, "{both} vs {separate}");
+            if model.prefill_base_us > 0.0 && model.decode_base_us > 0.0 {
+                assert!(both < separate, "{both} vs {separate}");
+            }
+            assert_eq!(model.mixed_us(PrefillWork::default(), DecodeWork::default()), 0);
+        }
     }
 
     #[test]

@@ -11,15 +11,17 @@ pub mod cost;
 mod oracle;
 pub mod radix;
 mod rank;
+pub mod vllm;
 mod worker;
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 
-use crate::config::{Admission, Dispatch, Role, SimConfig, Toggle, CLIP_MAX_NEW_TOKENS};
+use crate::config::{Admission, Dispatch, Role, SimConfig, Toggle, VllmVersion, CLIP_MAX_NEW_TOKENS};
 use crate::config::{MIN_NEW_TOKEN_RATIO_FACTOR, NEW_TOKEN_RATIO_DECAY_STEPS};
 use cost::CostModel;
 pub use rank::RankSnapshot;
 use rank::Seq;
+pub use vllm::EngineStats;
 use worker::Worker;
 
 /// Simulated time in microseconds.
@@ -138,6 +140,17 @@ pub(crate) struct Params {
     pub tokenizer_base_us: f64,
     pub tokenizer_us_per_token: f64,
     pub publish_interval: u32,
+    /// vLLM mode.
+    pub vllm: bool,
+    pub vllm_version: VllmVersion,
+    pub block_size: u64,
+    pub num_blocks: u64,
+    /// `max_num_batched_tokens`.
+    pub max_batched: u64,
+    pub api_servers: usize,
+    /// Whether engines report their counts to the balancer (0.14: MoE
+    /// engines only; 0.34: all).
+    pub engines_report: bool,
 }
 
 impl Params {
@@ -153,7 +166,7 @@ impl Params {
             dp_size: config.dp_size(),
             lockstep: config.lockstep(),
             role: config.role,
-            dispatch: config.dispatch,
+            dispatch: config.dispatch(),
             capacity: config.kv_capacity(),
             page: config.page_size.max(1),
             max_running: config.max_running(),
@@ -174,6 +187,13 @@ impl Params {
             tokenizer_base_us: config.tokenizer_delay_us,
             tokenizer_us_per_token: config.tokenizer_us_per_token,
             publish_interval: config.load_publish_interval.max(1),
+            vllm: config.is_vllm(),
+            vllm_version: config.vllm_version,
+            block_size: config.block_size().max(1),
+            num_blocks: config.num_gpu_blocks(),
+            max_batched: config.max_num_batched_tokens.max(1),
+            api_servers: config.api_servers(),
+            engines_report: config.vllm_version == VllmVersion::V0_34 || config.lockstep(),
         }
     }
 }
@@ -195,11 +215,18 @@ struct Placement {
     open: usize,
 }
 
+/// The servers of a fleet: SGLang workers or vLLM servers.
+#[derive(Debug)]
+enum Servers {
+    Sglang(Vec<Worker>),
+    Vllm(Vec<vllm::worker::Worker>),
+}
+
 /// Every simulated server of one process, in one model.
 #[derive(Debug)]
 pub struct Fleet {
     params: Params,
-    workers: Vec<Worker>,
+    servers: Servers,
     pending: BTreeMap<(Micros, ReqId), Pending>,
     placements: HashMap<ReqId, Placement>,
     next_req: ReqId,
@@ -212,8 +239,14 @@ pub struct Fleet {
 impl Fleet {
     pub fn new(config: &SimConfig, workers: usize) -> Self {
         let params = Params::new(config);
+        let count = workers.max(1);
+        let servers = if params.vllm {
+            Servers::Vllm((0..count).map(|_| vllm::worker::Worker::new(&params)).collect())
+        } else {
+            Servers::Sglang((0..count).map(|_| Worker::new(&params)).collect())
+        };
         Self {
-            workers: (0..workers.max(1)).map(|_| Worker::new(&params)).collect(),
+            servers,
             params,
             pending: BTreeMap::new(),
             placements: HashMap::new(),
@@ -224,6 +257,14 @@ impl Fleet {
         }
     }
 
+    /// The SGLang workers (none in vLLM mode).
+    fn sglang(&self) -> &[Worker] {
+        match &self.servers {
+            Servers::Sglang(workers) => workers,
+            Servers::Vllm(_) => &[],
+        }
+    }
+
     /// With false, token events are only produced for the first and the
     /// last token of each sequence (offline runs that only need those).
     pub fn set_every_token(&mut self, every: bool) {
@@ -231,7 +272,10 @@ impl Fleet {
     }
 
     pub fn workers(&self) -> usize {
-        self.workers.len()
+        match &self.servers {
+            Servers::Sglang(workers) => workers.len(),
+            Servers::Vllm(workers) => workers.len(),
+        }
     }
 
     pub fn dp_size(&self) -> usize {
@@ -240,11 +284,17 @@ impl Fleet {
 
     /// Groups of ranks stepping together in a worker.
     pub fn groups(&self, worker: usize) -> usize {
-        self.workers.get(worker).map_or(0, |w| w.groups.len())
+        match &self.servers {
+            Servers::Sglang(workers) => workers.get(worker).map_or(0, |w| w.groups.len()),
+            Servers::Vllm(workers) => workers.get(worker).map_or(0, |w| w.groups.len()),
+        }
     }
 
     pub fn group_of(&self, worker: usize, rank: usize) -> usize {
-        self.workers.get(worker).map_or(0, |w| w.group_of(rank))
+        match &self.servers {
+            Servers::Sglang(workers) => workers.get(worker).map_or(0, |w| w.group_of(rank)),
+            Servers::Vllm(workers) => workers.get(worker).map_or(0, |w| w.group_of(rank)),
+        }
     }
 
     /// A request arrives at `worker` at `now`. Oracle dispatch picks its
@@ -253,8 +303,9 @@ impl Fleet {
     pub fn submit(&mut self, now: Micros, worker: usize, mut arrival: Arrival) -> Submitted {
         let req = self.next_req;
         self.next_req += 1;
-        let mut target = worker.min(self.workers.len() - 1);
-        if self.params.dispatch == Dispatch::Oracle {
+        let mut target = worker.min(self.workers() - 1);
+        let oracle = self.params.dispatch == Dispatch::Oracle;
+        if oracle {
             while self
                 .recent_arrivals
                 .front()
@@ -264,19 +315,50 @@ impl Fleet {
             }
             self.recent_arrivals.push_back(now);
         }
-        if self.params.dispatch == Dispatch::Oracle && arrival.rank.is_none() {
-            let (chosen_worker, chosen_rank) = oracle::choose(self, now, &arrival);
+        if oracle && arrival.rank.is_none() {
+            let (chosen_worker, chosen_rank) = match &self.servers {
+                Servers::Sglang(_) => oracle::choose(self, now, &arrival),
+                Servers::Vllm(workers) => {
+                    vllm::oracle::choose(&self.params, workers, &self.recent_arrivals, now, &arrival)
+                }
+            };
             target = chosen_worker;
             arrival.rank = Some(chosen_rank);
         }
-        let ready_at = self.workers[target].tokenize(&self.params, now, &arrival);
+        let params = &self.params;
+        let ready_at = match &mut self.servers {
+            Servers::Sglang(workers) => workers[target].tokenizer.take(params, now, &arrival),
+            Servers::Vllm(workers) => workers[target].tokenizer.take(params, now, &arrival),
+        };
         let mut oracle_uncached = Vec::new();
-        if let (Dispatch::Oracle, Some(rank)) = (self.params.dispatch, arrival.rank) {
-            if let Some(rank_state) = self.workers[target].ranks.get_mut(rank) {
-                for prompt in &arrival.prompts {
-                    oracle_uncached.push(oracle::uncached(rank_state, prompt));
-                }
-                rank_state.pending.push(oracle::Queued {
+        if let (true, Some(rank)) = (oracle, arrival.rank) {
+            let (uncached, pending) = match &mut self.servers {
+                Servers::Sglang(workers) => match workers[target].ranks.get_mut(rank) {
+                    Some(rank_state) => (
+                        arrival
+                            .prompts
+                            .iter()
+                            .map(|prompt| oracle::uncached(rank_state, prompt))
+                            .collect(),
+                        Some(&mut rank_state.pending),
+                    ),
+                    None => (Vec::new(), None),
+                },
+                Servers::Vllm(workers) => match workers[target].engines.get_mut(rank) {
+                    Some(engine) => (
+                        arrival
+                            .prompts
+                            .iter()
+                            .map(|prompt| vllm::oracle::uncached(params, engine, prompt))
+                            .collect(),
+                        Some(&mut engine.pending),
+                    ),
+                    None => (Vec::new(), None),
+                },
+            };
+            oracle_uncached = uncached;
+            if let Some(pending) = pending {
+                pending.push(oracle::Queued {
                     req,
                     ready_at,
                     uncached: oracle_uncached.iter().sum(),
@@ -336,40 +418,82 @@ impl Fleet {
             oracle_uncached,
         } = pending;
         let params = &self.params;
-        let worker_state = &mut self.workers[worker];
-        let rank = match arrival.rank {
-            Some(rank) => rank.min(params.dp_size - 1),
-            None => worker_state.choose_rank(params, now, &arrival),
-        };
-        let rank_state = &mut worker_state.ranks[rank];
-        rank_state.pending.retain(|queued| queued.req != req);
         let max_new = arrival.max_new_tokens.max(1);
-        let mut seqs = Vec::new();
         let stops: Vec<u64> = (0..arrival.prompts.len())
             .map(|index| arrival.stop_at(index))
             .collect();
-        for (index, prompt) in arrival.prompts.into_iter().enumerate() {
-            let id = self.next_seq;
-            self.next_seq += 1;
-            seqs.push(id);
-            rank_state.enqueue(Seq {
-                id,
-                req,
-                index,
-                prompt,
-                max_new,
-                stop_at: stops[index],
-                generated: 0,
-                prefix_len: 0,
-                node: radix::ROOT,
-                computed: 0,
-                alloc: 0,
-                cached_tokens: None,
-                est_uncached: 0,
-                oracle_uncached: oracle_uncached.get(index).copied(),
-            });
-        }
-        let group = worker_state.group_of(rank);
+        let mut seqs = Vec::new();
+        let (rank, group) = match &mut self.servers {
+            Servers::Sglang(workers) => {
+                let worker_state = &mut workers[worker];
+                let rank = match arrival.rank {
+                    Some(rank) => rank.min(params.dp_size - 1),
+                    None => worker_state.choose_rank(params, now, &arrival),
+                };
+                let rank_state = &mut worker_state.ranks[rank];
+                rank_state.pending.retain(|queued| queued.req != req);
+                for (index, prompt) in arrival.prompts.into_iter().enumerate() {
+                    let id = self.next_seq;
+                    self.next_seq += 1;
+                    seqs.push(id);
+                    rank_state.enqueue(Seq {
+                        id,
+                        req,
+                        index,
+                        prompt,
+                        max_new,
+                        stop_at: stops[index],
+                        generated: 0,
+                        prefix_len: 0,
+                        node: radix::ROOT,
+                        computed: 0,
+                        alloc: 0,
+                        cached_tokens: None,
+                        est_uncached: 0,
+                        oracle_uncached: oracle_uncached.get(index).copied(),
+                    });
+                }
+                (rank, worker_state.group_of(rank))
+            }
+            Servers::Vllm(workers) => {
+                let server = &mut workers[worker];
+                let client = server.next_client();
+                let rank = match arrival.rank {
+                    Some(rank) => rank.min(params.dp_size - 1),
+                    None => server.balancer.choose(now, client),
+                };
+                server
+                    .balancer
+                    .placed(client, rank, arrival.prompts.len().max(1) as u64);
+                let engine = &mut server.engines[rank];
+                engine.pending.retain(|queued| queued.req != req);
+                for (index, prompt) in arrival.prompts.into_iter().enumerate() {
+                    let id = self.next_seq;
+                    self.next_seq += 1;
+                    seqs.push(id);
+                    engine.enqueue(vllm::engine::Request {
+                        id,
+                        req,
+                        index,
+                        prompt,
+                        max_new,
+                        stop_at: stops[index],
+                        generated: 0,
+                        computed: 0,
+                        blocks: Vec::new(),
+                        committed: 0,
+                        hashes: Vec::new(),
+                        cached_tokens: None,
+                        preempted: false,
+                        client,
+                        queued_at: now,
+                        scheduled_at: None,
+                        oracle_uncached: oracle_uncached.get(index).copied(),
+                    });
+                }
+                (rank, server.group_of(rank))
+            }
+        };
         if let Some(placement) = self.placements.get_mut(&req) {
             placement.rank = Some(rank);
             placement.seqs = seqs;
@@ -399,10 +523,11 @@ impl Fleet {
         out: &mut Vec<Event>,
     ) -> Option<Micros> {
         let start = out.len();
-        let duration = self
-            .workers
-            .get_mut(worker)?
-            .begin_step(&self.params, group, now, out);
+        let params = &self.params;
+        let duration = match &mut self.servers {
+            Servers::Sglang(workers) => workers.get_mut(worker)?.begin_step(params, group, now, out),
+            Servers::Vllm(workers) => workers.get_mut(worker)?.begin_step(params, group, now, out),
+        };
         self.settle(start, out);
         duration
     }
@@ -410,18 +535,35 @@ impl Fleet {
     /// Ends the group's step planned by `begin_step`.
     pub fn end_step(&mut self, worker: usize, group: usize, now: Micros, out: &mut Vec<Event>) {
         let start = out.len();
-        if let Some(worker) = self.workers.get_mut(worker) {
-            worker.end_step(&self.params, group, now, out);
+        let params = &self.params;
+        match &mut self.servers {
+            Servers::Sglang(workers) => {
+                if let Some(worker) = workers.get_mut(worker) {
+                    worker.end_step(params, group, now, out);
+                }
+            }
+            Servers::Vllm(workers) => {
+                if let Some(worker) = workers.get_mut(worker) {
+                    worker.end_step(params, group, now, out);
+                }
+            }
         }
         self.settle(start, out);
     }
 
     /// Whether the group is in a step.
     pub fn in_step(&self, worker: usize, group: usize) -> bool {
-        self.workers
-            .get(worker)
-            .and_then(|w| w.groups.get(group))
-            .is_some_and(|group| group.step.is_some())
+        let step = match &self.servers {
+            Servers::Sglang(workers) => workers
+                .get(worker)
+                .and_then(|w| w.groups.get(group))
+                .map(|g| g.step),
+            Servers::Vllm(workers) => workers
+                .get(worker)
+                .and_then(|w| w.groups.get(group))
+                .map(|g| g.step),
+        };
+        step.flatten().is_some()
     }
 
     /// Forgets finished requests and thins the token events.
@@ -455,22 +597,53 @@ impl Fleet {
     /// the (worker, group) that may now have room.
     pub fn abort(&mut self, req: ReqId) -> Option<(usize, usize)> {
         let placement = self.placements.remove(&req)?;
-        let worker = self.workers.get_mut(placement.worker)?;
         let Some(rank) = placement.rank else {
             // Still in the tokenizer.
             let key = self.pending.keys().find(|(_, id)| *id == req).copied();
             if let Some(pending) = key.and_then(|key| self.pending.remove(&key)) {
-                if let Some(rank_state) = pending.arrival.rank.and_then(|rank| worker.ranks.get_mut(rank)) {
-                    rank_state.pending.retain(|queued| queued.req != req);
+                if let Some(rank) = pending.arrival.rank {
+                    match &mut self.servers {
+                        Servers::Sglang(workers) => {
+                            if let Some(rank_state) = workers
+                                .get_mut(placement.worker)
+                                .and_then(|w| w.ranks.get_mut(rank))
+                            {
+                                rank_state.pending.retain(|queued| queued.req != req);
+                            }
+                        }
+                        Servers::Vllm(workers) => {
+                            if let Some(engine) = workers
+                                .get_mut(placement.worker)
+                                .and_then(|w| w.engines.get_mut(rank))
+                            {
+                                engine.pending.retain(|queued| queued.req != req);
+                            }
+                        }
+                    }
                 }
             }
             return None;
         };
-        let rank_state = worker.ranks.get_mut(rank)?;
-        for seq in placement.seqs {
-            rank_state.abort(seq);
+        match &mut self.servers {
+            Servers::Sglang(workers) => {
+                let worker = workers.get_mut(placement.worker)?;
+                let rank_state = worker.ranks.get_mut(rank)?;
+                for seq in placement.seqs {
+                    rank_state.abort(seq);
+                }
+                Some((placement.worker, worker.group_of(rank)))
+            }
+            Servers::Vllm(workers) => {
+                let server = workers.get_mut(placement.worker)?;
+                for seq in placement.seqs {
+                    let left = server.engines.get_mut(rank).and_then(|engine| engine.abort(seq));
+                    if let Some(left) = left {
+                        server.balancer.left(left.client, rank);
+                    }
+                }
+                Some((placement.worker, server.group_of(rank)))
+            }
         }
-        Some((placement.worker, worker.group_of(rank)))
     }
 
     /// Decode role: the KV transfer of a sequence ended. Returns the
@@ -487,7 +660,10 @@ impl Fleet {
         let (worker, rank) = (placement.worker, placement.rank?);
         let id = *placement.seqs.get(seq)?;
         let start = out.len();
-        let worker_state = self.workers.get_mut(worker)?;
+        let Servers::Sglang(workers) = &mut self.servers else {
+            return None;
+        };
+        let worker_state = workers.get_mut(worker)?;
         worker_state
             .ranks
             .get_mut(rank)?
@@ -497,42 +673,76 @@ impl Fleet {
         Some((worker, group))
     }
 
-    /// The loads each rank of `worker` last published.
+    /// The loads each rank of `worker` last published (SGLang mode; empty
+    /// in vLLM mode, whose engines report through `engine_stats`).
     pub fn published(&self, worker: usize) -> Vec<RankSnapshot> {
-        self.workers
+        self.sglang()
             .get(worker)
             .map(|w| w.ranks.iter().map(|rank| rank.published).collect())
             .unwrap_or_default()
     }
 
-    /// The loads of `worker`'s ranks right now (tests and the oracle's
-    /// tie-break; the endpoints serve `published`).
-    pub fn live(&mut self, worker: usize, now: Micros) -> Vec<RankSnapshot> {
-        let params = &self.params;
-        self.workers
-            .get_mut(worker)
-            .map(|w| {
-                w.ranks
-                    .iter_mut()
-                    .map(|rank| rank.snapshot(params, now))
-                    .collect()
-            })
-            .unwrap_or_default()
+    /// vLLM mode: what each engine of `worker` last reported (what its
+    /// `/metrics` shows); empty in SGLang mode.
+    pub fn engine_stats(&self, worker: usize) -> Vec<EngineStats> {
+        match &self.servers {
+            Servers::Vllm(workers) => workers
+                .get(worker)
+                .map(|w| w.engines.iter().map(|engine| engine.stats).collect())
+                .unwrap_or_default(),
+            Servers::Sglang(_) => Vec::new(),
+        }
     }
 
-    /// The current `new_token_ratio` of a rank.
+    /// vLLM mode: (waiting, running) of each engine of `worker` right now.
+    pub fn engine_counts(&self, worker: usize) -> Vec<(u64, u64)> {
+        match &self.servers {
+            Servers::Vllm(workers) => workers
+                .get(worker)
+                .map(|w| w.engines.iter().map(|engine| engine.counts()).collect())
+                .unwrap_or_default(),
+            Servers::Sglang(_) => Vec::new(),
+        }
+    }
+
+    /// The loads of `worker`'s ranks right now (tests and the oracle's
+    /// tie-break; the endpoints serve `published`). SGLang mode.
+    pub fn live(&mut self, worker: usize, now: Micros) -> Vec<RankSnapshot> {
+        let params = &self.params;
+        match &mut self.servers {
+            Servers::Sglang(workers) => workers
+                .get_mut(worker)
+                .map(|w| {
+                    w.ranks
+                        .iter_mut()
+                        .map(|rank| rank.snapshot(params, now))
+                        .collect()
+                })
+                .unwrap_or_default(),
+            Servers::Vllm(_) => Vec::new(),
+        }
+    }
+
+    /// The current `new_token_ratio` of a rank (SGLang mode).
     pub fn new_token_ratio(&self, worker: usize, rank: usize) -> f64 {
-        self.workers
+        self.sglang()
             .get(worker)
             .and_then(|w| w.ranks.get(rank))
             .map_or(0.0, |rank| rank.ratio)
     }
 
-    /// Tokens of `prompt` a rank's prefix cache holds now.
+    /// Tokens of `prompt` a rank's prefix cache holds now (vLLM: in full
+    /// blocks, at most all but one token).
     pub fn cached_prefix(&self, worker: usize, rank: usize, prompt: &[u32]) -> usize {
-        self.workers
-            .get(worker)
-            .and_then(|w| w.ranks.get(rank))
-            .map_or(0, |rank| rank.cache.match_len(prompt))
+        match &self.servers {
+            Servers::Sglang(workers) => workers
+                .get(worker)
+                .and_then(|w| w.ranks.get(rank))
+                .map_or(0, |rank| rank.cache.match_len(prompt)),
+            Servers::Vllm(workers) => workers
+                .get(worker)
+                .and_then(|w| w.engines.get(rank))
+                .map_or(0, |engine| engine.cached_prefix(&self.params, prompt) as usize),
+        }
     }
 }

@@ -137,11 +137,11 @@ fn later_delay(params: &Params, worker: &Worker, r: usize, new: &Item, rate_per_
 /// the delay its choice imposes on later arrivals.
 pub(crate) fn choose(fleet: &Fleet, now: Micros, arrival: &Arrival) -> (usize, usize) {
     let params = &fleet.params;
-    let groups: usize = fleet.workers.iter().map(|worker| worker.groups.len()).sum();
+    let groups: usize = fleet.sglang().iter().map(|worker| worker.groups.len()).sum();
     let rate_per_group = arrival_rate(&fleet.recent_arrivals, now) / groups.max(1) as f64;
     let mut best: Option<(Score, (usize, usize))> = None;
-    for (w, worker) in fleet.workers.iter().enumerate() {
-        let ready = worker.tokenized_at(params, now, arrival);
+    for (w, worker) in fleet.sglang().iter().enumerate() {
+        let ready = worker.tokenizer.ready_at(params, now, arrival);
         for (r, rank) in worker.ranks.iter().enumerate() {
             let uncached: u64 = arrival.prompts.iter().map(|prompt| uncached(rank, prompt)).sum();
             let new = Item {

@@ -27,13 +27,56 @@ struct Budget {
     last_refresh: Option<Micros>,
 }
 
+/// A server's tokenizer: one request after the other, each taking a fixed
+/// delay plus a time per prompt token (none for token ids).
+#[derive(Debug, Default)]
+pub(crate) struct TokenizerQueue {
+    /// When it is next free.
+    free: Micros,
+}
+
+impl TokenizerQueue {
+    /// When it would be done with a request arriving now.
+    pub fn ready_at(&self, params: &Params, now: Micros, arrival: &Arrival) -> Micros {
+        let per_token = if arrival.pretokenized {
+            0.0
+        } else {
+            params.tokenizer_us_per_token * arrival.tokens() as f64
+        };
+        now.max(self.free) + (params.tokenizer_base_us + per_token).round() as Micros
+    }
+
+    /// Queues a request; returns when it is done.
+    pub fn take(&mut self, params: &Params, now: Micros, arrival: &Arrival) -> Micros {
+        let ready = self.ready_at(params, now, arrival);
+        self.free = ready;
+        ready
+    }
+}
+
+/// Ranks that step together: all of them under lockstep, else one each.
+pub(crate) fn groups(dp: usize, lockstep: bool) -> Vec<Group> {
+    if lockstep {
+        vec![Group {
+            ranks: (0..dp).collect(),
+            step: None,
+        }]
+    } else {
+        (0..dp)
+            .map(|rank| Group {
+                ranks: vec![rank],
+                step: None,
+            })
+            .collect()
+    }
+}
+
 #[derive(Debug)]
 pub(crate) struct Worker {
     pub ranks: Vec<Rank>,
     pub groups: Vec<Group>,
     lockstep: bool,
-    /// When the tokenizer is next free.
-    pub tokenizer_free: Micros,
+    pub tokenizer: TokenizerQueue,
     round_robin: usize,
     budget: Budget,
 }
@@ -41,24 +84,11 @@ pub(crate) struct Worker {
 impl Worker {
     pub fn new(params: &Params) -> Self {
         let dp = params.dp_size;
-        let groups = if params.lockstep {
-            vec![Group {
-                ranks: (0..dp).collect(),
-                step: None,
-            }]
-        } else {
-            (0..dp)
-                .map(|rank| Group {
-                    ranks: vec![rank],
-                    step: None,
-                })
-                .collect()
-        };
         Self {
             ranks: (0..dp).map(|_| Rank::new(params)).collect(),
-            groups,
+            groups: groups(dp, params.lockstep),
             lockstep: params.lockstep,
-            tokenizer_free: 0,
+            tokenizer: TokenizerQueue::default(),
             round_robin: 0,
             budget: Budget {
                 requests: vec![0; dp],
@@ -75,23 +105,6 @@ impl Worker {
         } else {
             rank
         }
-    }
-
-    /// When the tokenizer would finish a request arriving now.
-    pub fn tokenized_at(&self, params: &Params, now: Micros, arrival: &Arrival) -> Micros {
-        let per_token = if arrival.pretokenized {
-            0.0
-        } else {
-            params.tokenizer_us_per_token * arrival.tokens() as f64
-        };
-        now.max(self.tokenizer_free) + (params.tokenizer_base_us + per_token).round() as Micros
-    }
-
-    /// Queues a request on the tokenizer; returns when it is done.
-    pub fn tokenize(&mut self, params: &Params, now: Micros, arrival: &Arrival) -> Micros {
-        let ready = self.tokenized_at(params, now, arrival);
-        self.tokenizer_free = ready;
-        ready
     }
 
     /// The DP controller's choice for a request naming no rank.

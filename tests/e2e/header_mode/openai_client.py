@@ -2,8 +2,9 @@
 application would, and prints what it got as one JSON object.
 
 Usage: openai_client.py BASE_URL MODEL. Sends, in order: a chat completion,
-a streamed chat completion with client rank headers (which dprank must strip)
-and a streamed text completion. Run by tests/e2e/header.rs.
+a streamed chat completion with client rank headers (which dprank must strip),
+a text completion and a streamed text completion. Run by tests/e2e/header.rs
+and tests/e2e/vllm.rs.
 """
 
 import json
@@ -43,11 +44,16 @@ def main():
         stream=True,
         extra_headers=CLIENT_RANK_HEADERS,
     )
+    completion = client.completions.create(model=model, prompt="Once upon", max_tokens=8)
     completion_stream = client.completions.create(model=model, prompt="Once upon", max_tokens=16, stream=True)
     result = {
         "chat": {
             "text": chat.choices[0].message.content,
             "completion_tokens": chat.usage.completion_tokens,
+        },
+        "completion": {
+            "text": completion.choices[0].text,
+            "completion_tokens": completion.usage.completion_tokens,
         },
         "chat_stream": streamed(chat_stream, lambda c: c.choices[0].delta.content or "" if c.choices else ""),
         "completion_stream": streamed(completion_stream, lambda c: c.choices[0].text if c.choices else ""),

@@ -1,0 +1,118 @@
+//! One simulated vLLM server (`vllm serve --data-parallel-size N`): its
+//! engines, how they step (each on its own for a dense model; together for
+//! an MoE model under expert parallelism, where an engine with nothing to
+//! do runs a dummy batch so the others' collective layers can proceed), its
+//! tokenizer and its internal balancer.
+
+use super::balancer::Balancer;
+use super::engine::Engine;
+use crate::engine::worker::{groups, Group, TokenizerQueue};
+use crate::engine::{Event, Micros, Params};
+
+#[derive(Debug)]
+pub(crate) struct Worker {
+    pub engines: Vec<Engine>,
+    pub groups: Vec<Group>,
+    lockstep: bool,
+    pub tokenizer: TokenizerQueue,
+    pub balancer: Balancer,
+    /// Requests received so far (which API process takes the next one).
+    received: u64,
+}
+
+/// splitmix64: spreads requests over the API processes as the kernel
+/// spreads connections over processes sharing a port.
+fn mix(x: u64) -> u64 {
+    let mut z = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+impl Worker {
+    pub fn new(params: &Params) -> Self {
+        let dp = params.dp_size;
+        Self {
+            engines: (0..dp).map(|_| Engine::new(params)).collect(),
+            groups: groups(dp, params.lockstep),
+            lockstep: params.lockstep,
+            tokenizer: TokenizerQueue::default(),
+            balancer: Balancer::new(params.vllm_version, dp, params.api_servers, params.engines_report),
+            received: 0,
+        }
+    }
+
+    pub fn group_of(&self, engine: usize) -> usize {
+        if self.lockstep {
+            0
+        } else {
+            engine
+        }
+    }
+
+    /// The API process the next request reaches.
+    pub fn next_client(&mut self) -> usize {
+        self.received += 1;
+        let clients = self.balancer.clients() as u64;
+        if clients <= 1 {
+            0
+        } else {
+            (mix(self.received) % clients) as usize
+        }
+    }
+
+    /// Plans one step of a group; its duration, or None when every engine
+    /// of the group is idle. Under lockstep the step lasts as long as the
+    /// slowest engine's (an idle one runs a dummy batch, the cheapest step).
+    pub fn begin_step(
+        &mut self,
+        params: &Params,
+        group: usize,
+        now: Micros,
+        out: &mut Vec<Event>,
+    ) -> Option<Micros> {
+        let members = self.groups.get(group)?.ranks.clone();
+        let mut longest = None;
+        for &index in &members {
+            let engine = &mut self.engines[index];
+            if self.balancer.reports_before_step() {
+                let (waiting, running) = engine.counts();
+                let kv = engine.pool.usage();
+                self.balancer.report(now, index, waiting, running, kv);
+            }
+            let duration = engine
+                .plan_step(params, now, out)
+                .map(|(prefill, decode)| params.cost.mixed_us(prefill, decode));
+            longest = longest.max(duration);
+        }
+        match longest {
+            Some(duration) => {
+                self.groups[group].step = Some((now, now + duration));
+                Some(duration)
+            }
+            None => {
+                for &index in &members {
+                    self.engines[index].publish(now);
+                }
+                None
+            }
+        }
+    }
+
+    /// Ends the group's step: tokens, finishes, reports.
+    pub fn end_step(&mut self, params: &Params, group: usize, now: Micros, out: &mut Vec<Event>) {
+        let Some(state) = self.groups.get_mut(group) else {
+            return;
+        };
+        state.step = None;
+        for index in state.ranks.clone() {
+            let engine = &mut self.engines[index];
+            for left in engine.end_step(params, now, out) {
+                self.balancer.left(left.client, index);
+            }
+            let (waiting, running) = engine.counts();
+            let kv = engine.pool.usage();
+            self.balancer.report(now, index, waiting, running, kv);
+        }
+    }
+}
