@@ -22,6 +22,7 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
+use crate::loadgen::RequestRecord;
 use crate::offline::{driver, sim_config};
 use crate::preset::SimPreset;
 use crate::provenance::Provenance;
@@ -322,19 +323,7 @@ impl CapacityJob<'_> {
                             .records
                             .iter()
                             .filter(|r| r.sent_s >= WARMUP_S)
-                            .map(|r| {
-                                let ok = r.ok();
-                                let ttft = r.ttft_ms.filter(|_| ok).unwrap_or(f64::INFINITY);
-                                // An answer of one token has no time per output token.
-                                let tpot = if !ok {
-                                    f64::INFINITY
-                                } else if r.tokens > 1 {
-                                    r.tpot_ms
-                                } else {
-                                    f64::NAN
-                                };
-                                (ttft, tpot)
-                            })
+                            .map(latencies)
                             .collect(),
                     ))
                 }) as crate::offline::Job<'_, _>
@@ -435,6 +424,18 @@ impl CapacityJob<'_> {
             provenance: Some(self.provenance.clone()),
         })
     }
+}
+
+/// A measured request's TTFT and TPOT in ms: infinite when it failed; the
+/// TPOT NaN (left out of percentiles) for an answer of one token, which has
+/// no time per output token.
+pub fn latencies(r: &RequestRecord) -> (f64, f64) {
+    if !r.ok() {
+        return (f64::INFINITY, f64::INFINITY);
+    }
+    let ttft = r.ttft_ms.unwrap_or(f64::INFINITY);
+    let tpot = if r.tokens > 1 { r.tpot_ms } else { f64::NAN };
+    (ttft, tpot)
 }
 
 /// Requests of a plan sent after the warm-up (chat: turns of the sessions

@@ -624,14 +624,9 @@ pub fn capacity_check(args: &CheckArgs, command_line: &str, root: &Path) -> Resu
                                     .iter()
                                     .filter(|r| r.sent_s >= capacity::WARMUP_S)
                             };
-                            let sent_ttft = measured()
-                                .map(|r| (r.sent_s, r.ttft_ms.filter(|_| r.ok()).unwrap_or(f64::INFINITY)))
-                                .collect();
-                            // An answer of one token has no time per output token.
-                            let tpot = measured()
-                                .filter(|r| !r.ok() || r.tokens > 1)
-                                .map(|r| if r.ok() { r.tpot_ms } else { f64::INFINITY })
-                                .collect();
+                            let sent_ttft =
+                                measured().map(|r| (r.sent_s, capacity::latencies(r).0)).collect();
+                            let tpot = measured().map(|r| capacity::latencies(r).1).collect();
                             Ok((sent_ttft, tpot))
                         }) as crate::offline::Job<'_, _>
                     })
