@@ -155,6 +155,10 @@ pub fn write_record<R: Record>(
     })
 }
 
+/// What a key holds between its creation and its first record: no
+/// record's tag, so it reads as none.
+const NO_RECORD: &[u8] = b"\0";
+
 /// Read-modify-write of one key under compare-and-swap. `update` gets the
 /// current value (None when absent or unreadable) and returns the new value
 /// and a result, or None to write nothing. Returns None when nothing was
@@ -165,11 +169,20 @@ pub fn update<T: Record, R>(
     mut update: impl FnMut(Option<T>) -> Option<(T, R)>,
 ) -> Option<R> {
     for _ in 0..CAS_ATTEMPTS {
-        let current = host.shared_get(key);
-        let value = current.as_ref().and_then(|(bytes, _)| decode(bytes));
-        let (new, result) = update(value)?;
-        let cas = current.map(|(_, cas)| cas);
-        match write_record(host, key, &new, cas) {
+        let Some((bytes, cas)) = host.shared_get(key) else {
+            // Envoy ignores the token when a key does not exist, so two
+            // threads that both found it absent would both "win" (two VMs
+            // with one id, two first poll rounds). Create it holding no
+            // record first (racing creators write the same), then swap as
+            // usual. Not empty: an empty value reads back as absent.
+            update(None)?;
+            match host.shared_set(key, NO_RECORD, None) {
+                Ok(()) | Err(SharedSetError::CasMismatch) => continue,
+                Err(SharedSetError::Failed) => return None,
+            }
+        };
+        let (new, result) = update(decode(&bytes))?;
+        match write_record(host, key, &new, Some(cas)) {
             Ok(()) => return Some(result),
             Err(SharedSetError::CasMismatch) => continue,
             Err(SharedSetError::Failed) => return None,
@@ -617,7 +630,8 @@ mod tests {
         let h = FakeHost::default();
         update_worker(&every, &h, 0, IfMissing::Create, |s| Some(s.begin_poll()));
         assert!(logged(&every, &h).is_empty());
-        assert_eq!(h.host_calls("shared_set"), 1);
+        // Created empty, then written under its token: no log write.
+        assert_eq!(h.host_calls("shared_set"), 2);
         // Following the log: every successful write, once; a declined one not.
         let c = Config::from_json(
             br#"{"workers":[{"address":"10.0.0.1:1"},{"address":"10.0.0.2:1"}],"state_reads":"change_log"}"#,
@@ -655,13 +669,14 @@ mod tests {
         let tag = |i: usize| changes::worker_tag(&Keys::of(&c).worker(&c.routed()[i].address));
         let log = changes::read(&h, &key).unwrap();
         assert_eq!(log.tags, [tag(1), tag(0)]);
-        assert_eq!(h.shared.writes(&key), 1, "one append");
+        // The log created empty, then one append.
+        assert_eq!(h.shared.writes(&key), 2, "one append");
         // Afterwards, writes are logged one by one again.
         update_worker(&c, &h, 0, IfMissing::Skip, |s| Some(s.begin_poll()));
         assert_eq!(changes::read(&h, &key).unwrap().tags, [tag(1), tag(0), tag(0)]);
         // Nothing written: nothing appended.
         logged_together(&c, &h, || ());
-        assert_eq!(h.shared.writes(&key), 2);
+        assert_eq!(h.shared.writes(&key), 3);
     }
 
     #[test]
@@ -720,7 +735,7 @@ mod tests {
             publish_members(&c, &h, &Members(vec![b])),
             Some(Members(vec![a, b]))
         );
-        assert!(h.shared_get(&Keys::of(&c).worker(&a)).unwrap().0.is_empty());
+        assert!(h.shared_get(&Keys::of(&c).worker(&a)).is_none(), "emptied");
         let (members, cas) = members_if_changed(&c, &h, None).unwrap();
         assert_eq!(members, Members(vec![b]));
         assert!(members_if_changed(&c, &h, Some(cas)).is_none());

@@ -30,9 +30,14 @@ impl SharedData {
         self.0.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Value and cas of a key.
+    /// Value and cas of a key; an empty value reads as absent, as it does
+    /// through the proxy-wasm SDK in Envoy.
     pub fn get(&self, key: &str) -> Option<(Vec<u8>, u32)> {
-        self.values().map.get(key).cloned()
+        self.values()
+            .map
+            .get(key)
+            .filter(|(value, _)| !value.is_empty())
+            .cloned()
     }
 
     /// Writes a key, only if its cas is still `cas` when one other than 0 is
