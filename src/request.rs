@@ -462,14 +462,10 @@ impl Request {
 
     /// What the router needs of this request besides its body.
     fn route_args(&self) -> router::RouteArgs<'_> {
-        let max_wait_ms = match (&self.config.admission, self.admitting) {
-            (Some(settings), Some(a)) => Some(settings.max_wait_ms_of(a.class)),
-            _ => None,
-        };
         router::RouteArgs {
             pin: self.pin.as_deref(),
             tie_breaker: self.routing.next_tie_breaker(),
-            max_wait_ms,
+            class: self.admitting.map(|a| a.class),
         }
     }
 

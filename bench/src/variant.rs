@@ -273,6 +273,15 @@ impl Variant {
                         block.insert(field.into(), Value::from(n));
                     });
                 }
+                "standard-requests" => {
+                    let n = parse_ms(need("a whole number")?)?;
+                    with_admission(set, |block| {
+                        block.insert(
+                            "class_max_requests_per_rank".into(),
+                            serde_json::json!({ "standard": n }),
+                        );
+                    });
+                }
                 "kv" => {
                     let raw = need("a share of KV, 0..=1")?;
                     let share: f64 = raw
@@ -296,7 +305,7 @@ impl Variant {
                     let parsed: Value = serde_json::from_str(raw).unwrap_or_else(|_| Value::String(raw.to_string()));
                     set.insert(key["set.".len()..].to_string(), parsed);
                 }
-                _ => return Err(format!("unknown key `{key}` (dprank keys: gw, spread, poll, poll-wall, admit, wait, queue-timeout, max-queued, drain, requests, kv, ie, set.<filter key>, sim.<flag>)")),
+                _ => return Err(format!("unknown key `{key}` (dprank keys: gw, spread, poll, poll-wall, admit, wait, queue-timeout, max-queued, drain, requests, standard-requests, kv, ie, set.<filter key>, sim.<flag>)")),
             },
             Front::Smg {
                 policy,
@@ -750,8 +759,19 @@ mod tests {
                 serde_json::json!({"when_saturated": "reject", "max_requests_per_rank": 48, "max_wait_ms": 400})
             )
         );
+        assert_eq!(
+            block("dprank:admit=reject:requests=48:standard-requests=40", 800.0),
+            Some(
+                serde_json::json!({"when_saturated": "reject", "max_requests_per_rank": 48,
+                "class_max_requests_per_rank": {"standard": 40}, "max_wait_ms": 400})
+            )
+        );
         assert_eq!(block("dprank", 800.0), None, "no admission, none added");
-        for spec in ["dprank-queue", "dprank-reject"] {
+        for spec in [
+            "dprank-queue",
+            "dprank-reject",
+            "dprank:admit=reject:requests=48:standard-requests=40",
+        ] {
             let v = Variant::parse(spec).unwrap().for_ttft_target(800.0);
             assert!(
                 crate::offline::driver::dprank_config(&v, 2, false).is_ok(),

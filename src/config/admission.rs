@@ -68,6 +68,9 @@ pub struct AdmissionJson {
     /// Per class name, its own `max_wait_ms`.
     #[serde(default)]
     pub class_max_wait_ms: Option<std::collections::BTreeMap<String, u64>>,
+    /// Per class name, its own `max_requests_per_rank`.
+    #[serde(default)]
+    pub class_max_requests_per_rank: Option<std::collections::BTreeMap<String, u64>>,
 }
 
 /// Tells `"key": null` (Some(None)) from a missing key (None).
@@ -99,7 +102,8 @@ pub struct Admission {
     /// A rank reporting this share of its KV in use or more is saturated.
     pub max_kv_usage: Option<f64>,
     /// A rank with this many requests on it (running as reported, waiting,
-    /// routed since) is saturated.
+    /// routed since) is saturated for the highest class; see
+    /// `class_max_requests`.
     pub max_requests_per_rank: Option<u64>,
     pub priority_header: String,
     /// Highest first.
@@ -114,6 +118,12 @@ pub struct Admission {
     /// `max_wait_ms` for the default class and below, twice as much per
     /// class above it, unless `class_max_wait_ms` says otherwise.
     pub class_max_wait_ms: Vec<u64>,
+    /// Per class, the requests on a rank at which it finds the rank full:
+    /// `max_requests_per_rank` for the highest class, a quarter of it less
+    /// per class below down to a quarter (room kept for the classes
+    /// above), unless
+    /// `class_max_requests_per_rank` says otherwise; None: no such limit.
+    pub class_max_requests: Vec<Option<u64>>,
 }
 
 impl Admission {
@@ -131,6 +141,11 @@ impl Admission {
             .get(class)
             .copied()
             .unwrap_or(self.max_wait_ms)
+    }
+
+    /// The requests on a rank at which a request of `class` finds it full.
+    pub fn max_requests_of(&self, class: usize) -> Option<u64> {
+        self.class_max_requests.get(class).copied().flatten()
     }
 
     pub fn is_sheddable(&self, class: usize) -> bool {
@@ -209,6 +224,7 @@ pub fn settings(
     };
     let (classes, default_class, sheddable_class) = classes(&json)?;
     let class_max_wait_ms = class_waits(&json, &classes, default_class, max_wait_ms)?;
+    let class_max_requests = class_requests(&json, &classes)?;
     Ok(Some(Admission {
         max_wait_ms,
         when_saturated,
@@ -222,7 +238,38 @@ pub fn settings(
         sheddable_class,
         tenant_header,
         class_max_wait_ms,
+        class_max_requests,
     }))
+}
+
+/// Each class's request limit: `max_requests_per_rank` for the highest,
+/// a quarter of it less per class below, down to a quarter (at least 1), or as
+/// `class_max_requests_per_rank` names it.
+fn class_requests(json: &AdmissionJson, classes: &[String]) -> Result<Vec<Option<u64>>, super::ConfigError> {
+    let mut limits: Vec<Option<u64>> = (0..classes.len())
+        .map(|c| {
+            json.max_requests_per_rank.map(|max| {
+                let kept = max.saturating_mul(c.min(3) as u64) / 4;
+                max.saturating_sub(kept).max(1)
+            })
+        })
+        .collect();
+    for (name, n) in json.class_max_requests_per_rank.iter().flatten() {
+        let Some(c) = classes.iter().position(|c| c == name) else {
+            return Err(invalid(
+                "class_max_requests_per_rank",
+                format!("`{name}` is not one of `classes` {classes:?}"),
+            ));
+        };
+        if !(1..=MAX_REQUESTS_PER_RANK).contains(n) {
+            return Err(invalid(
+                "class_max_requests_per_rank",
+                format!("`{name}`: must be 1..={MAX_REQUESTS_PER_RANK}, got {n}"),
+            ));
+        }
+        limits[c] = Some(*n);
+    }
+    Ok(limits)
 }
 
 /// Each class's wait limit: `max_wait_ms` from the default class down,
@@ -434,6 +481,18 @@ mod tests {
             .admission
             .unwrap();
         assert_eq!(capped.max_requests_per_rank, Some(48));
+        assert_eq!(
+            capped.class_max_requests,
+            [Some(48), Some(36), Some(24)],
+            "a quarter less per class below the highest"
+        );
+        assert_eq!(on.class_max_requests, [None, None, None]);
+        let own = with(r#"{"max_requests_per_rank":48,"class_max_requests_per_rank":{"standard":48}}"#)
+            .unwrap()
+            .admission
+            .unwrap();
+        assert_eq!(own.max_requests_of(1), Some(48));
+        assert_eq!(own.max_requests_of(5), None, "no such class");
         assert_eq!(on.class_of(Some("critical")), 0);
         assert_eq!(on.class_of(Some(" sheddable ")), 2);
         assert_eq!(on.class_of(Some("urgent")), 1, "unknown: the default");
@@ -531,6 +590,14 @@ mod tests {
             (
                 r#"{"class_max_wait_ms":{"critical":0}}"#,
                 "admission.class_max_wait_ms",
+            ),
+            (
+                r#"{"class_max_requests_per_rank":{"vip":5}}"#,
+                "admission.class_max_requests_per_rank",
+            ),
+            (
+                r#"{"class_max_requests_per_rank":{"critical":0}}"#,
+                "admission.class_max_requests_per_rank",
             ),
             (r#"{"max_wait":5}"#, "unknown field"),
         ];

@@ -21,7 +21,7 @@ use std::rc::Rc;
 /// of the workers' states and health record (read here). `pin` is the
 /// test-only pin header (already None unless the config enables it).
 /// `tie_breaker` varies per request so equal loads spread. Admission
-/// judges it by the configured `max_wait_ms` (`route_with` says otherwise).
+/// judges it as the default class (`route_with` says otherwise).
 pub fn route(
     config: &Rc<Config>,
     host: &dyn Host,
@@ -33,7 +33,7 @@ pub fn route(
     let args = RouteArgs {
         pin,
         tie_breaker,
-        max_wait_ms: None,
+        class: None,
     };
     route_with(config, host, cache, body, &args)
 }

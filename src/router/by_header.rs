@@ -46,7 +46,7 @@ pub fn route_by_headers(
     let args = RouteArgs {
         pin,
         tie_breaker,
-        max_wait_ms: None,
+        class: None,
     };
     route_by_headers_with(config, host, cache, cost, &args)
 }

@@ -46,7 +46,7 @@ pub(crate) fn start<'a>(
     args: &RouteArgs,
 ) -> Result<Snapshot<'a>, Refused> {
     let mut snapshot = snapshot::refresh(config, host, cache, args.tie_breaker);
-    match admission::admit(host, &snapshot, args.max_wait_ms) {
+    match admission::admit(host, &snapshot, args.class) {
         Admission::Admit(room) => {
             let side = admission::judged_side(&snapshot);
             snapshot.room = room.map(|r| (side, r));
@@ -63,9 +63,8 @@ pub struct RouteArgs<'a> {
     pub pin: Option<&'a str>,
     /// Varies per request so that equal costs spread.
     pub tie_breaker: u64,
-    /// Admission: the request's class waits at most this long (None: the
-    /// configured `max_wait_ms`).
-    pub max_wait_ms: Option<u64>,
+    /// Admission: the request's class (None: the default class).
+    pub class: Option<usize>,
 }
 
 /// What one leg of a request asks of the pipeline.

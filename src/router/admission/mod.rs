@@ -67,49 +67,44 @@ pub(crate) fn candidate_queues<'s>(
         })
 }
 
-/// The limits a request is judged by: its class's wait limit if given,
-/// else `max_wait_ms`.
-fn limits(settings: &Settings, max_wait_ms: Option<u64>) -> Limits {
+/// The limits a request of `class` (None: the default class) is judged by.
+fn limits(settings: &Settings, class: Option<usize>) -> Limits {
+    let class = class.unwrap_or(settings.default_class);
     Limits {
-        max_wait_ms: max_wait_ms.unwrap_or(settings.max_wait_ms),
+        max_wait_ms: settings.max_wait_ms_of(class),
         max_kv_usage: settings.max_kv_usage,
-        max_requests: settings.max_requests_per_rank,
+        max_requests: settings.max_requests_of(class),
     }
 }
 
-/// The rule a request whose class waits at most `max_wait_ms` (None: the
-/// configured limit) is judged by.
-pub(crate) fn room(settings: &Settings, max_wait_ms: Option<u64>) -> Room {
+/// The rule a request of `class` (None: the default class) is judged by.
+pub(crate) fn room(settings: &Settings, class: Option<usize>) -> Room {
     Room {
-        limits: limits(settings, max_wait_ms),
+        limits: limits(settings, class),
         prior_tokens_per_s: settings.prefill_tokens_per_s,
         learn: settings.learn_drain_rate,
     }
 }
 
-/// The judgement of the pool admission looks at, for a request whose
-/// class waits at most `max_wait_ms` (None: the configured limit); Room
-/// without admission.
-pub(crate) fn judge(snapshot: &Snapshot, max_wait_ms: Option<u64>) -> Judgement {
+/// The judgement of the pool admission looks at, for a request of
+/// `class` (None: the default class); Room without admission.
+pub(crate) fn judge(snapshot: &Snapshot, class: Option<usize>) -> Judgement {
     match &snapshot.config.admission {
-        Some(settings) => wait::judge(
-            candidate_queues(snapshot, settings),
-            &limits(settings, max_wait_ms),
-        ),
+        Some(settings) => wait::judge(candidate_queues(snapshot, settings), &limits(settings, class)),
         None => Judgement::Room,
     }
 }
 
-/// Stage `admission`, for a request whose class waits at most
-/// `max_wait_ms`. Without fresh data there is nothing to judge: the
+/// Stage `admission`, for a request of `class` (None: the default
+/// class). Without fresh data there is nothing to judge: the
 /// request is admitted (counted), and `fail_mode` decides what becomes of
 /// it, as without admission.
-pub(crate) fn admit(host: &dyn Host, snapshot: &Snapshot, max_wait_ms: Option<u64>) -> Admission {
+pub(crate) fn admit(host: &dyn Host, snapshot: &Snapshot, class: Option<usize>) -> Admission {
     let Some(settings) = &snapshot.config.admission else {
         return Admission::Admit(None);
     };
-    match judge(snapshot, max_wait_ms) {
-        Judgement::Room => Admission::Admit(Some(room(settings, max_wait_ms))),
+    match judge(snapshot, class) {
+        Judgement::Room => Admission::Admit(Some(room(settings, class))),
         Judgement::NoData => {
             host.count(metrics::ADMISSION_NO_DATA, 1);
             Admission::Admit(None)
@@ -171,11 +166,8 @@ mod tests {
         assert_eq!(o.saturated_ranks, 8);
         assert_eq!(o.retry_after_ms, 100_000 * 1000 - 50_000);
         assert!(
-            matches!(
-                admit(&h, &snapshot, Some(100_000 * 1000)),
-                Admission::Admit(Some(_))
-            ),
-            "a class that waits longer"
+            matches!(admit(&h, &snapshot, Some(0)), Admission::Overloaded(_)),
+            "critical waits twice as long: still too long"
         );
         assert_eq!(saturated_ranks(&snapshot), 8);
         // Stale data: nothing to judge, admitted and counted.
@@ -183,6 +175,39 @@ mod tests {
         let snapshot = refresh(&c, &h, &mut cache, 0);
         assert_eq!(admit(&h, &snapshot, None), Admission::Admit(None));
         assert_eq!(h.counter(metrics::ADMISSION_NO_DATA), 1);
+    }
+
+    #[test]
+    fn a_rank_full_for_the_default_class_still_has_room_for_a_higher_one() {
+        // Limits 16 (critical), 12 (standard), 8 (sheddable).
+        let (c, h) = fleet(r#","admission":{"max_requests_per_rank":16}"#);
+        let mut cache = StateCache::default();
+        let running = |n: u64| {
+            for i in 0..c.all_workers().count() {
+                crate::shared_data::testing::report_on(&c, &h, i, &|_| crate::load::RankLoad {
+                    running_requests: Some(n),
+                    waiting_uncached_tokens: Some(0),
+                    ..crate::load::RankLoad::default()
+                });
+            }
+        };
+        running(12);
+        let snapshot = refresh(&c, &h, &mut cache, 0);
+        assert!(matches!(admit(&h, &snapshot, None), Admission::Overloaded(_)));
+        assert!(matches!(admit(&h, &snapshot, Some(1)), Admission::Overloaded(_)));
+        assert!(
+            matches!(admit(&h, &snapshot, Some(0)), Admission::Admit(Some(_))),
+            "critical may fill the rank"
+        );
+        running(16);
+        let snapshot = refresh(&c, &h, &mut cache, 0);
+        assert!(matches!(admit(&h, &snapshot, Some(0)), Admission::Overloaded(_)));
+        running(7);
+        let snapshot = refresh(&c, &h, &mut cache, 0);
+        assert!(matches!(admit(&h, &snapshot, Some(2)), Admission::Admit(Some(_))));
+        running(8);
+        let snapshot = refresh(&c, &h, &mut cache, 0);
+        assert!(matches!(admit(&h, &snapshot, Some(2)), Admission::Overloaded(_)));
     }
 
     #[test]
