@@ -2,8 +2,8 @@
 //! so that validation (`validate.rs`) can name what is missing or wrong.
 
 use super::{
-    CostEstimate, EngineKind, FailMode, LoadEndpoint, Naming, PickRule, QueueMeasure, RankTransport,
-    StateReads,
+    CostEstimate, EngineKind, FailMode, LoadEndpoint, LoadMeasure, Naming, PickRule, QueueMeasure,
+    RankTransport, StateReads,
 };
 use serde::Deserialize;
 
@@ -86,6 +86,8 @@ pub struct ConfigJson {
     pub prefix_kv_weight: Option<f64>,
     #[serde(default)]
     pub prefix_queue: Option<QueueMeasure>,
+    #[serde(default)]
+    pub prefix_load: Option<LoadMeasure>,
     /// Several gateways: how many, the picker and its choices (`config/gateways.rs`).
     #[serde(default)]
     pub gateways: Option<u32>,

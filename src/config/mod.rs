@@ -14,7 +14,7 @@ pub use admission::{Admission, WhenSaturated};
 pub use engine::{Engine, EngineKind};
 pub use gateways::{Pick, PickRule};
 pub use json::{ConfigJson, DiscoveryJson, PassiveHealthJson, WorkerJson};
-pub use prefix::{Prefix, QueueMeasure};
+pub use prefix::{LoadMeasure, Prefix, QueueMeasure};
 pub use transport::{
     HeaderTransport, RankTransport, Transport, DEFAULT_COST_WITHOUT_LENGTH, DEFAULT_RANK_HEADERS,
 };

@@ -44,6 +44,18 @@ pub enum QueueMeasure {
     Max,
 }
 
+/// How a rank's load counts against a request under prefix affinity.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum LoadMeasure {
+    /// The rank's own tokens.
+    Rank,
+    /// The tokens of the worker's most loaded rank once the request is
+    /// added: under DP attention every rank of a worker steps as slowly as
+    /// that one, so a request slows its decode only by raising it.
+    SlowestRank,
+}
+
 /// Prefix affinity: requests go to the (worker, rank) with the least
 /// expected cost, counting the prompt the rank is thought to hold in cache.
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -67,6 +79,7 @@ pub struct Prefix {
     /// Cost per token of KV the request would lack on the rank.
     pub kv_weight: f64,
     pub queue: QueueMeasure,
+    pub load: LoadMeasure,
 }
 
 impl Default for Prefix {
@@ -80,6 +93,7 @@ impl Default for Prefix {
             wait_weight: DEFAULT_WAIT_WEIGHT,
             kv_weight: DEFAULT_KV_WEIGHT,
             queue: QueueMeasure::Max,
+            load: LoadMeasure::Rank,
         }
     }
 }
@@ -116,6 +130,7 @@ pub fn settings(json: &ConfigJson) -> Result<Option<Prefix>, ConfigError> {
         ("prefix_wait_weight", json.prefix_wait_weight.is_some()),
         ("prefix_kv_weight", json.prefix_kv_weight.is_some()),
         ("prefix_queue", json.prefix_queue.is_some()),
+        ("prefix_load", json.prefix_load.is_some()),
     ];
     let header = matches!(json.rank_transport, Some(RankTransport::Header));
     if !json.prefix_affinity.unwrap_or(!header) {
@@ -159,6 +174,7 @@ pub fn settings(json: &ConfigJson) -> Result<Option<Prefix>, ConfigError> {
         wait_weight: weight("prefix_wait_weight", json.prefix_wait_weight, DEFAULT_WAIT_WEIGHT)?,
         kv_weight: weight("prefix_kv_weight", json.prefix_kv_weight, DEFAULT_KV_WEIGHT)?,
         queue: json.prefix_queue.unwrap_or(QueueMeasure::Max),
+        load: json.prefix_load.unwrap_or(LoadMeasure::Rank),
     }))
 }
 

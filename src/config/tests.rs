@@ -502,7 +502,7 @@ fn prefix_affinity_is_on_by_default_with_documented_tuning() {
     let tuned = parse(
         r#"{"workers":[{"address":"127.0.0.1:1"}],"prefix_block_bytes":1024,"prefix_capacity_tokens":8000,
             "prefix_ttl_ms":5000,"prefix_uncached_weight":2,"prefix_load_weight":0,"prefix_kv_weight":0.5,
-            "prefix_wait_weight":300,"prefix_queue":"local"}"#,
+            "prefix_wait_weight":300,"prefix_queue":"local","prefix_load":"slowest_rank"}"#,
     )
     .unwrap()
     .prefix
@@ -513,6 +513,10 @@ fn prefix_affinity_is_on_by_default_with_documented_tuning() {
         "configured wins"
     );
     assert_eq!((tuned.queue, tuned.wait_weight), (QueueMeasure::Local, 300.0));
+    assert_eq!(
+        (p.load, tuned.load),
+        (LoadMeasure::Rank, LoadMeasure::SlowestRank)
+    );
     let off = parse(r#"{"workers":[{"address":"127.0.0.1:1"}],"prefix_affinity":false}"#).unwrap();
     assert_eq!(off.prefix, None);
 }
@@ -533,6 +537,11 @@ fn prefix_keys_are_checked_and_refused_when_affinity_is_off() {
     );
     assert_eq!(key_of(with(r#""prefix_kv_weight":1e9"#)), "prefix_kv_weight");
     assert!(with(r#""prefix_queue":"both""#).is_err());
+    assert!(with(r#""prefix_load":"worker""#).is_err());
+    assert_eq!(
+        key_of(with(r#""prefix_affinity":false,"prefix_load":"slowest_rank""#)),
+        "prefix_load"
+    );
     assert_eq!(
         key_of(with(r#""prefix_affinity":false,"prefix_load_weight":0.5"#)),
         "prefix_load_weight"

@@ -3,15 +3,32 @@
 //! `LoadTable`); a rank the report gave no usable figure for is removed. Under
 //! prefix affinity the tokens are weighted by `prefix_load_weight`.
 
+use crate::config::prefix::DEFAULT_CAPACITY_TOKENS;
+use crate::config::LoadMeasure;
 use crate::cost::{add_cost, weighted, Slot, MAX_COST, REMOVED};
 use crate::scheduler::{Context, Scorer, WorkerView};
 
 pub struct Load;
 
+/// How much raising a worker's slowest rank costs, per rank it slows, when
+/// that rank is full (chosen on tuning seeds: docs/prefix-affinity.md).
+pub const RAISE_WEIGHT: f64 = 0.75;
+/// The slowest rank's tokens count at most this many times its capacity
+/// (they include queued prompts, which can exceed it).
+const MAX_FULLNESS: f64 = 2.0;
+
 impl Scorer for Load {
     fn score(&self, ctx: &Context, worker: &WorkerView, costs: &mut [Slot]) {
         let weight = ctx.prefix.map_or(1.0, |a| a.settings.load_weight);
-        if weight == 1.0 {
+        let slowest = ctx.prefix.filter(|a| a.settings.load == LoadMeasure::SlowestRank);
+        if let Some(prefix) = slowest {
+            let capacity = prefix
+                .settings
+                .capacity_tokens
+                .or(worker.state.prefill.capacity(0))
+                .unwrap_or(DEFAULT_CAPACITY_TOKENS);
+            Self::add_slowest(weight, prefix.prompt.tokens(), capacity, worker.loads, costs);
+        } else if weight == 1.0 {
             // Load only: selects rather than branches, a few instructions a
             // rank; removed if either is (`REMOVED` is the largest slot).
             for (cost, &load) in costs.iter_mut().zip(worker.loads) {
@@ -35,6 +52,32 @@ impl Scorer for Load {
 }
 
 impl Load {
+    /// `LoadMeasure::SlowestRank`: under DP attention a worker's ranks step
+    /// together, as slowly as the most loaded one, so each rank costs that
+    /// rank's tokens; a rank the request's `own` tokens would make the most
+    /// loaded also costs what it raises that rank by, once for every rank
+    /// it slows, in proportion to how full the slowest rank is (of
+    /// `capacity` tokens) and [`RAISE_WEIGHT`]. docs/prefix-affinity.md.
+    fn add_slowest(weight: f64, own: u64, capacity: u64, loads: &[Slot], costs: &mut [Slot]) {
+        let slowest = loads
+            .iter()
+            .filter(|l| **l != REMOVED)
+            .max()
+            .copied()
+            .unwrap_or(0);
+        let fullness = (slowest as f64 / capacity.max(1) as f64).min(MAX_FULLNESS);
+        let per_raised = RAISE_WEIGHT * loads.len() as f64 * fullness;
+        for (cost, load) in costs.iter_mut().zip(loads) {
+            if *load == REMOVED {
+                *cost = REMOVED;
+            } else {
+                let raised = load.saturating_add(own).saturating_sub(slowest);
+                add_cost(cost, weighted(slowest, weight));
+                add_cost(cost, weighted(raised, weight * per_raised));
+            }
+        }
+    }
+
     fn add_weighted(weight: f64, loads: &[Slot], costs: &mut [Slot]) {
         for (cost, load) in costs.iter_mut().zip(loads) {
             if *load == REMOVED {
@@ -121,5 +164,37 @@ mod tests {
         let mut costs = vec![3, 3, REMOVED];
         Load.score(&ctx, &view, &mut costs);
         assert_eq!(costs, vec![53, 7, REMOVED]);
+    }
+
+    #[test]
+    fn slowest_rank_costs_the_worker_s_slowest_and_what_a_request_raises_it_by() {
+        // Capacity 1000 tokens; a 256-byte prompt is 64 tokens.
+        let config = Config::from_json(
+            br#"{"workers":[{"address":"127.0.0.1:1"}],"prefix_load_weight":1,"prefix_load":"slowest_rank","prefix_capacity_tokens":1000,"prefix_block_bytes":64}"#,
+        )
+        .unwrap();
+        let settings = config.prefix.clone().unwrap();
+        let body = format!(r#"{{"text":"{}"}}"#, "p".repeat(256));
+        let object = crate::body::JsonObject::parse(body.as_bytes()).unwrap();
+        let prefix = prefix_request(&settings, PromptBlocks::of(&object, 64), 0);
+        let w = worker("a", 1, None);
+        let s = state(&[500, 480, 100, 0], 1000);
+        let loads = crate::scheduler::LoadTable::of(std::slice::from_ref(&Some(s.clone())));
+        let view = WorkerView {
+            index: 0,
+            worker: &w,
+            state: &s,
+            loads: loads.worker(0),
+        };
+        let ctx = Context {
+            prefix: Some(&prefix),
+            ..ctx(Constraint::default())
+        };
+        let mut costs = vec![0; 4];
+        Load.score(&ctx, &view, &mut costs);
+        // Every rank costs the slowest (500). Rank 0 would rise by 64,
+        // rank 1 by 44, slowed for 4 ranks at half full: x 0.75 x 4 x 0.5.
+        assert_eq!(costs, vec![500 + 96, 500 + 66, 500, 500]);
+        assert_eq!(settings.load, LoadMeasure::SlowestRank);
     }
 }
