@@ -34,6 +34,9 @@ pub struct MetricsView<'a> {
     pub extra_engines: usize,
     pub model: &'a str,
     pub block_size: u64,
+    /// KV blocks of one engine. `cache_config_info` shows their sum over
+    /// the server's engines, as vLLM's API server holds it (its start-up
+    /// handshake adds every engine's blocks).
     pub num_gpu_blocks: u64,
     /// Unix seconds the series were created (the server's start).
     pub created: f64,
@@ -337,7 +340,7 @@ impl Writer<'_> {
         let name = "vllm:cache_config_info";
         self.family(name, "gauge", "The engine's KV cache configuration.");
         let block = self.view.block_size.to_string();
-        let blocks = self.view.num_gpu_blocks.to_string();
+        let blocks = (self.view.num_gpu_blocks * self.view.stats.len().max(1) as u64).to_string();
         for (engine, _) in self.engines() {
             let mut labels: Vec<(&str, String)> = [
                 ("block_size", block.as_str()),
@@ -535,7 +538,8 @@ mod tests {
             "vllm:request_queue_time_seconds_bucket{{engine=\"0\",le=\"+Inf\",{model}}} 0.0\n"
         )));
         assert!(text.contains("block_size=\"16\""));
-        assert!(text.contains("num_gpu_blocks=\"25000\""));
+        // Two engines of 25,000 blocks: the server's sum, as vLLM shows it.
+        assert!(text.contains("num_gpu_blocks=\"50000\""));
         assert!(text.starts_with("# HELP python_gc_objects_collected_total"));
         // Multiprocess: no _created, no process series.
         let text = exposition(&view(&stats, true));
