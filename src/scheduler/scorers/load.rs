@@ -1,7 +1,8 @@
 //! Scorer `load`: adds each rank's effective tokens (the last polled figure
 //! plus the estimates of requests the poll has not seen yet, as derived in
 //! `LoadTable`); a rank the report gave no usable figure for is removed. Under
-//! prefix affinity the tokens are weighted by `prefix_load_weight`.
+//! prefix affinity the tokens are weighted by `prefix_load_weight`, and with
+//! `prefix_load: "slowest_rank"` a rank is costed by its worker's slowest.
 
 use crate::config::prefix::DEFAULT_CAPACITY_TOKENS;
 use crate::config::LoadMeasure;
