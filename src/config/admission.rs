@@ -254,20 +254,14 @@ fn class_requests(json: &AdmissionJson, classes: &[String]) -> Result<Vec<Option
             })
         })
         .collect();
-    for (name, n) in json.class_max_requests_per_rank.iter().flatten() {
-        let Some(c) = classes.iter().position(|c| c == name) else {
-            return Err(invalid(
-                "class_max_requests_per_rank",
-                format!("`{name}` is not one of `classes` {classes:?}"),
-            ));
-        };
-        if !(1..=MAX_REQUESTS_PER_RANK).contains(n) {
-            return Err(invalid(
-                "class_max_requests_per_rank",
-                format!("`{name}`: must be 1..={MAX_REQUESTS_PER_RANK}, got {n}"),
-            ));
-        }
-        limits[c] = Some(*n);
+    let overrides = json.class_max_requests_per_rank.as_ref();
+    for (c, n) in class_overrides(
+        "class_max_requests_per_rank",
+        overrides,
+        classes,
+        MAX_REQUESTS_PER_RANK,
+    )? {
+        limits[c] = Some(n);
     }
     Ok(limits)
 }
@@ -288,22 +282,38 @@ fn class_waits(
                 .min(MAX_WAIT_LIMIT_MS)
         })
         .collect();
-    for (name, ms) in json.class_max_wait_ms.iter().flatten() {
-        let Some(c) = classes.iter().position(|c| c == name) else {
-            return Err(invalid(
-                "class_max_wait_ms",
-                format!("`{name}` is not one of `classes` {classes:?}"),
-            ));
-        };
-        if !(1..=MAX_WAIT_LIMIT_MS).contains(ms) {
-            return Err(invalid(
-                "class_max_wait_ms",
-                format!("`{name}`: must be 1..={MAX_WAIT_LIMIT_MS}, got {ms}"),
-            ));
-        }
-        waits[c] = *ms;
+    let overrides = json.class_max_wait_ms.as_ref();
+    for (c, ms) in class_overrides("class_max_wait_ms", overrides, classes, MAX_WAIT_LIMIT_MS)? {
+        waits[c] = ms;
     }
     Ok(waits)
+}
+
+/// A per-class map as written (`class_max_wait_ms`,
+/// `class_max_requests_per_rank`): each entry's class index and value,
+/// every name one of `classes` and every value in 1..=`max`.
+fn class_overrides(
+    key: &str,
+    overrides: Option<&std::collections::BTreeMap<String, u64>>,
+    classes: &[String],
+    max: u64,
+) -> Result<Vec<(usize, u64)>, super::ConfigError> {
+    overrides
+        .into_iter()
+        .flatten()
+        .map(|(name, value)| {
+            let Some(c) = classes.iter().position(|c| c == name) else {
+                return Err(invalid(
+                    key,
+                    format!("`{name}` is not one of `classes` {classes:?}"),
+                ));
+            };
+            if !(1..=max).contains(value) {
+                return Err(invalid(key, format!("`{name}`: must be 1..={max}, got {value}")));
+            }
+            Ok((c, *value))
+        })
+        .collect()
 }
 
 fn when_saturated(json: &AdmissionJson) -> Result<WhenSaturated, super::ConfigError> {

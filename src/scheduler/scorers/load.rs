@@ -112,6 +112,32 @@ mod tests {
         costs
     }
 
+    /// `state`'s costs under prefix affinity as `config` sets it, for a
+    /// request of `blocks`.
+    fn score_with_prefix(
+        config: &Config,
+        blocks: PromptBlocks,
+        state: &WorkerState,
+        mut costs: Vec<Slot>,
+    ) -> Vec<Slot> {
+        let settings = config.prefix.clone().unwrap();
+        let prefix = prefix_request(&settings, blocks, 0);
+        let w = worker("a", 1, None);
+        let loads = crate::scheduler::LoadTable::of(std::slice::from_ref(&Some(state.clone())));
+        let view = WorkerView {
+            index: 0,
+            worker: &w,
+            state,
+            loads: loads.worker(0),
+        };
+        let ctx = Context {
+            prefix: Some(&prefix),
+            ..ctx(Constraint::default())
+        };
+        Load.score(&ctx, &view, &mut costs);
+        costs
+    }
+
     #[test]
     fn adds_polled_tokens_and_pending_estimates() {
         let mut s = state(&[5, 6], 1000);
@@ -147,23 +173,8 @@ mod tests {
         let config =
             Config::from_json(br#"{"workers":[{"address":"127.0.0.1:1"}],"prefix_load_weight":0.5}"#)
                 .unwrap();
-        let settings = config.prefix.clone().unwrap();
-        let prefix = prefix_request(&settings, PromptBlocks::default(), 0);
-        let w = worker("a", 1, None);
         let s = state(&[100, 7, 0], 1000);
-        let loads = crate::scheduler::LoadTable::of(std::slice::from_ref(&Some(s.clone())));
-        let view = WorkerView {
-            index: 0,
-            worker: &w,
-            state: &s,
-            loads: loads.worker(0),
-        };
-        let ctx = Context {
-            prefix: Some(&prefix),
-            ..ctx(Constraint::default())
-        };
-        let mut costs = vec![3, 3, REMOVED];
-        Load.score(&ctx, &view, &mut costs);
+        let costs = score_with_prefix(&config, PromptBlocks::default(), &s, vec![3, 3, REMOVED]);
         assert_eq!(costs, vec![53, 7, REMOVED]);
     }
 
@@ -174,28 +185,13 @@ mod tests {
             br#"{"workers":[{"address":"127.0.0.1:1"}],"prefix_load_weight":1,"prefix_load":"slowest_rank","prefix_capacity_tokens":1000,"prefix_block_bytes":64}"#,
         )
         .unwrap();
-        let settings = config.prefix.clone().unwrap();
         let body = format!(r#"{{"text":"{}"}}"#, "p".repeat(256));
         let object = crate::body::JsonObject::parse(body.as_bytes()).unwrap();
-        let prefix = prefix_request(&settings, PromptBlocks::of(&object, 64), 0);
-        let w = worker("a", 1, None);
         let s = state(&[500, 480, 100, 0], 1000);
-        let loads = crate::scheduler::LoadTable::of(std::slice::from_ref(&Some(s.clone())));
-        let view = WorkerView {
-            index: 0,
-            worker: &w,
-            state: &s,
-            loads: loads.worker(0),
-        };
-        let ctx = Context {
-            prefix: Some(&prefix),
-            ..ctx(Constraint::default())
-        };
-        let mut costs = vec![0; 4];
-        Load.score(&ctx, &view, &mut costs);
+        let costs = score_with_prefix(&config, PromptBlocks::of(&object, 64), &s, vec![0; 4]);
         // Every rank costs the slowest (500). Rank 0 would rise by 64,
         // rank 1 by 44, slowed for 4 ranks at half full: x 0.75 x 4 x 0.5.
         assert_eq!(costs, vec![500 + 96, 500 + 66, 500, 500]);
-        assert_eq!(settings.load, LoadMeasure::SlowestRank);
+        assert_eq!(config.prefix.unwrap().load, LoadMeasure::SlowestRank);
     }
 }
