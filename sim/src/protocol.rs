@@ -410,7 +410,8 @@ pub fn parse_request(
         .and_then(|options| options.get("include_usage"))
         .and_then(Value::as_bool)
         .unwrap_or(false);
-    if config.is_vllm() {
+    // The rank, and SGLang's header overrides (None: vLLM, which has none).
+    let (rank, overrides) = if config.is_vllm() {
         // vLLM has no body field for the rank: the header alone pins it,
         // on the OpenAI endpoints (the only serving ones it has here).
         let rank = if reads_rank_header(api, config.rank_header) {
@@ -418,34 +419,24 @@ pub fn parse_request(
         } else {
             None
         };
-        return Ok(ParsedRequest {
-            api,
-            max_new_tokens: max_new_tokens(api, &body)?,
-            answer_tags: answer_tags(api, &body),
-            prompts,
-            pretokenized,
-            batched,
-            stream,
-            include_usage,
-            rank,
-            bootstrap: None,
-            model: body.get("model").and_then(Value::as_str).map(str::to_string),
-        });
-    }
-    let mut rank = parse_rank(&body, role, dp_size)?;
-    if reads_rank_header(api, config.rank_header) {
-        if let Some(header) = header_int(headers, "x-data-parallel-rank")? {
-            rank = Some(check_range("x-data-parallel-rank", header, dp_size)?);
-        }
-    }
-    let overrides = if config.header_overrides && applies_overrides(api) {
-        parse_overrides(headers)?
+        (rank, None)
     } else {
-        Overrides::default()
+        let mut rank = parse_rank(&body, role, dp_size)?;
+        if reads_rank_header(api, config.rank_header) {
+            if let Some(header) = header_int(headers, "x-data-parallel-rank")? {
+                rank = Some(check_range("x-data-parallel-rank", header, dp_size)?);
+            }
+        }
+        let overrides = if config.header_overrides && applies_overrides(api) {
+            parse_overrides(headers)?
+        } else {
+            Overrides::default()
+        };
+        if let Some(header) = overrides.routed_dp_rank {
+            rank = Some(check_range("x-override-routed-dp-rank", header, dp_size)?);
+        }
+        (rank, Some(overrides))
     };
-    if let Some(header) = overrides.routed_dp_rank {
-        rank = Some(check_range("x-override-routed-dp-rank", header, dp_size)?);
-    }
     Ok(ParsedRequest {
         api,
         max_new_tokens: max_new_tokens(api, &body)?,
@@ -456,7 +447,10 @@ pub fn parse_request(
         stream,
         include_usage,
         rank,
-        bootstrap: parse_bootstrap(&body, role, &overrides)?,
+        bootstrap: match &overrides {
+            Some(overrides) => parse_bootstrap(&body, role, overrides)?,
+            None => None,
+        },
         model: body.get("model").and_then(Value::as_str).map(str::to_string),
     })
 }

@@ -83,20 +83,14 @@ async fn tag_response(State(listener): State<Listener>, request: Request, next: 
 
 /// The main router of a worker.
 pub fn router(worker: Listener) -> Router {
-    if worker.shared.config.is_vllm() {
-        return vllm_router(worker);
-    }
+    let engine_routes = if worker.shared.config.is_vllm() {
+        vllm_routes()
+    } else {
+        sglang_routes()
+    };
     Router::new()
         .route("/health", get(|| async { StatusCode::OK }))
-        .route("/health_generate", get(|| async { StatusCode::OK }))
         .route("/v1/models", get(models))
-        .route("/server_info", get(server_info))
-        .route("/get_server_info", get(server_info))
-        .route("/model_info", get(model_info))
-        .route("/get_model_info", get(model_info))
-        .route("/get_load", get(get_load))
-        .route("/v1/loads", get(v1_loads))
-        .route("/generate", post(generate))
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat))
         .route("/_sim/control", get(control_get).post(control_post))
@@ -104,7 +98,7 @@ pub fn router(worker: Listener) -> Router {
         .route("/_sim/requests", get(requests))
         .route("/_sim/counters", get(counters))
         .route("/_sim/answers", get(answers_get).post(answers_post))
-        .route("/_sim/kv/{room}", get(kv_room))
+        .merge(engine_routes)
         .fallback(not_found)
         // Prompts near the KV capacity are megabytes of JSON.
         .layer(DefaultBodyLimit::max(256 << 20))
@@ -112,27 +106,28 @@ pub fn router(worker: Listener) -> Router {
         .with_state(worker)
 }
 
-/// The router of a vLLM server: its OpenAI endpoints, `/metrics`, and the
-/// simulator's control API. SGLang's own endpoints (`/generate`,
-/// `/get_load`, `/v1/loads`, `/server_info`, ...) answer 404 here.
-fn vllm_router(worker: Listener) -> Router {
+/// SGLang's own endpoints, beside the OpenAI ones and the control API.
+fn sglang_routes() -> Router<Listener> {
     Router::new()
-        .route("/health", get(|| async { StatusCode::OK }))
+        .route("/health_generate", get(|| async { StatusCode::OK }))
+        .route("/server_info", get(server_info))
+        .route("/get_server_info", get(server_info))
+        .route("/model_info", get(model_info))
+        .route("/get_model_info", get(model_info))
+        .route("/get_load", get(get_load))
+        .route("/v1/loads", get(v1_loads))
+        .route("/generate", post(generate))
+        .route("/_sim/kv/{room}", get(kv_room))
+}
+
+/// A vLLM server's own endpoints (`/metrics` among them); SGLang's
+/// (`/generate`, `/get_load`, `/v1/loads`, `/server_info`, ...) answer 404
+/// there.
+fn vllm_routes() -> Router<Listener> {
+    Router::new()
         .route("/ping", get(|| async { StatusCode::OK }))
         .route("/version", get(version))
-        .route("/v1/models", get(models))
         .route("/metrics", get(metrics))
-        .route("/v1/completions", post(completions))
-        .route("/v1/chat/completions", post(chat))
-        .route("/_sim/control", get(control_get).post(control_post))
-        .route("/_sim/reset", post(reset))
-        .route("/_sim/requests", get(requests))
-        .route("/_sim/counters", get(counters))
-        .route("/_sim/answers", get(answers_get).post(answers_post))
-        .fallback(not_found)
-        .layer(DefaultBodyLimit::max(256 << 20))
-        .layer(middleware::from_fn_with_state(worker.clone(), tag_response))
-        .with_state(worker)
 }
 
 async fn version(State(worker): State<Listener>) -> Response {
