@@ -19,8 +19,8 @@ use hashbrown::HashMap;
 use std::cell::{Cell, RefCell};
 use std::rc::Weak;
 
-/// Tick period in queue mode, at most (ms): a held request whose time is
-/// up is answered within a tick of it, and room a poll or another thread
+/// Tick period in queue mode, at most (ms): a held request is answered at
+/// most a tick before its time is up, and room a poll or another thread
 /// made is used within one.
 pub const QUEUE_TICK_MS: u64 = 50;
 
@@ -244,11 +244,14 @@ impl Routing {
         };
         let retry_after_ms = overload.map_or(0, |o| o.retry_after_ms);
         let mut acted = false;
+        // Answered at the last tick before the time-out rather than the
+        // first after it: never held longer than `queue_timeout_ms`.
+        let next_tick = now.saturating_add(queue_tick_period_ms(&config));
         let expired = self
             .held
             .queue
             .borrow()
-            .waiting_since(now.saturating_sub(timeout_ms));
+            .waiting_since(next_tick.saturating_sub(timeout_ms.saturating_add(1)));
         for id in expired {
             let taken = self.held.queue.borrow_mut().remove(id);
             if let Some(w) = taken {

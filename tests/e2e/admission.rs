@@ -237,7 +237,7 @@ fn a_full_queue_refuses_at_once_and_the_held_request_keeps_its_place() {
 }
 
 #[test]
-fn a_request_held_past_the_time_out_gets_503_within_a_tick() {
+fn a_request_held_to_its_time_out_gets_503_at_the_last_tick_before() {
     let world = World::start(
         "admission_timeout",
         2,
@@ -258,7 +258,9 @@ fn a_request_held_past_the_time_out_gets_503_within_a_tick() {
         .is_some_and(|v| v.parse::<u64>().is_ok()));
     eprintln!("admission: timed out after {took:?} (queue_timeout_ms 400, tick 50 ms)");
     assert!(
-        took >= Duration::from_millis(400) && took < Duration::from_millis(400 + 50 + 300),
+        // Answered at the last tick before the time-out (ticks every 50 ms);
+        // the upper bound leaves a busy machine 300 ms.
+        took >= Duration::from_millis(400 - 50) && took < Duration::from_millis(400 + 300),
         "{took:?}"
     );
     assert_eq!(world.envoy.stat("admission.rejected.queue_timeout.standard"), 1);
