@@ -241,6 +241,8 @@ pub struct Front {
     pub addr: SocketAddr,
     /// Envoy's admin port (None for smg).
     pub admin: Option<u16>,
+    /// Envoy's JSON access log, when the run asked for one (`access_log`).
+    pub access_log: Option<PathBuf>,
 }
 
 impl Front {
@@ -318,6 +320,7 @@ pub async fn start_envoy(
     fleet: &SimFleet,
     balancer: &Balancer,
     name: &str,
+    access_log: Option<&Path>,
 ) -> Result<Front, String> {
     let template = read_template(tools, "envoy/dprank.yaml")?;
     let ports = EnvoyPorts {
@@ -334,12 +337,19 @@ pub async fn start_envoy(
         Balancer::Noop(_) => &tools.noop_wasm,
         _ => &tools.wasm,
     };
-    let yaml = render(&template, &ports, &fleet.workers, balancer, wasm)?;
+    let mut yaml = render(&template, &ports, &fleet.workers, balancer, wasm)?;
+    if let Some(path) = access_log {
+        // A log left by an earlier run of the same name must not be read as this one's.
+        let _ = std::fs::remove_file(path);
+        yaml = crate::access_log::with_access_log(&yaml, path)?;
+    }
     let polled: &[&SimFleet] = match balancer {
         Balancer::Dprank { .. } => &[fleet],
         Balancer::RoundRobin | Balancer::LeastRequest | Balancer::Noop(_) => &[],
     };
-    launch_envoy(tools, client, &yaml, &ports, polled, name).await
+    let mut front = launch_envoy(tools, client, &yaml, &ports, polled, name).await?;
+    front.access_log = access_log.map(Path::to_path_buf);
+    Ok(front)
 }
 
 /// Envoy + dprank in PD mode: envoy/pd.yaml with the fleets' ports and
@@ -438,6 +448,7 @@ pub async fn launch_envoy(
         url: format!("http://{addr}"),
         addr,
         admin: Some(ports.admin),
+        access_log: None,
     })
 }
 
@@ -509,5 +520,6 @@ pub async fn smg_front(
         url: base,
         addr,
         admin: None,
+        access_log: None,
     })
 }

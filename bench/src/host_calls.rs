@@ -141,7 +141,15 @@ pub async fn host_calls(tools: &Tools, args: &HostCallsArgs, command_line: &str)
     }
     let mut fronts: Vec<(&'static str, Front)> = Vec::new();
     for (i, (name, balancer)) in variants.into_iter().enumerate() {
-        let front = start_envoy(tools, &client, &fleet, &balancer, &format!("host-calls-{i}")).await?;
+        let front = start_envoy(
+            tools,
+            &client,
+            &fleet,
+            &balancer,
+            &format!("host-calls-{i}"),
+            None,
+        )
+        .await?;
         fronts.push((name, front));
     }
     let pinned = cores >= 2 && pin_routers(&fleet, &fronts, cores);

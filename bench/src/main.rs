@@ -1,6 +1,7 @@
 //! dprank-bench: load generator and benchmarks for dprank (see `--help` and
 //! bench/README.md).
 
+mod access_log;
 mod capacity;
 mod client;
 mod cpu;

@@ -293,7 +293,7 @@ pub async fn overhead(tools: &Tools, args: &OverheadArgs, command_line: &str) ->
         let label = format!("overhead-{}", name.replace([' ', ',', '+', '(', ')', '-'], "_"));
         fronts.push((
             name,
-            start_envoy(tools, &client, &fleet, &balancer, &label).await?,
+            start_envoy(tools, &client, &fleet, &balancer, &label, None).await?,
         ));
     }
     match &tools.smg {

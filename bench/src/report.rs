@@ -298,7 +298,64 @@ pub fn overload_table(g: &Group) -> String {
         );
     }
     md.push('\n');
+    md.push_str(&proxy_table(g));
     md
+}
+
+/// What Envoy's access log measured on the harness (runs with admission):
+/// refusals from the request's first byte in to the answer's last byte
+/// out, and requests sent on from their last byte in to their first byte
+/// upstream, wall ms. Empty when no run has a log.
+fn proxy_table(g: &Group) -> String {
+    let mut rows = String::new();
+    for (variant, runs) in &g.variants {
+        let logs: Vec<&crate::access_log::ProxyTimes> = runs
+            .iter()
+            .filter_map(|r| r.overload.as_ref().and_then(|o| o.proxy.as_ref()))
+            .collect();
+        if logs.is_empty() {
+            continue;
+        }
+        let pooled = |f: &dyn Fn(&crate::access_log::ProxyTimes) -> &Vec<f32>| -> Vec<f64> {
+            logs.iter()
+                .flat_map(|l| f(l).iter().map(|v| f64::from(*v)))
+                .collect()
+        };
+        let refusals = pooled(&|l| &l.refusal_ms);
+        let sent_on = pooled(&|l| &l.before_upstream_ms);
+        let ms = |v: f64| {
+            if v.is_nan() {
+                "-".to_string()
+            } else {
+                format!("{v:.2}")
+            }
+        };
+        let spread = |v: &[f64]| {
+            format!(
+                "{} / {} / {}",
+                ms(crate::stats::percentile(v, 50.0)),
+                ms(crate::stats::percentile(v, 99.0)),
+                ms(v.iter().copied().fold(f64::NAN, f64::max))
+            )
+        };
+        let _ = writeln!(
+            rows,
+            "| `{variant}` | {} | {} | {} | {} | {} |",
+            refusals.len(),
+            spread(&refusals),
+            logs.iter().map(|l| l.refusals_without_retry_after).sum::<usize>(),
+            sent_on.len(),
+            spread(&sent_on),
+        );
+    }
+    if rows.is_empty() {
+        return rows;
+    }
+    format!(
+        "At the proxy (Envoy's access log, wall ms, measured window; refusals from the request's first byte in to the answer's last byte out, requests sent on from their last byte in to their first byte upstream, which includes any hold in dprank's queue):\n\n\
+         | variant | refusals | refusal p50 / p99 / max | refusals without `retry-after` | sent on | before upstream p50 / p99 / max |\n\
+         |---|---|---|---|---|---|\n{rows}\n"
+    )
 }
 
 /// The table of one group: pooled TTFT percentiles and goodput with their
@@ -644,6 +701,30 @@ pub(crate) mod tests {
             started: "t".into(),
             provenance: None,
         }
+    }
+
+    #[test]
+    fn the_proxy_table_pools_the_access_logs_of_runs_with_one() {
+        let mut with_log = record("dprank-reject", 1, 500.0, 60.0);
+        with_log.overload = Some(crate::runner::OverloadFigures {
+            proxy: Some(crate::access_log::ProxyTimes {
+                refusal_ms: (1..=100).map(|i| i as f32 / 100.0).collect(),
+                refusals_without_retry_after: 0,
+                before_upstream_ms: vec![0.25; 10],
+            }),
+            ..Default::default()
+        });
+        let mut without = record("dprank", 1, 500.0, 60.0);
+        without.overload = Some(crate::runner::OverloadFigures::default());
+        let records = [with_log, without];
+        let groups = group(&records);
+        let table = proxy_table(&groups[0]);
+        assert!(
+            table.contains("| `dprank-reject` | 100 | 0.50 / 0.99 / 1.00 | 0 | 10 | 0.25 / 0.25 / 0.25 |"),
+            "{table}"
+        );
+        assert!(!table.contains("`dprank` |"), "a run without a log has no row");
+        assert_eq!(proxy_table(&group(&records[1..])[0]), "", "no log, no table");
     }
 
     #[test]

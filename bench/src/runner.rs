@@ -425,14 +425,26 @@ pub async fn start_fronts(
         };
         let front = match (&variant.front, fleets) {
             (VariantFront::Envoy(balancer), Fleets::Regular(fleet)) => {
-                start_envoy(tools, client, fleet, balancer, &name).await?
+                start_envoy(tools, client, fleet, balancer, &name, None).await?
             }
             (VariantFront::Dprank { poll, set }, Fleets::Regular(fleet)) => {
                 let settings = DprankSettings {
                     poll_interval_ms: poll.wall_ms(time_scale),
                     set: set.clone(),
                 };
-                start_envoy(tools, client, fleet, &Balancer::Dprank(settings), &name).await?
+                // With admission, Envoy's own clock on refusals and holds.
+                let log = set
+                    .contains_key("admission")
+                    .then(|| tools.logs.join(format!("{name}-access.log")));
+                start_envoy(
+                    tools,
+                    client,
+                    fleet,
+                    &Balancer::Dprank(settings),
+                    &name,
+                    log.as_deref(),
+                )
+                .await?
             }
             (VariantFront::DprankPd { poll, set }, Fleets::Pd { prefill, decode }) => {
                 let settings = DprankSettings {
@@ -604,6 +616,7 @@ pub async fn run_cell(
     let cpu = CpuTimes::now();
     let meter = CpuMeter::start(fronts.iter().map(|f| f.pid()).collect(), fleets.pids());
     let run_start = Instant::now();
+    let measured_from_unix = unix_s() + cell.warmup_s / cell.time_scale.max(1e-9);
     let output = run_plan(&plan, &options).await?;
     let run_sim_s = run_start.elapsed().as_secs_f64() * cell.time_scale;
     let cpu_busy = CpuTimes::now().busy_since(&cpu);
@@ -631,6 +644,7 @@ pub async fn run_cell(
             counters.get_or_insert_with(DprankCounters::default).add(&c);
         }
     }
+    let proxy = proxy_times(&fronts, measured_from_unix).await?;
     drop(fronts);
     let ranks = match &fleets {
         Fleets::Regular(f) => 0..f.workers.len() * cell.fleet.dp_size,
@@ -663,6 +677,10 @@ pub async fn run_cell(
             notes: plan.notes.clone(),
         },
     );
+    let record = RunRecord {
+        overload: record.overload.map(|o| OverloadFigures { proxy, ..o }),
+        ..record
+    };
     Ok(Ok(CellRun {
         record,
         samples: output.samples,
@@ -789,6 +807,32 @@ pub fn summarize(cell: &Cell, output: &RunOutput, fleet: Summary) -> RunRecord {
     }
 }
 
+/// Now, in Unix seconds.
+fn unix_s() -> f64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64())
+}
+
+/// The proxy's figures from the fronts' access logs, over requests that
+/// reached Envoy from `from_unix_s` on (None without a log). Envoy writes
+/// its log once a second: the wait lets the last lines reach the file.
+async fn proxy_times(
+    fronts: &[crate::fleet::Front],
+    from_unix_s: f64,
+) -> Result<Option<crate::access_log::ProxyTimes>, String> {
+    let logs: Vec<&std::path::Path> = fronts.iter().filter_map(|f| f.access_log.as_deref()).collect();
+    if logs.is_empty() {
+        return Ok(None);
+    }
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let mut entries = Vec::new();
+    for log in logs {
+        entries.extend(crate::access_log::read(log)?);
+    }
+    Ok(Some(crate::access_log::ProxyTimes::of(&entries, from_unix_s)))
+}
+
 /// What a run shows of overload protection.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct OverloadFigures {
@@ -806,6 +850,9 @@ pub struct OverloadFigures {
     /// How long each request the gateway held and sent on was held
     /// (simulated ms; virtual time only).
     pub held_ms: Vec<f32>,
+    /// On the harness, what Envoy's access log measured (`access_log`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub proxy: Option<crate::access_log::ProxyTimes>,
 }
 
 impl OverloadFigures {

@@ -543,11 +543,12 @@ impl Suite {
                             Some(rate) => (rate, None),
                             None => rate_of(workload, *kv, *load)?,
                         };
+                        let time_scale = self.time_scale_for(*kv);
                         for variant in &variants {
                             out.push(Cell {
                                 suite: self.name.clone(),
                                 workload: workload.clone(),
-                                variant: variant.for_ttft_target(slo.ttft_ms),
+                                variant: variant.for_cell(slo.ttft_ms, time_scale),
                                 seed: *seed,
                                 kv: *kv,
                                 preset: self.preset,
@@ -556,7 +557,7 @@ impl Suite {
                                 warmup_s: self.warmup_s,
                                 duration_s: measured_window(rate, self.duration_s, self.min_requests),
                                 nominal_duration_s: self.duration_s,
-                                time_scale: self.time_scale_for(*kv),
+                                time_scale,
                                 fleet: self.fleet,
                                 slo,
                                 capacity: capacity.clone(),

@@ -579,10 +579,13 @@ impl Variant {
 }
 
 impl Variant {
-    /// This variant for a cell with TTFT target `ttft_ms`: a dprank
-    /// admission block without a wait limit gets half the target, and in
-    /// queue mode without a time-out the target ([`ADMIT_WAIT_SHARE_OF_TTFT`]).
-    pub fn for_ttft_target(&self, ttft_ms: f64) -> Variant {
+    /// This variant for a cell with TTFT target `ttft_ms` (simulated) run at
+    /// `time_scale`: a dprank admission block without a wait limit gets half
+    /// the target, and in queue mode without a time-out the target
+    /// ([`ADMIT_WAIT_SHARE_OF_TTFT`]); then its times, simulated ms like
+    /// every time a variant names, become the wall ms the filter counts in
+    /// (divided by `time_scale`; virtual time runs at 1).
+    pub fn for_cell(&self, ttft_ms: f64, time_scale: f64) -> Variant {
         let mut out = self.clone();
         let (Front::Dprank { set, .. } | Front::DprankPd { set, .. }) = &mut out.front else {
             return out;
@@ -597,6 +600,19 @@ impl Variant {
                 block
                     .entry("queue_timeout_ms")
                     .or_insert(Value::from(ttft_ms.round() as u64));
+            }
+            if time_scale.is_finite() && time_scale > 0.0 && time_scale != 1.0 {
+                let wall = |v: &mut Value| {
+                    if let Some(ms) = v.as_u64() {
+                        *v = Value::from((ms as f64 / time_scale).round().max(1.0) as u64);
+                    }
+                };
+                for key in ["max_wait_ms", "queue_timeout_ms"] {
+                    block.get_mut(key).map(wall);
+                }
+                if let Some(Value::Object(classes)) = block.get_mut("class_max_wait_ms") {
+                    classes.values_mut().for_each(wall);
+                }
             }
         });
         out
@@ -736,7 +752,7 @@ mod tests {
 
     #[test]
     fn admission_limits_follow_the_ttft_target_unless_set() {
-        let block = |spec: &str, ttft: f64| match Variant::parse(spec).unwrap().for_ttft_target(ttft).front {
+        let block = |spec: &str, ttft: f64| match Variant::parse(spec).unwrap().for_cell(ttft, 1.0).front {
             Front::Dprank { set, .. } => set.get("admission").cloned(),
             _ => None,
         };
@@ -767,12 +783,28 @@ mod tests {
             )
         );
         assert_eq!(block("dprank", 800.0), None, "no admission, none added");
+        let on_harness = |spec: &str| match Variant::parse(spec).unwrap().for_cell(800.0, 2.0).front {
+            Front::Dprank { set, .. } => set.get("admission").cloned(),
+            _ => None,
+        };
+        assert_eq!(
+            on_harness("dprank:admit=queue:wait=100"),
+            Some(serde_json::json!({"when_saturated": "queue", "max_wait_ms": 50, "queue_timeout_ms": 400})),
+            "at time scale 2 the filter counts half as many wall ms"
+        );
+        assert_eq!(
+            on_harness("dprank:admit=reject:requests=48"),
+            Some(
+                serde_json::json!({"when_saturated": "reject", "max_requests_per_rank": 48, "max_wait_ms": 200})
+            ),
+            "request limits have no unit to scale"
+        );
         for spec in [
             "dprank-queue",
             "dprank-reject",
             "dprank:admit=reject:requests=48:standard-requests=40",
         ] {
-            let v = Variant::parse(spec).unwrap().for_ttft_target(800.0);
+            let v = Variant::parse(spec).unwrap().for_cell(800.0, 1.0);
             assert!(
                 crate::offline::driver::dprank_config(&v, 2, false).is_ok(),
                 "{spec}"
