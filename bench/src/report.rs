@@ -435,6 +435,57 @@ pub fn group_table(g: &Group, reference: &str) -> String {
     markdown_table(&header, &rows)
 }
 
+/// One line per table of a report of several: each variant's pooled TTFT
+/// p90 (simulated ms) and goodput, the reference in bold; the intervals
+/// are in the tables below. Empty for a report of one table.
+pub fn overview_table(groups: &[Group], reference: &str) -> String {
+    if groups.len() < 2 {
+        return String::new();
+    }
+    let mut variants: Vec<&str> = Vec::new();
+    for g in groups {
+        for (v, _) in &g.variants {
+            if !variants.contains(&v.as_str()) {
+                variants.push(v);
+            }
+        }
+    }
+    let mut header = vec!["workload", "KV", "load"];
+    header.extend(variants.iter().copied());
+    let rows: Vec<Vec<String>> = groups
+        .iter()
+        .map(|g| {
+            let mut row = vec![
+                g.workload.clone(),
+                g.kv.clone(),
+                g.load
+                    .map_or(format!("{:.2} req/s", g.rate), |l| format!("{:.0}%", l * 100.0)),
+            ];
+            for v in &variants {
+                let figure = g.runs_of(v).map(|runs| {
+                    let pooled = Pooled::new(&seed_requests(runs));
+                    let all = crate::stats::all_once(pooled.seeds());
+                    format!(
+                        "{} / {:.1}%",
+                        cell(pooled_ttft(90.0)(&pooled, &all), 0),
+                        pooled_goodput(&pooled, &all) * 100.0
+                    )
+                });
+                row.push(match figure {
+                    Some(f) if *v == reference => format!("**{f}**"),
+                    Some(f) => f,
+                    None => "–".into(),
+                });
+            }
+            row
+        })
+        .collect();
+    format!(
+        "## At a glance\n\nTTFT p90 (simulated ms) / goodput, pooled over the seeds; intervals and the other figures in the tables below.\n\n{}\n",
+        markdown_table(&header, &rows)
+    )
+}
+
 /// Notes under a table: set-up facts every reader needs.
 pub fn group_notes(g: &Group) -> String {
     let mut md = String::new();
@@ -701,6 +752,30 @@ pub(crate) mod tests {
             started: "t".into(),
             provenance: None,
         }
+    }
+
+    #[test]
+    fn the_overview_has_a_line_per_table_and_a_column_per_variant() {
+        let records = [
+            record("dprank", 1, 500.0, 60.0),
+            record("rr", 1, 800.0, 60.0),
+            record("dprank", 1, 700.0, 80.0),
+        ];
+        let groups = group(&records);
+        let md = overview_table(&groups, "dprank");
+        assert!(md.contains("| workload | KV | load | dprank | rr |"), "{md}");
+        let lines: Vec<&str> = md.lines().filter(|l| l.starts_with("| no-prefix")).collect();
+        assert_eq!(lines.len(), 2, "{md}");
+        assert!(lines[0].contains("| 600% | **"), "the reference in bold: {md}");
+        assert!(
+            lines[1].ends_with("| –|") || lines[1].ends_with("| – |"),
+            "rr did not run there: {md}"
+        );
+        assert_eq!(
+            overview_table(&groups[..1], "dprank"),
+            "",
+            "one table needs no overview"
+        );
     }
 
     #[test]

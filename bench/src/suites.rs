@@ -1311,6 +1311,7 @@ pub fn write_report(
         .map(|l| (l * 1000.0) as u64)
         .collect();
     let sweep = loads.len() > 1;
+    md.push_str(&report::overview_table(&groups, &suite.reference));
     for (i, g) in groups.iter().enumerate() {
         let _ = writeln!(md, "## {}\n", group_title(g));
         md.push_str(&group_table(g, &suite.reference));
