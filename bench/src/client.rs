@@ -9,8 +9,9 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
+use hyper::body::Incoming;
 use hyper::client::conn::http1::SendRequest;
-use hyper::Request;
+use hyper::{Request, Response};
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::{TokioExecutor, TokioIo};
@@ -363,8 +364,9 @@ impl Connection {
         })
     }
 
-    /// POSTs `body` to `path`, reads the whole response; returns the latency.
-    pub async fn post(&mut self, path: &str, body: Bytes) -> Result<Duration, String> {
+    /// Sends a JSON POST of `body` to `path`; returns when it was sent and
+    /// the response (its head read, not its body).
+    async fn send(&mut self, path: &str, body: Bytes) -> Result<(Instant, Response<Incoming>), String> {
         let request = Request::post(path)
             .header("host", &self.authority)
             .header("content-type", "application/json")
@@ -380,6 +382,12 @@ impl Connection {
             .send_request(request)
             .await
             .map_err(|e| format!("transport: {e}"))?;
+        Ok((start, response))
+    }
+
+    /// POSTs `body` to `path`, reads the whole response; returns the latency.
+    pub async fn post(&mut self, path: &str, body: Bytes) -> Result<Duration, String> {
+        let (start, response) = self.send(path, body).await?;
         let status = response.status();
         response
             .into_body()
@@ -395,21 +403,7 @@ impl Connection {
     /// POSTs a streamed request and reads the response as it comes; returns
     /// when its first and its last body bytes arrived, from the send.
     pub async fn post_streamed(&mut self, path: &str, body: Bytes) -> Result<(Duration, Duration), String> {
-        let request = Request::post(path)
-            .header("host", &self.authority)
-            .header("content-type", "application/json")
-            .body(Full::new(body))
-            .map_err(|e| format!("bad request: {e}"))?;
-        let start = Instant::now();
-        self.sender
-            .ready()
-            .await
-            .map_err(|e| format!("connection: {e}"))?;
-        let response = self
-            .sender
-            .send_request(request)
-            .await
-            .map_err(|e| format!("transport: {e}"))?;
+        let (start, response) = self.send(path, body).await?;
         if !response.status().is_success() {
             return Err(format!("HTTP {}", response.status().as_u16()));
         }

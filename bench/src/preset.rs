@@ -67,6 +67,58 @@ const PROVISIONAL_VLLM: &str = "the SGLang preset's regime values on vLLM server
 
 const PROVISIONAL: &str = "regime values set before the calibrated cost model was merged: check KV per rank, limits, trace scale and time scales against it (bench/README.md, \"Presets\")";
 
+/// KV per rank of the calibrated presets: small, where prefixes compete for
+/// the cache, and large, where most fit.
+const SMALL: KvRegime = KvRegime {
+    tokens: 100_000,
+    running: 128,
+};
+const LARGE: KvRegime = KvRegime {
+    tokens: 400_000,
+    running: 256,
+};
+
+/// The calibrated DeepSeek-V3-class preset (the default).
+const DEEPSEEK_V3_DP8: SimPreset = SimPreset {
+    name: "deepseek-v3-dp8",
+    about: "the calibrated DeepSeek-V3-class DP-attention node: 8 ranks per worker in lockstep (`--cost-model deepseek-v3-dp8`)",
+    sim_args: &["--cost-model", "deepseek-v3-dp8"],
+    vllm: false,
+    dp_size: 8,
+    small: SMALL,
+    large: LARGE,
+    max_prompt: 65_536,
+    max_output: 4096,
+    // A rank prefills a prompt alone: the quadratic attention of the
+    // conversation trace's p90 prompt (27k tokens) alone takes ~5 s, where
+    // the trace's own deployment split long prefills over several nodes.
+    // Lengths and blocks x 1/4 keep arrivals, sharing and answers.
+    trace_input_scale: 0.25,
+    slo: SloRule::FromIdle,
+    time_scale_small: 2.0,
+    time_scale_large: 1.0,
+    // Checked after the merge (bench/README.md, "Simulator presets").
+    provisional: None,
+};
+
+/// The calibrated small dense preset.
+const DENSE_8B: SimPreset = SimPreset {
+    name: "dense-8b",
+    about: "the calibrated small dense model: 4 data-parallel replicas per worker (`--cost-model dense-8b`)",
+    sim_args: &["--cost-model", "dense-8b"],
+    vllm: false,
+    dp_size: 4,
+    small: SMALL,
+    large: LARGE,
+    max_prompt: 32_768,
+    max_output: 4096,
+    trace_input_scale: 1.0,
+    slo: SloRule::FromIdle,
+    time_scale_small: 2.0,
+    time_scale_large: 1.0,
+    provisional: Some(PROVISIONAL),
+};
+
 pub const PRESETS: [SimPreset; 5] = [
     SimPreset {
         name: "legacy",
@@ -98,98 +150,25 @@ pub const PRESETS: [SimPreset; 5] = [
         time_scale_large: 2.0,
         provisional: None,
     },
-    SimPreset {
-        name: "deepseek-v3-dp8",
-        about: "the calibrated DeepSeek-V3-class DP-attention node: 8 ranks per worker in lockstep (`--cost-model deepseek-v3-dp8`)",
-        sim_args: &["--cost-model", "deepseek-v3-dp8"],
-        vllm: false,
-        dp_size: 8,
-        small: KvRegime {
-            tokens: 100_000,
-            running: 128,
-        },
-        large: KvRegime {
-            tokens: 400_000,
-            running: 256,
-        },
-        max_prompt: 65_536,
-        max_output: 4096,
-        // A rank prefills a prompt alone: the quadratic attention of the
-        // conversation trace's p90 prompt (27k tokens) alone takes ~5 s, where
-        // the trace's own deployment split long prefills over several nodes.
-        // Lengths and blocks x 1/4 keep arrivals, sharing and answers.
-        trace_input_scale: 0.25,
-        slo: SloRule::FromIdle,
-        time_scale_small: 2.0,
-        time_scale_large: 1.0,
-        // Checked after the merge (bench/README.md, "Simulator presets").
-        provisional: None,
-    },
-    SimPreset {
-        name: "dense-8b",
-        about: "the calibrated small dense model: 4 data-parallel replicas per worker (`--cost-model dense-8b`)",
-        sim_args: &["--cost-model", "dense-8b"],
-        vllm: false,
-        dp_size: 4,
-        small: KvRegime {
-            tokens: 100_000,
-            running: 128,
-        },
-        large: KvRegime {
-            tokens: 400_000,
-            running: 256,
-        },
-        max_prompt: 32_768,
-        max_output: 4096,
-        trace_input_scale: 1.0,
-        slo: SloRule::FromIdle,
-        time_scale_small: 2.0,
-        time_scale_large: 1.0,
-        provisional: Some(PROVISIONAL),
-    },
+    DEEPSEEK_V3_DP8,
+    DENSE_8B,
+    // vLLM serving the same models: the same regime, vLLM's engine.
     SimPreset {
         name: "vllm-dense-8b",
         about: "vLLM serving the calibrated small dense model: 4 data-parallel engines per server stepping on their own, vLLM's scheduler (8,192 tokens per step, 16-token blocks) and internal balancer (0.14) (`--engine vllm --cost-model dense-8b`)",
         sim_args: &["--engine", "vllm", "--cost-model", "dense-8b"],
         vllm: true,
-        dp_size: 4,
-        small: KvRegime {
-            tokens: 100_000,
-            running: 128,
-        },
-        large: KvRegime {
-            tokens: 400_000,
-            running: 256,
-        },
-        max_prompt: 32_768,
-        max_output: 4096,
-        trace_input_scale: 1.0,
-        slo: SloRule::FromIdle,
-        time_scale_small: 2.0,
-        time_scale_large: 1.0,
         provisional: Some(PROVISIONAL_VLLM),
+        ..DENSE_8B
     },
     SimPreset {
         name: "vllm-deepseek-v3-dp8",
         about: "vLLM serving the calibrated DeepSeek-V3-class model with DP and expert parallelism: 8 engines per server stepping together, vLLM's scheduler (8,192 tokens per step, 64-token blocks) and internal balancer (0.14) (`--engine vllm --cost-model deepseek-v3-dp8`)",
         sim_args: &["--engine", "vllm", "--cost-model", "deepseek-v3-dp8"],
         vllm: true,
-        dp_size: 8,
-        small: KvRegime {
-            tokens: 100_000,
-            running: 128,
-        },
-        large: KvRegime {
-            tokens: 400_000,
-            running: 256,
-        },
-        max_prompt: 65_536,
-        max_output: 4096,
         trace_input_scale: 1.0,
-        slo: SloRule::FromIdle,
-        time_scale_small: 2.0,
-        time_scale_large: 1.0,
         provisional: Some(PROVISIONAL_VLLM),
+        ..DEEPSEEK_V3_DP8
     },
 ];
 
