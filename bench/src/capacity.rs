@@ -24,9 +24,10 @@ use serde::{Deserialize, Serialize};
 
 use crate::loadgen::RequestRecord;
 use crate::offline::{driver, sim_config};
+use crate::preset::Kv;
 use crate::preset::SimPreset;
 use crate::provenance::Provenance;
-use crate::runner::{FleetShape, Kv};
+use crate::runner::FleetShape;
 use crate::stats::{percentile, Slo};
 use crate::variant::Variant;
 use crate::workload::{Plan, Shape, Workload, WorkloadKind};
@@ -420,7 +421,7 @@ impl CapacityJob<'_> {
             seeds: SEEDS.to_vec(),
             warmup_s: WARMUP_S,
             window_s: WINDOW_S,
-            measured: crate::report::now_utc(),
+            measured: crate::provenance::now_utc(),
             provenance: Some(self.provenance.clone()),
         })
     }

@@ -17,7 +17,8 @@ use clap::Args;
 use crate::fleet::Tools;
 use crate::loadgen::LoadSample;
 use crate::plot::{self, RankPanel};
-use crate::runner::{run_cell, Cell, CellRun, FleetShape, Kv, Skipped};
+use crate::preset::Kv;
+use crate::runner::{run_cell, Cell, CellRun, FleetShape, Skipped};
 use crate::variant::{SimFeatures, Variant};
 use crate::workload::{Workload, WorkloadKind};
 

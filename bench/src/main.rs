@@ -9,6 +9,7 @@ mod demo;
 mod envoy;
 mod figure;
 mod fleet;
+mod folders;
 mod headline;
 mod host_calls;
 mod loadgen;
@@ -178,7 +179,7 @@ async fn load(args: LoadArgs) -> Result<(), String> {
         rate: args.rate,
         duration_s: args.duration,
         seed: args.seed,
-        max_prompt: legacy.max_prompt(runner::Kv::Large),
+        max_prompt: legacy.max_prompt(crate::preset::Kv::Large),
         max_output: legacy.max_output,
     })?;
     // Where each answer ends goes to the simulated workers, not in the requests.
@@ -315,7 +316,7 @@ fn slos(trace_dir: Option<std::path::PathBuf>) -> Result<(), String> {
             let mut w = Workload::new(kind);
             w.trace.dir = trace_dir.clone();
             w.trace.input_scale = p.trace_input_scale;
-            for kv in [runner::Kv::Small, runner::Kv::Large] {
+            for kv in [crate::preset::Kv::Small, crate::preset::Kv::Large] {
                 match slo::for_workload(p, &w, kv, slo::SloOverride::default()) {
                     Ok((s, why)) => println!(
                         "  {} KV {}: TTFT <= {} ms, TPOT <= {} ms: {why}",

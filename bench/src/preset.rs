@@ -11,8 +11,27 @@
 
 use std::fmt::Write as _;
 
-use crate::runner::Kv;
 use crate::stats::Slo;
+use serde::{Deserialize, Serialize};
+
+/// KV cache per rank: the regime's main knob besides the offered load.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "kebab-case")]
+pub enum Kv {
+    /// Ranks fill and queue (the preset's `small` regime).
+    Small,
+    /// More room, batches run longer (the preset's `large` regime).
+    Large,
+}
+
+impl Kv {
+    pub fn name(self) -> &'static str {
+        match self {
+            Kv::Small => "small",
+            Kv::Large => "large",
+        }
+    }
+}
 
 /// KV tokens and running sequences per rank of one regime.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

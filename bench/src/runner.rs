@@ -20,30 +20,11 @@ use crate::fleet::{
     SimFleet, Tools,
 };
 use crate::loadgen::{imbalance, run_plan, Drain, LoadOptions, RequestRecord, RunOutput};
-use crate::preset::SimPreset;
+use crate::preset::{Kv, SimPreset};
 use crate::provenance::Provenance;
 use crate::stats::{goodput, percentile, SeedRequests, Slo};
 use crate::variant::{Dispatch, Front as VariantFront, SimFeatures, Variant};
 use crate::workload::{Shape, Workload};
-
-/// KV cache per rank: the regime's main knob besides the offered load.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, clap::ValueEnum)]
-#[serde(rename_all = "kebab-case")]
-pub enum Kv {
-    /// Ranks fill and queue (the preset's `small` regime).
-    Small,
-    /// More room, batches run longer (the preset's `large` regime).
-    Large,
-}
-
-impl Kv {
-    pub fn name(self) -> &'static str {
-        match self {
-            Kv::Small => "small",
-            Kv::Large => "large",
-        }
-    }
-}
 
 /// Workers and ranks of the simulated fleets.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -567,7 +548,7 @@ pub async fn run_cell(
     let plan = cell.plan()?;
     // A vLLM server has no /generate: those requests go to /v1/completions.
     let plan = if cell.preset.vllm { plan.to_openai() } else { plan };
-    let started_at = crate::report::now_utc();
+    let started_at = crate::provenance::now_utc();
     let wall_start = Instant::now();
     let client = pooled_client();
     let name = format!(

@@ -14,8 +14,8 @@ use dprank_sim::offline::{Fleet, Prompt, Request};
 use dprank_sim::engine::cost::DecodeWork;
 
 use crate::offline::sim_config;
+use crate::preset::Kv;
 use crate::preset::{SimPreset, SloRule, IDLE_PROMPT_TOKENS, IDLE_TPOT_FACTOR, IDLE_TTFT_FACTOR};
-use crate::runner::Kv;
 use crate::stats::{percentile, Slo};
 use crate::workload::chat::TEMPLATE_TOKENS_PER_MESSAGE;
 use crate::workload::{text, Plan, Shape, Workload};

@@ -19,11 +19,12 @@ use serde::{Deserialize, Serialize};
 use crate::capacity::{self, CapacityFile, CapacityJob};
 use crate::fleet::Tools;
 use crate::plot;
+use crate::preset::Kv;
 use crate::preset::{self, SimPreset};
 use crate::provenance::Provenance;
 use crate::report::{self, group, group_notes, group_table, group_title, report_header};
 use crate::runner::{
-    measured_window, run_cell, settings_of, Cell, FleetShape, Kv, ResultsFile, RunRecord, Skipped,
+    measured_window, run_cell, settings_of, Cell, FleetShape, ResultsFile, RunRecord, Skipped,
 };
 use crate::seeds::SeedSet;
 use crate::slo::SloOverride;
@@ -1062,7 +1063,7 @@ pub async fn run_suite(
                 .map_err(|e| format!("cannot write {}: {e}", path.display()))?;
             println!("wrote {}", path.display());
         }
-        crate::headline::folder_readme(
+        crate::folders::folder_readme(
             &suite.out,
             "smg-sweep",
             &provenance,

@@ -20,8 +20,9 @@ use dprank_sim::output::text_upto;
 use dprank_sim::SimConfig;
 use serde_json::Value;
 
+use super::choice::{mix, Placement};
 use super::front::{
-    mix, Arrival, DprankGateway, Front, Held, IeDetector, Placement, PollCall, Released, SmgFront, IE_POLL_S,
+    Arrival, DprankGateway, Front, Held, IeDetector, PollCall, Released, SmgFront, IE_POLL_S,
 };
 use super::gie::{self, Gie, Reading};
 use super::smg::{CacheAware, Limiter, SmgKnobs};
@@ -783,7 +784,7 @@ fn submit(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::runner::Kv;
+    use crate::preset::Kv;
     use crate::workload::{Shape, Workload, WorkloadKind};
 
     fn vllm_spec(variant: &Variant) -> RunSpec<'_> {

@@ -7,6 +7,7 @@
 //! dprank. A front may hold a request (dprank's queue, smg's limiter) and
 //! send it on, or refuse it, later ([`Front::released`]).
 
+use super::choice::{mix, Placement};
 use std::cell::RefCell;
 use std::collections::HashMap;
 use std::rc::Rc;
@@ -21,14 +22,6 @@ use serde_json::Value;
 use super::gie::Gie;
 use super::smg::{CacheAware, Limiter, Permit};
 use crate::workload::{HIGH_CLASS, LOW_CLASS, PRIORITY_HEADER};
-
-/// Where a request goes: a worker, and the rank it names (None: the
-/// worker's own controller picks).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Placement {
-    pub worker: usize,
-    pub rank: Option<usize>,
-}
 
 /// A poll dprank dispatched: its token, the worker it asks, the path.
 #[derive(Debug, Clone)]
@@ -516,14 +509,6 @@ fn prompt_text(body: &[u8]) -> Vec<u8> {
         .and_then(|v| v.as_str())
         .map(|text| text.as_bytes().to_vec())
         .unwrap_or_default()
-}
-
-/// splitmix64.
-pub fn mix(x: u64) -> u64 {
-    let mut z = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
 }
 
 #[cfg(test)]

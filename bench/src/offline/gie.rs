@@ -34,7 +34,7 @@ use std::collections::{BTreeSet, HashMap};
 
 use dprank_sim::engine::EngineStats;
 
-use super::front::{mix, Placement};
+use super::choice::{mix, Placement};
 
 /// The EPP's metrics refresh interval.
 pub const POLL_S: f64 = 0.05;

@@ -13,6 +13,7 @@
 //! model's; the harness (`dprank-bench run`) measures the real thing, and
 //! `make bench` compares the two.
 
+mod choice;
 pub mod driver;
 mod front;
 mod gie;
@@ -23,8 +24,8 @@ use std::time::Instant;
 
 use dprank_sim::Cli as SimCli;
 
-use crate::preset::SimPreset;
-use crate::runner::{summarize, Cell, Kv, RunRecord, Summary};
+use crate::preset::{Kv, SimPreset};
+use crate::runner::{summarize, Cell, RunRecord, Summary};
 
 /// The simulator's configuration for a preset, KV size and ranks per worker.
 pub fn sim_config(
@@ -84,7 +85,7 @@ pub fn run_cell(cell: &Cell, requests_out: Option<&Path>) -> Result<RunRecord, S
         cell,
         &outcome.output,
         Summary {
-            started: crate::report::now_utc(),
+            started: crate::provenance::now_utc(),
             wall_s: started.elapsed().as_secs_f64(),
             cpu_busy: None,
             served_per_rank: Vec::new(),

@@ -35,7 +35,7 @@ use std::collections::{HashSet, VecDeque};
 use dprank::body::JsonObject;
 use dprank::prefix::PromptBlocks;
 
-use super::front::Placement;
+use super::choice::Placement;
 
 const MATCH_BYTES: u32 = 16;
 const BALANCE_ABS_FLOOR: f64 = 4.0;

@@ -36,6 +36,7 @@ pub mod replay;
 pub mod synth;
 pub mod tenants;
 pub mod text;
+pub mod trace_format;
 pub mod traces;
 
 use bytes::Bytes;

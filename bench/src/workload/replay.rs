@@ -23,14 +23,11 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
+use super::trace_format::{parse, TraceLine, BLOCK_TOKENS};
+use super::{answer_tag, bodies, synth, text, Api, OpenRequest, OutputCap, Plan, Shape, TraceOptions};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
-use serde::Deserialize;
 
-use super::{answer_tag, bodies, synth, text, Api, OpenRequest, OutputCap, Plan, Shape, TraceOptions};
-
-/// Tokens per block in the format.
-pub const BLOCK_TOKENS: u32 = 512;
 const TAG: u64 = 5;
 /// Seeds from here on are judging seeds (`crate::suites::SeedSet`).
 const FIRST_JUDGING_SEED: u64 = 101;
@@ -39,40 +36,6 @@ const FIRST_CAPACITY_SEED: u64 = 1_000_000;
 
 /// How a seed's window of a trace file is chosen (said in every report).
 pub const WINDOWS: &str = "windows of tuning seeds (1-100) lie in the first half of the file, of judging seeds (101 and up) in the second half, so the two sets replay different requests (a window longer than half the file is drawn from the whole file, and the report says so)";
-
-/// One line of a block-hash trace.
-#[derive(Debug, Clone, PartialEq, Deserialize, serde::Serialize)]
-pub struct TraceLine {
-    /// Arrival, ms.
-    pub timestamp: f64,
-    pub input_length: u64,
-    pub output_length: u64,
-    pub hash_ids: Vec<u64>,
-}
-
-/// Parses JSONL text; blank lines are skipped; `origin` names the source in
-/// errors, which carry the line number.
-pub fn parse(text: &str, origin: &str) -> Result<Vec<TraceLine>, String> {
-    let mut out = Vec::new();
-    for (number, line) in text.lines().enumerate() {
-        if line.trim().is_empty() {
-            continue;
-        }
-        let parsed: TraceLine = serde_json::from_str(line)
-            .map_err(|e| format!("{origin}:{}: not a block-hash trace line: {e}", number + 1))?;
-        if !parsed.timestamp.is_finite() {
-            return Err(format!(
-                "{origin}:{}: timestamp is not a finite number",
-                number + 1
-            ));
-        }
-        out.push(parsed);
-    }
-    if out.is_empty() {
-        return Err(format!("{origin}: no trace lines"));
-    }
-    Ok(out)
-}
 
 type Loaded = Arc<Vec<TraceLine>>;
 static LOADED: Mutex<Option<HashMap<PathBuf, Loaded>>> = Mutex::new(None);

@@ -13,8 +13,8 @@ use rand::{Rng, SeedableRng};
 use rand_distr::{Distribution, Exp, Geometric};
 
 use super::lengths::{zipf_pick, zipf_weights, LengthModel};
-use super::replay::{TraceLine, BLOCK_TOKENS};
 use super::text;
+use super::trace_format::{TraceLine, BLOCK_TOKENS};
 
 pub const DESCRIPTION: &str = "8 applications with system prompts of 2-12 blocks (Zipf(1.0) popularity), sessions of 1 + geometric(mean 2) turns (at most 8) adding 1-3 user blocks per turn, answers lognormal(median 250, sigma 0.8) in [16, 2000] tokens kept in the history, Poisson session starts (1 per 10 s), think time exponential(mean 30 s)";
 
@@ -113,7 +113,7 @@ pub fn to_jsonl(lines: &[TraceLine]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::workload::replay;
+    use crate::workload::trace_format;
 
     #[test]
     fn sessions_share_prefixes_and_the_output_parses_back() {
@@ -139,7 +139,7 @@ mod tests {
             let full = l.hash_ids.len() as u64 * 512;
             l.input_length <= full && l.input_length > full - 512
         }));
-        let parsed = replay::parse(&to_jsonl(&lines), "synth").unwrap();
+        let parsed = trace_format::parse(&to_jsonl(&lines), "synth").unwrap();
         assert_eq!(parsed, lines);
     }
 
