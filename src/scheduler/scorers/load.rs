@@ -99,7 +99,8 @@ mod tests {
     use crate::scheduler::{Constraint, WorkerView};
     use crate::worker_state::WorkerState;
 
-    fn score(state: &WorkerState, mut costs: Vec<Slot>) -> Vec<Slot> {
+    /// `state`'s costs as scored in `ctx`, `state` being worker 0.
+    fn score_in(ctx: &Context, state: &WorkerState, mut costs: Vec<Slot>) -> Vec<Slot> {
         let w = worker("a", 1, None);
         let loads = crate::scheduler::LoadTable::of(std::slice::from_ref(&Some(state.clone())));
         let view = WorkerView {
@@ -108,8 +109,12 @@ mod tests {
             state,
             loads: loads.worker(0),
         };
-        Load.score(&ctx(Constraint::default()), &view, &mut costs);
+        Load.score(ctx, &view, &mut costs);
         costs
+    }
+
+    fn score(state: &WorkerState, costs: Vec<Slot>) -> Vec<Slot> {
+        score_in(&ctx(Constraint::default()), state, costs)
     }
 
     /// `state`'s costs under prefix affinity as `config` sets it, for a
@@ -118,24 +123,15 @@ mod tests {
         config: &Config,
         blocks: PromptBlocks,
         state: &WorkerState,
-        mut costs: Vec<Slot>,
+        costs: Vec<Slot>,
     ) -> Vec<Slot> {
         let settings = config.prefix.clone().unwrap();
         let prefix = prefix_request(&settings, blocks, 0);
-        let w = worker("a", 1, None);
-        let loads = crate::scheduler::LoadTable::of(std::slice::from_ref(&Some(state.clone())));
-        let view = WorkerView {
-            index: 0,
-            worker: &w,
-            state,
-            loads: loads.worker(0),
-        };
         let ctx = Context {
             prefix: Some(&prefix),
             ..ctx(Constraint::default())
         };
-        Load.score(&ctx, &view, &mut costs);
-        costs
+        score_in(&ctx, state, costs)
     }
 
     #[test]
