@@ -113,6 +113,21 @@ pub fn read(path: &Path) -> Result<Vec<Entry>, String> {
         .collect()
 }
 
+/// The proxy's figures from `logs` (one per gateway), over requests that
+/// reached Envoy from `from_unix_s` on; None without a log. Envoy writes
+/// its logs once a second: the wait lets the last lines reach the files.
+pub async fn collect(logs: &[&Path], from_unix_s: f64) -> Result<Option<ProxyTimes>, String> {
+    if logs.is_empty() {
+        return Ok(None);
+    }
+    tokio::time::sleep(std::time::Duration::from_millis(1500)).await;
+    let mut entries = Vec::new();
+    for log in logs {
+        entries.extend(read(log)?);
+    }
+    Ok(Some(ProxyTimes::of(&entries, from_unix_s)))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

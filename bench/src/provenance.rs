@@ -62,11 +62,16 @@ pub fn machine() -> String {
     )
 }
 
+/// Now, in Unix seconds.
+pub fn unix_s() -> f64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64())
+}
+
 /// UTC date and time now, `YYYY-MM-DD HH:MM UTC`.
 pub fn now_utc() -> String {
-    let secs = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs());
+    let secs = unix_s() as u64;
     let days = secs / 86_400;
     let (h, m) = ((secs % 86_400) / 3600, (secs % 3600) / 60);
     // Civil-from-days (Howard Hinnant's algorithm).

@@ -597,7 +597,7 @@ pub async fn run_cell(
     let cpu = CpuTimes::now();
     let meter = CpuMeter::start(fronts.iter().map(|f| f.pid()).collect(), fleets.pids());
     let run_start = Instant::now();
-    let measured_from_unix = unix_s() + cell.warmup_s / cell.time_scale.max(1e-9);
+    let measured_from_unix = crate::provenance::unix_s() + cell.warmup_s / cell.time_scale.max(1e-9);
     let output = run_plan(&plan, &options).await?;
     let run_sim_s = run_start.elapsed().as_secs_f64() * cell.time_scale;
     let cpu_busy = CpuTimes::now().busy_since(&cpu);
@@ -625,7 +625,8 @@ pub async fn run_cell(
             counters.get_or_insert_with(DprankCounters::default).add(&c);
         }
     }
-    let proxy = proxy_times(&fronts, measured_from_unix).await?;
+    let logs: Vec<&Path> = fronts.iter().filter_map(|f| f.access_log.as_deref()).collect();
+    let proxy = crate::access_log::collect(&logs, measured_from_unix).await?;
     drop(fronts);
     let ranks = match &fleets {
         Fleets::Regular(f) => 0..f.workers.len() * cell.fleet.dp_size,
@@ -786,32 +787,6 @@ pub fn summarize(cell: &Cell, output: &RunOutput, fleet: Summary) -> RunRecord {
         started: fleet.started,
         provenance: Some(cell.provenance.clone()),
     }
-}
-
-/// Now, in Unix seconds.
-fn unix_s() -> f64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0.0, |d| d.as_secs_f64())
-}
-
-/// The proxy's figures from the fronts' access logs, over requests that
-/// reached Envoy from `from_unix_s` on (None without a log). Envoy writes
-/// its log once a second: the wait lets the last lines reach the file.
-async fn proxy_times(
-    fronts: &[crate::fleet::Front],
-    from_unix_s: f64,
-) -> Result<Option<crate::access_log::ProxyTimes>, String> {
-    let logs: Vec<&std::path::Path> = fronts.iter().filter_map(|f| f.access_log.as_deref()).collect();
-    if logs.is_empty() {
-        return Ok(None);
-    }
-    tokio::time::sleep(Duration::from_millis(1500)).await;
-    let mut entries = Vec::new();
-    for log in logs {
-        entries.extend(crate::access_log::read(log)?);
-    }
-    Ok(Some(crate::access_log::ProxyTimes::of(&entries, from_unix_s)))
 }
 
 /// What a run shows of overload protection.
