@@ -134,6 +134,34 @@ def check_poll_cluster(label, cluster):
         )
 
 
+# Requests in flight a cluster that carries requests must allow: Envoy's
+# default of 1024 queues a fleet's streams unseen (docs/envoy.md#circuit-breakers).
+MIN_IN_FLIGHT = 16384
+THRESHOLDS = ("max_connections", "max_pending_requests", "max_requests")
+
+
+def check_circuit_breakers(label, cluster):
+    """The default-priority thresholds of a cluster that carries requests."""
+    name = cluster.get("name")
+    thresholds = cluster.get("circuit_breakers", {}).get("thresholds", [])
+    default = next((t for t in thresholds if t.get("priority", "DEFAULT") == "DEFAULT"), {})
+    low = [key for key in THRESHOLDS if int(default.get(key, 1024)) < MIN_IN_FLIGHT]
+    if low:
+        bad(
+            f"{label}: cluster {name} allows {', '.join(f'{k}={default.get(k, 1024)}' for k in low)}; "
+            f"set them to at least {MIN_IN_FLIGHT} (Envoy's 1024 queues requests unseen)"
+        )
+
+
+def check_gateway_circuit_breaker(label, policy):
+    """Envoy Gateway's BackendTrafficPolicy `circuitBreaker` (defaults 1024)."""
+    breaker = policy.get("spec", {}).get("circuitBreaker", {})
+    keys = ("maxConnections", "maxPendingRequests", "maxParallelRequests")
+    low = [key for key in keys if int(breaker.get(key, 1024)) < MIN_IN_FLIGHT]
+    if low:
+        bad(f"{label}: BackendTrafficPolicy circuitBreaker {', '.join(low)} below {MIN_IN_FLIGHT}")
+
+
 def check_filter_settings(label, pc):
     if pc.get("allow_on_headers_stop_iteration") is not True:
         bad(f"{label}: Wasm filter lacks allow_on_headers_stop_iteration: true (without it routed requests hang)")
@@ -182,6 +210,7 @@ def check_plain(path):
         if not targets:
             bad(f"{path}: no cluster with the override_host LB policy")
         for c in targets:
+            check_circuit_breakers(path, c)
             if route_header not in override_headers(c):
                 bad(f"{path}: cluster {c['name']} reads {override_headers(c)}, dprank writes {route_header}")
             if workers is not None and endpoints(c) and workers != endpoints(c):
@@ -196,7 +225,10 @@ def check_plain(path):
                 )
             check_admin_cluster(path, cl.get(disc.get("admin_cluster", "dprank_admin")), admin_address)
         if "prefill_workers" in cfg:
-            check_poll_cluster(path, cl.get(cfg.get("prefill_cluster", "dprank_prefill")))
+            prefill = cl.get(cfg.get("prefill_cluster", "dprank_prefill"))
+            check_poll_cluster(path, prefill)
+            if prefill is not None:
+                check_circuit_breakers(path, prefill)
         if cfg.get("poll_loads", True):
             check_poll_cluster(path, cl.get(cfg.get("poll_cluster", "dprank_poll")))
     for svc in services:
@@ -225,7 +257,7 @@ def check_plain(path):
     if len(errors) == n_errors:
         ok(
             f"{path}: dprank settings (stop-iteration flag, FAIL_RELOAD, header, "
-            f"workers, poll cluster{', service pairing' if services else ''})"
+            f"workers, circuit breakers, poll cluster{', service pairing' if services else ''})"
         )
     envoy_validate(point_wasm_at_build(copy.deepcopy(doc)), path)
     return doc
@@ -825,6 +857,8 @@ def check_envoy_gateway(manifests):
                 else:
                     bad(f"{label}: unexpected patch {jp['type']} {op}")
         check_filter_settings(label + " (after EnvoyPatchPolicy)", pc)
+        for policy in btps:
+            check_gateway_circuit_breaker(label, policy)
         headers = [
             e.get("header")
             for b in btps

@@ -102,6 +102,29 @@ class Walking(unittest.TestCase):
         cd.check_poll_cluster("x", None)
         self.assertIn("missing", cd.errors[-1])
 
+    def test_clusters_carrying_requests_must_raise_envoys_1024_limits(self):
+        c = cluster("sglang", ("10.0.0.1", 1))
+        cd.check_circuit_breakers("x", c)
+        self.assertIn("max_connections=1024", cd.errors[-1])
+        raised = {key: 65536 for key in cd.THRESHOLDS}
+        cd.errors.clear()
+        cd.check_circuit_breakers("x", dict(c, circuit_breakers={"thresholds": [raised]}))
+        self.assertEqual(cd.errors, [])
+        # Only the default priority counts; a HIGH entry raises nothing.
+        high = dict(raised, priority="HIGH")
+        cd.check_circuit_breakers("x", dict(c, circuit_breakers={"thresholds": [high]}))
+        self.assertEqual(len(cd.errors), 1)
+        cd.check_circuit_breakers("x", dict(c, circuit_breakers={"thresholds": [dict(raised, max_requests=2048)]}))
+        self.assertIn("max_requests=2048", cd.errors[-1])
+        self.assertNotIn("max_connections", cd.errors[-1])
+
+    def test_envoy_gateway_policy_must_raise_its_circuit_breaker(self):
+        cd.check_gateway_circuit_breaker("x", {"spec": {}})
+        self.assertEqual(len(cd.errors), 1)
+        breaker = {"maxConnections": 65536, "maxPendingRequests": 65536, "maxParallelRequests": 65536}
+        cd.check_gateway_circuit_breaker("x", {"spec": {"circuitBreaker": breaker}})
+        self.assertEqual(len(cd.errors), 1)
+
     def test_admin_cluster_must_point_at_envoys_admin(self):
         cd.check_admin_cluster("x", cluster("dprank_admin", ("127.0.0.1", 9901)), "127.0.0.1:9901")
         self.assertEqual(cd.errors, [])
