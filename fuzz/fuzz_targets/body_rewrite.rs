@@ -108,7 +108,14 @@ fn value_map(pairs: &Pairs) -> Option<Map<String, Value>> {
     Some(map)
 }
 
-fn check_splice(data: &[u8], open: usize, pairs: &Pairs, input: Option<&Map<String, Value>>, obj: &JsonObject, set: &[(&str, &str)]) {
+fn check_splice(
+    data: &[u8],
+    open: usize,
+    pairs: &Pairs,
+    input: Option<&Map<String, Value>>,
+    obj: &JsonObject,
+    set: &[(&str, &str)],
+) {
     let out = obj.with_fields(set);
     let out_pairs: Pairs = serde_json::from_slice(&out).expect("output is a JSON object");
     let keys: Vec<&str> = set.iter().map(|(k, _)| *k).collect();
@@ -200,11 +207,20 @@ fuzz_target!(|data: &[u8]| {
     for (field, (key, raw)) in obj.fields.iter().zip(&pairs.0) {
         assert_eq!(field.key.as_ref(), key.as_str());
         assert!(field.value.start >= prev_end && field.value.end <= data.len());
-        assert_eq!(&data[field.value.clone()], raw.get().as_bytes(), "value range of {key:?}");
+        assert_eq!(
+            &data[field.value.clone()],
+            raw.get().as_bytes(),
+            "value range of {key:?}"
+        );
         prev_end = field.value.end;
     }
     for (key, raw) in &pairs.0 {
-        let last = pairs.0.iter().rev().find(|(k, _)| k == key).map(|(_, r)| r.get().as_bytes());
+        let last = pairs
+            .0
+            .iter()
+            .rev()
+            .find(|(k, _)| k == key)
+            .map(|(_, r)| r.get().as_bytes());
         assert_eq!(obj.raw_value(key), last);
         assert!(obj.has_any(&[key.as_str()]));
         let _ = raw;
@@ -221,7 +237,9 @@ fuzz_target!(|data: &[u8]| {
         .filter(|(k, _)| ["text", "prompt", "messages", "input_ids"].contains(&k.as_str()))
         // serde_json's RawValue marker key reads as a number in a Value.
         .map(|(k, raw)| {
-            let v = serde_json::from_str(raw.get()).ok().filter(|_| !raw.get().contains("$serde_json"));
+            let v = serde_json::from_str(raw.get())
+                .ok()
+                .filter(|_| !raw.get().contains("$serde_json"));
             v.map(|v| (k.as_str(), v))
         })
         .collect();
@@ -229,21 +247,46 @@ fuzz_target!(|data: &[u8]| {
     if let Some(prompts) = prompts {
         let mut want = Sizes::default();
         prompts.iter().for_each(|(_, v)| add_sizes(v, &mut want));
-        assert!(p.bytes >= want.bytes && p.words >= want.words && p.token_ids >= want.ids, "prompt size below the Values'");
-        let members: Vec<String> = prompts.iter().map(|(k, v)| format!("{}:{v}", Value::from(*k))).collect();
+        assert!(
+            p.bytes >= want.bytes && p.words >= want.words && p.token_ids >= want.ids,
+            "prompt size below the Values'"
+        );
+        let members: Vec<String> = prompts
+            .iter()
+            .map(|(k, v)| format!("{}:{v}", Value::from(*k)))
+            .collect();
         let rebuilt = format!("{{{}}}", members.join(","));
         if let Ok(again) = JsonObject::parse(rebuilt.as_bytes()) {
             let q = again.prompt_size(true);
-            assert_eq!(Sizes { bytes: q.bytes, words: q.words, ids: q.token_ids }, want, "prompt size of {rebuilt}");
+            assert_eq!(
+                Sizes {
+                    bytes: q.bytes,
+                    words: q.words,
+                    ids: q.token_ids
+                },
+                want,
+                "prompt size of {rebuilt}"
+            );
         }
     }
-    assert_eq!(obj.prompt_size(false).words, 0, "words are counted only when asked");
+    assert_eq!(
+        obj.prompt_size(false).words,
+        0,
+        "words are counted only when asked"
+    );
     for how in [CostEstimate::Bytes, CostEstimate::Words, CostEstimate::One] {
         assert!(obj.estimated_tokens(how) >= 1);
     }
 
     // The regular router's single rank field.
-    check_splice(data, open, &pairs, value.as_ref(), &obj, &[("routed_dp_rank", "3")]);
+    check_splice(
+        data,
+        open,
+        &pairs,
+        value.as_ref(),
+        &obj,
+        &[("routed_dp_rank", "3")],
+    );
 
     // A PD-like set that also overwrites one of the client's keys.
     let mut set: Vec<(&str, &str)> = vec![

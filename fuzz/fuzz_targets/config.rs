@@ -46,16 +46,22 @@ use libfuzzer_sys::fuzz_target;
 use serde_json::{json, Map, Value};
 
 fn is_header_name(s: &str) -> bool {
-    !s.is_empty() && s.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'_')
+    !s.is_empty()
+        && s.bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'_')
 }
 
 fn is_metric_name(s: &str) -> bool {
-    !s.is_empty() && s.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
+    !s.is_empty()
+        && s.bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
 }
 
 /// The rank field can be written into a body by `with_fields`.
 fn splices(name: &str) -> bool {
-    let Ok(empty) = JsonObject::parse(b"{}") else { return false };
+    let Ok(empty) = JsonObject::parse(b"{}") else {
+        return false;
+    };
     let out = empty.with_fields(&[(name, "1")]);
     matches!(serde_json::from_slice::<Value>(&out), Ok(Value::Object(m)) if m.get(name) == Some(&json!(1)))
 }
@@ -73,13 +79,23 @@ fn check_accepted(c: &Config) {
             assert_ne!(o.name, w.name, "name twice");
         }
     }
-    assert!(c.routed().iter().all(|w| w.bootstrap_port.is_none()), "bootstrap port on a routed worker");
+    assert!(
+        c.routed().iter().all(|w| w.bootstrap_port.is_none()),
+        "bootstrap port on a routed worker"
+    );
     assert!(c.poll_interval_ms >= MIN_POLL_INTERVAL_MS);
     assert!(c.poll_timeout_ms >= 1 && c.poll_timeout_ms <= c.poll_interval_ms);
     assert!(c.stale_after_ms >= c.poll_interval_ms);
-    assert!(is_header_name(&c.route_header), "route_header {:?}", c.route_header);
+    assert!(
+        is_header_name(&c.route_header),
+        "route_header {:?}",
+        c.route_header
+    );
     if let Some(pin) = &c.pin_header {
-        assert!(is_header_name(pin) && *pin != c.route_header, "pin_header {pin:?}");
+        assert!(
+            is_header_name(pin) && *pin != c.route_header,
+            "pin_header {pin:?}"
+        );
     }
     assert!(!c.paths.is_empty());
     for p in &c.paths {
@@ -94,24 +110,47 @@ fn check_accepted(c: &Config) {
     let mut names: Vec<&str> = c.rank_field_names();
     if let Some(p) = c.pd() {
         assert!(!p.cluster.is_empty() && p.timeout_ms > 0);
-        names.extend(p.prefill_body_fields.iter().chain(&p.decode_body_fields).map(|(n, _)| n.as_str()));
+        names.extend(
+            p.prefill_body_fields
+                .iter()
+                .chain(&p.decode_body_fields)
+                .map(|(n, _)| n.as_str()),
+        );
         let d: Vec<&str> = p.decode_body_fields.iter().map(|(n, _)| n.as_str()).collect();
-        assert!(d.len() == 2 && d[0] != d[1], "decode body sets one field twice: {d:?}");
+        assert!(
+            d.len() == 2 && d[0] != d[1],
+            "decode body sets one field twice: {d:?}"
+        );
     }
     for name in names {
-        assert!(splices(name), "accepted rank field name {name:?} does not splice into valid JSON");
+        assert!(
+            splices(name),
+            "accepted rank field name {name:?} does not splice into valid JSON"
+        );
     }
     let removed = |name: &str| c.removed_headers.iter().any(|r| r == name);
     assert!(removed(&c.route_header) && c.pin_header.as_deref().is_none_or(removed));
-    assert!(CLIENT_RANK_HEADERS.iter().all(|h| removed(h)), "{:?}", c.removed_headers);
+    assert!(
+        CLIENT_RANK_HEADERS.iter().all(|h| removed(h)),
+        "{:?}",
+        c.removed_headers
+    );
     if let Transport::Header(h) = &c.transport {
         assert!(c.pd().is_none() && !c.keep_client_rank);
-        assert_eq!(h.reads_body, c.prefix.is_some(), "the body is read for prefix affinity only");
+        assert_eq!(
+            h.reads_body,
+            c.prefix.is_some(),
+            "the body is read for prefix affinity only"
+        );
         assert!(h.reads_body || c.cost_estimate != CostEstimate::Words);
         assert!(!h.rank_headers.is_empty() && h.cost_without_length >= 1);
         for (i, name) in h.rank_headers.iter().enumerate() {
             assert!(is_header_name(name) && removed(name), "rank header {name:?}");
-            assert!(*name != c.route_header && c.pin_header.as_ref() != Some(name) && !h.rank_headers[..i].contains(name));
+            assert!(
+                *name != c.route_header
+                    && c.pin_header.as_ref() != Some(name)
+                    && !h.rank_headers[..i].contains(name)
+            );
         }
     }
 }
@@ -124,7 +163,10 @@ fn check_error_key(input: &Value, key: &str) {
         let missing_list = ["workers", "prefill_workers", "decode_workers"].contains(&root);
         // The PD field defaults can clash with a given name.
         let pd_field = root.ends_with("_rank_field");
-        assert!(missing_list || pd_field, "error names `{key}`, absent from the input");
+        assert!(
+            missing_list || pd_field,
+            "error names `{key}`, absent from the input"
+        );
         return;
     };
     let mut rest = &key[root_end..];
@@ -132,7 +174,9 @@ fn check_error_key(input: &Value, key: &str) {
         if let Some(r) = rest.strip_prefix('[') {
             let end = r.find(']').expect("unclosed [");
             let i: usize = r[..end].parse().expect("index");
-            at = at.get(i).unwrap_or_else(|| panic!("error key `{key}`: no element {i}"));
+            at = at
+                .get(i)
+                .unwrap_or_else(|| panic!("error key `{key}`: no element {i}"));
             rest = &r[end + 1..];
         } else if let Some(r) = rest.strip_prefix('.') {
             let end = r.find(['[', '.']).unwrap_or(r.len());
@@ -191,7 +235,12 @@ impl<'a> Gen<'_, 'a> {
         Ok(self.wild && self.u.ratio(1, 6)?)
     }
 
-    fn pick(&mut self, good: &[Value], bad: &[Value], any: fn(&mut Unstructured<'a>) -> Result<Value>) -> Result<Value> {
+    fn pick(
+        &mut self,
+        good: &[Value],
+        bad: &[Value],
+        any: fn(&mut Unstructured<'a>) -> Result<Value>,
+    ) -> Result<Value> {
         if self.bad()? {
             let i = self.u.int_in_range(0..=bad.len())?;
             return match bad.get(i) {
@@ -204,17 +253,29 @@ impl<'a> Gen<'_, 'a> {
 
     fn text(&mut self, good: &[&str], bad: &[&str]) -> Result<Value> {
         let good: Vec<Value> = good.iter().map(|s| json!(s)).collect();
-        let bad: Vec<Value> = bad.iter().map(|s| json!(s)).chain([Value::Null, json!(1)]).collect();
+        let bad: Vec<Value> = bad
+            .iter()
+            .map(|s| json!(s))
+            .chain([Value::Null, json!(1)])
+            .collect();
         self.pick(&good, &bad, |u| Ok(json!(u.arbitrary::<String>()?)))
     }
 
     fn flag(&mut self) -> Result<Value> {
-        self.pick(&[json!(true), json!(false)], &[json!("true"), Value::Null], |_| Ok(json!(0)))
+        self.pick(
+            &[json!(true), json!(false)],
+            &[json!("true"), Value::Null],
+            |_| Ok(json!(0)),
+        )
     }
 
     fn number(&mut self, good: &[u64], bad: &[u64]) -> Result<Value> {
         let good: Vec<Value> = good.iter().map(|n| json!(n)).collect();
-        let bad: Vec<Value> = bad.iter().map(|n| json!(n)).chain([json!(-1), json!("2"), json!(1.5), Value::Null]).collect();
+        let bad: Vec<Value> = bad
+            .iter()
+            .map(|n| json!(n))
+            .chain([json!(-1), json!("2"), json!(1.5), Value::Null])
+            .collect();
         self.pick(&good, &bad, |u| Ok(json!(u.arbitrary::<u64>()?)))
     }
 
@@ -223,10 +284,27 @@ impl<'a> Gen<'_, 'a> {
     }
 
     fn ms(&mut self) -> Result<Value> {
-        let good = [json!(100), json!(250), json!(500), json!(999), json!(1000), json!(1001), json!(3000), json!(600000)];
+        let good = [
+            json!(100),
+            json!(250),
+            json!(500),
+            json!(999),
+            json!(1000),
+            json!(1001),
+            json!(3000),
+            json!(600000),
+        ];
         let bad = [
-            json!(0), json!(1), json!(99), json!(u64::MAX / 3), json!(u64::MAX / 3 + 1), json!(u64::MAX),
-            json!(-1), json!("1000"), json!(1.5), Value::Null,
+            json!(0),
+            json!(1),
+            json!(99),
+            json!(u64::MAX / 3),
+            json!(u64::MAX / 3 + 1),
+            json!(u64::MAX),
+            json!(-1),
+            json!("1000"),
+            json!(1.5),
+            Value::Null,
         ];
         self.pick(&good, &bad, |u| Ok(json!(u.arbitrary::<u64>()?)))
     }
@@ -236,21 +314,41 @@ impl<'a> Gen<'_, 'a> {
         self.count += 1;
         let n = self.count;
         if !(self.bad()? && self.u.ratio(1, 5)?) {
-            let good = [json!(format!("10.0.0.{n}:8000")), json!(format!("127.0.0.1:{}", 30000 + n)), json!(format!("[fd00::{n}]:8000"))];
-            let bad: Vec<Value> = BAD_ADDRESSES.iter().map(|a| json!(a)).chain([json!("127.0.0.1:30001"), Value::Null]).collect();
+            let good = [
+                json!(format!("10.0.0.{n}:8000")),
+                json!(format!("127.0.0.1:{}", 30000 + n)),
+                json!(format!("[fd00::{n}]:8000")),
+            ];
+            let bad: Vec<Value> = BAD_ADDRESSES
+                .iter()
+                .map(|a| json!(a))
+                .chain([json!("127.0.0.1:30001"), Value::Null])
+                .collect();
             let address = self.pick(&good, &bad, |u| Ok(json!(u.arbitrary::<String>()?)))?;
             w.insert("address".into(), address);
         }
         if let Some(v) = self.maybe(|g| {
             let good = [json!(1), json!(2), json!(8), json!(MAX_DP_SIZE)];
-            let bad = [json!(0), json!(MAX_DP_SIZE + 1), json!(u32::MAX), json!(u64::MAX), json!(-1), json!("8"), Value::Null];
+            let bad = [
+                json!(0),
+                json!(MAX_DP_SIZE + 1),
+                json!(u32::MAX),
+                json!(u64::MAX),
+                json!(-1),
+                json!("8"),
+                Value::Null,
+            ];
             g.pick(&good, &bad, |u| Ok(json!(u.arbitrary::<u32>()?)))
         })? {
             w.insert("dp_size".into(), v);
         }
         if let Some(v) = self.maybe(|g| {
             let good = [json!(format!("w{n}")), json!(format!("Worker-{n}_a"))];
-            let bad: Vec<Value> = BAD_NAMES.iter().map(|a| json!(a)).chain([Value::Null, json!(1)]).collect();
+            let bad: Vec<Value> = BAD_NAMES
+                .iter()
+                .map(|a| json!(a))
+                .chain([Value::Null, json!(1)])
+                .collect();
             g.pick(&good, &bad, |u| Ok(json!(u.arbitrary::<String>()?)))
         })? {
             w.insert("name".into(), v);
@@ -269,7 +367,11 @@ impl<'a> Gen<'_, 'a> {
     }
 
     fn workers(&mut self, prefill: bool) -> Result<Value> {
-        let n = if self.bad()? { self.u.int_in_range(0..=5)? } else { self.u.int_in_range(1..=3)? };
+        let n = if self.bad()? {
+            self.u.int_in_range(0..=5)?
+        } else {
+            self.u.int_in_range(1..=3)?
+        };
         let mut v = Vec::new();
         for _ in 0..n {
             v.push(self.worker(prefill)?);
@@ -279,22 +381,45 @@ impl<'a> Gen<'_, 'a> {
 }
 
 /// Route headers, then pin headers.
-const HEADERS: [&str; 6] = ["x-dprank-endpoint", "x-pick", "x-route-1", "x-pin", "x-dprank-pin", "x_1"];
+const HEADERS: [&str; 6] = [
+    "x-dprank-endpoint",
+    "x-pick",
+    "x-route-1",
+    "x-pin",
+    "x-dprank-pin",
+    "x_1",
+];
 const BAD_HEADERS: [&str; 4] = ["X-Pick", "x pin", "", "x-pin\n"];
 const FIELDS: [&str; 8] = [
-    "routed_dp_rank", "data_parallel_rank", "decode_dp_rank", "disagg_prefill_dp_rank", "my_rank",
-    "\u{7f}", "\u{e9}t\u{e9}", "a b",
+    "routed_dp_rank",
+    "data_parallel_rank",
+    "decode_dp_rank",
+    "disagg_prefill_dp_rank",
+    "my_rank",
+    "\u{7f}",
+    "\u{e9}t\u{e9}",
+    "a b",
 ];
 const BAD_FIELDS: [&str; 7] = ["", "a\"b", "a\\b", "a\nb", "\u{1}", "routed_dp_rank\t", "\u{0}"];
 const BAD_NAMES: [&str; 5] = ["a.b", "", "a b", "w1", "127_0_0_1_30001"];
-const BAD_ADDRESSES: [&str; 5] = ["sglang:30000", "127.0.0.1", "", "1.2.3.4:99999", "127.0.0.1:30001 "];
+const BAD_ADDRESSES: [&str; 5] = [
+    "sglang:30000",
+    "127.0.0.1",
+    "",
+    "1.2.3.4:99999",
+    "127.0.0.1:30001 ",
+];
 
 fn generate(u: &mut Unstructured) -> Result<Map<String, Value>> {
     let wild = u.ratio(1, 2)?;
     let mut g = Gen { u, wild, count: 0 };
     let mut c = Map::new();
     // The pools: regular, PD, cluster discovery, or a mix of them.
-    let mode = if g.bad()? { g.u.int_in_range(3..=5)? } else { g.u.int_in_range(0..=2)? };
+    let mode = if g.bad()? {
+        g.u.int_in_range(3..=5)?
+    } else {
+        g.u.int_in_range(0..=2)?
+    };
     if mode == 0 || mode == 3 || mode == 5 && g.u.arbitrary()? {
         c.insert("workers".into(), g.workers(false)?);
     }
@@ -323,19 +448,40 @@ fn generate(u: &mut Unstructured) -> Result<Map<String, Value>> {
     }
     // Keys of the other modes: refused, so only now and then.
     let pd = c.contains_key("prefill_workers");
-    let pd_keys = ["prefill_timeout_ms", "prefill_cluster", "prefill_rank_field", "decode_rank_field", "decode_prefill_rank_field"];
+    let pd_keys = [
+        "prefill_timeout_ms",
+        "prefill_cluster",
+        "prefill_rank_field",
+        "decode_rank_field",
+        "decode_prefill_rank_field",
+    ];
     let key_fits = |g: &mut Gen, key: &str| -> Result<bool> {
-        let fits = if pd_keys.contains(&key) { pd } else { !(pd && key == "rank_field") };
+        let fits = if pd_keys.contains(&key) {
+            pd
+        } else {
+            !(pd && key == "rank_field")
+        };
         Ok(fits || g.bad()?)
     };
-    for key in ["poll_interval_ms", "poll_timeout_ms", "stale_after_ms", "prefill_timeout_ms", "state_refresh_ms"] {
+    for key in [
+        "poll_interval_ms",
+        "poll_timeout_ms",
+        "stale_after_ms",
+        "prefill_timeout_ms",
+        "state_refresh_ms",
+    ] {
         if key_fits(&mut g, key)? {
             if let Some(v) = g.maybe(|g| g.ms())? {
                 c.insert(key.into(), v);
             }
         }
     }
-    for key in ["rank_field", "prefill_rank_field", "decode_rank_field", "decode_prefill_rank_field"] {
+    for key in [
+        "rank_field",
+        "prefill_rank_field",
+        "decode_rank_field",
+        "decode_prefill_rank_field",
+    ] {
         if key_fits(&mut g, key)? {
             if let Some(v) = g.maybe(|g| g.text(&FIELDS, &BAD_FIELDS))? {
                 c.insert(key.into(), v);
@@ -345,18 +491,31 @@ fn generate(u: &mut Unstructured) -> Result<Map<String, Value>> {
     if let Some(v) = g.maybe(|g| g.text(&HEADERS[..3], &BAD_HEADERS))? {
         c.insert("route_header".into(), v);
     }
-    if let Some(v) = g.maybe(|g| g.text(&HEADERS[3..], &[&BAD_HEADERS[..], &["x-dprank-endpoint"]].concat()))? {
+    if let Some(v) = g.maybe(|g| {
+        g.text(
+            &HEADERS[3..],
+            &[&BAD_HEADERS[..], &["x-dprank-endpoint"]].concat(),
+        )
+    })? {
         c.insert("pin_header".into(), v);
     }
     for (key, good, bad) in [
         ("poll_cluster", &["dprank_poll", "polls"][..], &[""][..]),
         ("prefill_cluster", &["dprank_prefill", "pc"][..], &[""][..]),
         ("state_key", &["dprank", "fleet_a", "A-1"][..], &["a.b", ""][..]),
-        ("load_endpoint", &["auto", "v1_loads", "get_load"][..], &["metrics", "Auto"][..]),
+        (
+            "load_endpoint",
+            &["auto", "v1_loads", "get_load"][..],
+            &["metrics", "Auto"][..],
+        ),
         ("naming", &["current", "legacy"][..], &["old"][..]),
         ("cost_estimate", &["bytes", "words", "one"][..], &["tokens"][..]),
         ("fail_mode", &["open", "closed"][..], &["half"][..]),
-        ("rank_transport", &["body", "header", "header"][..], &["headers", "Body"][..]),
+        (
+            "rank_transport",
+            &["body", "header", "header"][..],
+            &["headers", "Body"][..],
+        ),
     ] {
         if key_fits(&mut g, key)? {
             if let Some(v) = g.maybe(|g| g.text(good, bad))? {
@@ -370,10 +529,17 @@ fn generate(u: &mut Unstructured) -> Result<Map<String, Value>> {
         }
     }
     if let Some(v) = g.maybe(|g| {
-        let n = if g.bad()? { g.u.int_in_range(0..=3)? } else { g.u.int_in_range(1..=3)? };
+        let n = if g.bad()? {
+            g.u.int_in_range(0..=3)?
+        } else {
+            g.u.int_in_range(1..=3)?
+        };
         let mut paths = Vec::new();
         for _ in 0..n {
-            paths.push(g.text(&["/generate", "/v1/completions", "/v1/chat/completions", "/"], &["generate", "/x?y", ""])?);
+            paths.push(g.text(
+                &["/generate", "/v1/completions", "/v1/chat/completions", "/"],
+                &["generate", "/x?y", ""],
+            )?);
         }
         Ok(Value::Array(paths))
     })? {
@@ -383,7 +549,11 @@ fn generate(u: &mut Unstructured) -> Result<Map<String, Value>> {
     let header_mode = c.get("rank_transport") == Some(&json!("header"));
     if header_mode || g.bad()? {
         if let Some(v) = g.maybe(|g| {
-            let n = if g.bad()? { g.u.int_in_range(0..=3)? } else { g.u.int_in_range(1..=2)? };
+            let n = if g.bad()? {
+                g.u.int_in_range(0..=3)?
+            } else {
+                g.u.int_in_range(1..=2)?
+            };
             let mut names = Vec::new();
             for _ in 0..n {
                 names.push(g.text(
@@ -412,7 +582,12 @@ fn generate(u: &mut Unstructured) -> Result<Map<String, Value>> {
     if let Some(v) = g.maybe(|g| g.text(&["least_cost", "headroom"], &["Headroom", "random"]))? {
         c.insert("pick".into(), v);
     }
-    if let Some(v) = g.maybe(|g| g.text(&["auto", "every_worker", "change_log"], &["ChangeLog", "sometimes"]))? {
+    if let Some(v) = g.maybe(|g| {
+        g.text(
+            &["auto", "every_worker", "change_log"],
+            &["ChangeLog", "sometimes"],
+        )
+    })? {
         c.insert("state_reads".into(), v);
     }
     // Prefix affinity and its tuning keys (refused when affinity is off).
@@ -420,18 +595,41 @@ fn generate(u: &mut Unstructured) -> Result<Map<String, Value>> {
         c.insert("prefix_affinity".into(), v);
     }
     for (key, good, bad) in [
-        ("prefix_block_bytes", &[64, 512, 4096][..], &[0, 1, u64::from(u32::MAX) + 1][..]),
-        ("prefix_capacity_tokens", &[1, 10_000, 400_000][..], &[0, u64::MAX][..]),
+        (
+            "prefix_block_bytes",
+            &[64, 512, 4096][..],
+            &[0, 1, u64::from(u32::MAX) + 1][..],
+        ),
+        (
+            "prefix_capacity_tokens",
+            &[1, 10_000, 400_000][..],
+            &[0, u64::MAX][..],
+        ),
         ("prefix_ttl_ms", &[1000, 600_000][..], &[0, u64::MAX][..]),
+        (
+            "prefix_private_after_ms",
+            &[1000, 5000][..],
+            &[0, 999, u64::MAX][..],
+        ),
     ] {
         if g.u.ratio(1, 6)? {
             let v = g.number(good, bad)?;
             c.insert(key.into(), v);
         }
     }
-    for key in ["prefix_uncached_weight", "prefix_load_weight", "prefix_wait_weight", "prefix_kv_weight"] {
+    for key in [
+        "prefix_uncached_weight",
+        "prefix_load_weight",
+        "prefix_wait_weight",
+        "prefix_kv_weight",
+        "prefix_private_weight",
+    ] {
         if g.u.ratio(1, 8)? {
-            let v = g.pick(&[json!(0.0), json!(1), json!(4.5)], &[json!(-1.0), json!(1e300), json!("1")], |u| Ok(json!(u.arbitrary::<f64>()?)))?;
+            let v = g.pick(
+                &[json!(0.0), json!(1), json!(4.5)],
+                &[json!(-1.0), json!(1e300), json!("1")],
+                |u| Ok(json!(u.arbitrary::<f64>()?)),
+            )?;
             c.insert(key.into(), v);
         }
     }
@@ -453,7 +651,13 @@ fn generate(u: &mut Unstructured) -> Result<Map<String, Value>> {
         if let Some(v) = g.maybe(|g| g.ms())? {
             h.insert("max_cooldown_ms".into(), v);
         }
-        if let Some(v) = g.maybe(|g| g.pick(&[json!(0.05), json!(1.0)], &[json!(0.0), json!(1.5), json!(-0.1)], |u| Ok(json!(u.arbitrary::<f64>()?))))? {
+        if let Some(v) = g.maybe(|g| {
+            g.pick(
+                &[json!(0.05), json!(1.0)],
+                &[json!(0.0), json!(1.5), json!(-0.1)],
+                |u| Ok(json!(u.arbitrary::<f64>()?)),
+            )
+        })? {
             h.insert("probe_share".into(), v);
         }
         Ok(Value::Object(h))
@@ -478,7 +682,11 @@ fn check_taken_as_written(given: &Map<String, Value>, c: &Config) {
     }
     match num("stale_after_ms") {
         Some(v) => assert_eq!(c.stale_after_ms, v),
-        None => assert_eq!(c.stale_after_ms, c.poll_interval_ms.saturating_mul(3), "default stale limit"),
+        None => assert_eq!(
+            c.stale_after_ms,
+            c.poll_interval_ms.saturating_mul(3),
+            "default stale limit"
+        ),
     }
     if let Some(v) = txt("rank_field") {
         assert_eq!(c.rank_field, v);
@@ -492,7 +700,10 @@ fn check_taken_as_written(given: &Map<String, Value>, c: &Config) {
     let header_only = ["rank_headers", "cost_without_length"];
     if let Transport::Header(h) = &c.transport {
         if let Some(v) = num("cost_without_length") {
-            assert!(!h.reads_body, "cost_without_length accepted under prefix affinity");
+            assert!(
+                !h.reads_body,
+                "cost_without_length accepted under prefix affinity"
+            );
             assert_eq!(h.cost_without_length, v);
         }
         if let Some(list) = given.get("rank_headers").and_then(Value::as_array) {
@@ -502,11 +713,17 @@ fn check_taken_as_written(given: &Map<String, Value>, c: &Config) {
     } else {
         assert_ne!(txt("rank_transport"), Some("header"));
         for k in header_only {
-            assert!(given.get(k).is_none_or(Value::is_null), "`{k}` accepted in body mode");
+            assert!(
+                given.get(k).is_none_or(Value::is_null),
+                "`{k}` accepted in body mode"
+            );
         }
     }
     assert_eq!(c.state_refresh_ms, num("state_refresh_ms").unwrap_or(0));
-    assert!(c.state_refresh_ms <= c.poll_interval_ms, "state refresh beyond the poll interval");
+    assert!(
+        c.state_refresh_ms <= c.poll_interval_ms,
+        "state refresh beyond the poll interval"
+    );
     let reads = match c.state_reads {
         StateReads::Auto => "auto",
         StateReads::EveryWorker => "every_worker",
@@ -525,7 +742,10 @@ fn check_taken_as_written(given: &Map<String, Value>, c: &Config) {
     match c.pick {
         Pick::LeastCost => {
             assert_ne!(txt("pick"), Some("headroom"));
-            assert!(given.get("pick_choices").is_none_or(Value::is_null), "`pick_choices` accepted without headroom");
+            assert!(
+                given.get("pick_choices").is_none_or(Value::is_null),
+                "`pick_choices` accepted without headroom"
+            );
         }
         Pick::Headroom { choices } => {
             assert_eq!(txt("pick"), Some("headroom"));
@@ -545,7 +765,10 @@ fn check_taken_as_written(given: &Map<String, Value>, c: &Config) {
             assert!(h.rank_headers.iter().any(|r| r == "x-data-parallel-rank"));
             assert!(c.pd().is_none());
             for key in ["rank_field", "naming", "load_endpoint"] {
-                assert!(given.get(key).is_none_or(Value::is_null), "`{key}` accepted with engine vllm");
+                assert!(
+                    given.get(key).is_none_or(Value::is_null),
+                    "`{key}` accepted with engine vllm"
+                );
             }
             assert_ne!(given.get("keep_client_rank"), Some(&json!(true)));
         }
@@ -561,13 +784,21 @@ fn check_taken_as_written(given: &Map<String, Value>, c: &Config) {
                 (header && !vllm) || affinity == Some(false),
                 "affinity off without asking"
             );
-            let tuning = given.keys().filter(|k| k.starts_with("prefix_") && *k != "prefix_affinity");
+            let tuning = given
+                .keys()
+                .filter(|k| k.starts_with("prefix_") && *k != "prefix_affinity");
             for k in tuning {
-                assert!(given.get(k).is_none_or(Value::is_null), "`{k}` accepted with affinity off");
+                assert!(
+                    given.get(k).is_none_or(Value::is_null),
+                    "`{k}` accepted with affinity off"
+                );
             }
         }
         Some(p) => {
-            assert!(!header || vllm || affinity == Some(true), "affinity on in header mode without asking");
+            assert!(
+                !header || vllm || affinity == Some(true),
+                "affinity on in header mode without asking"
+            );
             assert_ne!(affinity, Some(false));
             if let Some(v) = num("prefix_block_bytes") {
                 assert_eq!(u64::from(p.block_bytes), v);
@@ -599,10 +830,19 @@ fn check_taken_as_written(given: &Map<String, Value>, c: &Config) {
             assert!(h.probe_share > 0.0 && h.probe_share <= 1.0 && h.cooldown_ms <= h.max_cooldown_ms);
         }
     }
-    let pd_only = ["prefill_cluster", "prefill_timeout_ms", "prefill_rank_field", "decode_rank_field", "decode_prefill_rank_field"];
+    let pd_only = [
+        "prefill_cluster",
+        "prefill_timeout_ms",
+        "prefill_rank_field",
+        "decode_rank_field",
+        "decode_prefill_rank_field",
+    ];
     if c.pd().is_none() {
         for k in pd_only {
-            assert!(given.get(k).is_none_or(Value::is_null), "`{k}` accepted outside PD mode");
+            assert!(
+                given.get(k).is_none_or(Value::is_null),
+                "`{k}` accepted outside PD mode"
+            );
         }
     }
 }

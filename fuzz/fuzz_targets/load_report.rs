@@ -46,7 +46,10 @@ enum Figure {
     Int(u32),
     Huge(u64),
     /// `whole.thousandths`: stands for the nearest integer (halves up).
-    Decimal { whole: u32, thousandths: u16 },
+    Decimal {
+        whole: u32,
+        thousandths: u16,
+    },
 }
 
 impl<'a> Arbitrary<'a> for Figure {
@@ -221,12 +224,19 @@ fn write(shape: &Shape, entries: &[EntrySpec]) -> String {
         Shape::V1Loads { aggregate } => format!(
             "{{\"timestamp\":\"2026-01-01T00:00:00Z\",\"dp_rank_count\":{},\"loads\":[{list}]{}}}",
             entries.len(),
-            if *aggregate { ",\"aggregate\":{\"num_used_tokens\":3}" } else { "" }
+            if *aggregate {
+                ",\"aggregate\":{\"num_used_tokens\":3}"
+            } else {
+                ""
+            }
         ),
     }
 }
 
-fn same(got: &std::result::Result<Vec<Option<u64>>, LoadError>, want: &std::result::Result<Vec<Option<u64>>, LoadError>) -> bool {
+fn same(
+    got: &std::result::Result<Vec<Option<u64>>, LoadError>,
+    want: &std::result::Result<Vec<Option<u64>>, LoadError>,
+) -> bool {
     match (got, want) {
         (Err(LoadError::NotJson(_)), Err(LoadError::NotJson(_))) => true,
         (Err(LoadError::BadRanks(_)), Err(LoadError::BadRanks(_))) => true,
@@ -235,9 +245,14 @@ fn same(got: &std::result::Result<Vec<Option<u64>>, LoadError>, want: &std::resu
 }
 
 fn check_generated(data: &[u8]) {
-    let Ok(generated) = Generated::arbitrary_take_rest(Unstructured::new(data)) else { return };
+    let Ok(generated) = Generated::arbitrary_take_rest(Unstructured::new(data)) else {
+        return;
+    };
     let (text, want) = match &generated {
-        Generated::Report { shape: Shape::GetLoadSingle, entries } => match entries.first() {
+        Generated::Report {
+            shape: Shape::GetLoadSingle,
+            entries,
+        } => match entries.first() {
             // A lone object is a report only if it names its rank.
             Some(e) if e.rank.is_some() && e.bad_rank.is_none() => (e.text(), expected(&entries[..1])),
             // Without a rank it is a report only if it has a token field:
@@ -254,12 +269,16 @@ fn check_generated(data: &[u8]) {
                 NotAReport::EmptyLoads => (r#"{"loads":[]}"#.into(), Err(LoadError::NoRanks)),
                 NotAReport::LoadsNotAList(Junk::List(_)) => return,
                 NotAReport::LoadsNotAList(j) => (format!("{{\"loads\":{}}}", j.text()), not_json),
-                NotAReport::ErrorObject(s) => {
-                    (format!("{{\"error\":{}}}", serde_json::to_string(s).unwrap_or_default()), not_json)
-                }
+                NotAReport::ErrorObject(s) => (
+                    format!("{{\"error\":{}}}", serde_json::to_string(s).unwrap_or_default()),
+                    not_json,
+                ),
                 NotAReport::RankTooLarge(extra) => {
                     let rank = u64::from(MAX_DP_SIZE) + u64::from(*extra);
-                    (format!(r#"[{{"dp_rank":{rank},"num_tokens":1}}]"#), Err(LoadError::RankOutOfRange(rank)))
+                    (
+                        format!(r#"[{{"dp_rank":{rank},"num_tokens":1}}]"#),
+                        Err(LoadError::RankOutOfRange(rank)),
+                    )
                 }
             }
         }
@@ -289,7 +308,11 @@ fn numbers(v: &Value, out: &mut Vec<u64>) {
 fn check_raw(data: &[u8]) {
     match parse_load_report(data) {
         Ok(ranks) => {
-            assert!(!ranks.is_empty() && ranks.len() <= MAX_DP_SIZE as usize, "{} ranks", ranks.len());
+            assert!(
+                !ranks.is_empty() && ranks.len() <= MAX_DP_SIZE as usize,
+                "{} ranks",
+                ranks.len()
+            );
             let doc: Value = serde_json::from_slice(data).expect("Ok for invalid JSON");
             let mut seen = Vec::new();
             numbers(&doc, &mut seen);

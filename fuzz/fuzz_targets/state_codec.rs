@@ -18,9 +18,9 @@
 #![no_main]
 
 use arbitrary::{Arbitrary, Result, Unstructured};
+use dprank::codec::{decode, encode};
 use dprank::config::MAX_DP_SIZE;
 use dprank::worker_state::{Ticket, WorkerState};
-use dprank::codec::{decode, encode};
 use libfuzzer_sys::fuzz_target;
 
 #[derive(Debug)]
@@ -28,9 +28,18 @@ enum Op {
     BeginPoll,
     /// `back` picks the sequence: the last dispatched one minus `back`
     /// (0 and beyond `sent_seq` included).
-    Snapshot { back: u8, now: u64, tokens: Vec<Option<u64>> },
-    Add { rank: u16, cost: u64 },
-    Release { which: u16 },
+    Snapshot {
+        back: u8,
+        now: u64,
+        tokens: Vec<Option<u64>>,
+    },
+    Add {
+        rank: u16,
+        cost: u64,
+    },
+    Release {
+        which: u16,
+    },
     Unreachable,
 }
 
@@ -53,13 +62,23 @@ impl<'a> Arbitrary<'a> for Op {
                         _ => Some(u.int_in_range(0..=100_000)?),
                     });
                 }
-                Op::Snapshot { back: u.int_in_range(0..=4)?, now: u.arbitrary()?, tokens }
+                Op::Snapshot {
+                    back: u.int_in_range(0..=4)?,
+                    now: u.arbitrary()?,
+                    tokens,
+                }
             }
             4..=6 => Op::Add {
                 rank: u.int_in_range(0..=9)?,
-                cost: if u.ratio(1, 20)? { u.arbitrary()? } else { u.int_in_range(0..=5000)? },
+                cost: if u.ratio(1, 20)? {
+                    u.arbitrary()?
+                } else {
+                    u.int_in_range(0..=5000)?
+                },
             },
-            7 | 8 => Op::Release { which: u.arbitrary()? },
+            7 | 8 => Op::Release {
+                which: u.arbitrary()?,
+            },
             _ => Op::Unreachable,
         })
     }
@@ -79,7 +98,11 @@ fn trace() -> bool {
 
 fn roundtrip(w: &WorkerState) {
     let bytes = encode(w);
-    assert_eq!(decode::<WorkerState>(&bytes).as_ref(), Some(w), "decode(encode(x)) != x");
+    assert_eq!(
+        decode::<WorkerState>(&bytes).as_ref(),
+        Some(w),
+        "decode(encode(x)) != x"
+    );
 }
 
 fn check_raw(data: &[u8]) {
@@ -109,9 +132,16 @@ fn check_ops(data: &[u8]) {
             Op::Snapshot { back, now, tokens } => {
                 let seq = w.sent_seq.saturating_add(1).saturating_sub(u64::from(back));
                 let newer = seq > w.snapshot_seq && seq <= w.sent_seq;
-                assert_eq!(w.apply_snapshot(seq, now, &tokens), newer, "snapshot {seq} applied?");
+                assert_eq!(
+                    w.apply_snapshot(seq, now, &tokens),
+                    newer,
+                    "snapshot {seq} applied?"
+                );
                 if newer {
-                    assert_eq!((w.snapshot_seq, w.snapshot_at_ms, w.unreachable), (seq, now, false));
+                    assert_eq!(
+                        (w.snapshot_seq, w.snapshot_at_ms, w.unreachable),
+                        (seq, now, false)
+                    );
                     assert_eq!(w.ranks(), tokens.len());
                     polled = tokens.iter().map(|t| t.map(|v| v.min(u64::MAX - 1))).collect();
                     // The poll covers the requests routed before it left. The
@@ -130,9 +160,20 @@ fn check_ops(data: &[u8]) {
                 match w.add(7, u32::from(rank), cost) {
                     Some(t) => {
                         assert!(known_rank);
-                        assert_eq!(t, Ticket { worker: 7, rank: u32::from(rank), seq: sent, cost });
+                        assert_eq!(
+                            t,
+                            Ticket {
+                                worker: 7,
+                                rank: u32::from(rank),
+                                seq: sent,
+                                cost
+                            }
+                        );
                         added += u128::from(cost);
-                        out.push(Outstanding { ticket: t, counted: true });
+                        out.push(Outstanding {
+                            ticket: t,
+                            counted: true,
+                        });
                     }
                     None => assert!(!known_rank, "add refused for rank {rank} of {}", w.ranks()),
                 }
@@ -173,7 +214,11 @@ fn check_accounting(w: &WorkerState, out: &[Outstanding], polled: &[Option<u64>]
     let total: u64 = out.iter().filter(|o| o.counted).map(|o| o.ticket.cost).sum();
     assert_eq!(w.pending_total(), total, "pending estimates");
     for rank in 0..w.ranks() + 1 {
-        let want = polled.get(rank).copied().flatten().map(|p| p.saturating_add(pending(rank)));
+        let want = polled
+            .get(rank)
+            .copied()
+            .flatten()
+            .map(|p| p.saturating_add(pending(rank)));
         assert_eq!(w.effective_tokens(rank), want, "effective tokens of rank {rank}");
         assert_eq!(w.polled_tokens(rank), polled.get(rank).copied().flatten());
     }

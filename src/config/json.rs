@@ -88,6 +88,10 @@ pub struct ConfigJson {
     pub prefix_queue: Option<QueueMeasure>,
     #[serde(default)]
     pub prefix_load: Option<LoadMeasure>,
+    #[serde(default)]
+    pub prefix_private_weight: Option<f64>,
+    #[serde(default)]
+    pub prefix_private_after_ms: Option<u64>,
     /// Several gateways: how many, the picker and its choices (`config/gateways.rs`).
     #[serde(default)]
     pub gateways: Option<u32>,

@@ -23,6 +23,8 @@ pub const DEFAULT_UNCACHED_WEIGHT: f64 = 1.0;
 pub const DEFAULT_LOAD_WEIGHT: f64 = 0.1;
 pub const DEFAULT_WAIT_WEIGHT: f64 = 0.0;
 pub const DEFAULT_KV_WEIGHT: f64 = 1.0;
+pub const DEFAULT_PRIVATE_WEIGHT: f64 = 25.0;
+pub const DEFAULT_PRIVATE_AFTER_MS: u64 = 3000;
 /// Most blocks a rank's index keeps, whatever its capacity (bounds the
 /// shared data one worker's index takes: 8 bytes per block).
 pub const MAX_BLOCKS_PER_RANK: usize = 1 << 16;
@@ -78,6 +80,14 @@ pub struct Prefix {
     pub wait_weight: f64,
     /// Cost per token of KV the request would lack on the rank.
     pub kv_weight: f64,
+    /// Cost per prompt token a request would recompute by leaving the rank
+    /// holding the deepest match of its prompt, when that match is private
+    /// (instead of `uncached_weight`; no more when it is lower).
+    pub private_weight: f64,
+    /// A match is private when its deepest block was last routed at least
+    /// this long ago: one conversation's history, not a prompt many
+    /// requests share (those are routed again within a second or two).
+    pub private_after_ms: u64,
     pub queue: QueueMeasure,
     pub load: LoadMeasure,
 }
@@ -92,6 +102,8 @@ impl Default for Prefix {
             load_weight: DEFAULT_LOAD_WEIGHT,
             wait_weight: DEFAULT_WAIT_WEIGHT,
             kv_weight: DEFAULT_KV_WEIGHT,
+            private_weight: DEFAULT_PRIVATE_WEIGHT,
+            private_after_ms: DEFAULT_PRIVATE_AFTER_MS,
             queue: QueueMeasure::Max,
             load: LoadMeasure::Rank,
         }
@@ -131,6 +143,8 @@ pub fn settings(json: &ConfigJson) -> Result<Option<Prefix>, ConfigError> {
         ("prefix_kv_weight", json.prefix_kv_weight.is_some()),
         ("prefix_queue", json.prefix_queue.is_some()),
         ("prefix_load", json.prefix_load.is_some()),
+        ("prefix_private_weight", json.prefix_private_weight.is_some()),
+        ("prefix_private_after_ms", json.prefix_private_after_ms.is_some()),
     ];
     let header = matches!(json.rank_transport, Some(RankTransport::Header));
     if !json.prefix_affinity.unwrap_or(!header) {
@@ -161,6 +175,16 @@ pub fn settings(json: &ConfigJson) -> Result<Option<Prefix>, ConfigError> {
             format!("must be {MIN_TTL_MS}..={MAX_TTL_MS}, got {ttl_ms}"),
         ));
     }
+    // Past the TTL nothing is matched: the default stays within it.
+    let private_after_ms = json
+        .prefix_private_after_ms
+        .unwrap_or(DEFAULT_PRIVATE_AFTER_MS.min(ttl_ms));
+    if !(MIN_TTL_MS..=ttl_ms).contains(&private_after_ms) {
+        return Err(invalid(
+            "prefix_private_after_ms",
+            format!("must be {MIN_TTL_MS}..=prefix_ttl_ms ({ttl_ms}), got {private_after_ms}"),
+        ));
+    }
     Ok(Some(Prefix {
         block_bytes,
         capacity_tokens: json.prefix_capacity_tokens,
@@ -173,6 +197,12 @@ pub fn settings(json: &ConfigJson) -> Result<Option<Prefix>, ConfigError> {
         load_weight: weight("prefix_load_weight", json.prefix_load_weight, DEFAULT_LOAD_WEIGHT)?,
         wait_weight: weight("prefix_wait_weight", json.prefix_wait_weight, DEFAULT_WAIT_WEIGHT)?,
         kv_weight: weight("prefix_kv_weight", json.prefix_kv_weight, DEFAULT_KV_WEIGHT)?,
+        private_weight: weight(
+            "prefix_private_weight",
+            json.prefix_private_weight,
+            DEFAULT_PRIVATE_WEIGHT,
+        )?,
+        private_after_ms,
         queue: json.prefix_queue.unwrap_or(QueueMeasure::Max),
         load: json.prefix_load.unwrap_or(LoadMeasure::Rank),
     }))

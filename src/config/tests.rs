@@ -497,16 +497,29 @@ fn prefix_affinity_is_on_by_default_with_documented_tuning() {
         (p.uncached_weight, p.load_weight, p.kv_weight, p.wait_weight),
         (1.0, 0.1, 1.0, 0.0)
     );
+    assert_eq!((p.private_weight, p.private_after_ms), (25.0, 3000));
     assert_eq!(p.capacity_blocks(Some(200_000)), 1562);
     assert_eq!(p.capacity_blocks(None), 131_072 * 4 / 512, "unreported");
     let tuned = parse(
         r#"{"workers":[{"address":"127.0.0.1:1"}],"prefix_block_bytes":1024,"prefix_capacity_tokens":8000,
             "prefix_ttl_ms":5000,"prefix_uncached_weight":2,"prefix_load_weight":0,"prefix_kv_weight":0.5,
-            "prefix_wait_weight":300,"prefix_queue":"local","prefix_load":"slowest_rank"}"#,
+            "prefix_wait_weight":300,"prefix_queue":"local","prefix_load":"slowest_rank",
+            "prefix_private_weight":1}"#,
     )
     .unwrap()
     .prefix
     .unwrap();
+    assert_eq!(
+        (tuned.private_weight, tuned.private_after_ms),
+        (1.0, 3000),
+        "the default, within a TTL of 5 s"
+    );
+    let short = parse(r#"{"workers":[{"address":"127.0.0.1:1"}],"prefix_ttl_ms":2000}"#).unwrap();
+    assert_eq!(
+        short.prefix.unwrap().private_after_ms,
+        2000,
+        "the default stays within the TTL"
+    );
     assert_eq!(
         tuned.capacity_blocks(Some(200_000)),
         8000 * 4 / 1024,
@@ -536,6 +549,23 @@ fn prefix_keys_are_checked_and_refused_when_affinity_is_off() {
         "prefix_uncached_weight"
     );
     assert_eq!(key_of(with(r#""prefix_kv_weight":1e9"#)), "prefix_kv_weight");
+    assert_eq!(
+        key_of(with(r#""prefix_private_weight":-3"#)),
+        "prefix_private_weight"
+    );
+    assert_eq!(
+        key_of(with(r#""prefix_private_after_ms":999"#)),
+        "prefix_private_after_ms"
+    );
+    assert_eq!(
+        key_of(with(r#""prefix_ttl_ms":60000,"prefix_private_after_ms":60001"#)),
+        "prefix_private_after_ms",
+        "beyond the TTL nothing is matched"
+    );
+    assert_eq!(
+        key_of(with(r#""prefix_affinity":false,"prefix_private_after_ms":9000"#)),
+        "prefix_private_after_ms"
+    );
     assert!(with(r#""prefix_queue":"both""#).is_err());
     assert!(with(r#""prefix_load":"worker""#).is_err());
     assert_eq!(

@@ -5,7 +5,7 @@
 //! the value read is kept for the write that records where the request went.
 
 use super::blocks::PromptBlocks;
-use super::index::{IndexRecord, IndexView};
+use super::index::{IndexRecord, IndexView, STAMP_MS};
 use crate::codec::decode_view;
 use crate::config::Prefix;
 use std::fmt;
@@ -32,6 +32,21 @@ pub struct RequestPrefix<'a> {
     now_ms: u64,
     /// Per pool worker, once read.
     indexes: Vec<Option<WorkerIndex>>,
+    /// The deepest match among the workers read: its prompt tokens and when
+    /// its deepest block was last routed (ms).
+    deepest: Option<Match>,
+}
+
+/// How much of the prompt one rank holds, when the deepest block it holds
+/// was last routed there, and whether the match is confirmed: two blocks or
+/// more, the first held too. A 3-byte key can match another prompt's block
+/// by chance (one in 16.7 million per entry, for every block of a full
+/// index); two chance matches of one prompt on one rank are not expected.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Match {
+    tokens: u64,
+    routed_ms: u64,
+    confirmed: bool,
 }
 
 impl fmt::Debug for RequestPrefix<'_> {
@@ -55,6 +70,7 @@ impl<'a> RequestPrefix<'a> {
             output,
             now_ms,
             indexes: Vec::new(),
+            deepest: None,
         }
     }
 
@@ -71,11 +87,21 @@ impl<'a> RequestPrefix<'a> {
     /// Takes in `value`, pool worker `worker`'s index as read (None: none
     /// yet), and works out once how much of the prompt each rank holds.
     pub fn insert(&mut self, worker: usize, value: ReadValue) {
-        let cached = value
+        let matches = value
             .as_ref()
             .and_then(|(bytes, _)| decode_view::<IndexView>(bytes))
             .map(|view| self.held(&view))
             .unwrap_or_default();
+        for m in matches.iter().flatten() {
+            // The deepest; of equals, the most recently routed.
+            let deeper = self
+                .deepest
+                .is_none_or(|d| (m.tokens, m.routed_ms) > (d.tokens, d.routed_ms));
+            if m.tokens > 0 && deeper {
+                self.deepest = Some(*m);
+            }
+        }
+        let cached = matches.iter().map(|m| m.map_or(0, |m| m.tokens)).collect();
         if self.indexes.len() <= worker {
             self.indexes.resize_with(worker + 1, || None);
         }
@@ -84,9 +110,10 @@ impl<'a> RequestPrefix<'a> {
         }
     }
 
-    /// Prompt tokens each rank of an index is thought to hold (nothing when
-    /// the index was made with another block size).
-    fn held(&self, view: &IndexView) -> Vec<u64> {
+    /// What each rank of an index is thought to hold of the prompt (nothing
+    /// when the index was made with another block size; None for a rank
+    /// holding none of it).
+    fn held(&self, view: &IndexView) -> Vec<Option<Match>> {
         if view.block_bytes != self.prompt.block_bytes {
             return Vec::new();
         }
@@ -94,19 +121,46 @@ impl<'a> RequestPrefix<'a> {
         let per_block = self.prompt.tokens_per_block();
         (0..view.ranks())
             .map(|r| {
-                let Some(rank) = view.rank(r).filter(|rank| !rank.is_empty()) else {
-                    return 0;
-                };
-                self.prompt
-                    .chains
-                    .iter()
-                    .map(|c| {
-                        let blocks = rank.matched(&c.hashes, alive_from) as u64;
-                        (blocks * per_block).min(c.tokens)
-                    })
-                    .fold(0, u64::saturating_add)
+                let rank = view.rank(r).filter(|rank| !rank.is_empty())?;
+                let mut held: Option<Match> = None;
+                for chain in &self.prompt.chains {
+                    let blocks = rank.matched(&chain.hashes, alive_from);
+                    let Some(stamp) = blocks
+                        .checked_sub(1)
+                        .and_then(|last| rank.stamp(chain.hashes[last]))
+                    else {
+                        continue;
+                    };
+                    let tokens = (blocks as u64 * per_block).min(chain.tokens);
+                    let routed_ms = view.base_ms.saturating_add(u64::from(stamp) * STAMP_MS);
+                    let confirmed = blocks >= 2 && rank.stamp(chain.hashes[0]).is_some();
+                    held = Some(match held {
+                        None => Match {
+                            tokens,
+                            routed_ms,
+                            confirmed,
+                        },
+                        Some(h) => Match {
+                            tokens: h.tokens.saturating_add(tokens),
+                            routed_ms: h.routed_ms.max(routed_ms),
+                            confirmed: h.confirmed && confirmed,
+                        },
+                    });
+                }
+                held
             })
             .collect()
+    }
+
+    /// Prompt tokens of the deepest match among the workers read, when
+    /// that match is confirmed and private: last routed `private_after_ms`
+    /// ago or more.
+    pub fn private_match(&self) -> Option<u64> {
+        self.deepest
+            .filter(|d| {
+                d.confirmed && self.now_ms.saturating_sub(d.routed_ms) >= self.settings.private_after_ms
+            })
+            .map(|d| d.tokens)
     }
 
     /// Prompt tokens each rank of pool worker `worker` is thought to hold
@@ -200,6 +254,71 @@ mod tests {
         let mut again = RequestPrefix::new(&settings, blocks, false, 0, 6000);
         again.insert(3, Some((encode(&recorded), 42)));
         assert_eq!(again.cached_ranks(3), [0, 64, 64]);
+    }
+
+    #[test]
+    fn the_deepest_match_is_private_once_it_was_routed_long_enough_ago() {
+        let settings = Prefix {
+            block_bytes: 64,
+            ..Prefix::default()
+        };
+        // A conversation's history: its first turn went to rank 1 of worker
+        // 0 at 10 s; rank 0 of worker 1 holds the opening block alone, routed
+        // at 20 s (a prompt many requests start with).
+        let history = prompt(&"h".repeat(512), 64);
+        let opening = prompt(&"h".repeat(64), 64);
+        let chains = |b: &PromptBlocks| b.chains.iter().map(|c| c.hashes.clone()).collect::<Vec<_>>();
+        let (history_chains, opening_chains) = (chains(&history), chains(&opening));
+        let mut first = IndexRecord::empty(64, 10_000);
+        let refs: Vec<&[u32]> = history_chains.iter().map(Vec::as_slice).collect();
+        first.touch(1, &refs, 10_000, settings.ttl_ms, 100);
+        let mut second = IndexRecord::empty(64, 20_000);
+        let refs: Vec<&[u32]> = opening_chains.iter().map(Vec::as_slice).collect();
+        second.touch(0, &refs, 20_000, settings.ttl_ms, 100);
+        let next_turn = prompt(&format!("{}{}", "h".repeat(512), "n".repeat(256)), 64);
+        let at = |now_ms: u64| {
+            let mut request = RequestPrefix::new(&settings, next_turn.clone(), false, 0, now_ms);
+            request.insert(1, Some((encode(&second), 1)));
+            request.insert(0, Some((encode(&first), 2)));
+            request
+        };
+        // 512 bytes = 128 tokens held on worker 0's rank 1; its deepest block
+        // was stamped up to 0.7 s before it was routed.
+        assert_eq!(at(16_000).cached_ranks(0), [0, 128]);
+        assert_eq!(at(16_000).private_match(), Some(128), "routed 6 s ago: private");
+        assert_eq!(at(11_500).private_match(), None, "routed 1.5 s ago: still shared");
+        let only_opening = {
+            let mut request = RequestPrefix::new(&settings, next_turn.clone(), false, 0, 40_000);
+            request.insert(1, Some((encode(&second), 1)));
+            request
+        };
+        assert_eq!(only_opening.private_match(), None, "one block: not confirmed");
+        let mut opening_twice = IndexRecord::empty(64, 20_000);
+        let two = prompt(&"h".repeat(128), 64);
+        let refs: Vec<&[u32]> = two.chains.iter().map(|c| c.hashes.as_slice()).collect();
+        opening_twice.touch(0, &refs, 20_000, settings.ttl_ms, 100);
+        let mut request = RequestPrefix::new(&settings, next_turn.clone(), false, 0, 40_000);
+        request.insert(1, Some((encode(&opening_twice), 1)));
+        assert_eq!(
+            request.private_match(),
+            Some(32),
+            "the deepest among the workers read"
+        );
+        // A chance match of the second block alone (the first not held).
+        let four = prompt(&"c".repeat(256), 64);
+        let chain = &four.chains[0].hashes;
+        let mut stray = IndexRecord::empty(64, 20_000);
+        stray.touch(0, &[&chain[1..2]], 20_000, settings.ttl_ms, 100);
+        let mut request = RequestPrefix::new(&settings, four.clone(), false, 0, 40_000);
+        request.insert(0, Some((encode(&stray), 1)));
+        assert_eq!(request.cached(0, 0), 32, "matched as two blocks");
+        assert_eq!(
+            request.private_match(),
+            None,
+            "its first block not held: not confirmed"
+        );
+        let nothing = RequestPrefix::new(&settings, next_turn, false, 0, 40_000);
+        assert_eq!(nothing.private_match(), None, "nothing held: nothing to keep");
     }
 
     #[test]

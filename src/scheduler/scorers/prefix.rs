@@ -1,6 +1,9 @@
 //! Scorer `prefix` (prefix affinity): adds `prefix_uncached_weight` x the
 //! prompt tokens the rank is thought not to hold in cache: the request's
 //! own prefill there, from the worker's index as read before the choice.
+//! When the prompt's deepest match is private (a conversation's own
+//! history), the tokens a rank lacks of that match cost
+//! `prefix_private_weight` instead (docs/prefix-affinity.md).
 
 use crate::cost::{add_cost, weighted, Slot};
 use crate::scheduler::{Context, Scorer, WorkerView};
@@ -14,10 +17,15 @@ impl Scorer for Prefix {
         };
         let total = prefix.prompt.tokens();
         let weight = prefix.settings.uncached_weight;
+        let private = prefix.private_match();
+        let extra = prefix.settings.private_weight - weight;
         let cached = prefix.cached_ranks(worker.index);
         for (rank, cost) in costs.iter_mut().enumerate() {
             let held = cached.get(rank).copied().unwrap_or(0);
             add_cost(cost, weighted(total.saturating_sub(held), weight));
+            if let Some(deepest) = private.filter(|_| extra > 0.0) {
+                add_cost(cost, weighted(deepest.saturating_sub(held), extra));
+            }
         }
     }
 }
@@ -30,7 +38,7 @@ mod tests {
     use crate::config::Config;
     use crate::cost::REMOVED;
     use crate::prefix::index::IndexRecord;
-    use crate::prefix::PromptBlocks;
+    use crate::prefix::{PromptBlocks, RequestPrefix};
     use crate::scheduler::testing::*;
     use crate::scheduler::Constraint;
 
@@ -73,5 +81,47 @@ mod tests {
         let mut without = vec![5];
         Prefix.score(&ctx(Constraint::default()), &view, &mut without);
         assert_eq!(without, vec![5], "no affinity, no cost");
+    }
+
+    #[test]
+    fn leaving_a_private_match_costs_the_private_weight() {
+        let config = Config::from_json(
+            br#"{"workers":[{"address":"127.0.0.1:1","name":"a"}],"prefix_block_bytes":64,
+                "prefix_uncached_weight":2,"prefix_private_weight":5}"#,
+        )
+        .unwrap();
+        let settings = config.prefix.clone().unwrap();
+        let history = format!(r#"{{"text":"{}"}}"#, "p".repeat(256));
+        let held = PromptBlocks::of(&JsonObject::parse(history.as_bytes()).unwrap(), 64);
+        let mut index = IndexRecord::empty(64, 1_000_000);
+        let chains: Vec<&[u32]> = held.chains.iter().map(|c| c.hashes.as_slice()).collect();
+        index.touch(1, &chains, 1_000_000, settings.ttl_ms, 1000);
+        // The next turn: the history (64 tokens) and 32 tokens more.
+        let turn = format!(r#"{{"text":"{}{}"}}"#, "p".repeat(256), "q".repeat(128));
+        let blocks = PromptBlocks::of(&JsonObject::parse(turn.as_bytes()).unwrap(), 64);
+        let w = worker("a", 1, None);
+        let s = state(&[0, 0], 1000);
+        let view = WorkerView {
+            index: 0,
+            worker: &w,
+            state: &s,
+            loads: &[],
+        };
+        let cost_at = |now_ms: u64| {
+            let mut prefix = RequestPrefix::new(&settings, blocks.clone(), true, 0, now_ms);
+            prefix.insert(0, Some((encode(&index), 7)));
+            let with = Context {
+                prefix: Some(&prefix),
+                ..ctx(Constraint::default())
+            };
+            let mut costs = vec![0, 0];
+            Prefix.score(&with, &view, &mut costs);
+            costs
+        };
+        // Routed 0.5 s ago (a shared prompt): every uncached token x2.
+        assert_eq!(cost_at(1_000_500), vec![2 * 96, 2 * 32]);
+        // Routed a minute ago (a conversation's own history): the 64 tokens
+        // rank 0 lacks of it cost x5, the rest x2.
+        assert_eq!(cost_at(1_060_000), vec![5 * 64 + 2 * 32, 2 * 32]);
     }
 }
