@@ -220,6 +220,18 @@ mod tests {
         PromptBlocks::of(&JsonObject::parse(body.as_bytes()).unwrap(), block_bytes)
     }
 
+    fn chains(blocks: &PromptBlocks) -> Vec<&[u32]> {
+        blocks.chains.iter().map(|c| c.hashes.as_slice()).collect()
+    }
+
+    /// An index of 64-byte blocks holding `chains` on `rank`, routed there
+    /// at `at_ms` (the default TTL, 100 blocks a rank).
+    fn holding(rank: usize, chains: &[&[u32]], at_ms: u64) -> IndexRecord {
+        let mut index = IndexRecord::empty(64, at_ms);
+        index.touch(rank, chains, at_ms, Prefix::default().ttl_ms, 100);
+        index
+    }
+
     #[test]
     fn reads_each_worker_once_and_records_under_that_read() {
         let settings = Prefix {
@@ -227,9 +239,7 @@ mod tests {
             ..Prefix::default()
         };
         let blocks = prompt(&"p".repeat(256), 64);
-        let chains: Vec<&[u32]> = blocks.chains.iter().map(|c| c.hashes.as_slice()).collect();
-        let mut held = IndexRecord::empty(64, 5000);
-        held.touch(2, &chains, 5000, settings.ttl_ms, 100);
+        let held = holding(2, &chains(&blocks), 5000);
         let mut request = RequestPrefix::new(&settings, blocks.clone(), false, 0, 6000);
         assert!(request.wants(3) && request.cached_ranks(3).is_empty());
         request.insert(3, Some((encode(&held), 41)));
@@ -265,16 +275,8 @@ mod tests {
         // A conversation's history: its first turn went to rank 1 of worker
         // 0 at 10 s; rank 0 of worker 1 holds the opening block alone, routed
         // at 20 s (a prompt many requests start with).
-        let history = prompt(&"h".repeat(512), 64);
-        let opening = prompt(&"h".repeat(64), 64);
-        let chains = |b: &PromptBlocks| b.chains.iter().map(|c| c.hashes.clone()).collect::<Vec<_>>();
-        let (history_chains, opening_chains) = (chains(&history), chains(&opening));
-        let mut first = IndexRecord::empty(64, 10_000);
-        let refs: Vec<&[u32]> = history_chains.iter().map(Vec::as_slice).collect();
-        first.touch(1, &refs, 10_000, settings.ttl_ms, 100);
-        let mut second = IndexRecord::empty(64, 20_000);
-        let refs: Vec<&[u32]> = opening_chains.iter().map(Vec::as_slice).collect();
-        second.touch(0, &refs, 20_000, settings.ttl_ms, 100);
+        let first = holding(1, &chains(&prompt(&"h".repeat(512), 64)), 10_000);
+        let second = holding(0, &chains(&prompt(&"h".repeat(64), 64)), 20_000);
         let next_turn = prompt(&format!("{}{}", "h".repeat(512), "n".repeat(256)), 64);
         let at = |now_ms: u64| {
             let mut request = RequestPrefix::new(&settings, next_turn.clone(), false, 0, now_ms);
@@ -293,10 +295,7 @@ mod tests {
             request
         };
         assert_eq!(only_opening.private_match(), None, "one block: not confirmed");
-        let mut opening_twice = IndexRecord::empty(64, 20_000);
-        let two = prompt(&"h".repeat(128), 64);
-        let refs: Vec<&[u32]> = two.chains.iter().map(|c| c.hashes.as_slice()).collect();
-        opening_twice.touch(0, &refs, 20_000, settings.ttl_ms, 100);
+        let opening_twice = holding(0, &chains(&prompt(&"h".repeat(128), 64)), 20_000);
         let mut request = RequestPrefix::new(&settings, next_turn.clone(), false, 0, 40_000);
         request.insert(1, Some((encode(&opening_twice), 1)));
         assert_eq!(
@@ -306,9 +305,7 @@ mod tests {
         );
         // A chance match of the second block alone (the first not held).
         let four = prompt(&"c".repeat(256), 64);
-        let chain = &four.chains[0].hashes;
-        let mut stray = IndexRecord::empty(64, 20_000);
-        stray.touch(0, &[&chain[1..2]], 20_000, settings.ttl_ms, 100);
+        let stray = holding(0, &[&four.chains[0].hashes[1..2]], 20_000);
         let mut request = RequestPrefix::new(&settings, four.clone(), false, 0, 40_000);
         request.insert(0, Some((encode(&stray), 1)));
         assert_eq!(request.cached(0, 0), 32, "matched as two blocks");
@@ -325,9 +322,7 @@ mod tests {
     fn an_index_of_another_block_size_or_an_unhashed_prompt_holds_nothing() {
         let settings = Prefix::default();
         let blocks = prompt(&"q".repeat(2000), settings.block_bytes);
-        let chains: Vec<&[u32]> = blocks.chains.iter().map(|c| c.hashes.as_slice()).collect();
-        let mut other = IndexRecord::empty(64, 5000);
-        other.touch(0, &chains, 5000, settings.ttl_ms, 100);
+        let other = holding(0, &chains(&blocks), 5000);
         let mut request = RequestPrefix::new(&settings, blocks, false, 0, 6000);
         request.insert(0, Some((encode(&other), 1)));
         assert_eq!(request.cached(0, 0), 0);

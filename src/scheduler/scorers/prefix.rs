@@ -17,13 +17,13 @@ impl Scorer for Prefix {
         };
         let total = prefix.prompt.tokens();
         let weight = prefix.settings.uncached_weight;
-        let private = prefix.private_match();
         let extra = prefix.settings.private_weight - weight;
+        let private = prefix.private_match().filter(|_| extra > 0.0);
         let cached = prefix.cached_ranks(worker.index);
         for (rank, cost) in costs.iter_mut().enumerate() {
             let held = cached.get(rank).copied().unwrap_or(0);
             add_cost(cost, weighted(total.saturating_sub(held), weight));
-            if let Some(deepest) = private.filter(|_| extra > 0.0) {
+            if let Some(deepest) = private {
                 add_cost(cost, weighted(deepest.saturating_sub(held), extra));
             }
         }
