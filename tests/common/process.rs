@@ -134,6 +134,16 @@ impl EnvoyProcess {
             (envoy.admin_get("/ready").status == 200).then_some(())
         });
         envoy.listener = wait_until(&format!("{label}: listener address"), startup, || {
+            // A listener Envoy could not create (a port taken) never appears.
+            let failed: u64 = envoy
+                .stats_matching("listener_manager.listener_create_failure")
+                .values()
+                .sum();
+            assert!(
+                failed == 0,
+                "{label} could not create its listener; log:\n{}",
+                tail(&envoy.log_path, 20)
+            );
             let listeners = envoy.admin_get("/listeners?format=json").json();
             let socket = &listeners["listener_statuses"][0]["local_address"]["socket_address"];
             let port = socket["port_value"].as_u64().filter(|p| *p != 0)?;
@@ -270,11 +280,30 @@ impl Drop for EnvoyProcess {
 /// A port free right now on 127.0.0.1, for what must be known before Envoy
 /// starts (the admin port a cluster points at, a listener port that must
 /// survive a reload or a hot restart).
+///
+/// Taken below Linux's ephemeral range (32768 and up by default), so no
+/// outgoing connection and no bind to port 0 can take it in the second
+/// between this call and Envoy's bind: with a listener from LDS, Envoy
+/// rejects a port in use quietly and reports ready without a listener.
+/// Each process walks the range from its own offset and never hands out a
+/// port twice.
 pub fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("bind a free port")
-        .port()
+    const FIRST: u32 = 20_000;
+    const COUNT: u32 = 12_000;
+    static NEXT: AtomicU32 = AtomicU32::new(u32::MAX);
+    let _ = NEXT.compare_exchange(
+        u32::MAX,
+        std::process::id().wrapping_mul(2_654_435_761) % COUNT,
+        Ordering::Relaxed,
+        Ordering::Relaxed,
+    );
+    for _ in 0..COUNT {
+        let port = (FIRST + NEXT.fetch_add(1, Ordering::Relaxed) % COUNT) as u16;
+        if TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return port;
+        }
+    }
+    panic!("no free port in {FIRST}..{}", FIRST + COUNT);
 }
 
 static WRITES: AtomicU32 = AtomicU32::new(0);
