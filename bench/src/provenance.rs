@@ -12,7 +12,9 @@ use serde::{Deserialize, Serialize};
 pub struct Provenance {
     /// The command line as typed.
     pub command: String,
-    /// `git rev-parse --short=12 HEAD`, `-dirty` when tracked files differ.
+    /// `git rev-parse --short=12 HEAD`, `-dirty` when tracked files outside
+    /// `bench-results/` differ (what the bench writes itself does not count:
+    /// a suite's second run would otherwise be marked by its first).
     pub commit: String,
     /// UTC, `YYYY-MM-DD HH:MM UTC`.
     pub date: String,
@@ -34,8 +36,15 @@ pub fn commit(root: &Path) -> String {
     };
     match git(&["rev-parse", "--short=12", "HEAD"]) {
         Some(head) => {
-            let dirty =
-                git(&["status", "--porcelain", "--untracked-files=no"]).is_some_and(|s| !s.is_empty());
+            let dirty = git(&[
+                "status",
+                "--porcelain",
+                "--untracked-files=no",
+                "--",
+                ".",
+                ":(exclude)bench-results",
+            ])
+            .is_some_and(|s| !s.is_empty());
             if dirty {
                 format!("{head}-dirty")
             } else {
@@ -171,6 +180,35 @@ mod tests {
             ..a.clone()
         };
         assert_eq!(mixed([Some(&a), Some(&d)].into_iter()), None);
+    }
+
+    #[test]
+    fn results_the_bench_wrote_do_not_mark_the_commit_dirty() {
+        let dir = std::env::temp_dir().join(format!("dprank-provenance-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(dir.join("bench-results")).unwrap();
+        let git = |args: &[&str]| {
+            let ok = Command::new("git")
+                .arg("-C")
+                .arg(&dir)
+                .args(["-c", "user.name=t", "-c", "user.email=t@t"])
+                .args(args)
+                .output()
+                .is_ok_and(|o| o.status.success());
+            assert!(ok, "git {args:?}");
+        };
+        std::fs::write(dir.join("bench-results/runs.jsonl"), "{}\n").unwrap();
+        std::fs::write(dir.join("code.rs"), "fn main() {}\n").unwrap();
+        git(&["init", "-q"]);
+        git(&["add", "."]);
+        git(&["commit", "-qm", "first"]);
+        let clean = commit(&dir);
+        assert!(!clean.ends_with("-dirty"), "{clean}");
+        std::fs::write(dir.join("bench-results/runs.jsonl"), "{}\n{}\n").unwrap();
+        assert_eq!(commit(&dir), clean, "a result written by the bench");
+        std::fs::write(dir.join("code.rs"), "fn main() { }\n").unwrap();
+        assert_eq!(commit(&dir), format!("{clean}-dirty"), "a change to the code");
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]
