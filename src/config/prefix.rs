@@ -56,6 +56,9 @@ pub enum LoadMeasure {
     /// added: under DP attention every rank of a worker steps as slowly as
     /// that one, so a request slows its decode only by raising it.
     SlowestRank,
+    /// `SlowestRank` for a prompt no rank is thought to hold (nothing to
+    /// keep together: only the lockstep matters), `Rank` for the others.
+    SlowestRankWhenUncached,
 }
 
 /// Prefix affinity: requests go to the (worker, rank) with the least

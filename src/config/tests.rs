@@ -530,6 +530,13 @@ fn prefix_affinity_is_on_by_default_with_documented_tuning() {
         (p.load, tuned.load),
         (LoadMeasure::Rank, LoadMeasure::SlowestRank)
     );
+    let uncached =
+        parse(r#"{"workers":[{"address":"127.0.0.1:1"}],"prefix_load":"slowest_rank_when_uncached"}"#)
+            .unwrap();
+    assert_eq!(
+        uncached.prefix.unwrap().load,
+        LoadMeasure::SlowestRankWhenUncached
+    );
     let off = parse(r#"{"workers":[{"address":"127.0.0.1:1"}],"prefix_affinity":false}"#).unwrap();
     assert_eq!(off.prefix, None);
 }

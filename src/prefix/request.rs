@@ -35,6 +35,8 @@ pub struct RequestPrefix<'a> {
     /// The deepest match among the workers read: its prompt tokens and when
     /// its deepest block was last routed (ms).
     deepest: Option<Match>,
+    /// Some rank of a worker read holds a confirmed match of the prompt.
+    held_somewhere: bool,
 }
 
 /// How much of the prompt one rank holds, when the deepest block it holds
@@ -71,6 +73,7 @@ impl<'a> RequestPrefix<'a> {
             now_ms,
             indexes: Vec::new(),
             deepest: None,
+            held_somewhere: false,
         }
     }
 
@@ -93,6 +96,7 @@ impl<'a> RequestPrefix<'a> {
             .map(|view| self.held(&view))
             .unwrap_or_default();
         for m in matches.iter().flatten() {
+            self.held_somewhere |= m.confirmed;
             // The deepest; of equals, the most recently routed.
             let deeper = self
                 .deepest
@@ -161,6 +165,12 @@ impl<'a> RequestPrefix<'a> {
                 d.confirmed && self.now_ms.saturating_sub(d.routed_ms) >= self.settings.private_after_ms
             })
             .map(|d| d.tokens)
+    }
+
+    /// Whether no rank of the workers read holds a confirmed match of the
+    /// prompt (its first two blocks or more).
+    pub fn held_nowhere(&self) -> bool {
+        !self.held_somewhere
     }
 
     /// Prompt tokens each rank of pool worker `worker` is thought to hold
@@ -288,6 +298,7 @@ mod tests {
         // was stamped up to 0.7 s before it was routed.
         assert_eq!(at(16_000).cached_ranks(0), [0, 128]);
         assert_eq!(at(16_000).private_match(), Some(128), "routed 6 s ago: private");
+        assert!(!at(16_000).held_nowhere(), "a confirmed match");
         assert_eq!(at(11_500).private_match(), None, "routed 1.5 s ago: still shared");
         let only_opening = {
             let mut request = RequestPrefix::new(&settings, next_turn.clone(), false, 0, 40_000);
@@ -295,6 +306,7 @@ mod tests {
             request
         };
         assert_eq!(only_opening.private_match(), None, "one block: not confirmed");
+        assert!(only_opening.held_nowhere(), "one block: not confirmed");
         let opening_twice = holding(0, &chains(&prompt(&"h".repeat(128), 64)), 20_000);
         let mut request = RequestPrefix::new(&settings, next_turn.clone(), false, 0, 40_000);
         request.insert(1, Some((encode(&opening_twice), 1)));
@@ -314,8 +326,10 @@ mod tests {
             None,
             "its first block not held: not confirmed"
         );
+        assert!(request.held_nowhere(), "a chance match holds nothing");
         let nothing = RequestPrefix::new(&settings, next_turn, false, 0, 40_000);
         assert_eq!(nothing.private_match(), None, "nothing held: nothing to keep");
+        assert!(nothing.held_nowhere());
     }
 
     #[test]

@@ -2,7 +2,8 @@
 //! plus the estimates of requests the poll has not seen yet, as derived in
 //! `LoadTable`); a rank the report gave no usable figure for is removed. Under
 //! prefix affinity the tokens are weighted by `prefix_load_weight`, and with
-//! `prefix_load: "slowest_rank"` a rank is costed by its worker's slowest.
+//! `prefix_load: "slowest_rank"` a rank is costed by its worker's slowest
+//! (with `"slowest_rank_when_uncached"`, for prompts no rank holds).
 
 use crate::config::prefix::DEFAULT_CAPACITY_TOKENS;
 use crate::config::LoadMeasure;
@@ -21,7 +22,11 @@ const MAX_FULLNESS: f64 = 2.0;
 impl Scorer for Load {
     fn score(&self, ctx: &Context, worker: &WorkerView, costs: &mut [Slot]) {
         let weight = ctx.prefix.map_or(1.0, |a| a.settings.load_weight);
-        let slowest = ctx.prefix.filter(|a| a.settings.load == LoadMeasure::SlowestRank);
+        let slowest = ctx.prefix.filter(|a| match a.settings.load {
+            LoadMeasure::SlowestRank => true,
+            LoadMeasure::SlowestRankWhenUncached => a.held_nowhere(),
+            LoadMeasure::Rank => false,
+        });
         if let Some(prefix) = slowest {
             let capacity = prefix
                 .settings
@@ -189,5 +194,37 @@ mod tests {
         // rank 1 by 44, slowed for 4 ranks at half full: x 0.75 x 4 x 0.5.
         assert_eq!(costs, vec![500 + 96, 500 + 66, 500, 500]);
         assert_eq!(config.prefix.unwrap().load, LoadMeasure::SlowestRank);
+    }
+    #[test]
+    fn slowest_rank_when_uncached_costs_by_the_slowest_only_a_prompt_no_rank_holds() {
+        use crate::codec::encode;
+        use crate::prefix::index::IndexRecord;
+        let config = Config::from_json(
+            br#"{"workers":[{"address":"127.0.0.1:1"}],"prefix_load_weight":1,"prefix_load":"slowest_rank_when_uncached","prefix_capacity_tokens":1000,"prefix_block_bytes":64}"#,
+        )
+        .unwrap();
+        let settings = config.prefix.clone().unwrap();
+        let body = format!(r#"{{"text":"{}"}}"#, "p".repeat(256));
+        let object = crate::body::JsonObject::parse(body.as_bytes()).unwrap();
+        let blocks = PromptBlocks::of(&object, 64);
+        let s = state(&[500, 480, 100, 0], 1000);
+        let scored = |prefix: &crate::prefix::RequestPrefix| {
+            let ctx = Context {
+                prefix: Some(prefix),
+                ..ctx(Constraint::default())
+            };
+            score_in(&ctx, &s, vec![0; 4])
+        };
+        // Held nowhere: as `slowest_rank` (the test above).
+        let new_prompt = prefix_request(&settings, blocks.clone(), 0);
+        assert_eq!(scored(&new_prompt), vec![500 + 96, 500 + 66, 500, 500]);
+        // Held on rank 2: as `rank`, each rank its own tokens.
+        let mut index = IndexRecord::empty(64, 1_000_000);
+        let chains: Vec<&[u32]> = blocks.chains.iter().map(|c| c.hashes.as_slice()).collect();
+        index.touch(2, &chains, 1_000_000, settings.ttl_ms, 1000);
+        let mut held = prefix_request(&settings, blocks, 0);
+        held.insert(0, Some((encode(&index), 1)));
+        assert!(!held.held_nowhere());
+        assert_eq!(scored(&held), vec![500, 480, 100, 0]);
     }
 }
