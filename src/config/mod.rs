@@ -280,6 +280,9 @@ pub enum ConfigError {
 
 impl Config {
     pub fn from_json(bytes: &[u8]) -> Result<Config, ConfigError> {
+        let value: serde_json::Value =
+            serde_json::from_slice(bytes).map_err(|e| ConfigError::Json(e.to_string()))?;
+        objects_where_expected(&value)?;
         let json: ConfigJson = serde_json::from_slice(bytes).map_err(|e| ConfigError::Json(e.to_string()))?;
         Config::try_from(json)
     }
@@ -406,3 +409,31 @@ impl Config {
 
 #[cfg(test)]
 mod tests;
+
+/// serde takes a JSON array for a struct, field by field in order: refuse
+/// one wherever the configuration has an object (the whole configuration,
+/// `passive_health`, `discovery`, `admission`, each listed worker), so
+/// `[null, "x"]` is not read as `served_model_name: "x"`.
+fn objects_where_expected(value: &serde_json::Value) -> Result<(), ConfigError> {
+    let Some(root) = value.as_object() else {
+        return Err(ConfigError::Json(
+            "the configuration must be a JSON object".into(),
+        ));
+    };
+    let not_object = |key: String| ConfigError::Invalid {
+        key,
+        reason: "must be an object".into(),
+    };
+    for key in ["passive_health", "discovery", "admission"] {
+        if root.get(key).is_some_and(|v| v.is_array()) {
+            return Err(not_object(key.to_string()));
+        }
+    }
+    for key in ["workers", "prefill_workers", "decode_workers"] {
+        let workers = root.get(key).and_then(|v| v.as_array()).into_iter().flatten();
+        if let Some(i) = workers.clone().position(|w| w.is_array()) {
+            return Err(not_object(format!("{key}[{i}]")));
+        }
+    }
+    Ok(())
+}

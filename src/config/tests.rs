@@ -798,3 +798,26 @@ fn engine_vllm_refuses_every_key_that_would_send_a_body_rank_field() {
         Err(ConfigError::Json(e)) if e.contains("tgi")
     ));
 }
+
+#[test]
+fn arrays_are_not_read_as_objects_field_by_field() {
+    assert!(matches!(parse(r#"[null, "model"]"#), Err(ConfigError::Json(_))));
+    assert!(matches!(parse(r#""workers""#), Err(ConfigError::Json(_))));
+    for (input, key) in [
+        (r#"{"workers":[["127.0.0.1:1", 4]]}"#, "workers[0]"),
+        (
+            r#"{"workers":[{"address":"127.0.0.1:1"}],"passive_health":[false]}"#,
+            "passive_health",
+        ),
+        (
+            r#"{"workers":[{"address":"127.0.0.1:1"}],"discovery":["c"]}"#,
+            "discovery",
+        ),
+        (
+            r#"{"workers":[{"address":"127.0.0.1:1"}],"admission":[]}"#,
+            "admission",
+        ),
+    ] {
+        assert_eq!(key_of(parse(input)), key, "{input}");
+    }
+}
