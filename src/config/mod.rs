@@ -430,8 +430,8 @@ fn objects_where_expected(value: &serde_json::Value) -> Result<(), ConfigError> 
         }
     }
     for key in ["workers", "prefill_workers", "decode_workers"] {
-        let workers = root.get(key).and_then(|v| v.as_array()).into_iter().flatten();
-        if let Some(i) = workers.clone().position(|w| w.is_array()) {
+        let mut workers = root.get(key).and_then(|v| v.as_array()).into_iter().flatten();
+        if let Some(i) = workers.position(|w| w.is_array()) {
             return Err(not_object(format!("{key}[{i}]")));
         }
     }

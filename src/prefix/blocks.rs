@@ -90,6 +90,11 @@ impl PromptBlocks {
             .fold(self.extra_tokens, u64::saturating_add)
     }
 
+    /// Each prompt's block hashes, as the index records and matches them.
+    pub fn hash_chains(&self) -> Vec<&[u32]> {
+        self.chains.iter().map(|c| c.hashes.as_slice()).collect()
+    }
+
     /// Tokens a block stands for.
     pub fn tokens_per_block(&self) -> u64 {
         u64::from(self.block_bytes / 4).max(1)

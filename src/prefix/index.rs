@@ -237,6 +237,15 @@ impl IndexRecord {
         }
     }
 
+    /// Tests: an index of 64-byte blocks holding `chains` on `rank`, routed
+    /// there at `at_ms` (the default TTL, 100 blocks a rank).
+    #[cfg(test)]
+    pub fn holding(rank: usize, chains: &[&[u32]], at_ms: u64) -> IndexRecord {
+        let mut index = IndexRecord::empty(64, at_ms);
+        index.touch(rank, chains, at_ms, crate::config::Prefix::default().ttl_ms, 100);
+        index
+    }
+
     /// The record a view reads, to modify; an empty one if there is no view
     /// or it was made with another block size.
     pub fn from_view(view: Option<&IndexView>, block_bytes: u32, now_ms: u64) -> IndexRecord {

@@ -209,7 +209,7 @@ impl<'a> RequestPrefix<'a> {
     ) -> impl FnMut(Option<IndexView>) -> Option<IndexRecord> + '_ {
         let capacity = self.settings.capacity_blocks(capacity_tokens);
         let (block_bytes, now, ttl) = (self.prompt.block_bytes, self.now_ms, self.settings.ttl_ms);
-        let chains: Vec<&[u32]> = self.prompt.chains.iter().map(|c| c.hashes.as_slice()).collect();
+        let chains = self.prompt.hash_chains();
         move |view| {
             let mut record = IndexRecord::from_view(view.as_ref(), block_bytes, now);
             record
@@ -230,18 +230,6 @@ mod tests {
         PromptBlocks::of(&JsonObject::parse(body.as_bytes()).unwrap(), block_bytes)
     }
 
-    fn chains(blocks: &PromptBlocks) -> Vec<&[u32]> {
-        blocks.chains.iter().map(|c| c.hashes.as_slice()).collect()
-    }
-
-    /// An index of 64-byte blocks holding `chains` on `rank`, routed there
-    /// at `at_ms` (the default TTL, 100 blocks a rank).
-    fn holding(rank: usize, chains: &[&[u32]], at_ms: u64) -> IndexRecord {
-        let mut index = IndexRecord::empty(64, at_ms);
-        index.touch(rank, chains, at_ms, Prefix::default().ttl_ms, 100);
-        index
-    }
-
     #[test]
     fn reads_each_worker_once_and_records_under_that_read() {
         let settings = Prefix {
@@ -249,7 +237,7 @@ mod tests {
             ..Prefix::default()
         };
         let blocks = prompt(&"p".repeat(256), 64);
-        let held = holding(2, &chains(&blocks), 5000);
+        let held = IndexRecord::holding(2, &blocks.hash_chains(), 5000);
         let mut request = RequestPrefix::new(&settings, blocks.clone(), false, 0, 6000);
         assert!(request.wants(3) && request.cached_ranks(3).is_empty());
         request.insert(3, Some((encode(&held), 41)));
@@ -285,8 +273,8 @@ mod tests {
         // A conversation's history: its first turn went to rank 1 of worker
         // 0 at 10 s; rank 0 of worker 1 holds the opening block alone, routed
         // at 20 s (a prompt many requests start with).
-        let first = holding(1, &chains(&prompt(&"h".repeat(512), 64)), 10_000);
-        let second = holding(0, &chains(&prompt(&"h".repeat(64), 64)), 20_000);
+        let first = IndexRecord::holding(1, &prompt(&"h".repeat(512), 64).hash_chains(), 10_000);
+        let second = IndexRecord::holding(0, &prompt(&"h".repeat(64), 64).hash_chains(), 20_000);
         let next_turn = prompt(&format!("{}{}", "h".repeat(512), "n".repeat(256)), 64);
         let at = |now_ms: u64| {
             let mut request = RequestPrefix::new(&settings, next_turn.clone(), false, 0, now_ms);
@@ -307,7 +295,7 @@ mod tests {
         };
         assert_eq!(only_opening.private_match(), None, "one block: not confirmed");
         assert!(only_opening.held_nowhere(), "one block: not confirmed");
-        let opening_twice = holding(0, &chains(&prompt(&"h".repeat(128), 64)), 20_000);
+        let opening_twice = IndexRecord::holding(0, &prompt(&"h".repeat(128), 64).hash_chains(), 20_000);
         let mut request = RequestPrefix::new(&settings, next_turn.clone(), false, 0, 40_000);
         request.insert(1, Some((encode(&opening_twice), 1)));
         assert_eq!(
@@ -317,7 +305,7 @@ mod tests {
         );
         // A chance match of the second block alone (the first not held).
         let four = prompt(&"c".repeat(256), 64);
-        let stray = holding(0, &[&four.chains[0].hashes[1..2]], 20_000);
+        let stray = IndexRecord::holding(0, &[&four.chains[0].hashes[1..2]], 20_000);
         let mut request = RequestPrefix::new(&settings, four.clone(), false, 0, 40_000);
         request.insert(0, Some((encode(&stray), 1)));
         assert_eq!(request.cached(0, 0), 32, "matched as two blocks");
@@ -336,7 +324,7 @@ mod tests {
     fn an_index_of_another_block_size_or_an_unhashed_prompt_holds_nothing() {
         let settings = Prefix::default();
         let blocks = prompt(&"q".repeat(2000), settings.block_bytes);
-        let other = holding(0, &chains(&blocks), 5000);
+        let other = IndexRecord::holding(0, &blocks.hash_chains(), 5000);
         let mut request = RequestPrefix::new(&settings, blocks, false, 0, 6000);
         request.insert(0, Some((encode(&other), 1)));
         assert_eq!(request.cached(0, 0), 0);

@@ -195,6 +195,7 @@ mod tests {
         assert_eq!(costs, vec![500 + 96, 500 + 66, 500, 500]);
         assert_eq!(config.prefix.unwrap().load, LoadMeasure::SlowestRank);
     }
+
     #[test]
     fn slowest_rank_when_uncached_costs_by_the_slowest_only_a_prompt_no_rank_holds() {
         use crate::codec::encode;
@@ -219,9 +220,7 @@ mod tests {
         let new_prompt = prefix_request(&settings, blocks.clone(), 0);
         assert_eq!(scored(&new_prompt), vec![500 + 96, 500 + 66, 500, 500]);
         // Held on rank 2: as `rank`, each rank its own tokens.
-        let mut index = IndexRecord::empty(64, 1_000_000);
-        let chains: Vec<&[u32]> = blocks.chains.iter().map(|c| c.hashes.as_slice()).collect();
-        index.touch(2, &chains, 1_000_000, settings.ttl_ms, 1000);
+        let index = IndexRecord::holding(2, &blocks.hash_chains(), 1_000_000);
         let mut held = prefix_request(&settings, blocks, 0);
         held.insert(0, Some((encode(&index), 1)));
         assert!(!held.held_nowhere());

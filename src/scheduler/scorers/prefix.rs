@@ -53,9 +53,7 @@ mod tests {
         let object = JsonObject::parse(body.as_bytes()).unwrap();
         let blocks = PromptBlocks::of(&object, 64);
         // Rank 1 was sent the same prompt before.
-        let mut index = IndexRecord::empty(64, 1_000_000);
-        let chains: Vec<&[u32]> = blocks.chains.iter().map(|c| c.hashes.as_slice()).collect();
-        index.touch(1, &chains, 1_000_000, settings.ttl_ms, 1000);
+        let index = IndexRecord::holding(1, &blocks.hash_chains(), 1_000_000);
         let mut prefix = prefix_request(&settings, blocks, 0);
         prefix.insert(0, Some((encode(&index), 7)));
         let w = worker("a", 1, None);
@@ -93,9 +91,7 @@ mod tests {
         let settings = config.prefix.clone().unwrap();
         let history = format!(r#"{{"text":"{}"}}"#, "p".repeat(256));
         let held = PromptBlocks::of(&JsonObject::parse(history.as_bytes()).unwrap(), 64);
-        let mut index = IndexRecord::empty(64, 1_000_000);
-        let chains: Vec<&[u32]> = held.chains.iter().map(|c| c.hashes.as_slice()).collect();
-        index.touch(1, &chains, 1_000_000, settings.ttl_ms, 1000);
+        let index = IndexRecord::holding(1, &held.hash_chains(), 1_000_000);
         // The next turn: the history (64 tokens) and 32 tokens more.
         let turn = format!(r#"{{"text":"{}{}"}}"#, "p".repeat(256), "q".repeat(128));
         let blocks = PromptBlocks::of(&JsonObject::parse(turn.as_bytes()).unwrap(), 64);
