@@ -11,8 +11,11 @@ use crate::load::RankLoad;
 use serde::{Deserialize, Serialize};
 
 /// Prompt tokens routed to a rank since its last feedback check below which
-/// the reported hit rate is not compared (too few admissions to tell).
-pub const FEEDBACK_MIN_TOKENS: u64 = 8192;
+/// the reported hit rate is not compared (too few admissions to tell). A
+/// few long prompts are no evidence: at 8,192 (two prompts of a real
+/// trace) chance differences wiped entries the ranks still held
+/// (docs/prefix-affinity.md, "Checking the index against the ranks").
+pub const FEEDBACK_MIN_TOKENS: u64 = 65_536;
 /// The expected hit rate below which a rank is never judged (nothing to lose).
 pub const FEEDBACK_MIN_EXPECTED: f64 = 0.2;
 /// A rank that reports less than this share of the hit rate the index
@@ -520,7 +523,7 @@ mod tests {
             ]
         };
         // Rank 0: 80% expected; rank 1: nothing expected, nothing judged.
-        for _ in 0..10 {
+        for _ in 0..100 {
             p.charge(
                 1,
                 0,
@@ -563,5 +566,33 @@ mod tests {
             true,
         );
         assert!(p.cache_feedback(1000).is_empty(), "too few tokens to judge");
+    }
+
+    #[test]
+    fn a_few_long_prompts_are_no_evidence_of_a_lost_cache() {
+        // Four prompts of 8,000 tokens, 80% expected in cache, 5% reported:
+        // one rank's chance, not a lost cache (the old 8,192-token floor
+        // judged it and wiped entries the rank still held).
+        let mut p = PrefillState::default();
+        for _ in 0..4 {
+            p.charge(
+                1,
+                0,
+                0,
+                Charge {
+                    prompt: 8000,
+                    cached: 6400,
+                },
+                true,
+            );
+        }
+        p.on_snapshot(
+            1,
+            &[RankFigures {
+                cache_hit_rate: Some(0.05),
+                ..Default::default()
+            }],
+        );
+        assert!(p.cache_feedback(1000).is_empty());
     }
 }
