@@ -2,7 +2,7 @@
 //! defaults and their validation.
 
 use super::json::ConfigJson;
-use super::{ConfigError, RankTransport};
+use super::{ConfigError, EngineKind, RankTransport};
 use serde::{Deserialize, Serialize};
 
 /// Bytes of routed text per index block.
@@ -61,6 +61,17 @@ pub enum LoadMeasure {
     SlowestRankWhenUncached,
 }
 
+/// `prefix_load` when the configuration leaves it out. SGLang's DP-attention
+/// ranks step together, so a prompt no rank holds is costed by the lockstep
+/// (judged in docs/prefix-affinity.md); vLLM's dense DP engines step on
+/// their own, so each is costed by its own tokens.
+pub fn default_load(engine: EngineKind) -> LoadMeasure {
+    match engine {
+        EngineKind::Sglang => LoadMeasure::SlowestRankWhenUncached,
+        EngineKind::Vllm => LoadMeasure::Rank,
+    }
+}
+
 /// Prefix affinity: requests go to the (worker, rank) with the least
 /// expected cost, counting the prompt the rank is thought to hold in cache.
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -95,6 +106,7 @@ pub struct Prefix {
     pub load: LoadMeasure,
 }
 
+/// The defaults for SGLang, the default engine.
 impl Default for Prefix {
     fn default() -> Prefix {
         Prefix {
@@ -108,7 +120,7 @@ impl Default for Prefix {
             private_weight: DEFAULT_PRIVATE_WEIGHT,
             private_after_ms: DEFAULT_PRIVATE_AFTER_MS,
             queue: QueueMeasure::Max,
-            load: LoadMeasure::Rank,
+            load: default_load(EngineKind::default()),
         }
     }
 }
@@ -207,7 +219,9 @@ pub fn settings(json: &ConfigJson) -> Result<Option<Prefix>, ConfigError> {
         )?,
         private_after_ms,
         queue: json.prefix_queue.unwrap_or(QueueMeasure::Max),
-        load: json.prefix_load.unwrap_or(LoadMeasure::Rank),
+        load: json
+            .prefix_load
+            .unwrap_or_else(|| default_load(json.engine.unwrap_or_default())),
     }))
 }
 

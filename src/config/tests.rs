@@ -528,15 +528,11 @@ fn prefix_affinity_is_on_by_default_with_documented_tuning() {
     assert_eq!((tuned.queue, tuned.wait_weight), (QueueMeasure::Local, 300.0));
     assert_eq!(
         (p.load, tuned.load),
-        (LoadMeasure::Rank, LoadMeasure::SlowestRank)
+        (LoadMeasure::SlowestRankWhenUncached, LoadMeasure::SlowestRank),
+        "SGLang's default: the lockstep for prompts no rank holds"
     );
-    let uncached =
-        parse(r#"{"workers":[{"address":"127.0.0.1:1"}],"prefix_load":"slowest_rank_when_uncached"}"#)
-            .unwrap();
-    assert_eq!(
-        uncached.prefix.unwrap().load,
-        LoadMeasure::SlowestRankWhenUncached
-    );
+    let per_rank = parse(r#"{"workers":[{"address":"127.0.0.1:1"}],"prefix_load":"rank"}"#).unwrap();
+    assert_eq!(per_rank.prefix.unwrap().load, LoadMeasure::Rank);
     let off = parse(r#"{"workers":[{"address":"127.0.0.1:1"}],"prefix_affinity":false}"#).unwrap();
     assert_eq!(off.prefix, None);
 }
@@ -737,7 +733,14 @@ fn engine_vllm_puts_the_rank_in_its_header_and_reads_the_prompt() {
     assert_eq!(h.rank_headers, [engine::VLLM_RANK_HEADER]);
     assert!(h.reads_body, "prefix affinity reads the prompt");
     assert!(c.decides_at_headers().is_none());
-    assert_eq!(c.prefix, Some(Prefix::default()));
+    assert_eq!(
+        c.prefix,
+        Some(Prefix {
+            load: LoadMeasure::Rank,
+            ..Prefix::default()
+        }),
+        "vLLM's engines step on their own: each is costed by its own tokens"
+    );
     assert_eq!(c.paths, engine::VLLM_PATHS);
     assert_eq!(c.poll_interval_ms, DEFAULT_POLL_INTERVAL_MS);
     let v: serde_json::Value = serde_json::from_str(&c.to_json()).unwrap();

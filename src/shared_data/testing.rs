@@ -8,14 +8,25 @@ use crate::host::Host;
 use std::rc::Rc;
 
 /// Two workers `a` (127.0.0.1:1) and `b` (127.0.0.1:2), plus `extra` keys.
+/// These fleets test the routing mechanics against the joint minimum of
+/// tokens, so with affinity on each rank costs its own tokens
+/// (`prefix_load: "rank"`) unless `extra` names `prefix_load`; the lockstep
+/// default has its own tests (scheduler/scorers/load.rs).
 pub fn config(extra: &str) -> Rc<Config> {
-    Rc::new(Config::from_json(
-        format!(
-            r#"{{"workers":[{{"address":"127.0.0.1:1","name":"a"}},{{"address":"127.0.0.1:2","name":"b"}}]{extra}}}"#
+    let parse = |extra: &str| {
+        Config::from_json(
+            format!(
+                r#"{{"workers":[{{"address":"127.0.0.1:1","name":"a"}},{{"address":"127.0.0.1:2","name":"b"}}]{extra}}}"#
+            )
+            .as_bytes(),
         )
-        .as_bytes(),
-    )
-    .unwrap())
+        .unwrap()
+    };
+    let c = parse(extra);
+    if c.prefix.is_none() || extra.contains("prefix_load\"") {
+        return Rc::new(c);
+    }
+    Rc::new(parse(&format!(r#"{extra},"prefix_load":"rank""#)))
 }
 
 /// Installs a snapshot for worker `i` as the poller would.

@@ -171,9 +171,10 @@ mod tests {
 
     #[test]
     fn prefix_affinity_weights_the_tokens() {
-        let config =
-            Config::from_json(br#"{"workers":[{"address":"127.0.0.1:1"}],"prefix_load_weight":0.5}"#)
-                .unwrap();
+        let config = Config::from_json(
+            br#"{"workers":[{"address":"127.0.0.1:1"}],"prefix_load_weight":0.5,"prefix_load":"rank"}"#,
+        )
+        .unwrap();
         let s = state(&[100, 7, 0], 1000);
         let costs = score_with_prefix(&config, PromptBlocks::default(), &s, vec![3, 3, REMOVED]);
         assert_eq!(costs, vec![53, 7, REMOVED]);
