@@ -64,13 +64,17 @@ pub struct DprankSettings {
     pub poll_interval_ms: u64,
     /// Further filter keys, set as given (a variant's `set.<key>=<json>`).
     pub set: serde_json::Map<String, serde_json::Value>,
+    /// Simulated seconds per wall second (0 or 1: none). The filter's clock
+    /// is the wall's, so its prefix timers are divided by it, as the poll
+    /// interval is, to run on the simulated clock virtual time uses.
+    pub time_scale: f64,
 }
 
 impl DprankSettings {
     pub fn polling_every(poll_interval_ms: u64) -> DprankSettings {
         DprankSettings {
             poll_interval_ms,
-            set: serde_json::Map::new(),
+            ..DprankSettings::default()
         }
     }
 
@@ -79,6 +83,34 @@ impl DprankSettings {
         for (key, value) in &self.set {
             object.insert(key.clone(), value.clone());
         }
+        self.scale_prefix_timers(object);
+    }
+
+    /// Writes the prefix timers the filter would use (configured or its
+    /// defaults, read through its own parser) divided by the time scale, no
+    /// shorter than the filter accepts. Nothing when affinity is off or the
+    /// configuration does not parse (the filter then says why).
+    fn scale_prefix_timers(&self, object: &mut serde_json::Map<String, serde_json::Value>) {
+        let scale = self.time_scale;
+        if !(scale.is_finite() && scale > 0.0 && scale != 1.0) {
+            return;
+        }
+        let Ok(bytes) = serde_json::to_vec(object) else {
+            return;
+        };
+        let Ok(dprank::config::Config {
+            prefix: Some(prefix), ..
+        }) = dprank::config::Config::from_json(&bytes)
+        else {
+            return;
+        };
+        let wall = |ms: u64| ((ms as f64 / scale).round() as u64).max(dprank::config::prefix::MIN_TTL_MS);
+        let ttl_ms = wall(prefix.ttl_ms);
+        object.insert("prefix_ttl_ms".into(), ttl_ms.into());
+        object.insert(
+            "prefix_private_after_ms".into(),
+            wall(prefix.private_after_ms).min(ttl_ms).into(),
+        );
     }
 }
 
@@ -362,6 +394,7 @@ mod tests {
                     .as_object()
                     .unwrap()
                     .clone(),
+                ..DprankSettings::default()
             }),
             Path::new("/x/d.wasm"),
         )
@@ -374,6 +407,53 @@ mod tests {
         assert!(out.contains("\"address\":\"127.0.0.1:4002\""));
         assert!(out.contains("filename: /x/d.wasm"));
         assert!(out.contains("envoy.filters.http.router"));
+    }
+
+    /// The filter's configuration line of a rendered template.
+    fn filter_json(rendered: &str) -> serde_json::Value {
+        let line = rendered
+            .lines()
+            .map(str::trim)
+            .find(|l| l.starts_with('{') && l.contains("poll_interval_ms"))
+            .unwrap();
+        serde_json::from_str(line).unwrap()
+    }
+
+    #[test]
+    fn prefix_timers_run_on_the_simulated_clock() {
+        let at = |time_scale: f64, set: serde_json::Value| {
+            let settings = DprankSettings {
+                poll_interval_ms: 500,
+                set: set.as_object().unwrap().clone(),
+                time_scale,
+            };
+            let out = render(
+                &template(),
+                &PORTS,
+                &workers(),
+                &Balancer::Dprank(settings),
+                Path::new("/x"),
+            )
+            .unwrap();
+            filter_json(&out)
+        };
+        let defaults = dprank::config::Prefix::default();
+        let scaled = at(2.0, serde_json::json!({}));
+        assert_eq!(scaled["prefix_ttl_ms"], defaults.ttl_ms / 2);
+        assert_eq!(scaled["prefix_private_after_ms"], defaults.private_after_ms / 2);
+        let configured = at(2.0, serde_json::json!({"prefix_private_after_ms": 8000}));
+        assert_eq!(configured["prefix_private_after_ms"], 4000);
+        // Never below what the filter accepts.
+        let fast = at(5.0, serde_json::json!({}));
+        assert_eq!(
+            fast["prefix_private_after_ms"],
+            dprank::config::prefix::MIN_TTL_MS
+        );
+        // Wall clock, affinity off (header transport): nothing written.
+        assert!(at(1.0, serde_json::json!({})).get("prefix_ttl_ms").is_none());
+        assert!(at(2.0, serde_json::json!({"rank_transport": "header"}))
+            .get("prefix_ttl_ms")
+            .is_none());
     }
 
     #[test]

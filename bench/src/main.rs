@@ -100,6 +100,12 @@ enum Command {
         #[arg(long)]
         allow_mixed: bool,
     },
+    /// Fold a folder's runs.jsonl into runs.jsonl.gz (how records are kept
+    /// in the repository; every command reads both).
+    Pack {
+        #[arg(long)]
+        out: PathBuf,
+    },
     /// The demo (`make demo`): one seeded trace through Envoy round robin, then Envoy + dprank.
     Demo(demo::DemoArgs),
     /// Write a synthetic trace in the block-hash JSONL format.
@@ -397,6 +403,11 @@ async fn run(cli: Cli) -> Result<(), String> {
         Command::CapacityCheck(args) => headline::capacity_check(args, line, root).map(|_| ()),
         Command::Slo { trace_dir } => slos(trace_dir.clone()),
         Command::Report { out, allow_mixed } => rebuild_reports(out, *allow_mixed, line),
+        Command::Pack { out } => {
+            let packed = ResultsFile::new(&out.join("runs.jsonl")).pack()?;
+            println!("packed {}", packed.display());
+            Ok(())
+        }
         Command::GatewaysFigure(args) => figure::gateways_figure(args),
         Command::Demo(args) => demo::demo(&tools()?, args).await,
         Command::MakeTrace { seed, requests, out } => {

@@ -260,6 +260,7 @@ pub(crate) fn header_mode() -> DprankSettings {
             .as_object()
             .cloned()
             .unwrap_or_default(),
+        ..DprankSettings::default()
     }
 }
 

@@ -412,6 +412,7 @@ pub async fn start_fronts(
                 let settings = DprankSettings {
                     poll_interval_ms: poll.wall_ms(time_scale),
                     set: set.clone(),
+                    time_scale,
                 };
                 // With admission, Envoy's own clock on refusals and holds.
                 let log = set
@@ -431,6 +432,7 @@ pub async fn start_fronts(
                 let settings = DprankSettings {
                     poll_interval_ms: poll.wall_ms(time_scale),
                     set: set.clone(),
+                    time_scale,
                 };
                 start_envoy_pd(tools, client, prefill, decode, &settings, &name).await?
             }
@@ -881,7 +883,10 @@ fn sanitize(name: &str) -> String {
         .collect()
 }
 
-/// The JSONL file records go to.
+/// The JSONL file records go to, and its packed copy beside it
+/// (`runs.jsonl.gz`, what `pack` makes of it for the repository): loading
+/// reads the packed records first, then the plain ones; new runs are
+/// appended to the plain file.
 pub struct ResultsFile {
     pub path: PathBuf,
 }
@@ -893,14 +898,37 @@ impl ResultsFile {
         }
     }
 
-    /// Every record in the file (none if it does not exist); lines that do
+    /// The packed copy: the path with `.gz` added.
+    pub fn packed_path(&self) -> PathBuf {
+        let mut name = self.path.clone().into_os_string();
+        name.push(".gz");
+        PathBuf::from(name)
+    }
+
+    /// The text of both files, packed first (empty where neither exists).
+    fn text(&self) -> Result<String, String> {
+        let mut text = String::new();
+        let packed = self.packed_path();
+        match std::fs::File::open(&packed) {
+            Ok(file) => {
+                std::io::Read::read_to_string(&mut flate2::read::GzDecoder::new(file), &mut text)
+                    .map_err(|e| format!("cannot read {}: {e}", packed.display()))?;
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(format!("cannot read {}: {e}", packed.display())),
+        }
+        match std::fs::read_to_string(&self.path) {
+            Ok(plain) => text.push_str(&plain),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(format!("cannot read {}: {e}", self.path.display())),
+        }
+        Ok(text)
+    }
+
+    /// Every record in the files (none if neither exists); lines that do
     /// not parse are reported and skipped.
     pub fn load(&self) -> Result<Vec<RunRecord>, String> {
-        let text = match std::fs::read_to_string(&self.path) {
-            Ok(text) => text,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
-            Err(e) => return Err(format!("cannot read {}: {e}", self.path.display())),
-        };
+        let text = self.text()?;
         let mut out = Vec::new();
         for (i, line) in text.lines().enumerate() {
             if line.trim().is_empty() {
@@ -916,6 +944,27 @@ impl ResultsFile {
             }
         }
         Ok(out)
+    }
+
+    /// Folds the plain file into the packed one and removes it; the
+    /// records and their order are unchanged. Returns the packed path.
+    pub fn pack(&self) -> Result<PathBuf, String> {
+        let text = self.text()?;
+        let packed = self.packed_path();
+        let partial = packed.with_extension("gz.partial");
+        let write = || -> std::io::Result<()> {
+            let file = std::fs::File::create(&partial)?;
+            let mut encoder = flate2::write::GzEncoder::new(file, flate2::Compression::best());
+            encoder.write_all(text.as_bytes())?;
+            encoder.finish()?.sync_all()?;
+            std::fs::rename(&partial, &packed)
+        };
+        write().map_err(|e| format!("cannot write {}: {e}", packed.display()))?;
+        match std::fs::remove_file(&self.path) {
+            Ok(()) => Ok(packed),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(packed),
+            Err(e) => Err(format!("cannot remove {}: {e}", self.path.display())),
+        }
     }
 
     pub fn append(&self, record: &RunRecord) -> Result<(), String> {
@@ -987,6 +1036,51 @@ mod tests {
         }
     }
 
+    fn fleet() -> Summary {
+        Summary {
+            started: "now".into(),
+            wall_s: 1.0,
+            cpu_busy: None,
+            served_per_rank: vec![],
+            load_polls_per_worker_s: 1.0,
+            imbalance: None,
+            prefill_spread: None,
+            counters: None,
+            cpu: None,
+            mode: "harness",
+            notes: Vec::new(),
+        }
+    }
+
+    #[test]
+    fn packed_records_load_before_plain_ones_and_packing_keeps_them_all() {
+        let dir = std::env::temp_dir().join(format!("dprank-pack-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let file = ResultsFile::new(&dir.join("runs.jsonl"));
+        let output = RunOutput {
+            records: vec![request(Some(100.0), 30.0, None)],
+            abandoned: 0,
+            beyond_horizon: 0,
+            samples: Vec::new(),
+            arrival_window_s: 5.0,
+            span_s: 10.0,
+        };
+        let mut a = summarize(&cell(), &output, fleet());
+        a.seed = 1;
+        let mut b = a.clone();
+        b.seed = 2;
+        file.append(&a).unwrap();
+        file.pack().unwrap();
+        assert!(!file.path.exists() && file.packed_path().exists());
+        file.append(&b).unwrap();
+        let seeds = |f: &ResultsFile| f.load().unwrap().iter().map(|r| r.seed).collect::<Vec<_>>();
+        assert_eq!(seeds(&file), [1, 2]);
+        file.pack().unwrap();
+        assert_eq!(seeds(&file), [1, 2]);
+        assert!(!file.path.exists());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
     #[test]
     fn summary_counts_goodput_errors_and_cache_hits() {
         let output = RunOutput {
@@ -1002,20 +1096,7 @@ mod tests {
             arrival_window_s: 5.0,
             span_s: 10.0,
         };
-        let fleet = Summary {
-            started: "now".into(),
-            wall_s: 1.0,
-            cpu_busy: None,
-            served_per_rank: vec![],
-            load_polls_per_worker_s: 1.0,
-            imbalance: None,
-            prefill_spread: None,
-            counters: None,
-            cpu: None,
-            mode: "harness",
-            notes: Vec::new(),
-        };
-        let r = summarize(&cell(), &output, fleet);
+        let r = summarize(&cell(), &output, fleet());
         assert_eq!((r.sent, r.ok, r.errors), (4, 3, 1));
         assert_eq!(r.goodput, 0.25);
         assert_eq!(r.cache_hit, Some(0.25));

@@ -593,6 +593,9 @@ pub fn run(plan: &Plan, spec: &RunSpec) -> Result<Outcome, String> {
         }
     }
     if let (Some(path), Some(log)) = (&spec.requests_out, &request_log) {
+        if let Some(dir) = path.parent() {
+            std::fs::create_dir_all(dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
+        }
         std::fs::write(path, log.join("\n") + "\n")
             .map_err(|e| format!("cannot write {}: {e}", path.display()))?;
     }
