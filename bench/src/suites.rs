@@ -1247,9 +1247,10 @@ fn reusable(records: &[RunRecord], suite: &str, cells: &[Cell]) -> Vec<RunRecord
 /// Removes a suite's records from the results file (a fresh run replaces them).
 fn drop_suite_records(results: &ResultsFile, suite: &str) -> Result<(), String> {
     let kept: Vec<RunRecord> = results.load()?.into_iter().filter(|r| r.suite != suite).collect();
-    if results.path.exists() {
-        std::fs::remove_file(&results.path)
-            .map_err(|e| format!("cannot rewrite {}: {e}", results.path.display()))?;
+    for path in [results.path.clone(), results.packed_path()] {
+        if path.exists() {
+            std::fs::remove_file(&path).map_err(|e| format!("cannot rewrite {}: {e}", path.display()))?;
+        }
     }
     for r in &kept {
         results.append(r)?;
