@@ -283,7 +283,7 @@ pub async fn bench(
         &args.out.join("virtual"),
         "virtual",
         &provenance,
-        "Tables: [virtual.md](virtual.md); records: runs.jsonl.",
+        "Tables: [virtual.md](virtual.md); records: runs.jsonl (committed packed as runs.jsonl.gz, `dprank-bench pack`; every command reads either).",
     )?;
     if !args.no_harness {
         run_suite(tools, &harness, &harness_args, command_line, root).await?;
