@@ -1120,24 +1120,11 @@ mod tests {
             arrival_window_s: 20.0,
             span_s: 20.0,
         };
-        let fleet = Summary {
-            started: "now".into(),
-            wall_s: 1.0,
-            cpu_busy: None,
-            served_per_rank: vec![],
-            load_polls_per_worker_s: 1.0,
-            imbalance: None,
-            prefill_spread: None,
-            counters: None,
-            cpu: None,
-            mode: "harness",
-            notes: Vec::new(),
-        };
         let cell = Cell {
             warmup_s: 10.0,
             ..cell()
         };
-        let r = summarize(&cell, &output, fleet);
+        let r = summarize(&cell, &output, fleet());
         assert_eq!((r.sent, r.warmup_requests, r.ttft_p99), (1, 1, 100.0));
         assert_eq!(r.throughput_rps, 0.1);
         assert_eq!(r.itl_p50, 30.0);
