@@ -1144,17 +1144,11 @@ mod tests {
             span_s: 1.0,
         };
         let fleet = Summary {
-            started: "now".into(),
-            wall_s: 1.0,
             cpu_busy: Some(0.5),
             served_per_rank: vec![1, 2],
             load_polls_per_worker_s: 0.0,
             imbalance: Some(1.2),
-            prefill_spread: None,
-            counters: None,
-            cpu: None,
-            mode: "harness",
-            notes: Vec::new(),
+            ..fleet()
         };
         let record = summarize(&cell(), &output, fleet);
         file.append(&record).unwrap();
@@ -1199,17 +1193,9 @@ mod tests {
             span_s: 10.0,
         };
         let fleet = Summary {
-            started: "now".into(),
-            wall_s: 1.0,
-            cpu_busy: None,
-            served_per_rank: vec![],
-            load_polls_per_worker_s: 1.0,
-            imbalance: None,
-            prefill_spread: None,
-            counters: None,
-            cpu: None,
             mode: "virtual",
             notes: vec!["a note".into()],
+            ..fleet()
         };
         let r = summarize(&cell(), &output, fleet);
         let requests = r.requests();

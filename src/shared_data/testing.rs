@@ -2,7 +2,7 @@
 //! cache, the router and the request lifecycle.
 
 use super::{create_index, update_worker, IfMissing};
-use crate::config::Config;
+use crate::config::{Config, LoadMeasure};
 use crate::host::fake::FakeHost;
 use crate::host::Host;
 use std::rc::Rc;
@@ -13,20 +13,17 @@ use std::rc::Rc;
 /// (`prefix_load: "rank"`) unless `extra` names `prefix_load`; the lockstep
 /// default has its own tests (scheduler/scorers/load.rs).
 pub fn config(extra: &str) -> Rc<Config> {
-    let parse = |extra: &str| {
-        Config::from_json(
-            format!(
-                r#"{{"workers":[{{"address":"127.0.0.1:1","name":"a"}},{{"address":"127.0.0.1:2","name":"b"}}]{extra}}}"#
-            )
-            .as_bytes(),
+    let mut c = Config::from_json(
+        format!(
+            r#"{{"workers":[{{"address":"127.0.0.1:1","name":"a"}},{{"address":"127.0.0.1:2","name":"b"}}]{extra}}}"#
         )
-        .unwrap()
-    };
-    let c = parse(extra);
-    if c.prefix.is_none() || extra.contains("prefix_load\"") {
-        return Rc::new(c);
+        .as_bytes(),
+    )
+    .unwrap();
+    if let Some(prefix) = c.prefix.as_mut().filter(|_| !extra.contains("prefix_load\"")) {
+        prefix.load = LoadMeasure::Rank;
     }
-    Rc::new(parse(&format!(r#"{extra},"prefix_load":"rank""#)))
+    Rc::new(c)
 }
 
 /// Installs a snapshot for worker `i` as the poller would.

@@ -3,7 +3,8 @@
 //! `LoadTable`); a rank the report gave no usable figure for is removed. Under
 //! prefix affinity the tokens are weighted by `prefix_load_weight`, and with
 //! `prefix_load: "slowest_rank"` a rank is costed by its worker's slowest
-//! (with `"slowest_rank_when_uncached"`, for prompts no rank holds).
+//! (with `"slowest_rank_when_uncached"`, SGLang's default, for prompts no rank
+//! holds).
 
 use crate::config::prefix::DEFAULT_CAPACITY_TOKENS;
 use crate::config::LoadMeasure;
