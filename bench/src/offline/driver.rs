@@ -468,6 +468,7 @@ pub fn run(plan: &Plan, spec: &RunSpec) -> Result<Outcome, String> {
                     "rank": report.rank, "ttft_ms": r.ttft_ms, "end_s": r.end_s,
                     "prompt": r.prompt_tokens, "cached": r.cached_tokens, "output": r.tokens,
                     "session": r.session, "head": flight.head,
+                    "high": r.high, "tpot_ms": r.tpot_ms,
                 });
                 log.push(line.to_string());
             }
