@@ -133,6 +133,8 @@ impl Charge {
 pub struct RankFigures {
     pub waiting_uncached: Option<u64>,
     pub waiting_requests: Option<u64>,
+    /// `num_running_reqs`.
+    pub running_requests: Option<u64>,
     /// KV tokens in use (`num_used_tokens`).
     pub used: Option<u64>,
     pub capacity: Option<u64>,
@@ -145,6 +147,7 @@ impl From<&RankLoad> for RankFigures {
         RankFigures {
             waiting_uncached: rank.waiting_uncached_tokens,
             waiting_requests: rank.waiting_requests,
+            running_requests: rank.running_requests,
             used: rank.used_tokens,
             capacity: rank.capacity_tokens,
             cache_hit_rate: rank.cache_hit_rate,
@@ -163,6 +166,9 @@ pub struct PrefillState {
     /// Polled `num_used_tokens` per rank (UNKNOWN: not reported).
     #[serde(with = "words")]
     used: Vec<u64>,
+    /// Polled `num_running_reqs` per rank (0: not reported).
+    #[serde(default, with = "words")]
+    running: Vec<u64>,
     /// Polled `cache_hit_rate` per rank in 1/10000 (UNKNOWN: not reported).
     #[serde(with = "words")]
     hit_rate: Vec<u64>,
@@ -218,6 +224,7 @@ impl PrefillState {
         let lists = [
             &self.capacity,
             &self.used,
+            &self.running,
             &self.hit_rate,
             &self.sent,
             &self.expected,
@@ -308,6 +315,7 @@ impl PrefillState {
             .iter()
             .map(|f| f.used.map_or(UNKNOWN, |u| u.min(UNKNOWN - 1)))
             .collect();
+        self.running = figures.iter().map(|f| f.running_requests.unwrap_or(0)).collect();
         self.hit_rate = figures
             .iter()
             .map(|f| {
@@ -333,6 +341,11 @@ impl PrefillState {
     /// The rank's reported KV capacity, if its report gave one.
     pub fn capacity(&self, rank: usize) -> Option<u64> {
         self.capacity.get(rank).copied().filter(|c| *c > 0)
+    }
+
+    /// The requests the rank last reported running (0 when not reported).
+    pub fn running(&self, rank: usize) -> u64 {
+        at(&self.running, rank)
     }
 
     /// The rank's reported KV tokens in use, if its report gave them.
@@ -411,6 +424,7 @@ mod tests {
             .map(|w| RankFigures {
                 waiting_uncached: Some(*w),
                 waiting_requests: Some(1),
+                running_requests: Some(2),
                 used: Some(100),
                 capacity: Some(1000),
                 cache_hit_rate: Some(0.5),
