@@ -66,7 +66,7 @@ struct Pending {
 
 /// Kept at `<p>.w.<ip:port>` (`shared_data.rs`).
 impl Record for WorkerState {
-    const TAG: [u8; 4] = *b"DPW7";
+    const TAG: [u8; 4] = *b"DPW8";
     fn within_limits(&self) -> bool {
         WorkerState::within_limits(self)
     }

@@ -167,7 +167,7 @@ pub struct PrefillState {
     #[serde(with = "words")]
     used: Vec<u64>,
     /// Polled `num_running_reqs` per rank (0: not reported).
-    #[serde(default, with = "words")]
+    #[serde(with = "words")]
     running: Vec<u64>,
     /// Polled `cache_hit_rate` per rank in 1/10000 (UNKNOWN: not reported).
     #[serde(with = "words")]
