@@ -268,7 +268,7 @@ impl WorkerState {
             mean_request_tokens: self.drain.mean_request_tokens(rank),
             kv_usage: self.drain.kv_usage(rank),
             in_flight: self
-                .drain
+                .prefill
                 .running(rank)
                 .map(|r| r.saturating_add(queued.requests)),
             drain_tokens_per_s: self.drain.rate(rank, prior, learn),

@@ -41,8 +41,6 @@ struct RankDrain {
     /// their mean prompt.
     charged_tokens: u64,
     charged_milli: u64,
-    /// Requests the last report counted running (UNKNOWN: not reported).
-    running: u64,
 }
 
 /// Per rank, as the poller last applied it.
@@ -127,13 +125,7 @@ impl DrainState {
             d.kv = load
                 .and_then(kv_usage)
                 .map_or(UNKNOWN, |k| (k.clamp(0.0, 1.0) * 10_000.0).round() as u64);
-            d.running = load.and_then(|l| l.running_requests).unwrap_or(UNKNOWN);
         }
-    }
-
-    /// Requests the rank last reported running (None: not reported).
-    pub fn running(&self, rank: usize) -> Option<u64> {
-        self.ranks.get(rank).map(|d| d.running).filter(|r| *r != UNKNOWN)
     }
 
     /// `rank`'s drain rate in tokens per second: what was learned (unless
@@ -255,11 +247,9 @@ mod tests {
             kv_usage: Some(0.9),
             ..RankLoad::default()
         }];
-        assert_eq!(d.running(0), None, "before any report");
         d.on_snapshot(0, &[], &vllm, 1);
         assert!(!d.tokens_reported(0));
         assert_eq!(d.kv_usage(0), Some(0.9));
-        assert_eq!(d.running(0), Some(40));
         d.on_snapshot(1000, &[0], &vllm, 1);
         assert_eq!(d.rate(0, 5000.0, true), 5000.0, "nothing learned without tokens");
     }

@@ -166,7 +166,8 @@ pub struct PrefillState {
     /// Polled `num_used_tokens` per rank (UNKNOWN: not reported).
     #[serde(with = "words")]
     used: Vec<u64>,
-    /// Polled `num_running_reqs` per rank (0: not reported).
+    /// Polled `num_running_reqs` per rank (UNKNOWN: not reported); the one
+    /// home of the figure (the lockstep rule and admission read it).
     #[serde(with = "words")]
     running: Vec<u64>,
     /// Polled `cache_hit_rate` per rank in 1/10000 (UNKNOWN: not reported).
@@ -315,7 +316,10 @@ impl PrefillState {
             .iter()
             .map(|f| f.used.map_or(UNKNOWN, |u| u.min(UNKNOWN - 1)))
             .collect();
-        self.running = figures.iter().map(|f| f.running_requests.unwrap_or(0)).collect();
+        self.running = figures
+            .iter()
+            .map(|f| f.running_requests.map_or(UNKNOWN, |r| r.min(UNKNOWN - 1)))
+            .collect();
         self.hit_rate = figures
             .iter()
             .map(|f| {
@@ -343,9 +347,9 @@ impl PrefillState {
         self.capacity.get(rank).copied().filter(|c| *c > 0)
     }
 
-    /// The requests the rank last reported running (0 when not reported).
-    pub fn running(&self, rank: usize) -> u64 {
-        at(&self.running, rank)
+    /// The requests the rank last reported running, if its report gave them.
+    pub fn running(&self, rank: usize) -> Option<u64> {
+        self.running.get(rank).copied().filter(|r| *r != UNKNOWN)
     }
 
     /// The rank's reported KV tokens in use, if its report gave them.
@@ -417,6 +421,19 @@ impl PrefillState {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn running_requests_as_reported() {
+        let mut p = PrefillState::default();
+        assert_eq!(p.running(0), None, "before any report");
+        let reported = RankFigures {
+            running_requests: Some(40),
+            ..Default::default()
+        };
+        p.on_snapshot(1, &[reported, RankFigures::default()]);
+        assert_eq!(p.running(0), Some(40));
+        assert_eq!(p.running(1), None, "not reported");
+    }
 
     fn figures(waiting: &[u64]) -> Vec<RankFigures> {
         waiting

@@ -43,8 +43,9 @@ impl Scorer for Load {
                 .or(worker.state.prefill.capacity(0))
                 .unwrap_or(DEFAULT_CAPACITY_TOKENS);
             let own = prefix.prompt.tokens();
-            let running =
-                |rank: usize| RUNNING_REQUEST_TOKENS.saturating_mul(worker.state.prefill.running(rank));
+            let running = |rank: usize| {
+                RUNNING_REQUEST_TOKENS.saturating_mul(worker.state.prefill.running(rank).unwrap_or(0))
+            };
             Self::add_slowest(weight, own, capacity, worker.loads, running, costs);
             let queued = |rank: usize| worker.state.prefill.queued(rank, prefix.settings.queue).tokens;
             Self::add_prefill_horizon(own, worker.loads.len(), queued, costs);
