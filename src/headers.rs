@@ -21,6 +21,11 @@ pub const CLIENT_RANK_HEADERS: [&str; 6] = [
     "x-override-bootstrap-room",
 ];
 
+/// The header SGLang reads a request's scheduling priority from (with
+/// SGLANG_ENABLE_REQUEST_HEADER_OVERRIDES): set in header mode with
+/// `admission.server_priority`, which also removes every client's.
+pub const SERVER_PRIORITY_HEADER: &str = "x-override-priority";
+
 /// Whether `name` is a header name as Envoy keeps them: lowercase
 /// letters, digits, `-` and `_` (what configuration keys naming headers
 /// accept).

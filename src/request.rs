@@ -16,6 +16,7 @@ pub mod held_record;
 
 use crate::config::Config;
 use crate::discovery::Membership;
+use crate::headers::SERVER_PRIORITY_HEADER;
 use crate::health_updates::{self, SentTo};
 use crate::host::{Callout, HeaderMap, Host};
 use crate::metrics::{self, AdmissionEvent};
@@ -407,6 +408,13 @@ impl Request {
             let rank = digits.format(rank);
             for name in &settings.rank_headers {
                 host.set_request_header(name, rank);
+            }
+        }
+        if self.config.header_transport().is_some() {
+            let class = self.admitting.map(|a| a.class);
+            if let Some(Some(priority)) = router::server_priority(&self.config, class) {
+                let mut digits = itoa::Buffer::new();
+                host.set_request_header(SERVER_PRIORITY_HEADER, digits.format(priority));
             }
         }
         self.remember_sent_to(

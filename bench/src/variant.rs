@@ -273,6 +273,17 @@ impl Variant {
                         block.insert(field.into(), Value::from(n));
                     });
                 }
+                "server-priority" => {
+                    // The class's priority in the body, and the simulated
+                    // SGLang with --enable-priority-scheduling to read it.
+                    with_admission(set, |block| {
+                        block.insert(
+                            "server_priority".into(),
+                            serde_json::json!({ "critical": 1, "standard": 0, "sheddable": -1 }),
+                        );
+                    });
+                    self.sim_args.push("--enable-priority-scheduling".into());
+                }
                 "standard-requests" => {
                     let n = parse_ms(need("a whole number")?)?;
                     with_admission(set, |block| {
@@ -305,7 +316,7 @@ impl Variant {
                     let parsed: Value = serde_json::from_str(raw).unwrap_or_else(|_| Value::String(raw.to_string()));
                     set.insert(key["set.".len()..].to_string(), parsed);
                 }
-                _ => return Err(format!("unknown key `{key}` (dprank keys: gw, spread, poll, poll-wall, admit, wait, queue-timeout, max-queued, drain, requests, standard-requests, kv, ie, set.<filter key>, sim.<flag>)")),
+                _ => return Err(format!("unknown key `{key}` (dprank keys: gw, spread, poll, poll-wall, admit, wait, queue-timeout, max-queued, drain, requests, standard-requests, server-priority, kv, ie, set.<filter key>, sim.<flag>)")),
             },
             Front::Smg {
                 policy,
@@ -781,6 +792,18 @@ mod tests {
                 serde_json::json!({"when_saturated": "reject", "max_requests_per_rank": 48,
                 "class_max_requests_per_rank": {"standard": 40}, "max_wait_ms": 400})
             )
+        );
+        assert_eq!(
+            block("dprank:admit=reject:server-priority", 800.0),
+            Some(serde_json::json!({"when_saturated": "reject", "max_wait_ms": 400,
+                "server_priority": {"critical": 1, "standard": 0, "sheddable": -1}}))
+        );
+        assert_eq!(
+            Variant::parse("dprank:admit=reject:server-priority")
+                .unwrap()
+                .sim_args,
+            ["--enable-priority-scheduling"],
+            "the simulated servers read it"
         );
         assert_eq!(block("dprank", 800.0), None, "no admission, none added");
         let on_harness = |spec: &str| match Variant::parse(spec).unwrap().for_cell(800.0, 2.0).front {

@@ -268,6 +268,14 @@ pub struct SimConfig {
     /// SGLang --max-prefill-tokens: prompt tokens per prefill batch.
     #[arg(long, default_value_t = 16384)]
     pub max_prefill_tokens: u64,
+    /// SGLang --enable-priority-scheduling: each rank's waiting queue in the
+    /// order of the requests' `priority` (higher first), arrival order
+    /// within one (sim/README.md: preemption is not modelled).
+    #[arg(long)]
+    pub enable_priority_scheduling: bool,
+    /// SGLang --schedule-low-priority-values-first: lower values first.
+    #[arg(long)]
+    pub schedule_low_priority_values_first: bool,
     /// vLLM mode: KV block size in tokens (default: the cost model's, as
     /// vLLM picks it for the model's attention backend).
     #[arg(long)]
@@ -357,6 +365,8 @@ impl Default for SimConfig {
             page_size: 1,
             chunked_prefill_size: 8192,
             max_prefill_tokens: 16384,
+            enable_priority_scheduling: false,
+            schedule_low_priority_values_first: false,
             block_size: None,
             max_num_batched_tokens: VLLM_MAX_NUM_BATCHED_TOKENS,
             api_server_count: None,

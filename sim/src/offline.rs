@@ -53,6 +53,8 @@ pub struct Request {
     pub answer_tokens: Option<u64>,
     /// The rank the request names (`routed_dp_rank`), if any.
     pub rank: Option<usize>,
+    /// Its `priority`, if it sent one.
+    pub priority: Option<i64>,
 }
 
 impl Request {
@@ -62,6 +64,7 @@ impl Request {
             max_new_tokens,
             answer_tokens: None,
             rank: None,
+            priority: None,
         }
     }
 
@@ -73,6 +76,11 @@ impl Request {
 
     pub fn on_rank(mut self, rank: usize) -> Self {
         self.rank = Some(rank);
+        self
+    }
+
+    pub fn with_priority(mut self, priority: i64) -> Self {
+        self.priority = Some(priority);
         self
     }
 }
@@ -193,6 +201,7 @@ impl Fleet {
             rank: request.rank,
             room: None,
             pretokenized,
+            priority: request.priority,
         };
         let output = arrival.stop_at(0);
         let submitted = self.engine.submit(at, worker, arrival);

@@ -46,6 +46,9 @@ pub struct ParsedRequest {
     pub include_usage: bool,
     /// The rank the caller asked for, if any.
     pub rank: Option<usize>,
+    /// SGLang's `priority` (body field, or `x-override-priority` when header
+    /// overrides are on); only priority scheduling reads it.
+    pub priority: Option<i64>,
     pub bootstrap: Option<Bootstrap>,
     pub model: Option<String>,
 }
@@ -190,6 +193,18 @@ fn parse_rank(body: &Map<String, Value>, role: Role, dp_size: usize) -> Result<O
     Ok(chosen)
 }
 
+/// The body's `priority`: an integer or null (SGLang's request models
+/// declare it `Optional[int]`).
+fn parse_priority(body: &Map<String, Value>) -> Result<Option<i64>, Rejection> {
+    match body.get("priority") {
+        None | Some(Value::Null) => Ok(None),
+        Some(value) => value
+            .as_i64()
+            .map(Some)
+            .ok_or_else(|| bad_request(format!("priority must be an integer, got {value}"))),
+    }
+}
+
 /// An integer request header (as SGLang casts it: surrounding spaces
 /// allowed); a value that is not one is a 400.
 fn header_int(headers: &HeaderMap, name: &str) -> Result<Option<i64>, Rejection> {
@@ -219,6 +234,7 @@ fn header_str(headers: &HeaderMap, name: &str) -> Result<Option<String>, Rejecti
 #[derive(Debug, Default)]
 struct Overrides {
     routed_dp_rank: Option<i64>,
+    priority: Option<i64>,
     bootstrap_host: Option<String>,
     bootstrap_port: Option<i64>,
     bootstrap_room: Option<i64>,
@@ -227,8 +243,8 @@ struct Overrides {
 fn parse_overrides(headers: &HeaderMap) -> Result<Overrides, Rejection> {
     // Validated even where the simulator has no use for them.
     header_int(headers, "x-override-disagg-prefill-dp-rank")?;
-    header_int(headers, "x-override-priority")?;
     Ok(Overrides {
+        priority: header_int(headers, "x-override-priority")?,
         routed_dp_rank: header_int(headers, "x-override-routed-dp-rank")?,
         bootstrap_host: header_str(headers, "x-override-bootstrap-host")?,
         bootstrap_port: header_int(headers, "x-override-bootstrap-port")?,
@@ -447,6 +463,10 @@ pub fn parse_request(
         stream,
         include_usage,
         rank,
+        priority: match overrides.as_ref().and_then(|o| o.priority) {
+            Some(header) => Some(header),
+            None => parse_priority(&body)?,
+        },
         bootstrap: match &overrides {
             Some(overrides) => parse_bootstrap(&body, role, overrides)?,
             None => None,
@@ -837,6 +857,29 @@ mod tests {
             // Where the header is not read, a bad one does not matter.
             assert!(parse_request(Api::Generate, body.as_bytes(), &map, &ignore).is_ok());
         }
+    }
+
+    #[test]
+    fn the_priority_comes_from_the_body_or_the_override_header() {
+        let on = SimConfig {
+            header_overrides: true,
+            ..config(Role::Regular)
+        };
+        let read = |body: &str, headers: &[(&'static str, &'static str)]| {
+            with_headers(Api::Generate, body, headers, &on).map(|r| r.priority)
+        };
+        assert_eq!(read(r#"{"text":"a"}"#, &[]).unwrap(), None);
+        assert_eq!(read(r#"{"text":"a","priority":null}"#, &[]).unwrap(), None);
+        assert_eq!(read(r#"{"text":"a","priority":-3}"#, &[]).unwrap(), Some(-3));
+        assert_eq!(
+            read(r#"{"text":"a","priority":1}"#, &[("x-override-priority", "7")]).unwrap(),
+            Some(7),
+            "the header wins"
+        );
+        assert_eq!(
+            read(r#"{"text":"a","priority":"high"}"#, &[]).unwrap_err().status,
+            400
+        );
     }
 
     #[test]

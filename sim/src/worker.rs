@@ -402,6 +402,7 @@ impl Shared {
             rank: request.rank,
             room: request.bootstrap.as_ref().and_then(|b| b.rooms.first().copied()),
             pretokenized: request.pretokenized,
+            priority: request.priority,
         };
         let stops: Vec<u64> = (0..seqs as usize).map(|seq| arrival.stop_at(seq)).collect();
         let (sender, events) = unbounded_channel();

@@ -46,6 +46,7 @@ fn run(config: &SimConfig, requests: &[(usize, u64, u64)]) -> Vec<Timing> {
                 rank: Some(rank),
                 room: None,
                 pretokenized: true,
+                priority: None,
             },
         );
         index.insert(submitted.req, i);
@@ -273,6 +274,7 @@ fn lockstep_ranks_wait_for_the_slowest_under_the_calibrated_model() {
         rank: Some(rank),
         room: None,
         pretokenized: true,
+        priority: None,
     };
     let mut out = Vec::new();
     fleet.submit(0, 0, arrival(1, 10, 50));

@@ -617,3 +617,33 @@ fn the_oracle_beats_round_robin_and_the_in_server_balancer_under_lockstep() {
         }
     }
 }
+
+#[test]
+fn priority_scheduling_lets_higher_priorities_out_of_the_queue_first() {
+    // One slot: the first request holds it while two wait, the second
+    // sent before the third but with a lower priority.
+    let order = |enable: bool, low_first: bool| {
+        let mut fleet = Fleet::new(
+            SimConfig {
+                max_running: Some(1),
+                enable_priority_scheduling: enable,
+                schedule_low_priority_values_first: low_first,
+                ..one_rank()
+            },
+            1,
+        )
+        .unwrap();
+        fleet.submit(0.0, 0, Request::new(text(10, 0), 20)).unwrap();
+        let low = fleet
+            .submit(0.01, 0, Request::new(text(10, 1), 20).with_priority(0))
+            .unwrap();
+        let high = fleet
+            .submit(0.02, 0, Request::new(text(10, 2), 20).with_priority(5))
+            .unwrap();
+        let reports = fleet.run_to_end();
+        first(&reports, high).at < first(&reports, low).at
+    };
+    assert!(!order(false, false), "off: arrival order");
+    assert!(order(true, false), "higher values first");
+    assert!(!order(true, true), "--schedule-low-priority-values-first");
+}

@@ -71,6 +71,10 @@ pub struct AdmissionJson {
     /// Per class name, its own `max_requests_per_rank`.
     #[serde(default)]
     pub class_max_requests_per_rank: Option<std::collections::BTreeMap<String, u64>>,
+    /// Per class name, the `priority` its routed requests carry to the
+    /// server (SGLang's priority scheduling).
+    #[serde(default)]
+    pub server_priority: Option<std::collections::BTreeMap<String, i64>>,
 }
 
 /// Tells `"key": null` (Some(None)) from a missing key (None).
@@ -124,6 +128,9 @@ pub struct Admission {
     /// above), unless
     /// `class_max_requests_per_rank` says otherwise; None: no such limit.
     pub class_max_requests: Vec<Option<u64>>,
+    /// Per class, the `priority` its routed requests carry to the server;
+    /// None: dprank leaves the server's priority alone.
+    pub server_priority: Option<Vec<Option<i64>>>,
 }
 
 impl Admission {
@@ -146,6 +153,16 @@ impl Admission {
     /// The requests on a rank at which a request of `class` finds it full.
     pub fn max_requests_of(&self, class: usize) -> Option<u64> {
         self.class_max_requests.get(class).copied().flatten()
+    }
+
+    /// What a routed request of `class` tells the server as its priority:
+    /// None when `server_priority` is not set (dprank leaves it alone),
+    /// Some(None) when the class has no value there (the client's own is
+    /// removed: with `server_priority` set, the gateway decides).
+    pub fn server_priority_of(&self, class: usize) -> Option<Option<i64>> {
+        self.server_priority
+            .as_ref()
+            .map(|values| values.get(class).copied().flatten())
     }
 
     pub fn is_sheddable(&self, class: usize) -> bool {
@@ -225,6 +242,7 @@ pub fn settings(
     let (classes, default_class, sheddable_class) = classes(&json)?;
     let class_max_wait_ms = class_waits(&json, &classes, default_class, max_wait_ms)?;
     let class_max_requests = class_requests(&json, &classes)?;
+    let server_priority = server_priority(&json, &classes)?;
     Ok(Some(Admission {
         max_wait_ms,
         when_saturated,
@@ -239,7 +257,39 @@ pub fn settings(
         tenant_header,
         class_max_wait_ms,
         class_max_requests,
+        server_priority,
     }))
+}
+
+/// Most `server_priority` magnitude accepted (a 32-bit integer: what
+/// every server reads without surprise).
+pub const MAX_SERVER_PRIORITY: i64 = i32::MAX as i64;
+
+/// Each class's server priority, by `server_priority`'s names.
+fn server_priority(
+    json: &AdmissionJson,
+    classes: &[String],
+) -> Result<Option<Vec<Option<i64>>>, super::ConfigError> {
+    let Some(map) = json.server_priority.as_ref() else {
+        return Ok(None);
+    };
+    let mut values = vec![None; classes.len()];
+    for (name, value) in map {
+        let Some(c) = classes.iter().position(|c| c == name) else {
+            return Err(invalid(
+                "server_priority",
+                format!("`{name}` is not one of `classes` {classes:?}"),
+            ));
+        };
+        if value.unsigned_abs() > MAX_SERVER_PRIORITY as u64 {
+            return Err(invalid(
+                "server_priority",
+                format!("`{name}`: must be within ±{MAX_SERVER_PRIORITY}, got {value}"),
+            ));
+        }
+        values[c] = Some(*value);
+    }
+    Ok(Some(values))
 }
 
 /// Each class's request limit: `max_requests_per_rank` for the highest,
@@ -529,6 +579,24 @@ mod tests {
     }
 
     #[test]
+    fn server_priority_is_per_class_and_off_by_default() {
+        let off = with("{}").unwrap().admission.unwrap();
+        assert_eq!(off.server_priority_of(0), None, "dprank leaves it alone");
+        let on = with(r#"{"server_priority":{"critical":1,"sheddable":-1}}"#)
+            .unwrap()
+            .admission
+            .unwrap();
+        assert_eq!(on.server_priority_of(0), Some(Some(1)));
+        assert_eq!(
+            on.server_priority_of(1),
+            Some(None),
+            "no value: the client's is removed"
+        );
+        assert_eq!(on.server_priority_of(2), Some(Some(-1)));
+        assert_eq!(on.server_priority_of(7), Some(None), "no such class");
+    }
+
+    #[test]
     fn custom_classes_need_a_default_and_shed_only_the_last() {
         let c = with(r#"{"classes":["hi","lo"],"default_class":"lo"}"#)
             .unwrap()
@@ -609,6 +677,12 @@ mod tests {
                 r#"{"class_max_requests_per_rank":{"critical":0}}"#,
                 "admission.class_max_requests_per_rank",
             ),
+            (r#"{"server_priority":{"vip":1}}"#, "admission.server_priority"),
+            (
+                r#"{"server_priority":{"critical":4294967296}}"#,
+                "admission.server_priority",
+            ),
+            (r#"{"server_priority":{"critical":1.5}}"#, "expected i64"),
             (r#"{"max_wait":5}"#, "unknown field"),
         ];
         for (block, key) in cases {

@@ -63,11 +63,20 @@ pub fn engine(json: &mut ConfigJson) -> Result<Engine, ConfigError> {
         ("keep_client_rank", json.keep_client_rank == Some(true)),
         ("prefill_workers", json.prefill_workers.is_some()),
         ("decode_workers", json.decode_workers.is_some()),
+        (
+            "admission.server_priority",
+            json.admission
+                .as_ref()
+                .is_some_and(|a| a.server_priority.is_some()),
+        ),
     ];
     if let Some((key, _)) = refused.iter().find(|(_, set)| *set) {
         let why = match *key {
             "prefill_workers" | "decode_workers" => {
                 "PD mode writes its ranks and bootstrap fields into the bodies; with engine vllm, list `workers`"
+            }
+            "admission.server_priority" => {
+                "vLLM reads a request's priority from its body only, and dprank writes no vLLM body"
             }
             _ => no_body_field,
         };

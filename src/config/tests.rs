@@ -610,6 +610,27 @@ fn header_transport_defaults_to_both_rank_headers() {
     let v: serde_json::Value = serde_json::from_str(&c.to_json()).unwrap();
     assert_eq!(v["transport"]["header"]["rank_headers"][0], "x-my-rank");
     assert!(v.get("removed_headers").is_none());
+    let own = |extra: &str| {
+        regular(extra)
+            .unwrap()
+            .removed_headers
+            .iter()
+            .any(|n| n == "x-override-priority")
+    };
+    assert!(
+        !own(r#","admission":{}"#),
+        "a client's priority header is left alone"
+    );
+    assert!(
+        own(r#","admission":{"server_priority":{"critical":1}}"#),
+        "with server priority the gateway sets it, never the client"
+    );
+    assert_eq!(
+        key_of(regular(
+            r#","admission":{"server_priority":{"critical":1},"priority_header":"x-override-priority"}"#
+        )),
+        "admission.priority_header"
+    );
 }
 
 #[test]
@@ -781,6 +802,10 @@ fn engine_vllm_refuses_every_key_that_would_send_a_body_rank_field() {
         ),
         (r#","engine":"vllm","served_model_name":"""#, "served_model_name"),
         (r#","served_model_name":"m""#, "served_model_name"),
+        (
+            r#","engine":"vllm","admission":{"server_priority":{"critical":1}}"#,
+            "admission.server_priority",
+        ),
     ];
     for (extra, key) in cases {
         let refused = regular(extra);

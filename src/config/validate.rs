@@ -4,7 +4,7 @@
 
 use super::transport::{transport, TransportInput};
 use super::*;
-use crate::headers::{is_lowercase_header_name, CLIENT_RANK_HEADERS};
+use crate::headers::{is_lowercase_header_name, CLIENT_RANK_HEADERS, SERVER_PRIORITY_HEADER};
 
 fn invalid(key: impl Into<String>, reason: impl Into<String>) -> ConfigError {
     ConfigError::Invalid {
@@ -75,7 +75,14 @@ impl TryFrom<ConfigJson> for Config {
             reads_body: prefix.is_some(),
             taken: &taken,
         })?;
-        let removed_headers = removed_headers(&taken, &transport);
+        let mut removed_headers = removed_headers(&taken, &transport);
+        if json
+            .admission
+            .as_ref()
+            .is_some_and(|a| a.server_priority.is_some())
+        {
+            removed_headers.push(SERVER_PRIORITY_HEADER.to_string());
+        }
         let removed: Vec<&str> = removed_headers.iter().map(String::as_str).collect();
         let admission = admission::settings(json.admission.take(), &removed)?;
         Ok(Config {

@@ -930,3 +930,27 @@ fn header_mode_under_prefix_affinity_routes_unreadable_bodies_by_load() {
     assert_eq!(reply_status(&h), vec![503]);
     assert_eq!(h.header("x-data-parallel-rank"), None);
 }
+
+#[test]
+fn header_mode_tells_the_server_the_class_priority_and_drops_the_clients() {
+    let (c, h) =
+        fleet(r#","rank_transport":"header","admission":{"server_priority":{"critical":1,"sheddable":-1}}"#);
+    let header_after = |class: Option<&str>| {
+        let mut r = request(&c);
+        let mut extra = vec![("x-override-priority", "99")];
+        if let Some(class) = class {
+            extra.push(("x-dprank-priority", class));
+        }
+        post(&h, "/generate", br#"{"text":"hi"}"#, &extra);
+        send(&mut r, &h);
+        assert_eq!(h.header("x-data-parallel-rank").as_deref(), Some("2"));
+        h.header("x-override-priority")
+    };
+    assert_eq!(header_after(Some("critical")).as_deref(), Some("1"));
+    assert_eq!(header_after(Some("sheddable")).as_deref(), Some("-1"));
+    assert_eq!(
+        header_after(None),
+        None,
+        "the default class has none: the client's is gone"
+    );
+}

@@ -7,6 +7,32 @@ use crate::body::JsonObject;
 use crate::config::{Config, CostEstimate};
 use crate::prefix::{PromptBlocks, RequestPrefix};
 
+/// The body field SGLang reads a request's scheduling priority from.
+pub(crate) const PRIORITY_FIELD: &str = "priority";
+
+/// Server priority (`admission.server_priority`) of a routed request of
+/// `class` (None: the default class): None when it is off; else the
+/// value its body carries, if its class has one (a client's own is nulled
+/// either way: the gateway decides).
+pub(crate) fn server_priority(config: &Config, class: Option<usize>) -> Option<Option<i64>> {
+    let admission = config.admission.as_ref()?;
+    admission.server_priority_of(class.unwrap_or(admission.default_class))
+}
+
+/// Adds server priority's field to a body's `set` and `neutralise` lists.
+pub(super) fn with_priority<'a>(
+    priority: Option<Option<i64>>,
+    set: &mut Vec<(&'a str, String)>,
+    neutralise: &mut Vec<&'a str>,
+) {
+    if let Some(value) = priority {
+        if let Some(value) = value {
+            set.push((PRIORITY_FIELD, value.to_string()));
+        }
+        neutralise.push(PRIORITY_FIELD);
+    }
+}
+
 /// The rank a trusted client asked for, if it asked with a valid integer.
 pub(super) fn client_rank(config: &Config, body: &JsonObject) -> Option<u32> {
     config.rank_field_names().into_iter().find_map(|name| {

@@ -5,7 +5,9 @@
 //! affinity applies, a trusted client's rank constrains the choice, and a
 //! request that cannot be routed keeps no client rank field.
 
-use super::body_fields::{client_rank, estimated_tokens, prefix_request, queue_charge};
+use super::body_fields::{
+    client_rank, estimated_tokens, prefix_request, queue_charge, server_priority, with_priority,
+};
 use super::outcome::{pass, pass_or_reject, reject, PassReason, RejectReason};
 use super::pipeline::{self, Leg, RouteArgs};
 use super::snapshot::{Side, Snapshot};
@@ -85,11 +87,17 @@ pub fn route_with(
     let cost = estimated_tokens(config, &object, prefix.as_ref());
     let queued = queue_charge(config, &object, prefix.as_ref());
     let committed = pipeline::commit(config, host, cache, &choice, cost, prefix.as_mut(), queued);
-    // Stage `reply`: the rank goes into the body, unless the client's own stays.
-    let body = trusted_rank.is_none().then(|| {
-        let set = [(config.rank_field.as_str(), choice.chosen.rank.to_string())];
-        object.rewritten(&set, &config.rank_field_names())
-    });
+    // Stage `reply`: the rank goes into the body, unless the client's own
+    // stays; so does the server priority, if any.
+    let (mut set, mut neutralise) = match trusted_rank {
+        None => (
+            vec![(config.rank_field.as_str(), choice.chosen.rank.to_string())],
+            config.rank_field_names(),
+        ),
+        Some(_) => (Vec::new(), Vec::new()),
+    };
+    with_priority(server_priority(config, args.class), &mut set, &mut neutralise);
+    let body = (!neutralise.is_empty()).then(|| object.rewritten(&set, &neutralise));
     Decision::Route(Routed::new(committed, moment, body))
 }
 

@@ -7,7 +7,7 @@
 //! leg without fresh data still goes (prefill workers take turns, the
 //! decode worker is the cluster's pick).
 
-use super::body_fields::{estimated_tokens, prefix_request, queue_charge};
+use super::body_fields::{estimated_tokens, prefix_request, queue_charge, server_priority, with_priority};
 use super::outcome::{reject, PassReason, RejectReason};
 use super::pipeline::{self, Choice, Committed, Leg, RouteArgs};
 use super::snapshot::{Moment, Side, Snapshot};
@@ -105,6 +105,7 @@ pub(super) fn route_pd(
         prefill,
         decode,
         moment,
+        priority: server_priority(config, args.class),
     };
     reply(pd, host, &object, prefill_worker, legs)
 }
@@ -142,6 +143,8 @@ struct Legs {
     prefill: Option<Committed>,
     decode: Option<Committed>,
     moment: Moment,
+    /// Server priority, written into both legs (`body_fields::server_priority`).
+    priority: Option<Option<i64>>,
 }
 
 /// Stage `reply` of PD mode: each leg's body, with the bootstrap fields
@@ -155,8 +158,14 @@ fn reply(pd: &Pd, host: &dyn Host, object: &JsonObject, prefill_worker: &Worker,
     );
     let decode_rank = legs.decode.as_ref().and_then(|d| d.to.rank);
     let ranks = (legs.prefill_to.rank, decode_rank);
-    let neutralise = pd.field_names();
-    let body_for = |fields| object.rewritten(&pd_body_fields(&bootstrap, fields, ranks), &neutralise);
+    let mut neutralise = pd.field_names();
+    let mut priority = Vec::new();
+    with_priority(legs.priority, &mut priority, &mut neutralise);
+    let body_for = |fields| {
+        let mut set = pd_body_fields(&bootstrap, fields, ranks);
+        set.extend(priority.iter().cloned());
+        object.rewritten(&set, &neutralise)
+    };
     let (prefill_ticket, prefill_charge) = legs.prefill.map_or((None, None), |p| (p.ticket, p.prefill));
     let (decode, decode_alternates, decode_ticket) = match legs.decode {
         Some(d) => (Some(d.to), d.alternates, d.ticket),

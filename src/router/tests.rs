@@ -431,3 +431,41 @@ fn admission_caps_the_requests_on_a_rank() {
     let d = route(&c, &h, &mut StateCache::default(), br#"{"text":"hi"}"#, None, 0);
     assert!(matches!(d, Decision::Overloaded(_)), "{d:?}");
 }
+
+#[test]
+fn server_priority_goes_into_the_routed_body_by_class() {
+    let with_args = |extra: &str, body: &[u8], class: Option<usize>| {
+        let (c, h) = fleet(extra);
+        let args = RouteArgs {
+            class,
+            ..RouteArgs::default()
+        };
+        routed(route_with(&c, &h, &mut StateCache::default(), body, &args)).body
+    };
+    let on = r#","admission":{"server_priority":{"critical":1,"sheddable":-1}}"#;
+    assert_eq!(
+        with_args(on, br#"{"text":"hi"}"#, Some(0)).unwrap(),
+        br#"{"routed_dp_rank":2,"priority":1,"text":"hi"}"#
+    );
+    assert_eq!(
+        with_args(on, br#"{"priority":99,"text":"hi"}"#, Some(2)).unwrap(),
+        br#"{"routed_dp_rank":2,"priority":-1,"text":"hi"}"#,
+        "the client's own is overwritten"
+    );
+    assert_eq!(
+        with_args(on, br#"{"priority":99,"text":"hi"}"#, None).unwrap(),
+        br#"{"routed_dp_rank":2,"priority":null,"text":"hi"}"#,
+        "the default class has no value: the client's is nulled"
+    );
+    assert_eq!(
+        with_args(r#","admission":{}"#, br#"{"priority":99,"text":"hi"}"#, Some(0)).unwrap(),
+        br#"{"routed_dp_rank":2,"priority":99,"text":"hi"}"#,
+        "off: left alone"
+    );
+    let trusted = r#","keep_client_rank":true,"admission":{"server_priority":{"critical":1}}"#;
+    assert_eq!(
+        with_args(trusted, br#"{"routed_dp_rank":1,"text":"x"}"#, Some(0)).unwrap(),
+        br#"{"priority":1,"routed_dp_rank":1,"text":"x"}"#,
+        "a trusted client's rank stays, the priority is written"
+    );
+}

@@ -565,3 +565,61 @@ fn a_rank_with_its_cap_of_requests_refuses_the_next() {
     assert_eq!(tags.len(), 2, "{tags:?}");
     assert!(!tags.iter().any(|t| t.contains("second hello")), "{tags:?}");
 }
+
+#[test]
+fn server_priority_tells_the_worker_each_class_and_overrules_the_client() {
+    let sent = |world: &World, tag: &str, class: Option<&str>| {
+        let mut headers = vec![("x-override-priority".to_string(), "50".to_string())];
+        if let Some(class) = class {
+            headers.push(("x-dprank-priority".to_string(), class.to_string()));
+        }
+        let body =
+            json!({"text": format!("{tag} hello"), "priority": 50, "sampling_params": {"max_new_tokens": 2}});
+        let mut all: Vec<(&str, &str)> = vec![("content-type", "application/json")];
+        all.extend(headers.iter().map(|(k, v)| (k.as_str(), v.as_str())));
+        let reply = Client::new().post(&world.envoy.url("/generate"), &all, body.to_string().as_bytes());
+        assert_eq!(reply.status, 200, "{reply:?}");
+        world
+            .sims
+            .iter()
+            .flat_map(|s| s.requests())
+            .find(|r| r.body_text().contains(&format!("{tag} hello")))
+            .expect("the request reached a worker")
+    };
+    let body_mode = World::start(
+        "admission_priority",
+        2,
+        &["--instant"],
+        &[],
+        EnvoyOptions::default(),
+    );
+    let priority = |r: &crate::common::sim::Recorded| {
+        serde_json::from_str::<Value>(r.body_text()).expect("a JSON body")["priority"].clone()
+    };
+    let critical = sent(&body_mode, "vip", Some("critical"));
+    assert_eq!(priority(&critical), json!(1), "{critical:?}");
+    assert_eq!(critical.header("x-override-priority"), None, "{critical:?}");
+    let standard = sent(&body_mode, "plain", None);
+    assert_eq!(
+        priority(&standard),
+        Value::Null,
+        "the default class has none: {standard:?}"
+    );
+    drop(body_mode);
+    let header_mode = World::start(
+        "admission_priority_header",
+        2,
+        &["--instant", "--header-overrides"],
+        &[],
+        EnvoyOptions::default(),
+    );
+    let critical = sent(&header_mode, "vip", Some("critical"));
+    assert_eq!(critical.header("x-override-priority"), Some("1"), "{critical:?}");
+    assert_eq!(
+        priority(&critical),
+        json!(50),
+        "the body untouched in header mode"
+    );
+    let standard = sent(&header_mode, "plain", None);
+    assert_eq!(standard.header("x-override-priority"), None, "{standard:?}");
+}

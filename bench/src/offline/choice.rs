@@ -2,12 +2,14 @@
 //! mixing its tie-breaks use: shared by dprank's driver and the models of
 //! the peers (`smg.rs`, `gie.rs`).
 
-/// Where a request goes: a worker, and the rank it names (None: the
-/// worker's own controller picks).
+/// Where a request goes: a worker, the rank it names (None: the worker's
+/// own controller picks), and the scheduling priority it carries (dprank's
+/// `admission.server_priority`; None: none).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Placement {
     pub worker: usize,
     pub rank: Option<usize>,
+    pub priority: Option<i64>,
 }
 
 /// splitmix64.

@@ -247,6 +247,9 @@ fn sim_request(body: &[u8], placement: Placement, answer: u32) -> Result<(Reques
     if let Some(rank) = placement.rank {
         request = request.on_rank(rank);
     }
+    if let Some(priority) = placement.priority {
+        request = request.with_priority(priority);
+    }
     Ok((request, streamed))
 }
 

@@ -247,6 +247,7 @@ impl DprankGateway {
             Some(worker) => Placement {
                 worker,
                 rank: self.rank_named(),
+                priority: self.priority_named(),
             },
             None => {
                 // The cluster's fallback (round robin); the worker picks the rank.
@@ -254,6 +255,7 @@ impl DprankGateway {
                 Placement {
                     worker: self.fallback % self.workers.len().max(1),
                     rank: None,
+                    priority: None,
                 }
             }
         }
@@ -269,6 +271,23 @@ impl DprankGateway {
                 .and_then(|name| self.host.header(name))
                 .and_then(|value| value.parse().ok()),
             None => rank_in(&self.host.request_body.borrow(), &self.config.rank_field),
+        }
+    }
+
+    /// The scheduling priority dprank gave the request just routed: in
+    /// `x-override-priority` in header mode, else in the body.
+    fn priority_named(&self) -> Option<i64> {
+        self.config.admission.as_ref()?.server_priority.as_ref()?;
+        match self.config.header_transport() {
+            Some(_) => self
+                .host
+                .header(dprank::headers::SERVER_PRIORITY_HEADER)
+                .and_then(|value| value.parse().ok()),
+            None => {
+                let body = self.host.request_body.borrow();
+                let value: serde_json::Value = serde_json::from_slice(&body).ok()?;
+                value.get("priority")?.as_i64()
+            }
         }
     }
 
@@ -395,7 +414,14 @@ impl Front {
             Front::RoundRobin { next, workers } => {
                 *next = next.wrapping_add(1);
                 let worker = *next % (*workers).max(1);
-                (Arrival::Go(Placement { worker, rank: None }), Held::None)
+                (
+                    Arrival::Go(Placement {
+                        worker,
+                        rank: None,
+                        priority: None,
+                    }),
+                    Held::None,
+                )
             }
             Front::LeastRequest { active, draws } => {
                 *draws = draws.wrapping_add(1);
@@ -406,7 +432,14 @@ impl Front {
                 if let Some(count) = active.get_mut(worker) {
                     *count += 1;
                 }
-                (Arrival::Go(Placement { worker, rank: None }), Held::None)
+                (
+                    Arrival::Go(Placement {
+                        worker,
+                        rank: None,
+                        priority: None,
+                    }),
+                    Held::None,
+                )
             }
             Front::Dprank(gateway) => gateway.route(t_s, id, path, body, high),
             Front::Ie(ie) => {
@@ -549,7 +582,8 @@ mod tests {
                 arrival,
                 Arrival::Go(Placement {
                     worker: 1,
-                    rank: Some(0)
+                    rank: Some(0),
+                    priority: None,
                 }),
                 "request {i}"
             );

@@ -190,7 +190,11 @@ impl Gie {
                 index.add(*hash);
             }
         }
-        Placement { worker, rank: None }
+        Placement {
+            worker,
+            rank: None,
+            priority: None,
+        }
     }
 }
 

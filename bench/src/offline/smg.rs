@@ -166,10 +166,12 @@ impl CacheAware {
             Some(dp) => Placement {
                 worker: slot / dp,
                 rank: Some(slot % dp),
+                priority: None,
             },
             None => Placement {
                 worker: slot,
                 rank: None,
+                priority: None,
             },
         }
     }

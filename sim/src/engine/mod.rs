@@ -74,6 +74,9 @@ pub struct Arrival {
     pub room: Option<u64>,
     /// Given as token ids: nothing to tokenize.
     pub pretokenized: bool,
+    /// The request's `priority`, if it sent one (read only with priority
+    /// scheduling on).
+    pub priority: Option<i64>,
 }
 
 impl Arrival {
@@ -130,6 +133,11 @@ pub(crate) struct Params {
     pub max_running: u64,
     pub chunk: Option<u64>,
     pub max_prefill: u64,
+    /// `--enable-priority-scheduling`: the waiting queue in priority order,
+    /// arrival order within a priority.
+    pub priority_scheduling: bool,
+    /// `--schedule-low-priority-values-first`.
+    pub low_priority_values_first: bool,
     pub cache_on: bool,
     pub full_reservation: bool,
     pub init_ratio: f64,
@@ -154,6 +162,17 @@ pub(crate) struct Params {
 }
 
 impl Params {
+    /// Where a request of `priority` stands in the waiting queue: higher
+    /// first (0 for every request without priority scheduling, or without
+    /// a priority, as SGLang's default priority value of none).
+    pub fn priority_rank(&self, priority: Option<i64>) -> i64 {
+        match (self.priority_scheduling, priority) {
+            (true, Some(value)) if self.low_priority_values_first => value.saturating_neg(),
+            (true, Some(value)) => value,
+            _ => 0,
+        }
+    }
+
     fn new(config: &SimConfig) -> Self {
         let full_reservation = config.admission == Admission::ReserveFull;
         let init_ratio = if full_reservation {
@@ -172,6 +191,8 @@ impl Params {
             max_running: config.max_running(),
             chunk: config.chunk_per_rank(),
             max_prefill: config.max_prefill_tokens,
+            priority_scheduling: config.enable_priority_scheduling,
+            low_priority_values_first: config.schedule_low_priority_values_first,
             // The decode side receives its KV; its cache plays no part.
             cache_on: config.prefix_cache == Toggle::On && config.role != Role::Decode,
             full_reservation,
@@ -432,6 +453,7 @@ impl Fleet {
                 };
                 let rank_state = &mut worker_state.ranks[rank];
                 rank_state.pending.retain(|queued| queued.req != req);
+                let priority = params.priority_rank(arrival.priority);
                 for (index, prompt) in arrival.prompts.into_iter().enumerate() {
                     let id = self.next_seq;
                     self.next_seq += 1;
@@ -451,6 +473,7 @@ impl Fleet {
                         cached_tokens: None,
                         est_uncached: 0,
                         oracle_uncached: oracle_uncached.get(index).copied(),
+                        priority,
                     });
                 }
                 (rank, worker_state.group_of(rank))

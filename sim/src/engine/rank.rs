@@ -57,6 +57,8 @@ pub(crate) struct Seq {
     pub est_uncached: u64,
     /// Uncached tokens as the oracle projected them when it placed it.
     pub oracle_uncached: Option<u64>,
+    /// Its place in the waiting queue: higher first (`Params::priority_rank`).
+    pub priority: i64,
 }
 
 impl Seq {
@@ -267,7 +269,28 @@ impl Rank {
         seq.est_uncached = seq.fill_len() - self.cache.match_len(&seq.prompt) as u64;
         let id = seq.id;
         self.seqs.insert(id, seq);
-        self.waiting.push_back(id);
+        self.queue(id);
+    }
+
+    /// Puts `id` in the waiting queue behind every sequence of its priority
+    /// or higher (arrival order when every priority is the same).
+    fn queue(&mut self, id: SeqId) {
+        let priority_of = |seqs: &HashMap<SeqId, Seq>, id: &SeqId| seqs.get(id).map_or(0, |seq| seq.priority);
+        let mine = priority_of(&self.seqs, &id);
+        let behind_last = self
+            .waiting
+            .back()
+            .is_none_or(|last| priority_of(&self.seqs, last) >= mine);
+        if behind_last {
+            self.waiting.push_back(id);
+            return;
+        }
+        let at = self
+            .waiting
+            .iter()
+            .position(|other| priority_of(&self.seqs, other) < mine)
+            .unwrap_or(self.waiting.len());
+        self.waiting.insert(at, id);
     }
 
     /// Tokens of `prompt` the prompts being prefilled now will have put in
@@ -649,7 +672,7 @@ impl Rank {
         out.push(seq.event(now, EventKind::Retracted));
         self.cache.unlock(node);
         self.alloc_total -= alloc;
-        self.waiting.push_back(id);
+        self.queue(id);
     }
 
     /// Ends the step planned by `plan_step`.

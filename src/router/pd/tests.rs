@@ -219,3 +219,25 @@ fn prefill_outcomes() {
     }
     assert_eq!(h.counter("dprank.prefill_failed.p0"), 4);
 }
+
+#[test]
+fn server_priority_goes_into_both_legs() {
+    let (c, h) = pd_fleet(r#","admission":{"server_priority":{"critical":7}}"#);
+    let args = crate::router::RouteArgs {
+        class: Some(0),
+        ..crate::router::RouteArgs::default()
+    };
+    let d = crate::router::route_with(
+        &c,
+        &h,
+        &mut StateCache::default(),
+        br#"{"text":"hello","priority":1}"#,
+        &args,
+    );
+    let r = pd(d);
+    let (p, d) = (json(&r.prefill_body), json(&r.decode_body));
+    assert_eq!(
+        (p["priority"].as_i64(), d["priority"].as_i64()),
+        (Some(7), Some(7))
+    );
+}
