@@ -397,23 +397,23 @@ impl Request {
 
     /// Applies a routed decision's headers (the route header; in header
     /// mode the rank headers, which hold for every retry since the
-    /// alternates have the same rank) and remembers where it went.
+    /// alternates have the same rank, and the class's server priority)
+    /// and remembers where it went.
     fn apply_routed(&mut self, host: &dyn Host, routed: &Routed) {
         host.set_request_header(
             &self.config.route_header,
             &route_value(&routed.to, &routed.alternates),
         );
-        if let (Some(settings), Some(rank)) = (self.config.header_transport(), routed.to.rank) {
+        if let Some(settings) = self.config.header_transport() {
             let mut digits = itoa::Buffer::new();
-            let rank = digits.format(rank);
-            for name in &settings.rank_headers {
-                host.set_request_header(name, rank);
+            if let Some(rank) = routed.to.rank {
+                let rank = digits.format(rank);
+                for name in &settings.rank_headers {
+                    host.set_request_header(name, rank);
+                }
             }
-        }
-        if self.config.header_transport().is_some() {
             let class = self.admitting.map(|a| a.class);
             if let Some(Some(priority)) = router::server_priority(&self.config, class) {
-                let mut digits = itoa::Buffer::new();
                 host.set_request_header(SERVER_PRIORITY_HEADER, digits.format(priority));
             }
         }

@@ -273,21 +273,16 @@ fn server_priority(
     let Some(map) = json.server_priority.as_ref() else {
         return Ok(None);
     };
-    let mut values = vec![None; classes.len()];
-    for (name, value) in map {
-        let Some(c) = classes.iter().position(|c| c == name) else {
-            return Err(invalid(
-                "server_priority",
-                format!("`{name}` is not one of `classes` {classes:?}"),
-            ));
-        };
-        if value.unsigned_abs() > MAX_SERVER_PRIORITY as u64 {
-            return Err(invalid(
-                "server_priority",
-                format!("`{name}`: must be within ±{MAX_SERVER_PRIORITY}, got {value}"),
-            ));
+    let within = |value: i64| {
+        if value.unsigned_abs() <= MAX_SERVER_PRIORITY as u64 {
+            Ok(())
+        } else {
+            Err(format!("must be within ±{MAX_SERVER_PRIORITY}, got {value}"))
         }
-        values[c] = Some(*value);
+    };
+    let mut values = vec![None; classes.len()];
+    for (c, value) in class_overrides("server_priority", Some(map), classes, within)? {
+        values[c] = Some(value);
     }
     Ok(Some(values))
 }
@@ -309,7 +304,7 @@ fn class_requests(json: &AdmissionJson, classes: &[String]) -> Result<Vec<Option
         "class_max_requests_per_rank",
         overrides,
         classes,
-        MAX_REQUESTS_PER_RANK,
+        one_to(MAX_REQUESTS_PER_RANK),
     )? {
         limits[c] = Some(n);
     }
@@ -333,21 +328,22 @@ fn class_waits(
         })
         .collect();
     let overrides = json.class_max_wait_ms.as_ref();
-    for (c, ms) in class_overrides("class_max_wait_ms", overrides, classes, MAX_WAIT_LIMIT_MS)? {
+    for (c, ms) in class_overrides("class_max_wait_ms", overrides, classes, one_to(MAX_WAIT_LIMIT_MS))? {
         waits[c] = ms;
     }
     Ok(waits)
 }
 
 /// A per-class map as written (`class_max_wait_ms`,
-/// `class_max_requests_per_rank`): each entry's class index and value,
-/// every name one of `classes` and every value in 1..=`max`.
-fn class_overrides(
+/// `class_max_requests_per_rank`, `server_priority`): each entry's class
+/// index and value, every name one of `classes` and every value one
+/// `check` accepts (else its reason).
+fn class_overrides<T: Copy>(
     key: &str,
-    overrides: Option<&std::collections::BTreeMap<String, u64>>,
+    overrides: Option<&std::collections::BTreeMap<String, T>>,
     classes: &[String],
-    max: u64,
-) -> Result<Vec<(usize, u64)>, super::ConfigError> {
+    check: impl Fn(T) -> Result<(), String>,
+) -> Result<Vec<(usize, T)>, super::ConfigError> {
     overrides
         .into_iter()
         .flatten()
@@ -358,12 +354,21 @@ fn class_overrides(
                     format!("`{name}` is not one of `classes` {classes:?}"),
                 ));
             };
-            if !(1..=max).contains(value) {
-                return Err(invalid(key, format!("`{name}`: must be 1..={max}, got {value}")));
-            }
+            check(*value).map_err(|reason| invalid(key, format!("`{name}`: {reason}")))?;
             Ok((c, *value))
         })
         .collect()
+}
+
+/// `class_overrides`' check of a value in 1..=`max`.
+fn one_to(max: u64) -> impl Fn(u64) -> Result<(), String> {
+    move |value| {
+        if (1..=max).contains(&value) {
+            Ok(())
+        } else {
+            Err(format!("must be 1..={max}, got {value}"))
+        }
+    }
 }
 
 fn when_saturated(json: &AdmissionJson) -> Result<WhenSaturated, super::ConfigError> {

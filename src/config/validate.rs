@@ -75,14 +75,11 @@ impl TryFrom<ConfigJson> for Config {
             reads_body: prefix.is_some(),
             taken: &taken,
         })?;
-        let mut removed_headers = removed_headers(&taken, &transport);
-        if json
+        let sets_priority = json
             .admission
             .as_ref()
-            .is_some_and(|a| a.server_priority.is_some())
-        {
-            removed_headers.push(SERVER_PRIORITY_HEADER.to_string());
-        }
+            .is_some_and(|a| a.server_priority.is_some());
+        let removed_headers = removed_headers(&taken, &transport, sets_priority);
         let removed: Vec<&str> = removed_headers.iter().map(String::as_str).collect();
         let admission = admission::settings(json.admission.take(), &removed)?;
         Ok(Config {
@@ -190,17 +187,20 @@ fn envoy_health(json: Option<DiscoveryJson>, mode: &Mode) -> Result<Option<Disco
 }
 
 /// Every client header no request keeps: the filter's own (route, pin), the
-/// rank and bootstrap headers servers read, and the configured rank headers.
-fn removed_headers(own: &[&str], transport: &Transport) -> Vec<String> {
+/// rank and bootstrap headers servers read, the configured rank headers,
+/// and the server's priority header when dprank `sets_priority`.
+fn removed_headers(own: &[&str], transport: &Transport, sets_priority: bool) -> Vec<String> {
     let configured = match transport {
         Transport::Header(h) => h.rank_headers.as_slice(),
         Transport::Body => &[],
     };
+    let priority = sets_priority.then_some(SERVER_PRIORITY_HEADER);
     let mut names: Vec<String> = own.iter().map(|h| h.to_string()).collect();
     for name in CLIENT_RANK_HEADERS
         .iter()
         .copied()
         .chain(configured.iter().map(String::as_str))
+        .chain(priority)
     {
         if !names.iter().any(|n| n == name) {
             names.push(name.to_string());

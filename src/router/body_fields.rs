@@ -8,7 +8,7 @@ use crate::config::{Config, CostEstimate};
 use crate::prefix::{PromptBlocks, RequestPrefix};
 
 /// The body field SGLang reads a request's scheduling priority from.
-pub(crate) const PRIORITY_FIELD: &str = "priority";
+pub const PRIORITY_FIELD: &str = "priority";
 
 /// Server priority (`admission.server_priority`) of a routed request of
 /// `class` (None: the default class): None when it is off; else the

@@ -17,6 +17,7 @@ mod snapshot;
 
 pub use admission::{queue as admission_queue, Overload};
 pub(crate) use body_fields::server_priority;
+pub use body_fields::PRIORITY_FIELD;
 pub use by_body::{route, route_with};
 pub use by_header::{cost_from_length, route_by_headers, route_by_headers_with};
 pub use outcome::{pass_early, PassReason, RejectReason};

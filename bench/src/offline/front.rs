@@ -13,10 +13,12 @@ use std::collections::HashMap;
 use std::rc::Rc;
 
 use dprank::config::Config;
+use dprank::headers::SERVER_PRIORITY_HEADER;
 use dprank::host::memory::MemoryHost;
 use dprank::host::Host;
 use dprank::poller::{Poller, POLL_DESTINATION_HEADER};
 use dprank::request::{queue_tick_period_ms, Request, Routing};
+use dprank::router::PRIORITY_FIELD;
 use serde_json::Value;
 
 use super::gie::Gie;
@@ -244,11 +246,14 @@ impl DprankGateway {
             .header(&self.config.route_header)
             .and_then(|value| first_endpoint(&value).and_then(|e| self.workers.get(e)).copied());
         match chosen {
-            Some(worker) => Placement {
-                worker,
-                rank: self.rank_named(),
-                priority: self.priority_named(),
-            },
+            Some(worker) => {
+                let (rank, priority) = self.named();
+                Placement {
+                    worker,
+                    rank,
+                    priority,
+                }
+            }
             None => {
                 // The cluster's fallback (round robin); the worker picks the rank.
                 self.fallback = self.fallback.wrapping_add(1);
@@ -261,32 +266,34 @@ impl DprankGateway {
         }
     }
 
-    /// The rank dprank named for the request just routed: in its first rank
-    /// header in header mode (vLLM), else in the body.
-    fn rank_named(&self) -> Option<usize> {
+    /// The rank and the scheduling priority (`admission.server_priority`)
+    /// dprank named for the request just routed: in its headers in header
+    /// mode (its first rank header; `x-override-priority`), else in the
+    /// body, read once.
+    fn named(&self) -> (Option<usize>, Option<i64>) {
+        let sets_priority = self
+            .config
+            .admission
+            .as_ref()
+            .is_some_and(|a| a.server_priority.is_some());
         match self.config.header_transport() {
-            Some(h) => h
-                .rank_headers
-                .first()
-                .and_then(|name| self.host.header(name))
-                .and_then(|value| value.parse().ok()),
-            None => rank_in(&self.host.request_body.borrow(), &self.config.rank_field),
-        }
-    }
-
-    /// The scheduling priority dprank gave the request just routed: in
-    /// `x-override-priority` in header mode, else in the body.
-    fn priority_named(&self) -> Option<i64> {
-        self.config.admission.as_ref()?.server_priority.as_ref()?;
-        match self.config.header_transport() {
-            Some(_) => self
-                .host
-                .header(dprank::headers::SERVER_PRIORITY_HEADER)
-                .and_then(|value| value.parse().ok()),
+            Some(h) => {
+                let header = |name: &str| self.host.header(name);
+                let rank = h.rank_headers.first().and_then(|name| header(name));
+                let priority = sets_priority.then(|| header(SERVER_PRIORITY_HEADER)).flatten();
+                (
+                    rank.and_then(|v| v.parse().ok()),
+                    priority.and_then(|v| v.parse().ok()),
+                )
+            }
             None => {
                 let body = self.host.request_body.borrow();
-                let value: serde_json::Value = serde_json::from_slice(&body).ok()?;
-                value.get("priority")?.as_i64()
+                let Ok(value) = serde_json::from_slice::<Value>(&body) else {
+                    return (None, None);
+                };
+                let rank = value.get(&self.config.rank_field).and_then(Value::as_u64);
+                let priority = sets_priority.then(|| value.get(PRIORITY_FIELD).and_then(Value::as_i64));
+                (rank.map(|r| r as usize), priority.flatten())
             }
         }
     }
@@ -364,12 +371,6 @@ pub struct SmgFront {
 /// there, the alternates after it only serve retries.
 fn first_endpoint(value: &str) -> Option<&str> {
     value.split(',').next().map(str::trim).filter(|e| !e.is_empty())
-}
-
-/// The rank dprank wrote into the body.
-fn rank_in(body: &[u8], field: &str) -> Option<usize> {
-    let value: serde_json::Value = serde_json::from_slice(body).ok()?;
-    value.get(field)?.as_u64().map(|r| r as usize)
 }
 
 /// A gateway in front of the fleet.
