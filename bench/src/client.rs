@@ -3,8 +3,6 @@
 //! connections for closed-loop overhead runs.
 
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -15,7 +13,6 @@ use hyper::{Request, Response};
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::{TokioExecutor, TokioIo};
-use tokio::sync::watch;
 
 use crate::workload::Api;
 
@@ -48,21 +45,10 @@ pub struct StreamOutcome {
     pub cached_tokens: Option<u64>,
     /// The answer's text (chat streams, when asked for).
     pub text: String,
-    /// The client stopped reading before the end (the run was over).
-    pub truncated: bool,
     /// Refused by the gateway's overload protection: its status (429;
     /// 408, smg's queue time-out; 503 with dprank's admission header). Not
     /// an error: the request was answered, without a token.
     pub rejected: Option<u16>,
-}
-
-/// Optional links between a stream and its run: a counter bumped at the
-/// first token, and a signal to stop reading (the rest of the answer no
-/// longer matters once every request of the run has its first token).
-#[derive(Debug, Clone)]
-pub struct StreamHooks {
-    pub first_tokens: Arc<AtomicUsize>,
-    pub stop: watch::Receiver<bool>,
 }
 
 /// How to read a stream: which API shaped it and whether to keep the text.
@@ -105,11 +91,10 @@ pub async fn stream_request(
     uri: &str,
     body: Bytes,
     kind: StreamKind,
-    hooks: Option<StreamHooks>,
 ) -> StreamOutcome {
     let start = Instant::now();
     let mut out = StreamOutcome::default();
-    let result = stream_into(client, uri, body, kind, hooks, start, &mut out).await;
+    let result = stream_into(client, uri, body, kind, start, &mut out).await;
     out.e2e = start.elapsed();
     if let Err(e) = result {
         out.error = Some(e);
@@ -191,7 +176,6 @@ async fn stream_into(
     uri: &str,
     body: Bytes,
     kind: StreamKind,
-    mut hooks: Option<StreamHooks>,
     start: Instant,
     out: &mut StreamOutcome,
 ) -> Result<(), String> {
@@ -225,17 +209,7 @@ async fn stream_into(
     let mut last_generate_payload: Vec<u8> = Vec::new();
     let mut done = false;
     loop {
-        let frame = match hooks.as_mut() {
-            Some(hooks) => tokio::select! {
-                frame = body.frame() => frame,
-                _ = hooks.stop.wait_for(|stop| *stop) => {
-                    out.truncated = true;
-                    return Ok(());
-                }
-            },
-            None => body.frame().await,
-        };
-        let Some(frame) = frame else { break };
+        let Some(frame) = body.frame().await else { break };
         let frame = frame.map_err(|e| format!("stream: {e}"))?;
         let Ok(data) = frame.into_data() else {
             continue;
@@ -270,12 +244,7 @@ async fn stream_into(
         scanned = pending.len().saturating_sub(1);
         if tokens_now > 0 {
             match last_token {
-                None => {
-                    out.ttft = Some(now - start);
-                    if let Some(hooks) = &hooks {
-                        hooks.first_tokens.fetch_add(1, Ordering::Relaxed);
-                    }
-                }
+                None => out.ttft = Some(now - start),
                 Some(last) => out.itls.push(now - last),
             }
             for _ in 1..tokens_now {

@@ -9,7 +9,6 @@
 //! for every variant run on the same seed.
 
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -17,9 +16,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use tokio::sync::watch;
 use tokio::task::JoinSet;
 
-use crate::client::{
-    get_text, pooled_client, stream_request, PooledClient, StreamHooks, StreamKind, StreamOutcome,
-};
+use crate::client::{get_text, pooled_client, stream_request, PooledClient, StreamKind, StreamOutcome};
 use crate::workload::{bodies, text, Api, Plan, Session, HIGH_CLASS, LOW_CLASS};
 
 /// How the L4 balancer in front of several gateways spreads open-loop
@@ -55,22 +52,9 @@ pub struct LoadOptions {
     /// Stop at this simulated time and abandon what is still running
     /// (capacity runs); None runs the whole plan.
     pub cut_at_s: Option<f64>,
-    pub drain: Drain,
     /// Session turns that would start after this simulated time are not
     /// sent (closed-loop sessions otherwise trail on at a falling load).
     pub turn_horizon_s: Option<f64>,
-}
-
-/// When a run ends once every request has been sent.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Drain {
-    /// When every response has ended.
-    Complete,
-    /// When every request has its first token (or failed): every TTFT is
-    /// then known, and the answers still streaming cannot delay any request
-    /// of the run. Their inter-token gaps so far are kept; their end-to-end
-    /// latency is not known. Saves the decode tail of the longest answers.
-    FirstTokens,
 }
 
 /// Per-rank state of every rank of every worker (in worker order), at `t_s`
@@ -104,8 +88,6 @@ pub struct RequestRecord {
     pub prompt_tokens: Option<u64>,
     pub cached_tokens: Option<u64>,
     pub error: Option<String>,
-    /// The run ended before this answer did (see [`Drain::FirstTokens`]).
-    pub truncated: bool,
     /// Chat sessions: (session id, turn index).
     pub session: Option<(u32, u32)>,
     /// Gaps between token events after the first, simulated us.
@@ -127,6 +109,17 @@ impl RequestRecord {
     /// Neither served nor refused: a failure.
     pub fn failed(&self) -> bool {
         !self.ok() && self.rejected.is_none()
+    }
+
+    /// What `--requests-out` writes of it, one JSON object per request.
+    pub fn to_json(&self) -> serde_json::Value {
+        serde_json::json!({
+            "sent_s": self.sent_s, "gateway": self.gateway, "ttft_ms": self.ttft_ms,
+            "tpot_ms": self.tpot_ms, "end_s": self.end_s, "prompt": self.prompt_tokens,
+            "cached": self.cached_tokens, "output": self.tokens, "session": self.session,
+            "high": self.high, "rejected": self.rejected, "held_ms": self.held_ms,
+            "error": self.error,
+        })
     }
 }
 
@@ -304,9 +297,6 @@ struct Context {
     start: Instant,
     time_scale: f64,
     timeout: Duration,
-    /// Requests that have their first token, failed, or will never be sent.
-    settled: Arc<AtomicUsize>,
-    stop: watch::Receiver<bool>,
     turn_horizon_s: Option<f64>,
 }
 
@@ -334,26 +324,15 @@ impl Context {
             keep_text,
             priority,
         };
-        let hooks = StreamHooks {
-            first_tokens: self.settled.clone(),
-            stop: self.stop.clone(),
-        };
-        let outcome = match tokio::time::timeout(
-            self.timeout,
-            stream_request(&self.client, &uri, body, kind, Some(hooks)),
-        )
-        .await
-        {
-            Ok(outcome) => outcome,
-            Err(_) => StreamOutcome {
-                error: Some(format!("no complete response within {:?}", self.timeout)),
-                e2e: self.timeout,
-                ..StreamOutcome::default()
-            },
-        };
-        if outcome.ttft.is_none() {
-            self.settled.fetch_add(1, Ordering::Relaxed);
-        }
+        let outcome =
+            match tokio::time::timeout(self.timeout, stream_request(&self.client, &uri, body, kind)).await {
+                Ok(outcome) => outcome,
+                Err(_) => StreamOutcome {
+                    error: Some(format!("no complete response within {:?}", self.timeout)),
+                    e2e: self.timeout,
+                    ..StreamOutcome::default()
+                },
+            };
         outcome
     }
 
@@ -384,7 +363,6 @@ impl Context {
             prompt_tokens: outcome.prompt_tokens,
             cached_tokens: outcome.cached_tokens,
             error: outcome.error.clone(),
-            truncated: outcome.truncated,
             session: None,
             high: None,
             rejected: outcome.rejected,
@@ -423,7 +401,6 @@ async fn run_session(ctx: Arc<Context>, session: Session, gateway: usize) -> Tas
         ready_at += Duration::from_secs_f64(turn.think_s / ctx.time_scale);
         if ctx.turn_horizon_s.is_some_and(|h| ctx.sim_s(ready_at) > h) {
             let left = session.turns.len() - i;
-            ctx.settled.fetch_add(left, Ordering::Relaxed);
             return (records, Skip::Horizon(left));
         }
         tokio::time::sleep_until(ready_at.into()).await;
@@ -442,7 +419,6 @@ async fn run_session(ctx: Arc<Context>, session: Session, gateway: usize) -> Tas
         records.push(record);
         if outcome.error.is_some() {
             let skipped = session.turns.len() - i - 1;
-            ctx.settled.fetch_add(skipped, Ordering::Relaxed);
             return (records, Skip::Failed(skipped));
         }
         history.push((turn.user.clone(), outcome.text));
@@ -473,15 +449,12 @@ pub async fn run_plan(plan: &Plan, options: &LoadOptions) -> Result<RunOutput, S
         ProgressBar::hidden()
     };
     let start = Instant::now();
-    let (drain_tx, drain_rx) = watch::channel(false);
     let ctx = Arc::new(Context {
         client: client.clone(),
         gateways: options.gateways.clone(),
         start,
         time_scale: options.time_scale,
         timeout: options.request_timeout,
-        settled: Arc::new(AtomicUsize::new(0)),
-        stop: drain_rx,
         turn_horizon_s: options.turn_horizon_s,
     });
     let (stop_tx, stop_rx) = watch::channel(false);
@@ -542,24 +515,10 @@ pub async fn run_plan(plan: &Plan, options: &LoadOptions) -> Result<RunOutput, S
                 }
             }
         }
+        // Every answer is read to its end, as virtual time does.
         None => {
-            let total = plan.request_count();
-            let mut stopped = false;
-            loop {
-                if !stopped
-                    && options.drain == Drain::FirstTokens
-                    && ctx.settled.load(Ordering::Relaxed) >= total
-                {
-                    let _ = drain_tx.send(true);
-                    stopped = true;
-                }
-                tokio::select! {
-                    done = tasks.join_next() => match done {
-                        Some(done) => collect(done, &progress, &mut results),
-                        None => break,
-                    },
-                    _ = tokio::time::sleep(Duration::from_millis(20)), if !stopped => {}
-                }
+            while let Some(done) = tasks.join_next().await {
+                collect(done, &progress, &mut results);
             }
         }
     }
@@ -667,7 +626,7 @@ mod tests {
         .unwrap();
     }
 
-    fn options(server: &dprank_sim::SimServer, time_scale: f64, drain: Drain) -> LoadOptions {
+    fn options(server: &dprank_sim::SimServer, time_scale: f64) -> LoadOptions {
         LoadOptions {
             gateways: vec![format!("http://{}", server.addr)],
             spread: Spread::Request,
@@ -679,7 +638,6 @@ mod tests {
             progress: false,
             label: "test".into(),
             cut_at_s: None,
-            drain,
             turn_horizon_s: None,
         }
     }
@@ -701,15 +659,9 @@ mod tests {
             .plan(&shape(4.0, 10.0))
             .unwrap();
         tell(&server, &plan).await;
-        let out = run_plan(&plan, &options(&server, 50.0, Drain::Complete))
-            .await
-            .unwrap();
+        let out = run_plan(&plan, &options(&server, 50.0)).await.unwrap();
         assert_eq!(out.records.len(), plan.requests.len());
-        assert!(
-            out.records.iter().all(|r| r.ok() && !r.truncated),
-            "{:?}",
-            out.records[0]
-        );
+        assert!(out.records.iter().all(|r| r.ok()), "{:?}", out.records[0]);
         // The worker reports the prompt size the workload asked for.
         let mut reported: Vec<(u64, u32)> = out
             .records
@@ -729,23 +681,17 @@ mod tests {
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn first_tokens_drain_keeps_every_ttft_and_cuts_the_tail() {
+    async fn a_run_reads_every_answer_to_its_end() {
         let server = sim(20.0).await;
         let mut plan = crate::workload::Workload::new(crate::workload::WorkloadKind::NoPrefix)
             .plan(&shape(5.0, 4.0))
             .unwrap();
-        // One long answer arriving first: the run must not wait for its end.
-        plan.requests[0].body = crate::workload::bodies::generate("the cat sat far ", 4000, true);
-        let out = run_plan(&plan, &options(&server, 20.0, Drain::FirstTokens))
-            .await
-            .unwrap();
-        assert!(out.records.iter().all(|r| r.ok() && r.ttft_ms.is_some()));
-        // The long answer (sent first) was cut off once the last request had its first token.
-        assert!(
-            out.records[0].truncated && out.records[0].tokens < 4000,
-            "{:?}",
-            out.records[0]
-        );
+        // One long answer arriving first: the run waits for its last token,
+        // so its TPOT is over the whole answer, as in virtual time.
+        plan.requests[0].body = crate::workload::bodies::generate("the cat sat far ", 1000, true);
+        let out = run_plan(&plan, &options(&server, 20.0)).await.unwrap();
+        assert!(out.records.iter().all(RequestRecord::ok));
+        assert_eq!(out.records[0].tokens, 1000, "{:?}", out.records[0]);
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -755,9 +701,7 @@ mod tests {
             .plan(&shape(6.0, 10.0))
             .unwrap();
         tell(&server, &plan).await;
-        let out = run_plan(&plan, &options(&server, 50.0, Drain::Complete))
-            .await
-            .unwrap();
+        let out = run_plan(&plan, &options(&server, 50.0)).await.unwrap();
         assert_eq!(out.records.len(), plan.request_count());
         assert!(out.records.iter().all(RequestRecord::ok));
         let mut checked = 0;

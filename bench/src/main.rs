@@ -36,7 +36,7 @@ use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand};
 
-use crate::loadgen::{run_plan, Drain, LoadOptions};
+use crate::loadgen::{run_plan, LoadOptions};
 use crate::runner::ResultsFile;
 use crate::suites::{run_suite, Suite, SuiteArgs};
 use crate::workload::{Shape, Workload, WorkloadKind};
@@ -217,7 +217,6 @@ async fn load(args: LoadArgs) -> Result<(), String> {
         progress: true,
         label: "load".into(),
         cut_at_s: None,
-        drain: Drain::Complete,
         turn_horizon_s: None,
     };
     let output = run_plan(&plan, &options).await?;

@@ -19,7 +19,7 @@ use crate::fleet::{
     dprank_counters, smg_front, smg_launch_args, start_envoy, start_envoy_pd, DprankCounters, Front,
     SimFleet, Tools,
 };
-use crate::loadgen::{imbalance, run_plan, Drain, LoadOptions, RequestRecord, RunOutput};
+use crate::loadgen::{imbalance, run_plan, LoadOptions, RequestRecord, RunOutput};
 use crate::preset::{Kv, SimPreset};
 use crate::provenance::Provenance;
 use crate::stats::{goodput, percentile, SeedRequests, Slo};
@@ -108,6 +108,18 @@ impl Cell {
             self.preset.name,
             self.workload.cap.describe()
         ) + &self.high_share.map_or(String::new(), |h| format!("|high={h}"))
+    }
+
+    /// Where `--requests-out DIR` puts this cell's requests.
+    pub fn requests_file(&self, dir: &Path) -> PathBuf {
+        dir.join(format!(
+            "{}-{}-{:.0}-{}-{}.jsonl",
+            self.workload.name().replace(['/', ':'], "_"),
+            self.kv.name(),
+            self.load.unwrap_or(0.0) * 100.0,
+            self.variant.name.replace(['/', ':', '"', ' ', '='], "_"),
+            self.seed
+        ))
     }
 
     /// The seed's plan, with its priority classes if the cell has them.
@@ -518,6 +530,7 @@ pub fn smg_variant_args(front: &VariantFront, fleets: &Fleets) -> Vec<String> {
 pub struct CellRun {
     pub record: RunRecord,
     pub samples: Vec<crate::loadgen::LoadSample>,
+    pub requests: Vec<crate::loadgen::RequestRecord>,
 }
 
 /// Runs one cell; `Err(Skipped)` when it cannot run here (smg missing, a
@@ -593,7 +606,6 @@ pub async fn run_cell(
             cell.seed
         ),
         cut_at_s: None,
-        drain: Drain::FirstTokens,
         turn_horizon_s: Some(cell.warmup_s + cell.duration_s + crate::workload::chat::TAIL_S),
     };
     let cpu = CpuTimes::now();
@@ -668,6 +680,7 @@ pub async fn run_cell(
     Ok(Ok(CellRun {
         record,
         samples: output.samples,
+        requests: output.records,
     }))
 }
 
@@ -700,8 +713,7 @@ pub fn summarize(cell: &Cell, output: &RunOutput, fleet: Summary) -> RunRecord {
     let refused = measured.iter().filter(|r| r.rejected.is_some()).count();
     let ttft: Vec<f64> = ok.iter().filter_map(|r| r.ttft_ms).collect();
     let tpot: Vec<f64> = ok.iter().map(|r| r.tpot_ms).collect();
-    // End-to-end latency only of answers that were read to the end.
-    let e2e: Vec<f64> = ok.iter().filter(|r| !r.truncated).map(|r| r.e2e_ms).collect();
+    let e2e: Vec<f64> = ok.iter().map(|r| r.e2e_ms).collect();
     let pairs: Vec<(f64, f64)> = ok.iter().filter_map(|r| Some((r.ttft_ms?, r.tpot_ms))).collect();
     let (cached, prompt) = ok
         .iter()
@@ -1027,7 +1039,6 @@ mod tests {
             prompt_tokens: Some(100),
             cached_tokens: Some(25),
             error: error.map(str::to_string),
-            truncated: false,
             session: None,
             gaps_us: vec![30_000],
             high: None,

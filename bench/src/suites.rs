@@ -672,7 +672,8 @@ pub struct SuiteArgs {
     /// Virtual-time runs at once (default: the cores).
     #[arg(long)]
     pub jobs: Option<usize>,
-    /// Write every request of every virtual-time run as JSONL here.
+    /// Write every request of every run as JSONL here, a file per run
+    /// (the harness knows no worker or rank; virtual time adds them).
     #[arg(long)]
     pub requests_out: Option<PathBuf>,
     /// Put runs of different commits or machines in one table, flagged.
@@ -784,14 +785,15 @@ impl SuiteArgs {
 }
 
 /// Estimated wall seconds of one harness run: start-up (smg takes longer
-/// than Envoy), then the arrivals and the wait for the last first token,
+/// than Envoy), then the arrivals and the wait for the last answer to end,
 /// in simulated seconds divided by the time scale. Chat sessions run on to
-/// the turn horizon. Calibrated on smoke runs (bench/README.md, "Budgets").
+/// the turn horizon. Calibrated on smoke runs (bench/README.md, "Budgets")
+/// and, for the last answers' decode, on bursty runs at 150% (20 s).
 pub fn estimate_run_s(cell: &Cell) -> f64 {
     let startup = if cell.variant.uses_smg() { 2.5 } else { 1.5 } * cell.variant.gateways as f64;
     let tail_sim = match cell.workload.kind {
-        WorkloadKind::Chat => crate::workload::chat::TAIL_S + 5.0,
-        _ => 5.0,
+        WorkloadKind::Chat => crate::workload::chat::TAIL_S + 20.0,
+        _ => 20.0,
     };
     startup + (cell.warmup_s + cell.duration_s + tail_sim) / cell.time_scale
 }
@@ -1048,7 +1050,7 @@ pub async fn run_suite(
         let (Some(tools), Some(features)) = (tools, &features) else {
             return Err("harness runs need the tools".into());
         };
-        run_harness(&todo, tools, features, &results).await?
+        run_harness(&todo, tools, features, &results, args.requests_out.as_deref()).await?
     };
     let records: Vec<RunRecord> = results
         .load()?
@@ -1116,6 +1118,7 @@ async fn run_harness(
     tools: &Tools,
     features: &SimFeatures,
     results: &ResultsFile,
+    requests_out: Option<&Path>,
 ) -> Result<Outcomes, String> {
     let mut skipped: Vec<(String, String)> = Vec::new();
     let mut failed: Vec<String> = Vec::new();
@@ -1167,6 +1170,9 @@ async fn run_harness(
                     record.wall_s
                 );
                 results.append(&record)?;
+                if let Some(dir) = requests_out {
+                    write_requests(&cell.requests_file(dir), &run.requests)?;
+                }
             }
             Err(Skipped(reason)) => {
                 println!("  {}: skipped, {reason}", cell.variant.name);
@@ -1175,6 +1181,15 @@ async fn run_harness(
         }
     }
     Ok((skipped, failed))
+}
+
+/// Every request of a harness run, one JSON object a line.
+fn write_requests(path: &Path, requests: &[crate::loadgen::RequestRecord]) -> Result<(), String> {
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
+    }
+    let text: String = requests.iter().map(|r| r.to_json().to_string() + "\n").collect();
+    std::fs::write(path, text).map_err(|e| format!("cannot write {}: {e}", path.display()))
 }
 
 fn run_virtual(

@@ -267,7 +267,6 @@ fn empty_record(sent_s: f64, gateway: usize, input: u32, output: u32) -> Request
         prompt_tokens: None,
         cached_tokens: None,
         error: None,
-        truncated: false,
         session: None,
         gaps_us: Vec::new(),
         high: None,
@@ -465,14 +464,10 @@ pub fn run(plan: &Plan, spec: &RunSpec) -> Result<Outcome, String> {
                 }
             }
             if let Some(log) = &mut request_log {
-                let r = &flight.record;
-                let line = serde_json::json!({
-                    "sent_s": r.sent_s, "gateway": flight.gateway, "worker": flight.placement.worker,
-                    "rank": report.rank, "ttft_ms": r.ttft_ms, "end_s": r.end_s,
-                    "prompt": r.prompt_tokens, "cached": r.cached_tokens, "output": r.tokens,
-                    "session": r.session, "head": flight.head,
-                    "high": r.high, "tpot_ms": r.tpot_ms,
-                });
+                let mut line = flight.record.to_json();
+                line["worker"] = flight.placement.worker.into();
+                line["rank"] = report.rank.into();
+                line["head"] = serde_json::json!(flight.head);
                 log.push(line.to_string());
             }
             records.push(flight.record);

@@ -68,16 +68,7 @@ pub fn run_cell(cell: &Cell, requests_out: Option<&Path>) -> Result<RunRecord, S
         seed: cell.seed,
         turn_horizon_s: cell.warmup_s + cell.duration_s + crate::workload::chat::TAIL_S,
         cut_at_s: None,
-        requests_out: requests_out.map(|dir| {
-            dir.join(format!(
-                "{}-{}-{:.0}-{}-{}.jsonl",
-                cell.workload.name().replace(['/', ':'], "_"),
-                cell.kv.name(),
-                cell.load.unwrap_or(0.0) * 100.0,
-                cell.variant.name.replace(['/', ':', '"', ' ', '='], "_"),
-                cell.seed
-            ))
-        }),
+        requests_out: requests_out.map(|dir| cell.requests_file(dir)),
         give_up: None,
     };
     let outcome = driver::run(&plan, &spec)?;
