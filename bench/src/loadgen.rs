@@ -123,6 +123,16 @@ impl RequestRecord {
     }
 }
 
+/// Writes `--requests-out`'s file: one JSON object a line (harness and
+/// virtual-time runs alike).
+pub fn write_requests(path: &std::path::Path, lines: &[serde_json::Value]) -> Result<(), String> {
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
+    }
+    let text: String = lines.iter().map(|line| line.to_string() + "\n").collect();
+    std::fs::write(path, text).map_err(|e| format!("cannot write {}: {e}", path.display()))
+}
+
 /// Everything a run measured.
 #[derive(Debug)]
 pub struct RunOutput {
@@ -324,16 +334,14 @@ impl Context {
             keep_text,
             priority,
         };
-        let outcome =
-            match tokio::time::timeout(self.timeout, stream_request(&self.client, &uri, body, kind)).await {
-                Ok(outcome) => outcome,
-                Err(_) => StreamOutcome {
-                    error: Some(format!("no complete response within {:?}", self.timeout)),
-                    e2e: self.timeout,
-                    ..StreamOutcome::default()
-                },
-            };
-        outcome
+        match tokio::time::timeout(self.timeout, stream_request(&self.client, &uri, body, kind)).await {
+            Ok(outcome) => outcome,
+            Err(_) => StreamOutcome {
+                error: Some(format!("no complete response within {:?}", self.timeout)),
+                e2e: self.timeout,
+                ..StreamOutcome::default()
+            },
+        }
     }
 
     fn record(

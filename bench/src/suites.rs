@@ -1171,7 +1171,12 @@ async fn run_harness(
                 );
                 results.append(&record)?;
                 if let Some(dir) = requests_out {
-                    write_requests(&cell.requests_file(dir), &run.requests)?;
+                    let lines: Vec<_> = run
+                        .requests
+                        .iter()
+                        .map(crate::loadgen::RequestRecord::to_json)
+                        .collect();
+                    crate::loadgen::write_requests(&cell.requests_file(dir), &lines)?;
                 }
             }
             Err(Skipped(reason)) => {
@@ -1181,15 +1186,6 @@ async fn run_harness(
         }
     }
     Ok((skipped, failed))
-}
-
-/// Every request of a harness run, one JSON object a line.
-fn write_requests(path: &Path, requests: &[crate::loadgen::RequestRecord]) -> Result<(), String> {
-    if let Some(dir) = path.parent() {
-        std::fs::create_dir_all(dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
-    }
-    let text: String = requests.iter().map(|r| r.to_json().to_string() + "\n").collect();
-    std::fs::write(path, text).map_err(|e| format!("cannot write {}: {e}", path.display()))
 }
 
 fn run_virtual(

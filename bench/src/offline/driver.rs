@@ -373,7 +373,7 @@ pub fn run(plan: &Plan, spec: &RunSpec) -> Result<Outcome, String> {
     let mut in_flight: HashMap<u64, InFlight> = HashMap::new();
     let mut waiting: HashMap<(usize, u64), Waiting> = HashMap::new();
     let mut next_id: u64 = 0;
-    let mut request_log: Option<Vec<String>> = spec.requests_out.as_ref().map(|_| Vec::new());
+    let mut request_log: Option<Vec<serde_json::Value>> = spec.requests_out.as_ref().map(|_| Vec::new());
     let mut records: Vec<RequestRecord> = Vec::new();
     let mut beyond_horizon = 0usize;
     let mut arrivals_left = plan.request_count();
@@ -468,7 +468,7 @@ pub fn run(plan: &Plan, spec: &RunSpec) -> Result<Outcome, String> {
                 line["worker"] = flight.placement.worker.into();
                 line["rank"] = report.rank.into();
                 line["head"] = serde_json::json!(flight.head);
-                log.push(line.to_string());
+                log.push(line);
             }
             records.push(flight.record);
         }
@@ -592,11 +592,7 @@ pub fn run(plan: &Plan, spec: &RunSpec) -> Result<Outcome, String> {
         }
     }
     if let (Some(path), Some(log)) = (&spec.requests_out, &request_log) {
-        if let Some(dir) = path.parent() {
-            std::fs::create_dir_all(dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
-        }
-        std::fs::write(path, log.join("\n") + "\n")
-            .map_err(|e| format!("cannot write {}: {e}", path.display()))?;
+        crate::loadgen::write_requests(path, log)?;
     }
     if gave_up {
         // What was still waiting failed its target: it counts as a failure.
