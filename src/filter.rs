@@ -41,15 +41,14 @@ fn action(a: request::Action) -> Action {
 }
 
 impl Context for DprankRoot {
-    fn on_http_call_response(&mut self, token: u32, _headers: usize, body_size: usize, _trailers: usize) {
+    fn on_http_call_response(&mut self, token: u32, headers: usize, body_size: usize, _trailers: usize) {
         if let (Some(routing), Some(poller)) = (&self.routing, &mut self.poller) {
-            if routing.on_root_callout(&EnvoyHost, token, body_size, self.id) {
+            if routing.on_root_callout(&EnvoyHost, token, headers, body_size, self.id) {
                 return;
             }
             let config = routing.current(&EnvoyHost);
-            let status = EnvoyHost.callout_status();
-            let body = EnvoyHost.callout_body(body_size);
-            poller.on_response(&config, &EnvoyHost, token, status, &body);
+            let answer = EnvoyHost.callout_response(headers, body_size);
+            poller.on_response(&config, &EnvoyHost, token, &answer);
             // A poll may show room for held requests.
             routing.let_in(&EnvoyHost, self.id, true);
         }
@@ -67,7 +66,13 @@ impl Context for DprankRoot {
 
 impl RootContext for DprankRoot {
     fn on_configure(&mut self, _size: usize) -> bool {
-        let bytes = EnvoyHost::plugin_configuration().unwrap_or_default();
+        let bytes = match EnvoyHost::plugin_configuration() {
+            Ok(bytes) => bytes,
+            Err(e) => {
+                log::error!("dprank {VERSION} ({GIT_REVISION}): refusing to start: cannot read the configuration: {e}");
+                return false;
+            }
+        };
         let config = match Config::from_json(&bytes) {
             Ok(c) => c,
             Err(e) => {
@@ -80,8 +85,8 @@ impl RootContext for DprankRoot {
             log::info!("dprank {VERSION} ({GIT_REVISION}) starting with {json}");
         }
         let ticks = config.poll_loads || config.admission.is_some();
-        if ticks && !EnvoyHost::set_tick_period(queue_tick_period_ms(&config)) {
-            log::error!("cannot set the tick period; load polling and admission's queue are off");
+        if let (true, Err(e)) = (ticks, EnvoyHost::set_tick_period(queue_tick_period_ms(&config))) {
+            log::error!("cannot set the tick period ({e}); load polling and admission's queue are off");
         }
         let mut poller = Poller::new(EnvoyHost.now_ms());
         // Threads start their tie-break sequences apart, so they don't break
@@ -107,9 +112,13 @@ impl RootContext for DprankRoot {
         }
     }
 
+    /// Never None: the SDK panics on None. Without a configuration (one
+    /// that was refused) requests pass through untouched.
     fn create_http_context(&self, context_id: u32) -> Option<Box<dyn HttpContext>> {
-        let routing = self.routing.clone()?;
-        Some(Box::new(DprankHttp(Request::shared(routing, context_id))))
+        match self.routing.clone() {
+            Some(routing) => Some(Box::new(DprankHttp(Request::shared(routing, context_id)))),
+            None => Some(Box::new(Unconfigured)),
+        }
     }
 
     fn get_type(&self) -> Option<ContextType> {
@@ -123,10 +132,19 @@ impl RootContext for DprankRoot {
 pub struct DprankHttp(Rc<RefCell<Request>>);
 
 impl Context for DprankHttp {
-    fn on_http_call_response(&mut self, _token: u32, _headers: usize, body_size: usize, _trailers: usize) {
-        self.0.borrow_mut().on_prefill_response(&EnvoyHost, body_size);
+    fn on_http_call_response(&mut self, _token: u32, headers: usize, body_size: usize, _trailers: usize) {
+        self.0
+            .borrow_mut()
+            .on_prefill_response(&EnvoyHost, headers, body_size);
     }
 }
+
+/// A request on a filter without a configuration: it goes on untouched
+/// (every callback's default is Continue).
+struct Unconfigured;
+
+impl Context for Unconfigured {}
+impl HttpContext for Unconfigured {}
 
 impl HttpContext for DprankHttp {
     fn on_http_request_headers(&mut self, _headers: usize, end_of_stream: bool) -> Action {

@@ -24,13 +24,19 @@ pub struct SentTo {
     pub health_was_clean: bool,
 }
 
+/// A property of the ending request; one the proxy refuses tells nothing,
+/// as one it does not have.
+fn property(host: &dyn Host, path: &[&str]) -> Option<Vec<u8>> {
+    host.property(path).ok().flatten()
+}
+
 fn u64_property(host: &dyn Host, path: &[&str]) -> Option<u64> {
-    let bytes = host.property(path)?;
+    let bytes = property(host, path)?;
     Some(u64::from_le_bytes(bytes.get(..8)?.try_into().ok()?))
 }
 
 fn text_property(host: &dyn Host, path: &[&str]) -> Option<String> {
-    host.property(path).and_then(|b| String::from_utf8(b).ok())
+    property(host, path).and_then(|b| String::from_utf8(b).ok())
 }
 
 /// The host of the last attempt.

@@ -28,6 +28,6 @@ pub mod shared_data;
 pub mod worker_state;
 
 proxy_wasm::main! {{
-    proxy_wasm::set_log_level(proxy_wasm::types::LogLevel::Info);
+    envoy_host::install_logger(log::LevelFilter::Info);
     proxy_wasm::set_root_context(|id| Box::new(filter::DprankRoot::new(id)));
 }}

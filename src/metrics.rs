@@ -64,6 +64,36 @@ pub fn admission_rejected(reason: &str, class: &str) -> String {
     format!("dprank.admission.rejected.{reason}.{class}")
 }
 
+/// A host call the proxy refused whose caller carried on without it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HostCall {
+    /// A local reply, on a stream gone or already answered: dropped.
+    LocalReply,
+    /// Resuming a held request whose stream is gone: dropped.
+    ResumeRequest,
+    /// Resuming a response held for PD's prefill leg: dropped.
+    ResumeResponse,
+    /// Acting on a held request whose context is gone: it left the queue.
+    EffectiveContext,
+    /// A request header set or removed: the request goes on without it.
+    SetHeader,
+    /// The rewritten body: the request goes on with the client's.
+    ReplaceBody,
+}
+
+/// `dprank.host_refused.<call>`.
+pub fn host_refused(call: HostCall) -> String {
+    let call = match call {
+        HostCall::LocalReply => "local_reply",
+        HostCall::ResumeRequest => "resume_request",
+        HostCall::ResumeResponse => "resume_response",
+        HostCall::EffectiveContext => "effective_context",
+        HostCall::SetHeader => "set_header",
+        HostCall::ReplaceBody => "replace_body",
+    };
+    format!("dprank.host_refused.{call}")
+}
+
 /// A request not routed, by reason (`PassReason::as_str`).
 pub fn passthrough(reason: &str) -> String {
     format!("dprank.passthrough.{reason}")

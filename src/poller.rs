@@ -6,7 +6,7 @@
 use crate::config::{Config, Discovery, Worker};
 use crate::discovery;
 use crate::health_updates;
-use crate::host::{Callout, Host};
+use crate::host::{Callout, CalloutError, CalloutResponse, Host};
 use crate::load::{Answer, LoadSource, Poll, Reading, ReportContext, Source};
 use crate::metrics::{self, PerWorker};
 use crate::prefix::index::IndexRecord;
@@ -174,7 +174,7 @@ impl Poller {
                 };
                 host.count(failed, 1);
                 log::warn!(
-                    "cannot read cluster `{}` through `{}`: {e}",
+                    "cannot read cluster `{}` through `{}` ({e}): is the cluster defined?",
                     discovery.cluster,
                     discovery.admin_cluster
                 );
@@ -215,7 +215,7 @@ impl Poller {
             Err(e) => {
                 host.count(&PerWorker::PollFailed.of(&w.name), 1);
                 log::warn!(
-                    "cannot poll {} through cluster `{}`: {e}",
+                    "cannot poll {} through cluster `{}` ({e}): is the cluster defined?",
                     authority,
                     config.poll_cluster
                 );
@@ -223,19 +223,18 @@ impl Poller {
         }
     }
 
-    /// Handles a callout response; `status` is None when the call failed (timeout, reset).
+    /// Handles a callout's answer, or why there is none (a reset, a cut answer).
     pub fn on_response(
         &mut self,
         config: &Config,
         host: &dyn Host,
         token: u32,
-        status: Option<u32>,
-        body: &[u8],
+        answer: &Result<CalloutResponse, CalloutError>,
     ) {
         match self.outstanding.remove(&token) {
-            Some(Call::Load(call)) => self.on_load_response(config, host, call, status, body),
-            Some(Call::Membership) => on_membership_response(config, host, status, body),
-            Some(Call::EnvoyHealth) => on_envoy_health_response(config, host, status, body),
+            Some(Call::Load(call)) => self.on_load_response(config, host, call, answer),
+            Some(Call::Membership) => on_membership_response(config, host, answer),
+            Some(Call::EnvoyHealth) => on_envoy_health_response(config, host, answer),
             None => {}
         }
     }
@@ -256,8 +255,7 @@ impl Poller {
         config: &Config,
         host: &dyn Host,
         call: LoadCall,
-        status: Option<u32>,
-        body: &[u8],
+        answer: &Result<CalloutResponse, CalloutError>,
     ) {
         // The worker may have left the cluster since the poll was sent.
         let Some((index, w)) = config
@@ -268,13 +266,17 @@ impl Poller {
             return;
         };
         let source = Source::of(config);
-        let outcome = match status.map(|code| source.answer(&call.poll, code, body)) {
-            Some(Answer::Report(reading)) => Ok(reading),
-            Some(Answer::Refused(why)) => {
+        let status = answer.as_ref().ok().map(|r| r.status);
+        let outcome = match answer
+            .as_ref()
+            .map(|r| source.answer(&call.poll, r.status, &r.body))
+        {
+            Ok(Answer::Report(reading)) => Ok(reading),
+            Ok(Answer::Refused(why)) => {
                 refuse(config, host, w, &why);
                 return;
             }
-            Some(Answer::FallBack) => {
+            Ok(Answer::FallBack) => {
                 log::info!(
                     "{} has no {}; polling {} from now on",
                     w.endpoint(),
@@ -289,8 +291,8 @@ impl Poller {
                 self.fall_back(config, host, index);
                 return;
             }
-            Some(Answer::Failed(reason)) => Err(reason),
-            None => Err("no response (timeout or connection failure)".to_string()),
+            Ok(Answer::Failed(reason)) => Err(reason),
+            Err(e) => Err(e.to_string()),
         };
         let ok = match outcome {
             Ok(reading) => {
@@ -410,16 +412,26 @@ fn apply_report(config: &Config, host: &dyn Host, index: usize, w: &Worker, seq:
     host.count(&PerWorker::PollOk.of(&w.name), 1);
 }
 
+/// The body of the admin API's 200, or why there is none.
+fn admin_answer(answer: &Result<CalloutResponse, CalloutError>) -> Result<&[u8], String> {
+    match answer {
+        Ok(r) if r.status == 200 => Ok(&r.body),
+        Ok(r) => Err(format!("admin answered HTTP {}", r.status)),
+        Err(e) => Err(format!("admin: {e}")),
+    }
+}
+
 /// Stores which workers Envoy reports unhealthy (`envoy_health`).
-fn on_envoy_health_response(config: &Config, host: &dyn Host, status: Option<u32>, body: &[u8]) {
+fn on_envoy_health_response(
+    config: &Config,
+    host: &dyn Host,
+    answer: &Result<CalloutResponse, CalloutError>,
+) {
     let Some(envoy_health) = &config.envoy_health else {
         return;
     };
-    let unhealthy = match status {
-        Some(200) => discovery::unhealthy_hosts(body, &envoy_health.cluster),
-        Some(code) => Err(format!("admin answered HTTP {code}")),
-        None => Err("admin did not answer".to_string()),
-    };
+    let unhealthy =
+        admin_answer(answer).and_then(|body| discovery::unhealthy_hosts(body, &envoy_health.cluster));
     match unhealthy {
         Ok(list) => health_updates::set_envoy_unhealthy(config, host, list),
         Err(e) => {
@@ -434,15 +446,11 @@ fn on_envoy_health_response(config: &Config, host: &dyn Host, status: Option<u32
 }
 
 /// Stores a new membership for every thread; workers that left lose their state.
-fn on_membership_response(config: &Config, host: &dyn Host, status: Option<u32>, body: &[u8]) {
+fn on_membership_response(config: &Config, host: &dyn Host, answer: &Result<CalloutResponse, CalloutError>) {
     let Some(discovery) = config.discovery() else {
         return;
     };
-    let members = match status {
-        Some(200) => discovery::cluster_members(body, &discovery.cluster),
-        Some(code) => Err(format!("admin answered HTTP {code}")),
-        None => Err("admin did not answer".to_string()),
-    };
+    let members = admin_answer(answer).and_then(|body| discovery::cluster_members(body, &discovery.cluster));
     let members = match members {
         Ok(m) => Members(m),
         Err(e) => {

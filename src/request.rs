@@ -18,8 +18,8 @@ use crate::config::Config;
 use crate::discovery::Membership;
 use crate::headers::SERVER_PRIORITY_HEADER;
 use crate::health_updates::{self, SentTo};
-use crate::host::{Callout, HeaderMap, Host};
-use crate::metrics::{self, AdmissionEvent};
+use crate::host::{Callout, CalloutError, CalloutResponse, HeaderMap, Host, HostError};
+use crate::metrics::{self, AdmissionEvent, HostCall};
 use crate::poller::POLL_DESTINATION_HEADER;
 use crate::router::{
     self, route_value, Chosen, Decision, Overload, PassReason, PdRouted, RejectReason, Reply, Routed,
@@ -190,9 +190,17 @@ impl Request {
 
     pub fn on_request_headers(&mut self, host: &dyn Host, end_of_stream: bool) -> Action {
         let config = self.config.clone();
-        let headers = host.request_headers();
+        let headers = match host.request_headers() {
+            Ok(headers) => headers,
+            Err(e) => return self.host_refused(host, "headers", e),
+        };
         // Routing and rank headers are the filter's alone: a client value would steer traffic.
-        remove_client_headers(&config, host, &headers);
+        if let Err(e) = remove_client_headers(&config, host, &headers) {
+            // One the client could steer with stays: refused, never forwarded.
+            log::warn!("cannot remove a client header only dprank may set: {e}; request refused");
+            RejectReason::HostRefused.reply().send(host);
+            return Action::Pause;
+        }
         if let Some(pin_header) = &config.pin_header {
             self.pin = headers.get(pin_header).map(str::to_string);
         }
@@ -257,15 +265,21 @@ impl Request {
         Action::Continue
     }
 
-    /// The prefill leg answered (or failed: no status).
-    pub fn on_prefill_response(&mut self, host: &dyn Host, body_size: usize) {
-        let status = host.callout_status();
-        let body = host.callout_body(body_size);
-        self.on_prefill_answer(host, status, &body);
+    /// The prefill leg answered (or failed: no headers).
+    pub fn on_prefill_response(&mut self, host: &dyn Host, headers: usize, body_size: usize) {
+        let answer = host.callout_response(headers, body_size);
+        self.on_prefill_answer(host, &answer);
     }
 
-    /// The prefill leg's answer, read: its status (None: no answer) and body.
-    pub fn on_prefill_answer(&mut self, host: &dyn Host, status: Option<u32>, body: &[u8]) {
+    /// The prefill leg's answer, read, or why there is none.
+    pub fn on_prefill_answer(&mut self, host: &dyn Host, answer: &Result<CalloutResponse, CalloutError>) {
+        let (status, body) = match answer {
+            Ok(r) => (Some(r.status), r.body.as_slice()),
+            Err(e) => {
+                log::debug!("prefill leg: {e}");
+                (None, &[][..])
+            }
+        };
         let PrefillLeg::Pending { worker, rank } = self.prefill else {
             return;
         };
@@ -287,7 +301,10 @@ impl Request {
                 self.prefill = PrefillLeg::Done;
                 if self.response_held {
                     self.response_held = false;
-                    host.resume_response();
+                    if host.resume_response().is_err() {
+                        // The stream went while it waited: nothing to resume.
+                        host.count(&metrics::host_refused(HostCall::ResumeResponse), 1);
+                    }
                 }
             }
             Some(reply) => {
@@ -400,7 +417,8 @@ impl Request {
     /// alternates have the same rank, and the class's server priority)
     /// and remembers where it went.
     fn apply_routed(&mut self, host: &dyn Host, routed: &Routed) {
-        host.set_request_header(
+        set_header(
+            host,
             &self.config.route_header,
             &route_value(&routed.to, &routed.alternates),
         );
@@ -409,12 +427,12 @@ impl Request {
             if let Some(rank) = routed.to.rank {
                 let rank = digits.format(rank);
                 for name in &settings.rank_headers {
-                    host.set_request_header(name, rank);
+                    set_header(host, name, rank);
                 }
             }
             let class = self.admitting.map(|a| a.class);
             if let Some(Some(priority)) = router::server_priority(&self.config, class) {
-                host.set_request_header(SERVER_PRIORITY_HEADER, digits.format(priority));
+                set_header(host, SERVER_PRIORITY_HEADER, digits.format(priority));
             }
         }
         self.remember_sent_to(
@@ -444,7 +462,13 @@ impl Request {
     /// Body mode: the router's decision on the buffered body.
     fn decide_body(&mut self, host: &dyn Host) -> Decision {
         self.config = self.routing.current(host);
-        let body = host.request_body(self.body_size).unwrap_or_default();
+        let body = match host.request_body(self.body_size) {
+            Ok(body) => body,
+            Err(e) => {
+                log::warn!("cannot read a request body: {e}; passed on unrouted");
+                return router::pass_or_reject(&self.config, host, PassReason::HostRefused, None);
+            }
+        };
         let args = self.route_args();
         router::route_with(
             &self.config,
@@ -701,10 +725,28 @@ impl Request {
         self.refuse(host, reason, retry_after_ms);
     }
 
-    /// Envoy does not correct `content-length` after a body change: dprank does.
+    /// Envoy does not correct `content-length` after a body change: dprank
+    /// does. A body the proxy will not replace goes on as the client sent it.
     fn replace_body(&self, host: &dyn Host, body: &[u8]) {
-        if host.replace_request_body(self.body_size, body) && self.had_content_length {
-            host.set_request_header("content-length", itoa::Buffer::new().format(body.len()));
+        match host.replace_request_body(self.body_size, body) {
+            Ok(()) if self.had_content_length => {
+                set_header(host, "content-length", itoa::Buffer::new().format(body.len()));
+            }
+            Ok(()) => {}
+            Err(_) => host.count(&metrics::host_refused(HostCall::ReplaceBody), 1),
+        }
+    }
+
+    /// The proxy refused to hand over the request's `part`: passed on
+    /// unrouted, or refused in closed mode.
+    fn host_refused(&mut self, host: &dyn Host, part: &str, e: HostError) -> Action {
+        log::warn!("cannot read a request's {part}: {e}");
+        match router::pass_or_reject(&self.config, host, PassReason::HostRefused, None) {
+            Decision::Reject { reply, .. } => {
+                reply.send(host);
+                Action::Pause
+            }
+            _ => Action::Continue,
         }
     }
 
@@ -720,7 +762,8 @@ impl Request {
             return Action::Pause;
         }
         if let Some(decode) = &pd.decode {
-            host.set_request_header(
+            set_header(
+                host,
                 &self.config.route_header,
                 &route_value(decode, &pd.decode_alternates),
             );
@@ -741,7 +784,8 @@ impl Request {
         let Some(settings) = self.config.pd() else {
             return false;
         };
-        let client = host.request_headers();
+        // Unreadable headers leave no path: Envoy refuses the call, answered 502.
+        let client = host.request_headers().unwrap_or_default();
         let path = client.get(":path").unwrap_or_default();
         let forwarded: Vec<(&str, &str)> = PREFILL_FORWARDED_HEADERS
             .iter()
@@ -772,7 +816,9 @@ impl Request {
                 true
             }
             Err(e) => {
-                log::warn!("prefill call to {endpoint} not dispatched: {e}");
+                log::warn!(
+                    "prefill call to {endpoint} not dispatched ({e}): is the prefill cluster defined?"
+                );
                 false
             }
         }
@@ -802,11 +848,20 @@ fn addresses<'a>(config: &Config, chosen: impl Iterator<Item = &'a Chosen>) -> V
 
 /// Removes the client headers only dprank may set (`Config::removed_headers`),
 /// those present only: a removal is a host call.
-fn remove_client_headers(config: &Config, host: &dyn Host, headers: &HeaderMap) {
+fn remove_client_headers(config: &Config, host: &dyn Host, headers: &HeaderMap) -> Result<(), HostError> {
     for (name, _) in headers.iter() {
         if let Some(removed) = config.removed_headers.iter().find(|r| r.as_bytes() == name) {
-            host.remove_request_header(removed);
+            host.remove_request_header(removed)?;
         }
+    }
+    Ok(())
+}
+
+/// Sets a request header; one the proxy refuses is left out and counted
+/// (the route header: the cluster's fallback policy picks the host).
+fn set_header(host: &dyn Host, name: &str, value: &str) {
+    if host.set_request_header(name, value).is_err() {
+        host.count(&metrics::host_refused(HostCall::SetHeader), 1);
     }
 }
 

@@ -6,7 +6,7 @@
 use crate::codec::{decode, decode_view, encode, encode_into, Record};
 use crate::config::Config;
 use crate::health::Health;
-use crate::host::{Host, SharedSetError};
+use crate::host::{Host, HostError, SharedSetError};
 use crate::metrics;
 use crate::prefix::index::{IndexRecord, IndexView};
 use crate::worker_state::WorkerState;
@@ -151,8 +151,17 @@ pub fn write_record<R: Record>(
 ) -> Result<(), SharedSetError> {
     ENCODED.with_borrow_mut(|buffer| match encode_into(record, buffer) {
         Some(bytes) => host.shared_set(key, bytes, cas),
-        None => Err(SharedSetError::Failed),
+        // Too large for the encoder: nothing the proxy said.
+        None => Err(SharedSetError::Failed(HostError::BAD_ARGUMENT)),
     })
+}
+
+/// A key's value and cas; None when absent, and when the proxy refuses the
+/// read (it does not, but a reader treats it as absent rather than fail).
+/// A read-modify-write never writes after a refused read (it would
+/// overwrite what it could not read): it calls `shared_get` itself.
+pub fn read(host: &dyn Host, key: &str) -> Option<(Vec<u8>, u32)> {
+    host.shared_get(key).ok().flatten()
 }
 
 /// What a key holds between its creation and its first record: no
@@ -169,7 +178,7 @@ pub fn update<T: Record, R>(
     mut update: impl FnMut(Option<T>) -> Option<(T, R)>,
 ) -> Option<R> {
     for _ in 0..CAS_ATTEMPTS {
-        let Some((bytes, cas)) = host.shared_get(key) else {
+        let Some((bytes, cas)) = host.shared_get(key).ok()? else {
             // Envoy ignores the token when a key does not exist, so two
             // threads that both found it absent would both "win" (two VMs
             // with one id, two first poll rounds). Create it holding no
@@ -178,14 +187,14 @@ pub fn update<T: Record, R>(
             update(None)?;
             match host.shared_set(key, NO_RECORD, None) {
                 Ok(()) | Err(SharedSetError::CasMismatch) => continue,
-                Err(SharedSetError::Failed) => return None,
+                Err(SharedSetError::Failed(_)) => return None,
             }
         };
         let (new, result) = update(decode(&bytes))?;
         match write_record(host, key, &new, Some(cas)) {
             Ok(()) => return Some(result),
             Err(SharedSetError::CasMismatch) => continue,
-            Err(SharedSetError::Failed) => return None,
+            Err(SharedSetError::Failed(_)) => return None,
         }
     }
     host.count(metrics::SHARED_DATA_CONFLICTS, 1);
@@ -206,8 +215,11 @@ pub fn create_index(config: &Config, host: &dyn Host, index: usize) -> bool {
         return false;
     }
     let key = Keys::of(config).prefix_index(&worker.address);
-    if host.shared_get(&key).is_some() {
-        return true;
+    match host.shared_get(&key) {
+        Ok(Some(_)) => return true,
+        // Unreadable: writing now could erase an index that exists.
+        Err(_) => return false,
+        Ok(None) => {}
     }
     let empty = IndexRecord::empty(prefix.block_bytes, host.now_ms());
     host.shared_set(&key, &encode(&empty), None).is_ok()
@@ -216,7 +228,7 @@ pub fn create_index(config: &Config, host: &dyn Host, index: usize) -> bool {
 /// Worker `index`'s prefix index as stored, with its cas (None: absent).
 pub fn read_prefix_index(config: &Config, host: &dyn Host, index: usize) -> Option<(Vec<u8>, u32)> {
     let worker = config.worker(index)?;
-    host.shared_get(&Keys::of(config).prefix_index(&worker.address))
+    read(host, &Keys::of(config).prefix_index(&worker.address))
 }
 
 /// Read-modify-write of worker `index`'s prefix index under
@@ -236,7 +248,7 @@ pub fn update_index(
     };
     let key = Keys::of(config).prefix_index(&worker.address);
     for _ in 0..CAS_ATTEMPTS {
-        let Some((bytes, cas)) = first.take().unwrap_or_else(|| host.shared_get(&key)) else {
+        let Some((bytes, cas)) = first.take().unwrap_or_else(|| read(host, &key)) else {
             return false;
         };
         let Some(new) = change(decode_view(&bytes)) else {
@@ -245,7 +257,7 @@ pub fn update_index(
         match host.shared_set(&key, &encode(&new), Some(cas)) {
             Ok(()) => return true,
             Err(SharedSetError::CasMismatch) => continue,
-            Err(SharedSetError::Failed) => return false,
+            Err(SharedSetError::Failed(_)) => return false,
         }
     }
     host.count(metrics::SHARED_DATA_CONFLICTS, 1);
@@ -341,16 +353,13 @@ pub fn read_worker_states(config: &Config, host: &dyn Host) -> Vec<Option<Worker
     let keys = Keys::of(config);
     config
         .all_workers()
-        .map(|w| {
-            host.shared_get(&keys.worker(&w.address))
-                .and_then(|(bytes, _)| decode(&bytes))
-        })
+        .map(|w| read(host, &keys.worker(&w.address)).and_then(|(bytes, _)| decode(&bytes)))
         .collect()
 }
 
 /// The health record (empty when absent or unreadable).
 pub fn read_health(config: &Config, host: &dyn Host) -> Health {
-    host.shared_get(&Keys::of(config).health())
+    read(host, &Keys::of(config).health())
         .and_then(|(bytes, _)| decode(&bytes))
         .unwrap_or_default()
 }
@@ -407,7 +416,7 @@ pub fn members_if_changed(
     host: &dyn Host,
     known_cas: Option<u32>,
 ) -> Option<(Members, u32)> {
-    let (bytes, cas) = host.shared_get(&Keys::of(config).members())?;
+    let (bytes, cas) = read(host, &Keys::of(config).members())?;
     (Some(cas) != known_cas).then(|| (decode(&bytes).unwrap_or_default(), cas))
 }
 
@@ -417,8 +426,7 @@ pub fn members_if_changed(
 pub fn publish_members(config: &Config, host: &dyn Host, members: &Members) -> Option<Members> {
     let keys = Keys::of(config);
     let key = keys.members();
-    let previous: Members = host
-        .shared_get(&key)
+    let previous: Members = read(host, &key)
         .and_then(|(bytes, _)| decode(&bytes))
         .unwrap_or_default();
     if previous == *members || host.shared_set(&key, &encode(members), None).is_err() {
@@ -468,7 +476,7 @@ pub fn shared_bytes(config: &Config, host: &dyn Host) -> u64 {
         .into_iter()
         .chain(workers)
         .chain(indexes)
-        .filter_map(|k| host.shared_get(&k))
+        .filter_map(|k| read(host, &k))
         .map(|(b, _)| b.len() as u64)
         .sum()
 }
@@ -503,13 +511,13 @@ mod tests {
         // A router never writes an absent index: its write would ignore the
         // cas and could erase another thread's first index.
         assert!(!touch(&h));
-        assert!(h.shared_get(&key).is_none());
+        assert!(h.shared.get(&key).is_none());
         create_index(&c, &h, 0);
-        let (_, created) = h.shared_get(&key).unwrap();
+        let (_, created) = h.shared.get(&key).unwrap();
         assert!(touch(&h));
         // Created once: a later poll leaves what routers wrote.
         create_index(&c, &h, 0);
-        let (bytes, cas) = h.shared_get(&key).unwrap();
+        let (bytes, cas) = h.shared.get(&key).unwrap();
         assert_ne!(cas, created);
         let view: IndexView = decode_view(&bytes).unwrap();
         assert_eq!(view.rank(0).map_or(0, |r| r.matched(&[1, 2], 0)), 2);
@@ -526,13 +534,14 @@ mod tests {
             create_index(&c, &h, i);
         }
         let keys = Keys::of(&c);
-        let exists = |a: &str| h.shared_get(&keys.prefix_index(&a.parse().unwrap())).is_some();
+        let exists = |a: &str| h.shared.get(&keys.prefix_index(&a.parse().unwrap())).is_some();
         assert!(exists("10.0.0.1:1") && !exists("10.0.0.2:1"));
         let off =
             Config::from_json(br#"{"workers":[{"address":"127.0.0.1:1"}],"prefix_affinity":false}"#).unwrap();
         create_index(&off, &h, 0);
         assert!(h
-            .shared_get(&Keys::of(&off).prefix_index(&off.routed()[0].address))
+            .shared
+            .get(&Keys::of(&off).prefix_index(&off.routed()[0].address))
             .is_none());
     }
 
@@ -660,7 +669,7 @@ mod tests {
         let seen_inside = logged_together(&c, &h, || {
             update_worker(&c, &h, 1, IfMissing::Create, |s| Some(s.begin_poll()));
             update_worker(&c, &h, 0, IfMissing::Create, |s| Some(s.begin_poll()));
-            h.shared_get(&key)
+            h.shared.get(&key)
         });
         assert!(
             seen_inside.is_none(),
@@ -700,7 +709,7 @@ mod tests {
         assert!(set_refused(&c, &h, a, true));
         assert!(!set_refused(&c, &h, a, true), "another VM, the same episode");
         assert!(set_refused(&c, &h, b, true));
-        let (bytes, _) = h.shared_get(&Keys::of(&c).refused()).unwrap();
+        let (bytes, _) = h.shared.get(&Keys::of(&c).refused()).unwrap();
         assert_eq!(decode::<Refused>(&bytes), Some(Refused(vec![b, a])));
         assert!(set_refused(&c, &h, a, false));
         assert!(set_refused(&c, &h, a, true), "a new episode");
@@ -735,7 +744,7 @@ mod tests {
             publish_members(&c, &h, &Members(vec![b])),
             Some(Members(vec![a, b]))
         );
-        assert!(h.shared_get(&Keys::of(&c).worker(&a)).is_none(), "emptied");
+        assert!(h.shared.get(&Keys::of(&c).worker(&a)).is_none(), "emptied");
         let (members, cas) = members_if_changed(&c, &h, None).unwrap();
         assert_eq!(members, Members(vec![b]));
         assert!(members_if_changed(&c, &h, Some(cas)).is_none());

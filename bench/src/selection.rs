@@ -12,7 +12,7 @@ use dprank::body::JsonObject;
 use dprank::codec;
 use dprank::config::{Config, StateReads, Worker};
 use dprank::health::Health;
-use dprank::host::{Callout, HeaderMap, Host, SharedSetError};
+use dprank::host::{Callout, CalloutError, CalloutResponse, HeaderMap, Host, HostError, SharedSetError};
 use dprank::scheduler::{choose, choose_with_alternates, Constraint, Context, Pool};
 use dprank::shared_data::{self, cache::StateCache, IfMissing};
 use dprank::worker_state::{LoadTable, Ticket, WorkerState};
@@ -117,9 +117,9 @@ impl Host for MemoryHost {
     fn random_u64(&self) -> u64 {
         4
     }
-    fn shared_get(&self, key: &str) -> Option<(Vec<u8>, u32)> {
+    fn shared_get(&self, key: &str) -> Result<Option<(Vec<u8>, u32)>, HostError> {
         self.shared_calls.set(self.shared_calls.get() + 1);
-        self.shared.borrow().get(key).cloned()
+        Ok(self.shared.borrow().get(key).cloned())
     }
     fn shared_set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), SharedSetError> {
         self.shared_calls.set(self.shared_calls.get() + 1);
@@ -144,36 +144,41 @@ impl Host for MemoryHost {
     fn count(&self, _metric: &str, _delta: u64) {}
     fn gauge(&self, _metric: &str, _value: u64) {}
     fn histogram(&self, _metric: &str, _value: u64) {}
-    fn http_call(&self, _call: &Callout) -> Result<u32, String> {
-        Err("no callouts".into())
+    fn http_call(&self, _call: &Callout) -> Result<u32, HostError> {
+        Err(HostError::BAD_ARGUMENT)
     }
-    fn callout_status(&self) -> Option<u32> {
-        None
+    fn callout_response(&self, _headers: usize, _body_size: usize) -> Result<CalloutResponse, CalloutError> {
+        Err(CalloutError::NoResponse)
     }
-    fn callout_body(&self, _size: usize) -> Vec<u8> {
-        Vec::new()
+    fn request_headers(&self) -> Result<HeaderMap, HostError> {
+        Ok(HeaderMap::default())
     }
-    fn request_headers(&self) -> HeaderMap {
-        HeaderMap::default()
+    fn set_request_header(&self, _name: &str, _value: &str) -> Result<(), HostError> {
+        Ok(())
     }
-    fn set_request_header(&self, _name: &str, _value: &str) {}
-    fn remove_request_header(&self, _name: &str) {}
-    fn request_body(&self, _size: usize) -> Option<Vec<u8>> {
-        None
+    fn remove_request_header(&self, _name: &str) -> Result<(), HostError> {
+        Ok(())
     }
-    fn replace_request_body(&self, _old_size: usize, _body: &[u8]) -> bool {
-        false
+    fn request_body(&self, _size: usize) -> Result<Vec<u8>, HostError> {
+        Err(HostError::NOT_FOUND)
     }
-    fn send_response(&self, _status: u32, _headers: &[(&str, &str)], _body: &[u8]) {}
-    fn resume_response(&self) {}
-    fn set_effective_context(&self, _context_id: u32) -> bool {
-        false
+    fn replace_request_body(&self, _old_size: usize, _body: &[u8]) -> Result<(), HostError> {
+        Err(HostError::BAD_ARGUMENT)
     }
-    fn resume_request(&self) -> bool {
-        false
+    fn send_response(&self, _status: u32, _headers: &[(&str, &str)], _body: &[u8]) -> Result<(), HostError> {
+        Ok(())
     }
-    fn property(&self, _path: &[&str]) -> Option<Vec<u8>> {
-        None
+    fn resume_response(&self) -> Result<(), HostError> {
+        Ok(())
+    }
+    fn set_effective_context(&self, _context_id: u32) -> Result<(), HostError> {
+        Err(HostError::BAD_ARGUMENT)
+    }
+    fn resume_request(&self) -> Result<(), HostError> {
+        Err(HostError::BAD_ARGUMENT)
+    }
+    fn property(&self, _path: &[&str]) -> Result<Option<Vec<u8>>, HostError> {
+        Ok(None)
     }
 }
 

@@ -115,6 +115,9 @@ pub struct MemoryHost {
     pub request_body: RefCell<Vec<u8>>,
     /// The callout response being delivered: status (None: no response) and body.
     pub callout: RefCell<(Option<u32>, Vec<u8>)>,
+    /// Host calls that fail, by `Host` method name, with the status the
+    /// proxy would return (a stream gone, a callout's headers after a reset).
+    pub refusals: RefCell<HashMap<&'static str, HostError>>,
     pub replies: RefCell<Vec<Reply>>,
     /// How often a paused response was resumed.
     pub resumed: Cell<u32>,
@@ -221,28 +224,37 @@ impl MemoryHost {
             attempts.to_le_bytes().to_vec(),
         );
     }
-    fn record(&self, kind: &'static str) {
+    /// Makes every later call of `kind` (a `Host` method name) fail with `error`.
+    pub fn refuse(&self, kind: &'static str, error: HostError) {
+        self.refusals.borrow_mut().insert(kind, error);
+    }
+    /// Counts a host call of `kind`; the error it is set to fail with, if any.
+    fn record(&self, kind: &'static str) -> Result<(), HostError> {
         *self.host_calls.borrow_mut().entry(kind).or_default() += 1;
+        match self.refusals.borrow().get(kind) {
+            Some(e) => Err(*e),
+            None => Ok(()),
+        }
     }
 }
 
 impl Host for MemoryHost {
     fn now_ms(&self) -> u64 {
-        self.record("now_ms");
+        let _ = self.record("now_ms");
         self.now.get()
     }
     fn random_u64(&self) -> u64 {
-        self.record("random_u64");
+        let _ = self.record("random_u64");
         let n = self.random.get().wrapping_add(0x9E37_79B9_7F4A_7C15);
         self.random.set(n);
         n
     }
-    fn shared_get(&self, key: &str) -> Option<(Vec<u8>, u32)> {
-        self.record("shared_get");
-        self.shared.get(key)
+    fn shared_get(&self, key: &str) -> Result<Option<(Vec<u8>, u32)>, HostError> {
+        self.record("shared_get")?;
+        Ok(self.shared.get(key))
     }
     fn shared_set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), SharedSetError> {
-        self.record("shared_set");
+        self.record("shared_set").map_err(SharedSetError::Failed)?;
         if self.conflicts.get() > 0 {
             self.conflicts.set(self.conflicts.get() - 1);
             return Err(SharedSetError::CasMismatch);
@@ -250,25 +262,25 @@ impl Host for MemoryHost {
         self.shared.set(key, value, cas)
     }
     fn count(&self, metric: &str, delta: u64) {
-        self.record("count");
+        let _ = self.record("count");
         *self.counters.borrow_mut().entry(metric.to_string()).or_default() += delta;
     }
     fn gauge(&self, metric: &str, value: u64) {
-        self.record("gauge");
+        let _ = self.record("gauge");
         self.gauges.borrow_mut().insert(metric.to_string(), value);
     }
     fn histogram(&self, metric: &str, value: u64) {
-        self.record("histogram");
+        let _ = self.record("histogram");
         self.histograms
             .borrow_mut()
             .entry(metric.to_string())
             .or_default()
             .push(value);
     }
-    fn http_call(&self, call: &Callout) -> Result<u32, String> {
-        self.record("http_call");
+    fn http_call(&self, call: &Callout) -> Result<u32, HostError> {
+        self.record("http_call")?;
         if self.refuse_calls.get() {
-            return Err(format!("no cluster `{}`", call.cluster));
+            return Err(HostError::BAD_ARGUMENT);
         }
         self.bodies.borrow_mut().push(call.body.map(|b| b.to_vec()));
         let token = self.next_token.get() + 1;
@@ -283,82 +295,88 @@ impl Host for MemoryHost {
             .push((call.cluster.to_string(), headers, token));
         Ok(token)
     }
-    fn callout_status(&self) -> Option<u32> {
-        self.record("callout_status");
-        self.callout.borrow().0
+    fn callout_response(&self, headers: usize, body_size: usize) -> Result<CalloutResponse, CalloutError> {
+        self.record("callout_response")
+            .map_err(|e| CalloutError::Unreadable("headers", e))?;
+        let (status, body) = &*self.callout.borrow();
+        let status = match (headers, status) {
+            (0, _) | (_, None) => return Err(CalloutError::NoResponse),
+            (_, Some(status)) => *status,
+        };
+        let body = body.get(..body_size.min(body.len())).unwrap_or_default().to_vec();
+        Ok(CalloutResponse { status, body })
     }
-    fn callout_body(&self, size: usize) -> Vec<u8> {
-        self.record("callout_body");
-        let body = &self.callout.borrow().1;
-        body.get(..size.min(body.len())).unwrap_or_default().to_vec()
+    fn request_headers(&self) -> Result<HeaderMap, HostError> {
+        self.record("request_headers")?;
+        Ok(HeaderMap::from_pairs(&self.request_headers.borrow()))
     }
-    fn request_headers(&self) -> HeaderMap {
-        self.record("request_headers");
-        HeaderMap::from_pairs(&self.request_headers.borrow())
-    }
-    fn set_request_header(&self, name: &str, value: &str) {
-        self.record("set_request_header");
+    fn set_request_header(&self, name: &str, value: &str) -> Result<(), HostError> {
+        self.record("set_request_header")?;
         let mut headers = self.request_headers.borrow_mut();
         headers.retain(|(k, _)| k != name);
         headers.push((name.to_string(), value.to_string()));
+        Ok(())
     }
-    fn remove_request_header(&self, name: &str) {
-        self.record("remove_request_header");
+    fn remove_request_header(&self, name: &str) -> Result<(), HostError> {
+        self.record("remove_request_header")?;
         self.request_headers.borrow_mut().retain(|(k, _)| k != name);
+        Ok(())
     }
-    fn request_body(&self, size: usize) -> Option<Vec<u8>> {
-        self.record("request_body");
+    fn request_body(&self, size: usize) -> Result<Vec<u8>, HostError> {
+        self.record("request_body")?;
         let body = self.request_body.borrow();
-        Some(body.get(..size.min(body.len()))?.to_vec())
+        Ok(body.get(..size.min(body.len())).unwrap_or_default().to_vec())
     }
-    fn replace_request_body(&self, old_size: usize, body: &[u8]) -> bool {
-        self.record("replace_request_body");
+    fn replace_request_body(&self, old_size: usize, body: &[u8]) -> Result<(), HostError> {
+        self.record("replace_request_body")?;
         let mut current = self.request_body.borrow_mut();
         let at = old_size.min(current.len());
         let rest = current.split_off(at);
         *current = [body, &rest].concat();
-        true
+        Ok(())
     }
-    fn send_response(&self, status: u32, headers: &[(&str, &str)], body: &[u8]) {
-        self.record("send_response");
+    fn send_response(&self, status: u32, headers: &[(&str, &str)], body: &[u8]) -> Result<(), HostError> {
+        self.record("send_response")?;
         let headers = headers
             .iter()
             .map(|(k, v)| (k.to_string(), v.to_string()))
             .collect();
         self.replies.borrow_mut().push((status, headers, body.to_vec()));
         self.reply_contexts.borrow_mut().push(self.context.get());
+        Ok(())
     }
-    fn resume_response(&self) {
-        self.record("resume_response");
+    fn resume_response(&self) -> Result<(), HostError> {
+        self.record("resume_response")?;
         self.resumed.set(self.resumed.get() + 1);
+        Ok(())
     }
-    fn set_effective_context(&self, context_id: u32) -> bool {
-        self.record("set_effective_context");
+    fn set_effective_context(&self, context_id: u32) -> Result<(), HostError> {
+        self.record("set_effective_context")?;
         if context_id == self.context.get() {
-            return true;
+            return Ok(());
         }
         if context_id == 0 {
             // The root context: no request.
             self.park();
             self.context.set(0);
-            return true;
+            return Ok(());
         }
         let Some(next) = self.parked.borrow_mut().remove(&context_id) else {
-            return false;
+            return Err(HostError::BAD_ARGUMENT);
         };
         self.park();
         self.context.set(context_id);
         *self.request_headers.borrow_mut() = next.headers;
         *self.request_body.borrow_mut() = next.body;
-        true
+        Ok(())
     }
-    fn resume_request(&self) -> bool {
-        self.record("resume_request");
+    fn resume_request(&self) -> Result<(), HostError> {
+        self.record("resume_request")?;
         self.resumed_contexts.borrow_mut().push(self.context.get());
-        true
+        Ok(())
     }
-    fn property(&self, path: &[&str]) -> Option<Vec<u8>> {
-        self.record("property");
-        self.properties.borrow().get(&path.join(".")).cloned()
+    fn property(&self, path: &[&str]) -> Result<Option<Vec<u8>>, HostError> {
+        self.record("property")?;
+        Ok(self.properties.borrow().get(&path.join(".")).cloned())
     }
 }

@@ -3,6 +3,14 @@ use crate::host::fake::FakeHost;
 use crate::shared_data::{read_worker_states, Keys};
 use crate::worker_state::WorkerState;
 
+/// A callout answered with `status` and `body`.
+fn answer(status: u32, body: &[u8]) -> Result<CalloutResponse, CalloutError> {
+    Ok(CalloutResponse {
+        status,
+        body: body.to_vec(),
+    })
+}
+
 fn config(extra: &str) -> Config {
     Config::from_json(
         format!(r#"{{"workers":[{{"address":"127.0.0.1:1","name":"a"}},{{"address":"127.0.0.1:2","name":"b","dp_size":2}}]{extra}}}"#)
@@ -45,7 +53,7 @@ fn only_one_of_several_vms_polls_and_once_per_interval() {
         let calls: Vec<_> = h.calls.borrow_mut().drain(..).collect();
         for (_, _, token) in calls {
             for vm in &mut vms {
-                vm.on_response(&c, &h, token, Some(200), br#"[{"dp_rank":0,"num_tokens":1}]"#);
+                vm.on_response(&c, &h, token, &answer(200, br#"[{"dp_rank":0,"num_tokens":1}]"#));
             }
         }
     }
@@ -89,7 +97,7 @@ fn poll_requests_target_the_worker_through_the_poll_cluster() {
 #[test]
 fn auto_falls_back_to_get_load_on_404() {
     let (c, h, mut p) = first_round("");
-    p.on_response(&c, &h, 1, Some(404), b"not found");
+    p.on_response(&c, &h, 1, &answer(404, b"not found"));
     let calls = h.calls.borrow();
     assert_eq!(calls.len(), 3);
     assert_eq!(header(&calls, 2, ":path"), "/get_load");
@@ -103,7 +111,7 @@ fn the_fallback_is_shared_with_every_poller() {
     h.now.set(9_000_000);
     let mut first = Poller::new(0);
     first.on_tick(&c, &h);
-    first.on_response(&c, &h, 1, Some(404), b"");
+    first.on_response(&c, &h, 1, &answer(404, b""));
     // A newer configuration (or thread) takes over polling.
     let mut second = Poller::new(1);
     h.now.set(9_001_000);
@@ -125,7 +133,7 @@ fn the_fallback_is_shared_with_every_poller() {
 #[test]
 fn fixed_v1_endpoint_does_not_fall_back() {
     let (c, h, mut p) = first_round(r#","load_endpoint":"v1_loads""#);
-    p.on_response(&c, &h, 1, Some(404), b"");
+    p.on_response(&c, &h, 1, &answer(404, b""));
     assert_eq!(h.calls.borrow().len(), 2);
     assert_eq!(h.counter("dprank.poll_failed.a"), 1);
 }
@@ -137,15 +145,17 @@ fn failures_keep_the_last_good_snapshot() {
         &c,
         &h,
         1,
-        Some(200),
-        br#"[{"dp_rank":0,"num_tokens":7},{"dp_rank":1,"num_tokens":3}]"#,
+        &answer(
+            200,
+            br#"[{"dp_rank":0,"num_tokens":7},{"dp_rank":1,"num_tokens":3}]"#,
+        ),
     );
-    p.on_response(&c, &h, 2, Some(200), br#"[{"dp_rank":0,"num_tokens":1}]"#);
+    p.on_response(&c, &h, 2, &answer(200, br#"[{"dp_rank":0,"num_tokens":1}]"#));
     h.now.set(9_000_000 + 1000);
     p.on_tick(&c, &h);
     let tokens: Vec<u32> = h.calls.borrow().iter().map(|c| c.2).collect();
-    p.on_response(&c, &h, tokens[2], Some(500), b"oops");
-    p.on_response(&c, &h, tokens[3], None, b"");
+    p.on_response(&c, &h, tokens[2], &answer(500, b"oops"));
+    p.on_response(&c, &h, tokens[3], &Err(CalloutError::NoResponse));
     let states = read_worker_states(&c, &h);
     let a = states[0].as_ref().unwrap();
     assert_eq!((a.polled_tokens(0), a.polled_tokens(1)), (Some(7), Some(3)));
@@ -158,7 +168,7 @@ fn failures_keep_the_last_good_snapshot() {
 #[test]
 fn malformed_reports_count_as_failures() {
     let (c, h, mut p) = first_round("");
-    p.on_response(&c, &h, 1, Some(200), b"{\"loads\":[{\"dp_rank\":0,");
+    p.on_response(&c, &h, 1, &answer(200, b"{\"loads\":[{\"dp_rank\":0,"));
     assert_eq!(h.counter("dprank.poll_failed.a"), 1);
     assert!(read_worker_states(&c, &h)[0].as_ref().unwrap().snapshot_seq == 0);
 }
@@ -167,7 +177,7 @@ fn malformed_reports_count_as_failures() {
 fn reports_with_senseless_ranks_are_refused_counted_and_logged_once() {
     let (c, h, mut p) = first_round("");
     let good = br#"[{"dp_rank":0,"num_tokens":7},{"dp_rank":1,"num_tokens":3}]"#;
-    p.on_response(&c, &h, 1, Some(200), good);
+    p.on_response(&c, &h, 1, &answer(200, good));
     let bad: [&[u8]; 3] = [
         br#"{"loads":[{"dp_rank":0,"num_tokens":1},{"dp_rank":99,"num_tokens":0}]}"#,
         br#"[{"dp_rank":0,"num_tokens":1},{"dp_rank":0,"num_tokens":0}]"#,
@@ -178,9 +188,9 @@ fn reports_with_senseless_ranks_are_refused_counted_and_logged_once() {
         h.calls.borrow_mut().clear();
         p.on_tick(&c, &h);
         let token = h.calls.borrow()[0].2;
-        p.on_response(&c, &h, token, Some(200), body);
+        p.on_response(&c, &h, token, &answer(200, body));
     }
-    let refused = |h: &FakeHost| h.shared_get(&Keys::of(&c).refused()).map(|(b, _)| b.len());
+    let refused = |h: &FakeHost| h.shared.get(&Keys::of(&c).refused()).map(|(b, _)| b.len());
     assert!(refused(&h).is_some_and(|n| n > 4), "worker a is listed");
     assert!(
         !shared_data::set_refused(&c, &h, c.routed()[0].address, true),
@@ -199,7 +209,7 @@ fn reports_with_senseless_ranks_are_refused_counted_and_logged_once() {
     h.calls.borrow_mut().clear();
     p.on_tick(&c, &h);
     let token = h.calls.borrow()[0].2;
-    p.on_response(&c, &h, token, Some(200), good);
+    p.on_response(&c, &h, token, &answer(200, good));
     assert!(
         shared_data::set_refused(&c, &h, c.routed()[0].address, true),
         "a good report ended the episode: the next refusal is logged again"
@@ -219,12 +229,12 @@ fn envoy_health_is_read_from_the_admin_api_every_round() {
     assert_eq!(admin.len(), 1);
     let path = admin[0].0.iter().find(|(k, _)| k == ":path").unwrap().1.clone();
     assert_eq!(path, "/clusters?format=json&filter=%5Esglang%24");
-    let answer = br#"{"cluster_statuses":[{"name":"sglang","host_statuses":[
+    let admin_json = br#"{"cluster_statuses":[{"name":"sglang","host_statuses":[
         {"address":{"socket_address":{"address":"127.0.0.1","port_value":1}},"health_status":{"eds_health_status":"HEALTHY"}},
         {"address":{"socket_address":{"address":"127.0.0.1","port_value":2}},"health_status":{"failed_outlier_check":true}},
         {"address":{"socket_address":{"address":"127.0.0.9","port_value":9}},"health_status":{"failed_active_health_check":true}}
     ]}]}"#;
-    p.on_response(&c, &h, admin[0].1, Some(200), answer);
+    p.on_response(&c, &h, admin[0].1, &answer(200, admin_json));
     let b: SocketAddr = "127.0.0.1:2".parse().unwrap();
     assert_eq!(
         shared_data::read_health(&c, &h).envoy_unhealthy,
@@ -238,7 +248,7 @@ fn envoy_health_is_read_from_the_admin_api_every_round() {
     assert_eq!(h.gauge_value("dprank.health.a"), Some(0));
     // A failed read keeps the last view.
     let token = h.calls.borrow().iter().find(|c| c.0 == "admin").unwrap().2;
-    p.on_response(&c, &h, token, Some(503), b"");
+    p.on_response(&c, &h, token, &answer(503, b""));
     assert_eq!(h.counter("dprank.envoy_health_failed"), 1);
     assert_eq!(shared_data::read_health(&c, &h).envoy_unhealthy, vec![b]);
 }
@@ -250,8 +260,7 @@ fn configured_dp_size_trims_a_larger_report() {
         &c,
         &h,
         2,
-        Some(200),
-        br#"[{"num_tokens":1},{"num_tokens":2},{"num_tokens":3}]"#,
+        &answer(200, br#"[{"num_tokens":1},{"num_tokens":2},{"num_tokens":3}]"#),
     );
     assert_eq!(read_worker_states(&c, &h)[1].as_ref().unwrap().ranks(), 2);
     assert_eq!(h.counter("dprank.dp_size_mismatch.b"), 1);
@@ -271,7 +280,7 @@ fn unknown_tokens_are_ignored() {
     let c = config("");
     let h = FakeHost::default();
     let mut p = Poller::new(0);
-    p.on_response(&c, &h, 77, Some(200), b"[]");
+    p.on_response(&c, &h, 77, &answer(200, b"[]"));
     assert_eq!(h.counters.borrow().len(), 0);
 }
 
@@ -289,7 +298,7 @@ fn pd_mode_polls_both_pools() {
         .map(|i| header(&h.calls.borrow(), i, POLL_DESTINATION_HEADER).to_string())
         .collect();
     assert_eq!(targets, vec!["127.0.0.1:2", "127.0.0.1:3", "127.0.0.1:1"]);
-    p.on_response(&c, &h, 3, Some(200), br#"[{"num_tokens":4}]"#);
+    p.on_response(&c, &h, 3, &answer(200, br#"[{"num_tokens":4}]"#));
     assert_eq!(
         read_worker_states(&c, &h)[2].as_ref().unwrap().polled_tokens(0),
         Some(4)
@@ -328,8 +337,7 @@ fn membership_is_read_from_the_admin_api_and_published() {
         &membership.current(&h),
         &h,
         1,
-        Some(200),
-        admin(&["10.0.0.1:1", "10.0.0.2:1"]).as_bytes(),
+        &answer(200, admin(&["10.0.0.1:1", "10.0.0.2:1"]).as_bytes()),
     );
     let config = membership.current(&h);
     assert_eq!(config.routed().len(), 2);
@@ -350,7 +358,8 @@ fn membership_is_read_from_the_admin_api_and_published() {
     assert_eq!(polled, vec!["10.0.0.1:1", "10.0.0.2:1"]);
     let gone: SocketAddr = "10.0.0.1:1".parse().unwrap();
     assert!(h
-        .shared_get(&Keys::of(&base).worker(&gone))
+        .shared
+        .get(&Keys::of(&base).worker(&gone))
         .is_some_and(|(b, _)| !b.is_empty()));
     // A worker leaves: its state is dropped.
     let admin_token = h
@@ -365,13 +374,12 @@ fn membership_is_read_from_the_admin_api_and_published() {
         &config,
         &h,
         admin_token,
-        Some(200),
-        admin(&["10.0.0.2:1"]).as_bytes(),
+        &answer(200, admin(&["10.0.0.2:1"]).as_bytes()),
     );
     assert_eq!(membership.current(&h).routed().len(), 1);
     // Emptied: reads as absent.
-    assert!(h.shared_get(&Keys::of(&base).worker(&gone)).is_none());
-    let published = h.shared_get(&Keys::of(&base).members()).unwrap().0;
+    assert!(h.shared.get(&Keys::of(&base).worker(&gone)).is_none());
+    let published = h.shared.get(&Keys::of(&base).members()).unwrap().0;
     assert_eq!(
         crate::codec::decode(&published),
         Some(Members(vec!["10.0.0.2:1".parse().unwrap()]))
@@ -421,13 +429,13 @@ fn a_worker_ejected_for_broken_streams_then_gone_returns_at_its_first_good_poll(
             .map(|e| e.phase(h.now_ms()))
     };
     assert!(matches!(phase(&h), Some(Phase::Ejected { .. })));
-    p.on_response(&c, &h, 1, Some(503), b"no healthy upstream");
+    p.on_response(&c, &h, 1, &answer(503, b"no healthy upstream"));
     h.now.set(9_001_000);
     h.calls.borrow_mut().clear();
     p.on_tick(&c, &h);
     assert!(matches!(phase(&h), Some(Phase::Ejected { .. })), "still ejected");
     let token = h.calls.borrow()[0].2;
-    p.on_response(&c, &h, token, Some(200), br#"[{"dp_rank":0,"num_tokens":1}]"#);
+    p.on_response(&c, &h, token, &answer(200, br#"[{"dp_rank":0,"num_tokens":1}]"#));
     assert_eq!(phase(&h), Some(Phase::Probing), "its cooldown (10 s) ended early");
 }
 
@@ -437,13 +445,13 @@ fn a_prefix_index_is_created_at_the_first_answered_poll_and_not_read_again() {
         let (c, h, mut p) = first_round(extra);
         let key = Keys::of(&c).prefix_index(&c.routed()[0].address);
         let body = br#"[{"dp_rank":0,"num_tokens":7}]"#;
-        p.on_response(&c, &h, 1, Some(200), body);
-        let created = h.shared_get(&key).is_some();
+        p.on_response(&c, &h, 1, &answer(200, body));
+        let created = h.shared.get(&key).is_some();
         h.now.set(9_000_000 + 1000);
         p.on_tick(&c, &h);
         let token = h.calls.borrow().iter().map(|c| c.2).nth(2).unwrap();
         let reads = h.host_calls("shared_get");
-        p.on_response(&c, &h, token, Some(200), body);
+        p.on_response(&c, &h, token, &answer(200, body));
         (created, h.host_calls("shared_get") - reads)
     };
     let (created, with_index) = answer_reads("");
@@ -467,7 +475,7 @@ fn a_poll_round_logs_its_writes_in_one_append() {
     assert_eq!(h.shared.writes(&key), 2, "written once");
     // Reading every state (the default on 2 workers): no log.
     let (c, h, _) = first_round("");
-    assert!(h.shared_get(&Keys::of(&c).changes()).is_none());
+    assert!(h.shared.get(&Keys::of(&c).changes()).is_none());
 }
 
 /// vLLM's `/metrics` for engines of (running, waiting, KV usage, prefix
@@ -510,7 +518,7 @@ fn answer_a(c: &Config, h: &FakeHost, p: &mut Poller, at_ms: u64, body: &str) ->
     p.on_tick(c, h);
     let token = h.calls.borrow()[0].2;
     h.now.set(at_ms + 5);
-    p.on_response(c, h, token, Some(200), body.as_bytes());
+    p.on_response(c, h, token, &answer(200, body.as_bytes()));
     read_worker_states(c, h)[0].clone().unwrap()
 }
 
@@ -529,7 +537,7 @@ fn vllm_workers_are_polled_on_metrics_and_their_figures_become_tokens() {
         );
     }
     let body = vllm_metrics(&[(3, 2, 0.5, 1000, 0), (0, 0, 0.0, 0, 0)]);
-    p.on_response(&c, &h, 1, Some(200), body.as_bytes());
+    p.on_response(&c, &h, 1, &answer(200, body.as_bytes()));
     let a = read_worker_states(&c, &h)[0].clone().unwrap();
     // 2000 blocks of 16 for two engines: 16000 tokens each, half of it in use.
     assert_eq!(a.polled_tokens(0), Some(8000 + 2 * UNSIZED_REQUEST_TOKENS));
@@ -561,7 +569,7 @@ fn vllm_workers_are_polled_on_metrics_and_their_figures_become_tokens() {
 fn hostile_metrics_answers_change_only_the_workers_freshness() {
     let (c, h, mut p) = first_round(r#","engine":"vllm""#);
     let good = vllm_metrics(&[(1, 0, 0.25, 10, 5), (2, 1, 0.5, 10, 5)]);
-    p.on_response(&c, &h, 1, Some(200), good.as_bytes());
+    p.on_response(&c, &h, 1, &answer(200, good.as_bytes()));
     let before = read_worker_states(&c, &h)[0].clone().unwrap();
     let huge = "#".repeat(9 << 20) + "\n";
     let hostile: Vec<(&str, String)> = vec![
@@ -587,4 +595,27 @@ fn hostile_metrics_answers_change_only_the_workers_freshness() {
     assert_eq!(h.counter("dprank.report_refused.a"), 1, "wrong labels");
     assert_eq!(h.counter("dprank.poll_failed.a"), 5);
     assert_eq!(h.counter("dprank.poll_ok.a"), 1);
+}
+
+#[test]
+fn an_answer_the_proxy_will_not_hand_over_is_a_failed_poll_that_keeps_the_snapshot() {
+    let (c, h, mut p) = first_round("");
+    let good = br#"[{"dp_rank":0,"num_tokens":7},{"dp_rank":1,"num_tokens":3}]"#;
+    p.on_response(&c, &h, 1, &answer(200, good));
+    let tokens = |h: &FakeHost| {
+        read_worker_states(&c, h)[0]
+            .as_ref()
+            .map(|s| (s.polled_tokens(0), s.polled_tokens(1), s.snapshot_seq))
+    };
+    let kept = tokens(&h);
+    assert!(kept.is_some());
+    h.now.set(h.now.get() + c.poll_interval_ms);
+    h.calls.borrow_mut().clear();
+    p.on_tick(&c, &h);
+    let token = h.calls.borrow()[0].2;
+    let why = CalloutError::Unreadable("headers", crate::host::HostError::BAD_ARGUMENT);
+    p.on_response(&c, &h, token, &Err(why));
+    assert_eq!(h.counter("dprank.poll_failed.a"), 1);
+    assert_eq!(tokens(&h), kept, "the last good snapshot stays");
+    assert!(why.to_string().contains("BadArgument"));
 }

@@ -11,7 +11,7 @@ use super::held_record::{self, Reserved};
 use super::{Action, Left, Request, Resumed, Routing};
 use crate::config::{Config, WhenSaturated};
 use crate::host::Host;
-use crate::metrics;
+use crate::metrics::{self, HostCall};
 use crate::poller;
 use crate::router::admission_queue::{HeldQueue, Waiting};
 use crate::router::{self, RejectReason};
@@ -123,7 +123,7 @@ impl Held {
                         retry_after_ms,
                         false,
                     );
-                    host.set_effective_context(id);
+                    back_to(host, id);
                 }
             }
             Some(Reserved::Held | Reserved::DisplacesElsewhere) => {}
@@ -164,20 +164,38 @@ fn answer(
         // Leaving must not free a place that is no longer its own.
         request.forget_place();
     }
-    if host.set_effective_context(w.id) {
+    if act_on(host, w.id) {
         request.answer_held(host, reason, retry_after_ms);
     } else {
         request.leave_queue(host, Left::Gone);
     }
 }
 
+/// Makes held request `id` the effective context; false (counted) if its
+/// stream is gone: it only leaves the queue then.
+fn act_on(host: &dyn Host, id: u32) -> bool {
+    let ok = host.set_effective_context(id).is_ok();
+    if !ok {
+        host.count(&metrics::host_refused(HostCall::EffectiveContext), 1);
+    }
+    ok
+}
+
+/// Makes `id` (the context a pass started from) effective again. It is the
+/// context of the callback running: the proxy does not refuse it.
+fn back_to(host: &dyn Host, id: u32) {
+    if let Err(e) = host.set_effective_context(id) {
+        log::warn!("cannot return to context {id} after an admission pass: {e}");
+    }
+}
+
 impl Routing {
     /// Lets held requests in, highest class first, while a rank has room
-    /// and no other thread holds a higher class; `back_to` is the context
+    /// and no other thread holds a higher class; `return_to` is the context
     /// to leave effective. From a request's end (`from_root` false) in PD
     /// mode nothing is let in: the prefill leg's answer would go to the
     /// context that dispatched it, which is ending.
-    pub fn let_in(&self, host: &dyn Host, back_to: u32, from_root: bool) {
+    pub fn let_in(&self, host: &dyn Host, return_to: u32, from_root: bool) {
         let config = self.current(host);
         let queues = config.admission.as_ref().is_some_and(|a| a.queues());
         if !queues || (!from_root && config.pd().is_some()) || self.held.passing.replace(true) {
@@ -198,7 +216,7 @@ impl Routing {
                 continue;
             };
             acted = true;
-            if !host.set_effective_context(next.id) {
+            if !act_on(host, next.id) {
                 request.borrow_mut().leave_queue(host, Left::Gone);
                 continue;
             }
@@ -209,8 +227,10 @@ impl Routing {
                     break;
                 }
                 Resumed::Go(action) => {
-                    if action == Action::Continue {
-                        host.resume_request();
+                    if action == Action::Continue && host.resume_request().is_err() {
+                        // Its stream went at this instant: its end releases
+                        // what routing charged.
+                        host.count(&metrics::host_refused(HostCall::ResumeRequest), 1);
                     }
                     if let (true, Some(token)) = (from_root, request.borrow().prefill_token) {
                         self.held
@@ -222,7 +242,7 @@ impl Routing {
             }
         }
         if acted {
-            host.set_effective_context(back_to);
+            back_to(host, return_to);
         }
         self.held.passing.set(false);
     }
@@ -305,7 +325,7 @@ impl Routing {
         };
         host.gauge(metrics::ADMISSION_HELD, total);
         if acted {
-            host.set_effective_context(root);
+            back_to(host, root);
         }
         if overload.is_none() {
             self.let_in(host, root, true);
@@ -314,16 +334,22 @@ impl Routing {
 
     /// A callout answered at the root: if it is the prefill leg of a
     /// request the root let in, it is handed to that request (true).
-    pub fn on_root_callout(&self, host: &dyn Host, token: u32, body_size: usize, root: u32) -> bool {
+    pub fn on_root_callout(
+        &self,
+        host: &dyn Host,
+        token: u32,
+        headers: usize,
+        body_size: usize,
+        root: u32,
+    ) -> bool {
         let Some((id, entry)) = self.held.callouts.borrow_mut().remove(&token) else {
             return false;
         };
-        let status = host.callout_status();
-        let body = host.callout_body(body_size);
+        let answer = host.callout_response(headers, body_size);
         if let Some(request) = entry.upgrade() {
-            if host.set_effective_context(id) {
-                request.borrow_mut().on_prefill_answer(host, status, &body);
-                host.set_effective_context(root);
+            if act_on(host, id) {
+                request.borrow_mut().on_prefill_answer(host, &answer);
+                back_to(host, root);
             }
         }
         true
@@ -341,7 +367,7 @@ impl Routing {
             }
         }
         if !ids.is_empty() {
-            host.set_effective_context(root);
+            back_to(host, root);
         }
     }
 }

@@ -177,7 +177,7 @@ impl HeldRecord {
 
 /// The record as stored (empty when absent or unreadable).
 pub fn read(config: &Config, host: &dyn Host) -> HeldRecord {
-    host.shared_get(&Keys::of(config).held())
+    shared_data::read(host, &Keys::of(config).held())
         .and_then(|(bytes, _)| decode(&bytes))
         .unwrap_or_default()
 }

@@ -108,7 +108,7 @@ fn a_held_request_is_let_in_when_room_comes_and_not_twice() {
     assert_eq!(*h.resumed_contexts.borrow(), [7]);
     assert!(!r.borrow().is_held());
     assert_eq!(h.context.get(), 0, "the root's context is effective again");
-    assert!(h.set_effective_context(7));
+    assert!(h.set_effective_context(7).is_ok());
     assert!(h.header("x-dprank-endpoint").is_some());
     assert_eq!(json(&h.request_body.borrow())["text"], "hello there");
     assert_eq!(h.histogram_values("dprank.admission.queue_wait_ms"), [300]);
@@ -236,7 +236,7 @@ fn held_requests_go_in_class_order_then_tenants_in_turn() {
         assert_eq!(resumed.len(), before + 1, "one at a time: {resumed:?}");
         // Its first byte: its prompt leaves the rank's queue.
         let id = resumed[before];
-        assert!(h.set_effective_context(id));
+        assert!(h.set_effective_context(id).is_ok());
         let mut r = requests[&id].borrow_mut();
         r.on_response_headers(&h);
         r.on_response_body(&h);
@@ -269,7 +269,7 @@ fn header_mode_holds_at_the_headers_and_keeps_the_body_back() {
     queue_prefill(&c, &h, 0);
     routing.on_admission_tick(&h, 0);
     assert_eq!(*h.resumed_contexts.borrow(), [9]);
-    assert!(h.set_effective_context(9));
+    assert!(h.set_effective_context(9).is_ok());
     assert!(h.header("x-data-parallel-rank").is_some());
     assert_eq!(r.borrow_mut().on_request_body(&h, 400, true), Action::Continue);
 }
@@ -315,4 +315,68 @@ fn a_higher_class_on_another_thread_goes_first_and_takes_a_place_here() {
     here.on_admission_tick(&h, 0);
     here.on_admission_tick(&h, 0);
     assert_eq!(*h.resumed_contexts.borrow(), [10, 1, 2]);
+}
+
+#[test]
+fn a_held_request_whose_stream_is_gone_when_let_in_leaves_the_queue_once() {
+    // The proxy refuses to make it effective: its stream went without an end here.
+    let (c, h) = fleet(QUEUE);
+    let routing = routing(&c);
+    queue_prefill(&c, &h, 1000);
+    let (r, _) = arrive(&h, &routing, 5, &[]);
+    h.end_context(5);
+    h.now.set(10_100);
+    queue_prefill(&c, &h, 0);
+    routing.on_admission_tick(&h, 0);
+    assert!(h.resumed_contexts.borrow().is_empty() && h.replies.borrow().is_empty());
+    assert_eq!(h.counter("dprank.host_refused.effective_context"), 1);
+    assert_eq!(h.counter("dprank.admission.client_gone.standard"), 1);
+    assert_eq!(held_total(&c, &h), 0);
+    // Its end, when it comes, counts nothing twice.
+    r.borrow_mut().on_done(&h);
+    assert_eq!(h.counter("dprank.admission.client_gone.standard"), 1);
+    assert_eq!(held_total(&c, &h), 0);
+}
+
+#[test]
+fn a_held_request_the_proxy_will_not_resume_gives_back_its_estimate_at_its_end() {
+    let (c, h) = fleet(QUEUE);
+    let routing = routing(&c);
+    queue_prefill(&c, &h, 1000);
+    let (r, _) = arrive(&h, &routing, 6, &[]);
+    h.refuse("resume_request", HostError::BAD_ARGUMENT);
+    h.now.set(10_100);
+    queue_prefill(&c, &h, 0);
+    routing.on_admission_tick(&h, 0);
+    assert_eq!(h.counter("dprank.host_refused.resume_request"), 1);
+    assert!(!r.borrow().is_held(), "out of the queue");
+    let pending = |h: &FakeHost| -> u64 {
+        crate::shared_data::read_worker_states(&c, h)
+            .iter()
+            .flatten()
+            .map(|s| s.pending_total())
+            .sum()
+    };
+    assert!(pending(&h) > 0, "routed: its estimate is charged");
+    r.borrow_mut().on_done(&h);
+    assert_eq!(pending(&h), 0, "and given back once at its end");
+    assert_eq!(held_total(&c, &h), 0);
+}
+
+#[test]
+fn a_refusal_the_proxy_cannot_deliver_is_dropped_and_counted() {
+    let (c, h) =
+        fleet(r#","admission":{"max_wait_ms":500,"prefill_tokens_per_s":1000,"learn_drain_rate":false}"#);
+    let routing = routing(&c);
+    queue_prefill(&c, &h, 1000);
+    h.refuse("send_response", HostError::BAD_ARGUMENT);
+    let (_, action) = arrive(&h, &routing, 2, &[]);
+    assert_eq!(
+        action,
+        Action::Pause,
+        "refused, though the answer could not be sent"
+    );
+    assert!(h.replies.borrow().is_empty());
+    assert_eq!(h.counter("dprank.host_refused.local_reply"), 1);
+    assert_eq!(h.counter("dprank.rejected.saturated"), 1);
 }

@@ -216,7 +216,7 @@ fn pd_sends_the_prefill_leg_and_holds_the_decode_response_until_it_is_done() {
     assert_eq!(r.on_response_headers(&h), Action::Pause);
     assert_eq!(r.on_response_body(&h), Action::Pause);
     *h.callout.borrow_mut() = (Some(200), b"{}".to_vec());
-    r.on_prefill_response(&h, 2);
+    r.on_prefill_response(&h, 1, 2);
     assert_eq!(h.resumed.get(), 1);
     assert_eq!(r.on_response_body(&h), Action::Continue);
     assert_eq!(h.counter("dprank.prefill_ok.p0"), 1);
@@ -235,7 +235,7 @@ fn a_failed_prefill_answers_the_client_whenever_the_decode_response_comes() {
     let (c, h, mut r) = pd_request("");
     assert_eq!(r.on_response_headers(&h), Action::Pause);
     *h.callout.borrow_mut() = (Some(500), b"out of memory".to_vec());
-    r.on_prefill_response(&h, 13);
+    r.on_prefill_response(&h, 1, 13);
     assert_eq!(reply_status(&h), vec![502]);
     assert!(String::from_utf8_lossy(&h.replies.borrow()[0].2).contains("out of memory"));
     assert_eq!(h.resumed.get(), 0);
@@ -245,7 +245,7 @@ fn a_failed_prefill_answers_the_client_whenever_the_decode_response_comes() {
     // The prefill fails first: the later decode response is replaced too.
     let (_, h, mut r) = pd_request("");
     *h.callout.borrow_mut() = (None, vec![]);
-    r.on_prefill_response(&h, 0);
+    r.on_prefill_response(&h, 1, 0);
     assert_eq!(r.on_response_headers(&h), Action::Pause);
     assert_eq!(reply_status(&h), vec![502, 502]);
     assert_eq!(h.counter("dprank.prefill_failed.p0"), 1);
@@ -953,4 +953,74 @@ fn header_mode_tells_the_server_the_class_priority_and_drops_the_clients() {
         None,
         "the default class has none: the client's is gone"
     );
+}
+
+#[test]
+fn a_body_the_proxy_will_not_hand_over_passes_unrouted_or_is_refused_when_closed() {
+    let (c, h) = fleet("");
+    h.refuse("request_body", HostError::BAD_ARGUMENT);
+    let mut r = request(&c);
+    post(&h, "/generate", br#"{"text":"x"}"#, &[]);
+    assert_eq!(send(&mut r, &h), (Action::Pause, Action::Continue));
+    assert_eq!(h.counter("dprank.passthrough.host_refused"), 1);
+    assert_eq!(h.header("x-dprank-endpoint"), None, "not routed");
+    r.on_done(&h);
+    assert_eq!(pending(&c, &h), 0);
+
+    let (c, h) = fleet(r#","fail_mode":"closed""#);
+    h.refuse("request_body", HostError::BAD_ARGUMENT);
+    let mut r = request(&c);
+    post(&h, "/generate", br#"{"text":"x"}"#, &[]);
+    assert_eq!(send(&mut r, &h), (Action::Pause, Action::Pause));
+    assert_eq!(reply_status(&h), vec![503]);
+    assert_eq!(h.counter("dprank.rejected.host_refused"), 1);
+}
+
+#[test]
+fn headers_the_proxy_will_not_hand_over_or_strip_are_never_routed_on() {
+    // Unreadable: passed on unrouted.
+    let (c, h) = fleet("");
+    h.refuse("request_headers", HostError::BAD_ARGUMENT);
+    let mut r = request(&c);
+    post(&h, "/generate", br#"{"text":"x"}"#, &[]);
+    assert_eq!(r.on_request_headers(&h, false), Action::Continue);
+    assert_eq!(h.counter("dprank.passthrough.host_refused"), 1);
+    // A client routing header that cannot be removed: refused, never forwarded.
+    let (c, h) = fleet("");
+    h.refuse("remove_request_header", HostError::BAD_ARGUMENT);
+    let mut r = request(&c);
+    post(
+        &h,
+        "/generate",
+        br#"{"text":"x"}"#,
+        &[("x-dprank-endpoint", "10.9.9.9:1")],
+    );
+    assert_eq!(r.on_request_headers(&h, false), Action::Pause);
+    assert_eq!(reply_status(&h), vec![503]);
+}
+
+#[test]
+fn a_prefill_leg_without_an_answer_or_an_unreadable_one_is_a_clean_502() {
+    // No headers: Envoy's way of saying the call was reset or cut short.
+    let (c, h, mut r) = pd_request("");
+    *h.callout.borrow_mut() = (Some(200), b"{}".to_vec());
+    r.on_prefill_response(&h, 0, 0);
+    assert_eq!(reply_status(&h), vec![502]);
+    assert!(String::from_utf8_lossy(&h.replies.borrow()[0].2).contains("did not answer"));
+    assert_eq!(h.counter("dprank.prefill_failed.p0"), 1);
+    r.on_done(&h);
+    assert_eq!(pending(&c, &h), 0);
+    // Headers the proxy refuses to hand over.
+    let (_, h, mut r) = pd_request("");
+    h.refuse("callout_response", HostError::BAD_ARGUMENT);
+    r.on_prefill_response(&h, 3, 2);
+    assert_eq!(reply_status(&h), vec![502]);
+    // A decode response whose stream went while it waited: not resumed, counted.
+    let (_, h, mut r) = pd_request("");
+    assert_eq!(r.on_response_headers(&h), Action::Pause);
+    h.refuse("resume_response", HostError::BAD_ARGUMENT);
+    *h.callout.borrow_mut() = (Some(200), b"{}".to_vec());
+    r.on_prefill_response(&h, 1, 2);
+    assert_eq!(h.counter("dprank.host_refused.resume_response"), 1);
+    assert_eq!(h.counter("dprank.prefill_ok.p0"), 1);
 }

@@ -146,7 +146,7 @@ fn off_gives_the_load_only_rule() {
         .collect();
     assert!(places.len() > 1, "ties spread: {places:?}");
     let index = Keys::of(&c).prefix_index(&c.routed()[0].address);
-    assert!(h.shared_get(&index).is_none(), "no index is kept");
+    assert!(h.shared.get(&index).is_none(), "no index is kept");
 }
 
 #[test]
@@ -309,8 +309,8 @@ fn pd_chooses_the_prefill_rank_by_prefix_and_the_decode_rank_by_load() {
     }
     // Only the prefill pool keeps an index.
     let keys = Keys::of(&c);
-    assert!(h.shared_get(&keys.prefix_index(&c.routed()[0].address)).is_none());
-    assert!(h.shared_get(&keys.prefix_index(&c.routed()[1].address)).is_none());
+    assert!(h.shared.get(&keys.prefix_index(&c.routed()[0].address)).is_none());
+    assert!(h.shared.get(&keys.prefix_index(&c.routed()[1].address)).is_none());
 }
 
 #[test]

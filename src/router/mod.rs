@@ -20,7 +20,7 @@ pub(crate) use body_fields::server_priority;
 pub use body_fields::PRIORITY_FIELD;
 pub use by_body::{route, route_with};
 pub use by_header::{cost_from_length, route_by_headers, route_by_headers_with};
-pub use outcome::{pass_early, PassReason, RejectReason};
+pub use outcome::{pass_early, pass_or_reject, PassReason, RejectReason};
 pub use pd::{mark_unreachable, prefill_health, prefill_not_sent, prefill_outcome, PdRouted};
 pub use pipeline::RouteArgs;
 pub use replies::Reply;

@@ -26,6 +26,8 @@ pub enum PassReason {
     /// Workers have fresh data, but none is in rotation (ejected by passive
     /// health, or unhealthy in Envoy).
     NoneInRotation,
+    /// The proxy refused to hand over the request's headers or body.
+    HostRefused,
 }
 
 impl PassReason {
@@ -40,6 +42,7 @@ impl PassReason {
             PassReason::NoFreshData => "no_fresh_data",
             PassReason::ClientRankUnavailable => "client_rank_unavailable",
             PassReason::NoneInRotation => "none_in_rotation",
+            PassReason::HostRefused => "host_refused",
         }
     }
 
@@ -51,6 +54,7 @@ impl PassReason {
             PassReason::ClientRankUnavailable => Some(RejectReason::ClientRankUnavailable),
             PassReason::NoFreshData => Some(RejectReason::NoFreshData),
             PassReason::NoneInRotation => Some(RejectReason::NoneInRotation),
+            PassReason::HostRefused => Some(RejectReason::HostRefused),
             PassReason::Method | PassReason::Path | PassReason::EmptyBody | PassReason::Encoded => None,
         }
     }
@@ -90,6 +94,8 @@ pub enum RejectReason {
     /// Admission, queue mode: the filter (its configuration) went away
     /// while the request waited.
     Draining,
+    /// Closed mode: the proxy refused to hand over the request's headers or body.
+    HostRefused,
 }
 
 impl RejectReason {
@@ -107,6 +113,7 @@ impl RejectReason {
             RejectReason::Displaced => "displaced",
             RejectReason::QueueTimeout => "queue_timeout",
             RejectReason::Draining => "draining",
+            RejectReason::HostRefused => "host_refused",
         }
     }
 
@@ -144,6 +151,7 @@ impl RejectReason {
             RejectReason::ClientRankUnavailable => Reply::client_rank_unavailable(),
             RejectReason::NoFreshData => Reply::no_fresh_data(),
             RejectReason::NoneInRotation => Reply::none_in_rotation(),
+            RejectReason::HostRefused => Reply::host_refused(),
             RejectReason::Saturated
             | RejectReason::Sheddable
             | RejectReason::QueueFull
@@ -183,7 +191,7 @@ pub(super) fn reject(host: &dyn Host, reason: RejectReason, reply: Reply) -> Dec
 
 /// A request that cannot be routed: passed through, or, in closed mode,
 /// refused when its reason has a refusal.
-pub(super) fn pass_or_reject(
+pub fn pass_or_reject(
     config: &Config,
     host: &dyn Host,
     reason: PassReason,
@@ -245,6 +253,7 @@ mod tests {
             PassReason::ClientRankUnavailable,
             PassReason::NoFreshData,
             PassReason::NoneInRotation,
+            PassReason::HostRefused,
         ] {
             let refusal = reason.refused_when_closed().unwrap();
             assert_eq!(refusal.as_str(), reason.as_str());

@@ -3,6 +3,7 @@
 //! have), so clients parse dprank's refusals like the server's.
 
 use crate::host::Host;
+use crate::metrics::{self, HostCall};
 
 const NOT_AN_OBJECT: &str = "request body must be a JSON object (dprank routes by its fields)";
 
@@ -110,6 +111,16 @@ impl Reply {
         Reply::error(status, "prefill_failed", &message)
     }
 
+    /// Closed mode: the proxy refused to hand over the request (its headers
+    /// or body), so dprank could neither route nor check it.
+    pub fn host_refused() -> Reply {
+        Reply::error(
+            503,
+            "service_unavailable",
+            "the proxy could not hand the request to dprank; try again",
+        )
+    }
+
     /// The prefill leg could not even be dispatched (Envoy refused the call).
     pub fn prefill_not_sent() -> Reply {
         Reply::error(
@@ -119,11 +130,15 @@ impl Reply {
         )
     }
 
-    /// Answers the request with this reply.
+    /// Answers the request with this reply. A stream that is gone, or
+    /// already answered, refuses it: dropped and counted.
     pub fn send(&self, host: &dyn Host) {
         let mut headers: Vec<(&str, &str)> = vec![("content-type", "application/json")];
         headers.extend(self.headers.iter().map(|(k, v)| (*k, v.as_str())));
-        host.send_response(self.status, &headers, self.body.as_bytes());
+        if let Err(e) = host.send_response(self.status, &headers, self.body.as_bytes()) {
+            host.count(&metrics::host_refused(HostCall::LocalReply), 1);
+            log::debug!("local reply {} not sent: {e}", self.status);
+        }
     }
 }
 

@@ -167,8 +167,10 @@ impl StateCache {
             return false;
         };
         let changed = match host.shared_get(&entry.key) {
-            Some((_, read)) if entry.cas == Some(read) => false,
-            Some((bytes, read)) => {
+            // Refused (it is not): the copy read last stays.
+            Err(_) => false,
+            Ok(Some((_, read))) if entry.cas == Some(read) => false,
+            Ok(Some((bytes, read))) => {
                 entry.cas = Some(read);
                 if bytes == entry.encoding {
                     false
@@ -178,7 +180,7 @@ impl StateCache {
                     true
                 }
             }
-            None => {
+            Ok(None) => {
                 entry.cas = None;
                 entry.encoding.clear();
                 state.take().is_some()
@@ -193,12 +195,13 @@ impl StateCache {
             return;
         }
         match host.shared_get(&copy.key) {
-            Some((_, read)) if copy.cas == Some(read) => {}
-            Some((bytes, read)) => {
+            Err(_) => {}
+            Ok(Some((_, read))) if copy.cas == Some(read) => {}
+            Ok(Some((bytes, read))) => {
                 copy.cas = Some(read);
                 copy.record = decode(&bytes).unwrap_or_default();
             }
-            None => {
+            Ok(None) => {
                 copy.cas = None;
                 copy.record = Health::default();
             }
@@ -714,7 +717,7 @@ mod tests {
         cache.refresh(&c, &h);
         // Another VM wrote worker 1 and has not appended its entry yet.
         let key = Keys::of(&c).worker(&c.routed()[1].address);
-        let (bytes, _) = h.shared_get(&key).unwrap();
+        let (bytes, _) = h.shared.get(&key).unwrap();
         let mut newer: WorkerState = decode(&bytes).unwrap();
         newer.add(1, 0, 500).unwrap();
         h.shared_set(&key, &crate::codec::encode(&newer), None).unwrap();

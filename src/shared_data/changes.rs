@@ -96,8 +96,7 @@ pub fn read(host: &dyn Host, key: &str) -> Option<ChangeLog> {
 
 /// The log and its cas, if present and readable: what [`append_onto`] needs.
 pub fn read_with_cas(host: &dyn Host, key: &str) -> Option<(ChangeLog, u32)> {
-    host.shared_get(key)
-        .and_then(|(bytes, cas)| Some((super::decode(&bytes)?, cas)))
+    super::read(host, key).and_then(|(bytes, cas)| Some((super::decode(&bytes)?, cas)))
 }
 
 /// Logs a write of the state tagged `tag` onto `known`, the log as this VM

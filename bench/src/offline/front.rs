@@ -15,7 +15,7 @@ use std::rc::Rc;
 use dprank::config::Config;
 use dprank::headers::SERVER_PRIORITY_HEADER;
 use dprank::host::memory::MemoryHost;
-use dprank::host::Host;
+use dprank::host::{CalloutResponse, Host};
 use dprank::poller::{Poller, POLL_DESTINATION_HEADER};
 use dprank::request::{queue_tick_period_ms, Request, Routing};
 use dprank::router::PRIORITY_FIELD;
@@ -112,7 +112,7 @@ impl DprankGateway {
     /// returns the polls it dispatched.
     pub fn tick(&mut self, t_s: f64) -> Vec<PollCall> {
         self.set_time(t_s);
-        self.host.set_effective_context(0);
+        let _ = self.host.set_effective_context(0);
         self.poller.on_tick(&self.config, &self.host);
         self.routing.on_admission_tick(&self.host, 0);
         let calls = std::mem::take(&mut *self.host.calls.borrow_mut());
@@ -141,10 +141,13 @@ impl DprankGateway {
     /// vLLM server's `/metrics`) at `t_s`.
     pub fn poll_answer(&mut self, t_s: f64, call: PollCall, status: u32, body: &[u8]) {
         self.set_time(t_s);
-        self.host.set_effective_context(0);
-        *self.host.callout.borrow_mut() = (Some(status), body.to_vec());
+        let _ = self.host.set_effective_context(0);
+        let answer = Ok(CalloutResponse {
+            status,
+            body: body.to_vec(),
+        });
         self.poller
-            .on_response(&self.config, &self.host, call.token, Some(status), body);
+            .on_response(&self.config, &self.host, call.token, &answer);
         // As the filter's root context: a poll may show room.
         self.routing.let_in(&self.host, 0, true);
     }
@@ -209,7 +212,7 @@ impl DprankGateway {
             let Some(request) = self.waiting.remove(&ctx) else {
                 continue;
             };
-            self.host.set_effective_context(ctx);
+            let _ = self.host.set_effective_context(ctx);
             out.push(Released::Go {
                 id: u64::from(ctx),
                 placement: self.placement(),
@@ -301,7 +304,7 @@ impl DprankGateway {
     /// The response's head and first body chunk reached the gateway.
     pub fn first_bytes(&self, t_s: f64, ctx: u32, request: &RefCell<Request>) {
         self.set_time(t_s);
-        self.host.set_effective_context(ctx);
+        let _ = self.host.set_effective_context(ctx);
         request.borrow_mut().on_response_headers(&self.host);
         request.borrow_mut().on_response_body(&self.host);
     }
@@ -309,7 +312,7 @@ impl DprankGateway {
     /// The stream ended (Envoy's access log callback).
     pub fn done(&self, t_s: f64, ctx: u32, request: &RefCell<Request>) {
         self.set_time(t_s);
-        self.host.set_effective_context(ctx);
+        let _ = self.host.set_effective_context(ctx);
         request.borrow_mut().on_done(&self.host);
         self.host.end_context(ctx);
     }
