@@ -27,6 +27,12 @@ mod input;
 #[path = "e2e/polling.rs"]
 mod polling;
 
+#[path = "e2e/client_faults.rs"]
+mod client_faults;
+
+#[path = "e2e/wire_faults.rs"]
+mod wire_faults;
+
 #[path = "e2e/fault_matrix.rs"]
 mod fault_matrix;
 

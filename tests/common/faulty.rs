@@ -1,10 +1,12 @@
 //! Workers that fail in ways the simulator cannot show by itself: a worker
-//! process restarted on the same address (with other options), and a load
-//! front that stands at a worker's address, pipes serving traffic to a real
-//! simulator and answers load polls itself: late, or with a report the test
-//! writes.
+//! process restarted on the same address (with other options), and a front
+//! that stands at a worker's address, pipes serving traffic to a real
+//! simulator and answers the calls the filter makes itself (load polls, or
+//! PD's prefill legs): late, with a report the test writes, or broken at the
+//! wire (`wire.rs`).
 
 use super::sim::{kill_child, spawn};
+use super::wire::{self, Request, WireFault};
 use super::{tail, Sim, TestDir};
 use std::io::{BufReader, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
@@ -77,13 +79,43 @@ impl Drop for SimProcess {
     }
 }
 
-/// How a [`LoadFront`] answers load polls (`GET /v1/loads...`, `GET /get_load`).
+/// How a [`LoadFront`] answers the calls it intercepts.
 #[derive(Debug, Clone)]
 pub enum LoadAnswer {
     /// The simulator's own answer (status and body), sent `delay` late.
     Forward { delay: Duration },
     /// A fixed 200 JSON report.
     Fixed(String),
+    /// The simulator's own answer (a synthetic one to a POST), broken at
+    /// the wire as the fault says.
+    Wire(WireFault),
+}
+
+/// Which connections a [`LoadFront`] answers itself (by their first
+/// request); every other connection is piped to the simulator.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Intercept {
+    /// Load polls: `GET /v1/loads...`, `GET /get_load`, `GET /metrics`.
+    LoadPolls,
+    /// POSTs but the simulator's own controls: the prefill legs a PD
+    /// filter sends a prefill worker.
+    Posts,
+    /// Every connection (an admin API the filter reads).
+    Everything,
+}
+
+impl Intercept {
+    fn takes(self, head: &[u8]) -> bool {
+        match self {
+            Intercept::LoadPolls => {
+                head.starts_with(b"GET /v1/loads")
+                    || head.starts_with(b"GET /get_load")
+                    || head.starts_with(b"GET /metrics")
+            }
+            Intercept::Posts => head.starts_with(b"POST ") && !head.starts_with(b"POST /_sim/"),
+            Intercept::Everything => true,
+        }
+    }
 }
 
 /// Stands at a worker's address: connections whose first request is a load
@@ -92,18 +124,17 @@ pub enum LoadAnswer {
 pub struct LoadFront {
     pub addr: SocketAddr,
     answer: Arc<Mutex<LoadAnswer>>,
+    /// Requests the front answered itself.
     polls: Arc<AtomicU64>,
     stop: Arc<AtomicBool>,
     connections: Arc<Mutex<Vec<TcpStream>>>,
     accept: Option<JoinHandle<()>>,
 }
 
-fn is_load_poll(head: &[u8]) -> bool {
-    head.starts_with(b"GET /v1/loads") || head.starts_with(b"GET /get_load")
-}
-
 impl LoadFront {
-    pub fn start(listen: SocketAddr, backend: SocketAddr) -> LoadFront {
+    /// A front at `listen` (port 0: any) answering what `intercept` names,
+    /// piping the rest to `backend`.
+    pub fn intercepting(listen: SocketAddr, backend: SocketAddr, intercept: Intercept) -> LoadFront {
         let listener =
             TcpListener::bind(listen).unwrap_or_else(|e| panic!("load front: cannot bind {listen}: {e}"));
         let addr = listener.local_addr().expect("load front address");
@@ -126,7 +157,9 @@ impl LoadFront {
                         connections.lock().unwrap().push(clone);
                     }
                     let (answer, polls, connections) = (answer.clone(), polls.clone(), connections.clone());
-                    std::thread::spawn(move || serve(client, backend, &answer, &polls, &connections));
+                    std::thread::spawn(move || {
+                        serve(client, backend, intercept, &answer, &polls, &connections)
+                    });
                 }
             })
         };
@@ -164,76 +197,98 @@ impl Drop for LoadFront {
     }
 }
 
-/// Reads one request head (no body: polls are GETs) into `buf`; None at EOF.
-fn read_request_head(stream: &mut TcpStream, buf: &mut Vec<u8>) -> Option<Vec<u8>> {
-    let mut chunk = [0u8; 8192];
-    loop {
-        if let Some(at) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
-            return Some(buf.drain(..at + 4).collect());
-        }
-        match stream.read(&mut chunk) {
-            Ok(0) | Err(_) => return None,
-            Ok(n) => buf.extend_from_slice(&chunk[..n]),
-        }
-    }
-}
-
 fn serve(
     mut client: TcpStream,
     backend: SocketAddr,
+    intercept: Intercept,
     answer: &Mutex<LoadAnswer>,
     polls: &AtomicU64,
     connections: &Mutex<Vec<TcpStream>>,
 ) {
     let mut buf = Vec::new();
-    let Some(first) = read_request_head(&mut client, &mut buf) else {
+    let Some(head) = wire::read_head(&mut client, &mut buf) else {
         return;
     };
-    if !is_load_poll(&first) {
-        pipe(client, backend, first, buf, connections);
+    if !intercept.takes(&head) {
+        pipe(client, backend, head, buf, connections);
         return;
     }
-    // A poll connection (Envoy keeps it alive): answer each poll in turn.
+    let Some(first) = wire::with_body(head, &mut client, &mut buf) else {
+        return;
+    };
+    // An intercepted connection (Envoy keeps it alive): answer each request in turn.
     let agent = ureq::AgentBuilder::new().timeout(Duration::from_secs(2)).build();
-    let mut head = first;
+    let mut request = first;
     loop {
         polls.fetch_add(1, Ordering::SeqCst);
-        let path = String::from_utf8_lossy(&head)
-            .split_whitespace()
-            .nth(1)
-            .unwrap_or("/v1/loads")
-            .to_string();
         let plan = answer.lock().unwrap().clone();
         let reply = match plan {
-            LoadAnswer::Fixed(body) => Some((200, body)),
+            LoadAnswer::Fixed(body) => Some((200, "application/json".to_string(), body.into_bytes())),
             LoadAnswer::Forward { delay } => {
-                let fetched = match agent.get(&format!("http://{backend}{path}")).call() {
-                    Ok(r) => Some(r),
-                    Err(ureq::Error::Status(_, r)) => Some(r),
-                    // The simulator hangs or is gone: so does the front.
-                    Err(_) => None,
-                }
-                .map(|r| (r.status(), r.into_string().unwrap_or_default()));
+                let fetched = fetch(&agent, backend, &request);
                 std::thread::sleep(delay);
                 fetched
             }
+            LoadAnswer::Wire(fault) => {
+                let real = fetch(&agent, backend, &request);
+                let (status, content_type, body) =
+                    real.unwrap_or((200, "application/json".to_string(), b"{}".to_vec()));
+                if !wire::answer(&mut client, fault, status, &content_type, &body) {
+                    // The front's own handle goes too: a reset needs the last one closed.
+                    let peer = client.peer_addr().ok();
+                    connections.lock().unwrap().retain(|c| c.peer_addr().ok() != peer);
+                    return;
+                }
+                match wire::read_request(&mut client, &mut buf) {
+                    Some(next) => {
+                        request = next;
+                        continue;
+                    }
+                    None => return,
+                }
+            }
         };
-        let Some((status, body)) = reply else {
+        let Some((status, content_type, body)) = reply else {
             let _ = client.shutdown(Shutdown::Both);
             return;
         };
-        let response = format!(
-            "HTTP/1.1 {status} X\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+        let mut response = format!(
+            "HTTP/1.1 {status} X\r\ncontent-type: {content_type}\r\ncontent-length: {}\r\n\r\n",
             body.len()
-        );
-        if client.write_all(response.as_bytes()).is_err() {
+        )
+        .into_bytes();
+        response.extend_from_slice(&body);
+        if client.write_all(&response).is_err() {
             return;
         }
-        match read_request_head(&mut client, &mut buf) {
-            Some(next) => head = next,
+        match wire::read_request(&mut client, &mut buf) {
+            Some(next) => request = next,
             None => return,
         }
     }
+}
+
+/// The simulator's answer to a GET (status, content type, body); a POST
+/// gets a synthetic 200 (a prefill leg's answer: only its status counts).
+/// None when the simulator hangs or is gone.
+fn fetch(agent: &ureq::Agent, backend: SocketAddr, request: &Request) -> Option<(u16, String, Vec<u8>)> {
+    if request.method() != "GET" {
+        return Some((
+            200,
+            "application/json".to_string(),
+            br#"{"text":"","meta_info":{"finish_reason":{"type":"length"}}}"#.to_vec(),
+        ));
+    }
+    let response = match agent.get(&format!("http://{backend}{}", request.path())).call() {
+        Ok(r) => r,
+        Err(ureq::Error::Status(_, r)) => r,
+        Err(_) => return None,
+    };
+    let status = response.status();
+    let content_type = response.content_type().to_string();
+    let mut body = Vec::new();
+    response.into_reader().read_to_end(&mut body).ok()?;
+    Some((status, content_type, body))
 }
 
 /// Pipes a serving connection to the simulator, starting with what was read.
@@ -285,9 +340,22 @@ pub struct Fronted {
 /// counter calls reach the simulator through the front) and the front. The
 /// address is taken from a throwaway simulator (started, then killed).
 pub fn fronted_sim(dir: &TestDir, name: &str, dp_size: u32, extra_args: &[&str]) -> (Sim, Fronted) {
-    let mut handle = Sim::start(dir, name, dp_size, extra_args);
+    fronted_sim_intercepting(dir, name, dp_size, extra_args, Intercept::LoadPolls)
+}
+
+/// [`fronted_sim`] with a front answering what `intercept` names.
+pub fn fronted_sim_intercepting(
+    dir: &TestDir,
+    name: &str,
+    dp_size: u32,
+    extra_args: &[&str],
+    intercept: Intercept,
+) -> (Sim, Fronted) {
+    // The throwaway only takes an address: it gets no extra arguments (a
+    // bootstrap port of the backend's own would be taken twice).
+    let mut handle = Sim::start(dir, name, dp_size, &[]);
     handle.kill();
     let backend = Sim::start(dir, &format!("{name}-backend"), dp_size, extra_args);
-    let front = LoadFront::start(handle.addr, backend.addr);
+    let front = LoadFront::intercepting(handle.addr, backend.addr, intercept);
     (handle, Fronted { front, backend })
 }

@@ -12,6 +12,7 @@ pub mod process;
 pub mod raw;
 pub mod sim;
 pub mod traffic;
+pub mod wire;
 
 use std::io::{Read, Seek, SeekFrom};
 use std::path::{Path, PathBuf};

@@ -3,6 +3,7 @@
 //! `decode_workers` and as the endpoints of `sglang_decode`, the scenario's
 //! overrides merged in), and the tracing of one PD request through both legs.
 
+use super::faulty::{fronted_sim_intercepting, Fronted, Intercept};
 use super::process::{
     cluster_mut, edit_dprank_filter, free_port, lb_endpoints, merge, read_yaml, set_port,
     workers_with_overrides, yaml_of, EnvoyProcess, Launch,
@@ -82,16 +83,37 @@ impl PdWorld {
         sim_args: &[&str],
         base_tokens: &[&[u64]],
     ) -> PdWorld {
+        PdWorld::start_fronted(scenario, prefill_dp, decode_dp, sim_args, base_tokens, None).0
+    }
+
+    /// [`PdWorld::start`] with `prefill_b` behind a front that answers what
+    /// `front` names itself (its prefill legs, say); returns the front.
+    pub fn start_fronted(
+        scenario: &str,
+        prefill_dp: u32,
+        decode_dp: u32,
+        sim_args: &[&str],
+        base_tokens: &[&[u64]],
+        front: Option<Intercept>,
+    ) -> (PdWorld, Option<Fronted>) {
         let scenario = Scenario::load(scenario);
         let dir = TestDir::new(&scenario.name);
         let mut prefill = Vec::new();
         let mut bootstrap_ports = Vec::new();
+        let mut fronted = None;
         for name in ["prefill_a", "prefill_b"] {
             let port = free_port();
             let port_text = port.to_string();
             let mut args = vec!["--role", "prefill", "--bootstrap-port", &port_text];
             args.extend_from_slice(sim_args);
-            prefill.push(Sim::start(&dir, name, prefill_dp, &args));
+            match front.filter(|_| name == "prefill_b") {
+                Some(intercept) => {
+                    let (handle, f) = fronted_sim_intercepting(&dir, name, prefill_dp, &args, intercept);
+                    prefill.push(handle);
+                    fronted = Some(f);
+                }
+                None => prefill.push(Sim::start(&dir, name, prefill_dp, &args)),
+            }
             bootstrap_ports.push(port);
         }
         let decode: Vec<Sim> = ["decode_a", "decode_b"]
@@ -129,7 +151,7 @@ impl PdWorld {
                 .envoy
                 .wait_for_stat(&format!("poll_ok.{}", sim.name), 1, Duration::from_secs(30));
         }
-        world
+        (world, fronted)
     }
 
     pub fn interval(&self) -> Duration {

@@ -238,6 +238,11 @@ impl EnvoyProcess {
         )
     }
 
+    /// Envoy's log file.
+    pub fn log_path(&self) -> &Path {
+        &self.log_path
+    }
+
     /// Error and critical lines of the wasm VMs in the log.
     pub fn wasm_errors(&self) -> Vec<String> {
         std::fs::read_to_string(&self.log_path)

@@ -29,16 +29,26 @@ impl Outcome {
     }
 }
 
-/// `POST /generate` in a loop (tiny prompts, one output token) until dropped
-/// or stopped.
+/// POSTs in a loop (tiny prompts, one output token) until dropped or stopped.
 pub struct Traffic {
     stop: Arc<AtomicBool>,
     outcomes: Arc<Mutex<Vec<Outcome>>>,
     thread: Option<JoinHandle<()>>,
 }
 
+/// An SGLang `/generate` body: a tiny prompt, one output token.
+pub fn sglang_body(seq: u64) -> String {
+    format!(r#"{{"text":"background {seq}","sampling_params":{{"max_new_tokens":1}}}}"#)
+}
+
 impl Traffic {
+    /// SGLang requests ([`sglang_body`]) to `url`, `pause` apart.
     pub fn start(url: String, pause: Duration) -> Traffic {
+        Traffic::start_with(url, pause, sglang_body)
+    }
+
+    /// Requests with the bodies `body` makes of their sequence numbers.
+    pub fn start_with(url: String, pause: Duration, body: fn(u64) -> String) -> Traffic {
         let stop = Arc::new(AtomicBool::new(false));
         let outcomes = Arc::new(Mutex::new(Vec::new()));
         let seq = AtomicU64::new(0);
@@ -50,9 +60,7 @@ impl Traffic {
                     .timeout(Duration::from_secs(30))
                     .build();
                 while !stop.load(Ordering::SeqCst) {
-                    let seq = seq.fetch_add(1, Ordering::SeqCst);
-                    let body =
-                        format!(r#"{{"text":"background {seq}","sampling_params":{{"max_new_tokens":1}}}}"#);
+                    let body = body(seq.fetch_add(1, Ordering::SeqCst));
                     let sent = Instant::now();
                     let result = agent
                         .post(&url)
