@@ -21,8 +21,8 @@ use std::collections::VecDeque;
 use super::engine::Engine;
 use super::worker::Worker;
 use crate::engine::cost::{DecodeWork, PrefillWork};
-use crate::engine::oracle::{arrival_rate, Queued};
-use crate::engine::{Arrival, Micros, Params};
+use crate::engine::oracle::arrival_rate;
+use crate::engine::{Arrival, Micros, Params, Queued};
 
 /// How candidates compare: projected first token plus the delay imposed on
 /// later arrivals, uncached tokens, requests on the engine, server, engine.
