@@ -16,7 +16,6 @@ pub mod server;
 pub mod tokenizer;
 pub mod worker;
 
-pub use config::{
-    Admission, Cli, CostPreset, Dispatch, EngineKind, RankHeader, Role, SimConfig, Toggle, VllmVersion,
-};
+pub use config::{Admission, Cli, Dispatch, EngineKind, RankHeader, Role, SimConfig, Toggle, VllmVersion};
+pub use engine::cost::CostPreset;
 pub use server::SimServer;
