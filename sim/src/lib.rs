@@ -13,6 +13,7 @@ pub mod offline;
 pub mod output;
 pub mod protocol;
 pub mod server;
+pub mod sync;
 pub mod tokenizer;
 pub mod worker;
 
