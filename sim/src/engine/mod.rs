@@ -22,7 +22,7 @@ use cost::CostModel;
 pub use rank::RankSnapshot;
 use rank::Seq;
 pub use vllm::EngineStats;
-use worker::Worker;
+use worker::{GroupedRanks, Worker};
 
 /// Simulated time in microseconds.
 pub type Micros = u64;
