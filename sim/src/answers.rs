@@ -16,7 +16,7 @@ use std::sync::Mutex;
 
 use serde::Deserialize;
 
-use crate::worker::lock;
+use crate::sync::lock;
 
 /// Starts every tag word (after a space): letters no generated text puts
 /// together by chance often enough to matter, and an unknown tag is ignored.

@@ -4,7 +4,7 @@ use std::net::SocketAddr;
 
 use clap::{ArgAction, Args, Parser, ValueEnum};
 
-use crate::engine::cost::{CostModel, Deployment};
+use crate::engine::cost::{CostModel, CostPreset, Deployment};
 
 /// SGLANG_INIT_NEW_TOKEN_RATIO.
 pub const INIT_NEW_TOKEN_RATIO: f64 = 0.7;
@@ -118,25 +118,6 @@ pub enum Admission {
     /// Reserve prompt + every output token; never retract.
     #[value(name = "reserve_full", alias = "reserve-full")]
     ReserveFull,
-}
-
-/// The deployment the simulator models: a rank's step costs, ranks per
-/// worker, DP attention, KV capacity and running requests per rank (each
-/// overridable by its own flag). See sim/README.md ("Step costs").
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-pub enum CostPreset {
-    /// DeepSeek-V3 under DP attention on H100-class GPUs: 8 ranks in
-    /// lockstep, costs fitted to SGLang's and DeepSeek's published figures.
-    #[value(name = "deepseek-v3-dp8")]
-    DeepseekV3Dp8,
-    /// A Llama-3.1-8B-class dense model, one replica per H100: 8 ranks
-    /// stepping independently.
-    #[value(name = "dense-8b")]
-    Dense8b,
-    /// The earlier uncalibrated model (prefill 20k tokens/s; decode 20 ms +
-    /// 0.25 µs per KV token; 4 ranks in lockstep; 200k KV; 64 running).
-    #[value(name = "legacy")]
-    Legacy,
 }
 
 /// An on/off switch spelled as a value.

@@ -13,10 +13,10 @@ pub mod offline;
 pub mod output;
 pub mod protocol;
 pub mod server;
+pub mod sync;
 pub mod tokenizer;
 pub mod worker;
 
-pub use config::{
-    Admission, Cli, CostPreset, Dispatch, EngineKind, RankHeader, Role, SimConfig, Toggle, VllmVersion,
-};
+pub use config::{Admission, Cli, Dispatch, EngineKind, RankHeader, Role, SimConfig, Toggle, VllmVersion};
+pub use engine::cost::CostPreset;
 pub use server::SimServer;

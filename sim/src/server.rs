@@ -23,9 +23,8 @@ use tokio::task::JoinHandle;
 use crate::answers::AnswersUpdate;
 use crate::config::{Role, SimConfig};
 use crate::protocol::{self, Api, ParsedRequest, Rejection, ResponseShape};
-use crate::worker::{
-    lock, ControlUpdate, LoadFault, Progress, Record, RequestGuard, Server, ServingFault, Shared,
-};
+use crate::sync::lock;
+use crate::worker::{ControlUpdate, LoadFault, Progress, Record, RequestGuard, Server, ServingFault, Shared};
 
 const WORKER_HEADER: &str = "x-sim-worker";
 const RANK_HEADER: &str = "x-sim-dp-rank";

@@ -4,7 +4,7 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime};
 
 use base64::Engine;
@@ -19,11 +19,7 @@ use crate::engine::{Arrival, EngineStats, Event, EventKind, Fleet, Micros, RankS
 use crate::loads::{self, LoadView};
 use crate::metrics::{self, Garble, MetricsView};
 use crate::protocol::{Bootstrap, ParsedRequest, Rejection};
-
-/// Locks a mutex, ignoring poisoning (no lock holder panics in this crate).
-pub fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
-    mutex.lock().unwrap_or_else(PoisonError::into_inner)
-}
+use crate::sync::lock;
 
 /// Fault injected into both load endpoints.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]

@@ -7,9 +7,8 @@ mod common;
 
 use common::*;
 use dprank_sim::answers::{tag_letters, tag_text};
-use dprank_sim::config::CostPreset;
 use dprank_sim::offline::{Fleet, Prompt, Report, Request};
-use dprank_sim::SimConfig;
+use dprank_sim::{CostPreset, SimConfig};
 use reqwest::StatusCode;
 use serde_json::{json, Value};
 

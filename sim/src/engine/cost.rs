@@ -3,8 +3,9 @@
 //! prices it). The presets, their sources and how they were fitted are in
 //! sim/README.md ("Step costs").
 
+use clap::ValueEnum;
+
 use super::Micros;
-use crate::config::CostPreset;
 
 /// The step-time model of one rank, in microseconds.
 ///
@@ -175,6 +176,25 @@ pub const LEGACY: Deployment = Deployment {
     vllm_block_size: 16,
     vllm_max_num_seqs: 64,
 };
+
+/// The deployment the simulator models: a rank's step costs, ranks per
+/// worker, DP attention, KV capacity and running requests per rank (each
+/// overridable by its own flag). See sim/README.md ("Step costs").
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum CostPreset {
+    /// DeepSeek-V3 under DP attention on H100-class GPUs: 8 ranks in
+    /// lockstep, costs fitted to SGLang's and DeepSeek's published figures.
+    #[value(name = "deepseek-v3-dp8")]
+    DeepseekV3Dp8,
+    /// A Llama-3.1-8B-class dense model, one replica per H100: 8 ranks
+    /// stepping independently.
+    #[value(name = "dense-8b")]
+    Dense8b,
+    /// The earlier uncalibrated model (prefill 20k tokens/s; decode 20 ms +
+    /// 0.25 µs per KV token; 4 ranks in lockstep; 200k KV; 64 running).
+    #[value(name = "legacy")]
+    Legacy,
+}
 
 impl Deployment {
     pub fn of(preset: CostPreset) -> Deployment {

@@ -22,7 +22,7 @@ use cost::CostModel;
 pub use rank::RankSnapshot;
 use rank::Seq;
 pub use vllm::EngineStats;
-use worker::Worker;
+use worker::{GroupedRanks, Worker};
 
 /// Simulated time in microseconds.
 pub type Micros = u64;
@@ -219,6 +219,20 @@ impl Params {
     }
 }
 
+/// Oracle dispatch: a request placed on a rank (or vLLM engine), still in
+/// its worker's tokenizer.
+#[derive(Debug, Clone)]
+pub(crate) struct Queued {
+    pub req: ReqId,
+    pub ready_at: Micros,
+    pub uncached: u64,
+    pub tokens: u64,
+    /// The output cap, as admission reserves it.
+    pub max_new: u64,
+    /// The output it will really generate (the chooser is clairvoyant).
+    pub output: u64,
+}
+
 #[derive(Debug)]
 struct Pending {
     worker: usize,
@@ -379,7 +393,7 @@ impl Fleet {
             };
             oracle_uncached = uncached;
             if let Some(pending) = pending {
-                pending.push(oracle::Queued {
+                pending.push(Queued {
                     req,
                     ready_at,
                     uncached: oracle_uncached.iter().sum(),

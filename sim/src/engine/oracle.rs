@@ -42,20 +42,7 @@ use std::collections::{BinaryHeap, VecDeque};
 use super::cost::{DecodeWork, PrefillWork};
 use super::rank::{Plan, Rank};
 use super::worker::Worker;
-use super::{Arrival, Fleet, Micros, Params, ReqId};
-
-/// A request placed on a rank, still in its worker's tokenizer.
-#[derive(Debug, Clone)]
-pub(crate) struct Queued {
-    pub req: ReqId,
-    pub ready_at: Micros,
-    pub uncached: u64,
-    pub tokens: u64,
-    /// The output cap, as admission reserves it.
-    pub max_new: u64,
-    /// The output it will really generate (the chooser is clairvoyant).
-    pub output: u64,
-}
+use super::{Arrival, Fleet, Micros, Params};
 
 /// Tokens of `prompt` that would still have to be prefilled on `rank`:
 /// what neither its cache nor the prompts it is prefilling now hold. (A

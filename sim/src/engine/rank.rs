@@ -19,9 +19,8 @@ use std::borrow::Cow;
 use std::collections::{HashMap, VecDeque};
 
 use super::cost::{DecodeWork, PrefillWork};
-use super::oracle::Queued;
 use super::radix::{NodeId, RadixCache, ROOT};
-use super::{Event, EventKind, Micros, Params, ReqId, SeqId};
+use super::{Event, EventKind, Micros, Params, Queued, ReqId, SeqId};
 use crate::config::{Role, RETRACT_DECODE_STEPS};
 use crate::output;
 

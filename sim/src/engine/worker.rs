@@ -71,6 +71,56 @@ pub(crate) fn groups(dp: usize, lockstep: bool) -> Vec<Group> {
     }
 }
 
+/// A server's ranks (vLLM: engines) and the groups they step in: what
+/// `begin_step`, shared by SGLang workers and vLLM servers, asks of them.
+pub(crate) trait GroupedRanks {
+    fn groups_mut(&mut self) -> &mut [Group];
+
+    /// Plans the next step of rank `index`; its duration, or None when the
+    /// rank has nothing to do.
+    fn plan_rank(
+        &mut self,
+        params: &Params,
+        index: usize,
+        now: Micros,
+        out: &mut Vec<Event>,
+    ) -> Option<Micros>;
+
+    /// Rank `index` has nothing to do, nor has any rank of its group: it
+    /// publishes its idle state.
+    fn idle_rank(&mut self, params: &Params, index: usize, now: Micros);
+
+    /// Plans one step of a group; its duration, or None when every rank of
+    /// the group is idle. The step lasts as long as the slowest rank's, an
+    /// idle rank waiting too (DP attention; a vLLM engine with nothing to
+    /// do runs a dummy batch, the cheapest step).
+    fn begin_step(
+        &mut self,
+        params: &Params,
+        group: usize,
+        now: Micros,
+        out: &mut Vec<Event>,
+    ) -> Option<Micros> {
+        let ranks = self.groups_mut().get(group)?.ranks.clone();
+        let mut longest = None;
+        for &index in &ranks {
+            longest = longest.max(self.plan_rank(params, index, now, out));
+        }
+        match longest {
+            Some(duration) => {
+                self.groups_mut()[group].step = Some((now, now + duration));
+                Some(duration)
+            }
+            None => {
+                for &index in &ranks {
+                    self.idle_rank(params, index, now);
+                }
+                None
+            }
+        }
+    }
+}
+
 #[derive(Debug)]
 pub(crate) struct Worker {
     pub ranks: Vec<Rank>,
@@ -158,42 +208,6 @@ impl Worker {
         }
     }
 
-    /// Plans one step of a group; its duration, or None when every rank of
-    /// the group is idle (they then publish their idle state).
-    pub fn begin_step(
-        &mut self,
-        params: &Params,
-        group: usize,
-        now: Micros,
-        out: &mut Vec<Event>,
-    ) -> Option<Micros> {
-        let ranks = self.groups.get(group)?.ranks.clone();
-        let mut longest = None;
-        for &index in &ranks {
-            let plan = self.ranks[index].plan_step(params, now, out);
-            let duration = match plan {
-                Plan::Idle => None,
-                Plan::Prefill { work, .. } => Some(params.cost.prefill_us(work)),
-                Plan::Decode(work) => Some(params.cost.decode_us(work)),
-            };
-            // DP attention: the step lasts as long as the slowest rank's,
-            // an idle rank waiting too.
-            longest = longest.max(duration);
-        }
-        match longest {
-            Some(duration) => {
-                self.groups[group].step = Some((now, now + duration));
-                Some(duration)
-            }
-            None => {
-                for &index in &ranks {
-                    self.ranks[index].idle(params, now);
-                }
-                None
-            }
-        }
-    }
-
     /// Ends the group's step: tokens, finishes, published loads.
     pub fn end_step(&mut self, params: &Params, group: usize, now: Micros, out: &mut Vec<Event>) {
         let Some(state) = self.groups.get_mut(group) else {
@@ -203,5 +217,29 @@ impl Worker {
         for index in state.ranks.clone() {
             self.ranks[index].end_step(params, start, now, out);
         }
+    }
+}
+
+impl GroupedRanks for Worker {
+    fn groups_mut(&mut self) -> &mut [Group] {
+        &mut self.groups
+    }
+
+    fn plan_rank(
+        &mut self,
+        params: &Params,
+        index: usize,
+        now: Micros,
+        out: &mut Vec<Event>,
+    ) -> Option<Micros> {
+        match self.ranks[index].plan_step(params, now, out) {
+            Plan::Idle => None,
+            Plan::Prefill { work, .. } => Some(params.cost.prefill_us(work)),
+            Plan::Decode(work) => Some(params.cost.decode_us(work)),
+        }
+    }
+
+    fn idle_rank(&mut self, params: &Params, index: usize, now: Micros) {
+        self.ranks[index].idle(params, now);
     }
 }

@@ -20,7 +20,7 @@ use std::collections::{HashMap, VecDeque};
 
 use super::blocks::{extend_hashes, BlockId, BlockPool};
 use crate::engine::cost::{DecodeWork, PrefillWork};
-use crate::engine::{Event, EventKind, Micros, Params, ReqId, SeqId};
+use crate::engine::{Event, EventKind, Micros, Params, Queued, ReqId, SeqId};
 use crate::output;
 
 /// vLLM's `request_latency_buckets` (seconds), used by
@@ -146,7 +146,7 @@ pub(crate) struct Engine {
     pub pool: BlockPool,
     pub plan: Option<StepPlan>,
     /// Clairvoyant dispatch: requests placed here still in the tokenizer.
-    pub pending: super::oracle::Pending,
+    pub pending: Vec<Queued>,
     /// What the engine last reported.
     pub stats: EngineStats,
     /// The live counters.

@@ -21,7 +21,7 @@ use std::collections::VecDeque;
 use super::engine::Engine;
 use super::worker::Worker;
 use crate::engine::cost::{DecodeWork, PrefillWork};
-use crate::engine::oracle::{arrival_rate, Queued};
+use crate::engine::oracle::arrival_rate;
 use crate::engine::{Arrival, Micros, Params};
 
 /// How candidates compare: projected first token plus the delay imposed on
@@ -243,6 +243,3 @@ pub(crate) fn choose(
 pub(crate) fn uncached(params: &Params, engine: &Engine, prompt: &[u32]) -> u64 {
     prompt.len() as u64 - engine.cached_prefix(params, prompt)
 }
-
-/// Requests placed on an engine still in the tokenizer.
-pub(crate) type Pending = Vec<Queued>;

@@ -6,7 +6,7 @@
 
 use super::balancer::Balancer;
 use super::engine::Engine;
-use crate::engine::worker::{groups, Group, TokenizerQueue};
+use crate::engine::worker::{groups, Group, GroupedRanks, TokenizerQueue};
 use crate::engine::{Event, Micros, Params};
 
 #[derive(Debug)]
@@ -61,44 +61,6 @@ impl Worker {
         }
     }
 
-    /// Plans one step of a group; its duration, or None when every engine
-    /// of the group is idle. Under lockstep the step lasts as long as the
-    /// slowest engine's (an idle one runs a dummy batch, the cheapest step).
-    pub fn begin_step(
-        &mut self,
-        params: &Params,
-        group: usize,
-        now: Micros,
-        out: &mut Vec<Event>,
-    ) -> Option<Micros> {
-        let members = self.groups.get(group)?.ranks.clone();
-        let mut longest = None;
-        for &index in &members {
-            let engine = &mut self.engines[index];
-            if self.balancer.reports_before_step() {
-                let (waiting, running) = engine.counts();
-                let kv = engine.pool.usage();
-                self.balancer.report(now, index, waiting, running, kv);
-            }
-            let duration = engine
-                .plan_step(params, now, out)
-                .map(|(prefill, decode)| params.cost.mixed_us(prefill, decode));
-            longest = longest.max(duration);
-        }
-        match longest {
-            Some(duration) => {
-                self.groups[group].step = Some((now, now + duration));
-                Some(duration)
-            }
-            None => {
-                for &index in &members {
-                    self.engines[index].publish(now);
-                }
-                None
-            }
-        }
-    }
-
     /// Ends the group's step: tokens, finishes, reports.
     pub fn end_step(&mut self, params: &Params, group: usize, now: Micros, out: &mut Vec<Event>) {
         let Some(state) = self.groups.get_mut(group) else {
@@ -114,5 +76,35 @@ impl Worker {
             let kv = engine.pool.usage();
             self.balancer.report(now, index, waiting, running, kv);
         }
+    }
+}
+
+impl GroupedRanks for Worker {
+    fn groups_mut(&mut self) -> &mut [Group] {
+        &mut self.groups
+    }
+
+    /// Where the balancer hears from engines before their steps (0.34),
+    /// the engine reports first.
+    fn plan_rank(
+        &mut self,
+        params: &Params,
+        index: usize,
+        now: Micros,
+        out: &mut Vec<Event>,
+    ) -> Option<Micros> {
+        let engine = &mut self.engines[index];
+        if self.balancer.reports_before_step() {
+            let (waiting, running) = engine.counts();
+            let kv = engine.pool.usage();
+            self.balancer.report(now, index, waiting, running, kv);
+        }
+        engine
+            .plan_step(params, now, out)
+            .map(|(prefill, decode)| params.cost.mixed_us(prefill, decode))
+    }
+
+    fn idle_rank(&mut self, _params: &Params, index: usize, now: Micros) {
+        self.engines[index].publish(now);
     }
 }
