@@ -63,7 +63,7 @@ pub enum LoadMeasure {
 
 /// `prefix_load` when the configuration leaves it out. SGLang's DP-attention
 /// ranks step together, so a prompt no rank holds is costed by the lockstep
-/// (judged in docs/prefix-affinity.md); vLLM's dense DP engines step on
+/// (judged in docs/prefix-affinity-results.md); vLLM's dense DP engines step on
 /// their own, so each is costed by its own tokens.
 pub fn default_load(engine: EngineKind) -> LoadMeasure {
     match engine {

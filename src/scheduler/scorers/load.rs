@@ -21,7 +21,7 @@ pub const RAISE_WEIGHT: f64 = 0.75;
 const MAX_FULLNESS: f64 = 2.0;
 /// Under the lockstep rule each request a rank reported running counts as
 /// this many tokens more (a decode step's time grows with its sequences, not
-/// only their KV tokens; chosen on tuning seeds: docs/prefix-affinity.md).
+/// only their KV tokens; chosen on tuning seeds: docs/prefix-affinity-results.md).
 pub const RUNNING_REQUEST_TOKENS: u64 = 3_000;
 /// Under the lockstep rule, the weight of the worker's prefill horizon: the
 /// longest prefill queued on any of its ranks, or the rank's queue plus the
