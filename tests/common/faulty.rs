@@ -126,6 +126,8 @@ pub struct LoadFront {
     answer: Arc<Mutex<LoadAnswer>>,
     /// Requests the front answered itself.
     polls: Arc<AtomicU64>,
+    /// Requests it is answering now.
+    answering: Arc<AtomicU64>,
     stop: Arc<AtomicBool>,
     connections: Arc<Mutex<Vec<TcpStream>>>,
     accept: Option<JoinHandle<()>>,
@@ -142,11 +144,17 @@ impl LoadFront {
             delay: Duration::ZERO,
         }));
         let polls = Arc::new(AtomicU64::new(0));
+        let answering = Arc::new(AtomicU64::new(0));
         let stop = Arc::new(AtomicBool::new(false));
         let connections = Arc::new(Mutex::new(Vec::new()));
         let accept = {
-            let (answer, polls, stop, connections) =
-                (answer.clone(), polls.clone(), stop.clone(), connections.clone());
+            let (answer, polls, answering, stop, connections) = (
+                answer.clone(),
+                polls.clone(),
+                answering.clone(),
+                stop.clone(),
+                connections.clone(),
+            );
             std::thread::spawn(move || {
                 for client in listener.incoming() {
                     if stop.load(Ordering::SeqCst) {
@@ -156,9 +164,13 @@ impl LoadFront {
                     if let Ok(clone) = client.try_clone() {
                         connections.lock().unwrap().push(clone);
                     }
-                    let (answer, polls, connections) = (answer.clone(), polls.clone(), connections.clone());
+                    let counts = Counts {
+                        polls: polls.clone(),
+                        answering: answering.clone(),
+                    };
+                    let (answer, connections) = (answer.clone(), connections.clone());
                     std::thread::spawn(move || {
-                        serve(client, backend, intercept, &answer, &polls, &connections)
+                        serve(client, backend, intercept, &answer, &counts, &connections)
                     });
                 }
             })
@@ -167,6 +179,7 @@ impl LoadFront {
             addr,
             answer,
             polls,
+            answering,
             stop,
             connections,
             accept: Some(accept),
@@ -177,9 +190,14 @@ impl LoadFront {
         *self.answer.lock().unwrap() = answer;
     }
 
-    /// Load polls received so far.
+    /// Requests the front answered itself so far.
     pub fn polls(&self) -> u64 {
         self.polls.load(Ordering::SeqCst)
+    }
+
+    /// Requests the front is answering now (a poll in flight).
+    pub fn answering(&self) -> u64 {
+        self.answering.load(Ordering::SeqCst)
     }
 }
 
@@ -197,12 +215,18 @@ impl Drop for LoadFront {
     }
 }
 
+/// What a front counts of the requests it answers.
+struct Counts {
+    polls: Arc<AtomicU64>,
+    answering: Arc<AtomicU64>,
+}
+
 fn serve(
     mut client: TcpStream,
     backend: SocketAddr,
     intercept: Intercept,
     answer: &Mutex<LoadAnswer>,
-    polls: &AtomicU64,
+    counts: &Counts,
     connections: &Mutex<Vec<TcpStream>>,
 ) {
     let mut buf = Vec::new();
@@ -220,51 +244,67 @@ fn serve(
     let agent = ureq::AgentBuilder::new().timeout(Duration::from_secs(2)).build();
     let mut request = first;
     loop {
-        polls.fetch_add(1, Ordering::SeqCst);
-        let plan = answer.lock().unwrap().clone();
-        let reply = match plan {
-            LoadAnswer::Fixed(body) => Some((200, "application/json".to_string(), body.into_bytes())),
-            LoadAnswer::Forward { delay } => {
-                let fetched = fetch(&agent, backend, &request);
-                std::thread::sleep(delay);
-                fetched
-            }
-            LoadAnswer::Wire(fault) => {
-                let real = fetch(&agent, backend, &request);
-                let (status, content_type, body) =
-                    real.unwrap_or((200, "application/json".to_string(), b"{}".to_vec()));
-                if !wire::answer(&mut client, fault, status, &content_type, &body) {
-                    // The front's own handle goes too: a reset needs the last one closed.
-                    let peer = client.peer_addr().ok();
-                    connections.lock().unwrap().retain(|c| c.peer_addr().ok() != peer);
-                    return;
-                }
-                match wire::read_request(&mut client, &mut buf) {
-                    Some(next) => {
-                        request = next;
-                        continue;
-                    }
-                    None => return,
-                }
-            }
-        };
-        let Some((status, content_type, body)) = reply else {
-            let _ = client.shutdown(Shutdown::Both);
-            return;
-        };
-        let mut response = format!(
-            "HTTP/1.1 {status} X\r\ncontent-type: {content_type}\r\ncontent-length: {}\r\n\r\n",
-            body.len()
-        )
-        .into_bytes();
-        response.extend_from_slice(&body);
-        if client.write_all(&response).is_err() {
+        counts.polls.fetch_add(1, Ordering::SeqCst);
+        counts.answering.fetch_add(1, Ordering::SeqCst);
+        let answered = Answered(&counts.answering);
+        if !answer_one(&mut client, &agent, backend, &request, answer) {
+            // The front's own handle goes too: a reset needs the last one closed.
+            let peer = client.peer_addr().ok();
+            connections.lock().unwrap().retain(|c| c.peer_addr().ok() != peer);
             return;
         }
+        drop(answered);
         match wire::read_request(&mut client, &mut buf) {
             Some(next) => request = next,
             None => return,
         }
+    }
+}
+
+/// Answers one intercepted request as the front is set to; false when the
+/// connection is closed (or must be).
+fn answer_one(
+    client: &mut TcpStream,
+    agent: &ureq::Agent,
+    backend: SocketAddr,
+    request: &Request,
+    answer: &Mutex<LoadAnswer>,
+) -> bool {
+    let plan = answer.lock().unwrap().clone();
+    let (status, content_type, body) = match plan {
+        LoadAnswer::Fixed(body) => (200, "application/json".to_string(), body.into_bytes()),
+        LoadAnswer::Forward { delay } => {
+            let fetched = fetch(agent, backend, request);
+            std::thread::sleep(delay);
+            // The simulator hangs or is gone: so does the front.
+            let Some(fetched) = fetched else {
+                let _ = client.shutdown(Shutdown::Both);
+                return false;
+            };
+            fetched
+        }
+        LoadAnswer::Wire(fault) => {
+            let real = fetch(agent, backend, request);
+            let (status, content_type, body) =
+                real.unwrap_or((200, "application/json".to_string(), b"{}".to_vec()));
+            return wire::answer(client, fault, status, &content_type, &body);
+        }
+    };
+    let mut response = format!(
+        "HTTP/1.1 {status} X\r\ncontent-type: {content_type}\r\ncontent-length: {}\r\n\r\n",
+        body.len()
+    )
+    .into_bytes();
+    response.extend_from_slice(&body);
+    client.write_all(&response).is_ok()
+}
+
+/// Counts a request answered when dropped.
+struct Answered<'a>(&'a AtomicU64);
+
+impl Drop for Answered<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
     }
 }
 

@@ -238,6 +238,16 @@ impl EnvoyProcess {
         )
     }
 
+    /// Envoy's resident memory (KiB), from /proc; None once it has exited.
+    pub fn rss_kib(&self) -> Option<u64> {
+        let pid = self.child.as_ref()?.id();
+        let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix("VmRSS:"))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+    }
+
     /// Envoy's log file.
     pub fn log_path(&self) -> &Path {
         &self.log_path

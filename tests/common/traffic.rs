@@ -36,6 +36,15 @@ pub struct Traffic {
     thread: Option<JoinHandle<()>>,
 }
 
+/// When requests start.
+#[derive(Debug, Clone, Copy)]
+enum Pace {
+    /// A pause after each answer.
+    After(Duration),
+    /// One start every so often.
+    Every(Duration),
+}
+
 /// An SGLang `/generate` body: a tiny prompt, one output token.
 pub fn sglang_body(seq: u64) -> String {
     format!(r#"{{"text":"background {seq}","sampling_params":{{"max_new_tokens":1}}}}"#)
@@ -47,8 +56,19 @@ impl Traffic {
         Traffic::start_with(url, pause, sglang_body)
     }
 
-    /// Requests with the bodies `body` makes of their sequence numbers.
+    /// Requests with the bodies `body` makes of their sequence numbers,
+    /// `pause` after each.
     pub fn start_with(url: String, pause: Duration, body: fn(u64) -> String) -> Traffic {
+        Traffic::run(url, Pace::After(pause), body)
+    }
+
+    /// Requests started `every` apart (one at a time: a late one starts the
+    /// next at once).
+    pub fn paced(url: String, every: Duration, body: fn(u64) -> String) -> Traffic {
+        Traffic::run(url, Pace::Every(every), body)
+    }
+
+    fn run(url: String, pace: Pace, body: fn(u64) -> String) -> Traffic {
         let stop = Arc::new(AtomicBool::new(false));
         let outcomes = Arc::new(Mutex::new(Vec::new()));
         let seq = AtomicU64::new(0);
@@ -59,7 +79,12 @@ impl Traffic {
                     .timeout_connect(Duration::from_secs(5))
                     .timeout(Duration::from_secs(30))
                     .build();
+                let mut next = Instant::now();
                 while !stop.load(Ordering::SeqCst) {
+                    if let Pace::Every(every) = pace {
+                        std::thread::sleep(next.saturating_duration_since(Instant::now()));
+                        next = next.max(Instant::now() - every) + every;
+                    }
                     let body = body(seq.fetch_add(1, Ordering::SeqCst));
                     let sent = Instant::now();
                     let result = agent
@@ -75,8 +100,10 @@ impl Traffic {
                             let status = r.status();
                             let worker = r.header("x-sim-worker").map(str::to_string);
                             let rank = r.header("x-sim-dp-rank").and_then(|v| v.parse().ok());
-                            let mut text = String::new();
-                            let read = r.into_reader().take(4096).read_to_string(&mut text);
+                            // Read to the end: an answer cut mid-stream is a failure.
+                            let mut bytes = Vec::new();
+                            let read = r.into_reader().take(16 << 20).read_to_end(&mut bytes);
+                            let text = String::from_utf8_lossy(&bytes);
                             Outcome {
                                 sent,
                                 done: Instant::now(),
@@ -96,7 +123,9 @@ impl Traffic {
                         },
                     };
                     outcomes.lock().unwrap().push(outcome);
-                    std::thread::sleep(pause);
+                    if let Pace::After(pause) = pace {
+                        std::thread::sleep(pause);
+                    }
                 }
             })
         };
