@@ -142,6 +142,49 @@ pub enum RankHeader {
     Ignore,
 }
 
+/// vLLM mode: the API server in front of the engines, which decides how
+/// `X-data-parallel-rank` is read (sim/README.md, "Deployment layouts").
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum VllmFrontend {
+    /// The default Python API server: Python `int()`, a LOCAL engine index
+    /// `0..N` (`InputProcessor.process_inputs`, the engines the server
+    /// manages being `--data-parallel-size-local` of them under hybrid or
+    /// external load balancing).
+    #[value(name = "python")]
+    Python,
+    /// `VLLM_USE_RUST_FRONTEND=1`: `trim().parse::<u32>()`, the GLOBAL rank
+    /// of one of the engines this server manages, `S..S+N`
+    /// (`RequestRegistry::choose_engine_for_request`).
+    #[value(name = "rust")]
+    Rust,
+}
+
+impl VllmFrontend {
+    pub fn name(self) -> &'static str {
+        match self {
+            VllmFrontend::Python => "python",
+            VllmFrontend::Rust => "rust",
+        }
+    }
+}
+
+/// SGLang `--rank-ports` layout: where the load endpoints answer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum RankPortLoads {
+    /// Each rank port answers `/v1/loads` and `/get_load` with its own rank
+    /// only, as each rank's embedded Rust server serves the snapshots its
+    /// scheduler publishes (rust/sglang-server `api_server/loads.rs`).
+    #[value(name = "per-rank", alias = "per_rank")]
+    PerRank,
+    /// The base port (rank 0's) answers with every rank of the worker; the
+    /// other rank ports answer 404 there.
+    #[value(name = "base")]
+    Base,
+    /// No rank port answers them (404): loads only on `--loads-port`.
+    #[value(name = "none")]
+    None,
+}
+
 /// The disaggregation role of the simulated server.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum Role {
@@ -270,6 +313,22 @@ pub struct SimConfig {
     /// 1 for 0.14, one per engine for 0.34).
     #[arg(long)]
     pub api_server_count: Option<usize>,
+    /// The global rank of each worker's first rank: its ranks are S..S+N-1
+    /// (vLLM `--data-parallel-start-rank`, hybrid or external load
+    /// balancing; SGLang with `--rank-ports`, a node of a multi-node DP
+    /// group). None: 0; one: every worker; else one per `--listen`.
+    #[arg(long = "dp-start-rank", alias = "data-parallel-start-rank")]
+    pub dp_start_rank: Vec<usize>,
+    /// vLLM mode: the API server reading `X-data-parallel-rank`.
+    #[arg(long, value_enum, default_value_t = VllmFrontend::Python)]
+    pub vllm_frontend: VllmFrontend,
+    /// SGLang mode: each worker serves rank r on its own port, --listen's
+    /// port + r, with no rank field needed (`SGLANG_RUST_SERVER=1`).
+    #[arg(long)]
+    pub rank_ports: bool,
+    /// With --rank-ports: which ports answer `/v1/loads` and `/get_load`.
+    #[arg(long, value_enum, default_value_t = RankPortLoads::PerRank)]
+    pub rank_port_loads: RankPortLoads,
     /// Fixed delay from a request's arrival to its tokenized form reaching
     /// the scheduler, in microseconds.
     #[arg(long, default_value_t = 500.0)]
@@ -351,6 +410,10 @@ impl Default for SimConfig {
             block_size: None,
             max_num_batched_tokens: VLLM_MAX_NUM_BATCHED_TOKENS,
             api_server_count: None,
+            dp_start_rank: Vec::new(),
+            vllm_frontend: VllmFrontend::Python,
+            rank_ports: false,
+            rank_port_loads: RankPortLoads::PerRank,
             tokenizer_delay_us: 500.0,
             tokenizer_us_per_token: 1.0,
             load_publish_interval: 15,
@@ -428,10 +491,57 @@ impl SimConfig {
         }
         if self.engine == EngineKind::Vllm {
             self.validate_vllm()?;
-        } else if self.dispatch == Some(Dispatch::Vllm) {
-            return Err("--dispatch vllm needs --engine vllm".into());
+        } else {
+            self.validate_sglang_layout()?;
         }
         Ok(())
+    }
+
+    /// SGLang mode: the flags of the deployment layouts.
+    fn validate_sglang_layout(&self) -> Result<(), String> {
+        if self.dispatch == Some(Dispatch::Vllm) {
+            return Err("--dispatch vllm needs --engine vllm".into());
+        }
+        if self.vllm_frontend != VllmFrontend::Python {
+            return Err("--vllm-frontend needs --engine vllm".into());
+        }
+        if !self.rank_ports {
+            if self.dp_start_rank.iter().any(|start| *start != 0) {
+                return Err(
+                    "--dp-start-rank in SGLang mode needs --rank-ports: SGLang's one HTTP server of a DP group numbers its ranks from 0"
+                        .into(),
+                );
+            }
+            if self.rank_port_loads != RankPortLoads::PerRank {
+                return Err("--rank-port-loads needs --rank-ports".into());
+            }
+        }
+        Ok(())
+    }
+
+    /// Checks the per-worker lists against the number of workers.
+    pub fn validate_workers(&self, workers: usize) -> Result<(), String> {
+        let starts = self.dp_start_rank.len();
+        if starts > 1 && starts != workers {
+            return Err(format!(
+                "give none, one or one --dp-start-rank per --listen ({workers} workers, {starts} start ranks)"
+            ));
+        }
+        Ok(())
+    }
+
+    /// The global rank of `worker`'s first rank (0 by default).
+    pub fn start_rank(&self, worker: usize) -> usize {
+        match self.dp_start_rank.as_slice() {
+            [] => 0,
+            [start] => *start,
+            starts => starts.get(worker).copied().unwrap_or(0),
+        }
+    }
+
+    /// The global rank of `worker`'s rank `local`.
+    pub fn global_rank(&self, worker: usize, local: usize) -> usize {
+        self.start_rank(worker) + local
     }
 
     fn validate_vllm(&self) -> Result<(), String> {
@@ -458,6 +568,12 @@ impl SimConfig {
         }
         if self.api_server_count == Some(0) {
             return Err("--api-server-count must be at least 1".into());
+        }
+        if self.rank_ports {
+            return Err("--rank-ports is SGLang's layout (SGLANG_RUST_SERVER=1); vLLM serves one port per API server (--dp-start-rank for hybrid or external load balancing)".into());
+        }
+        if self.rank_port_loads != RankPortLoads::PerRank {
+            return Err("--rank-port-loads needs --rank-ports".into());
         }
         Ok(())
     }
@@ -607,6 +723,11 @@ pub struct Cli {
     /// give none or one per --listen, in the same order.
     #[arg(long = "bootstrap-port")]
     pub bootstrap_port: Vec<u16>,
+    /// SGLang mode: a further listener per worker (same IP as --listen)
+    /// answering `/v1/loads` and `/get_load` for every rank of the worker;
+    /// give none or one per --listen, in the same order.
+    #[arg(long = "loads-port")]
+    pub loads_port: Vec<u16>,
     #[command(flatten)]
     pub sim: SimConfig,
 }

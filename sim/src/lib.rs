@@ -17,6 +17,9 @@ pub mod sync;
 pub mod tokenizer;
 pub mod worker;
 
-pub use config::{Admission, Cli, Dispatch, EngineKind, RankHeader, Role, SimConfig, Toggle, VllmVersion};
+pub use config::{
+    Admission, Cli, Dispatch, EngineKind, RankHeader, RankPortLoads, Role, SimConfig, Toggle, VllmFrontend,
+    VllmVersion,
+};
 pub use engine::cost::CostPreset;
 pub use server::SimServer;

@@ -19,6 +19,9 @@ pub struct LoadView<'a> {
     pub with_total: bool,
     /// Empty ranks appended (a fault: a worker reporting the wrong size).
     pub extra_ranks: usize,
+    /// The `dp_rank` reported for the first snapshot (the worker's start
+    /// rank, plus the rank for one rank's report); the others follow.
+    pub first_rank: usize,
     pub timestamp: SystemTime,
 }
 
@@ -65,7 +68,7 @@ pub fn v1_loads(view: &LoadView) -> Value {
             hit_rates.push(load.cache_hit_rate);
             throughput += load.gen_throughput;
             let mut row = Map::new();
-            row.insert("dp_rank".into(), json!(index));
+            row.insert("dp_rank".into(), json!(view.first_rank + index));
             row.insert("num_running_reqs".into(), json!(load.running));
             row.insert("num_waiting_reqs".into(), json!(load.waiting));
             row.insert("num_total_reqs".into(), json!(load.running + load.waiting));
@@ -132,7 +135,7 @@ pub fn get_load(view: &LoadView) -> Value {
             .map(|index| {
                 let (load, offset) = view.rank(index);
                 json!({
-                    "dp_rank": index,
+                    "dp_rank": view.first_rank + index,
                     "num_reqs": load.running + load.waiting,
                     "num_waiting_reqs": load.waiting,
                     "num_tokens": load.total_tokens + offset,

@@ -3,31 +3,41 @@ use std::process::ExitCode;
 use std::sync::Arc;
 
 use clap::Parser;
+use dprank_sim::server::WorkerAddrs;
 use dprank_sim::{Cli, SimServer};
 
-async fn run(cli: Cli) -> Result<(), String> {
-    if !cli.bootstrap_port.is_empty() && cli.bootstrap_port.len() != cli.listen.len() {
+/// A per-worker port list: none, or one per `--listen`.
+fn per_worker(flag: &str, ports: &[u16], listen: &[SocketAddr]) -> Result<Vec<Option<SocketAddr>>, String> {
+    if !ports.is_empty() && ports.len() != listen.len() {
         return Err(format!(
-            "give one --bootstrap-port per --listen ({} listeners, {} bootstrap ports)",
-            cli.listen.len(),
-            cli.bootstrap_port.len()
+            "give one {flag} per --listen ({} listeners, {} {flag} ports)",
+            listen.len(),
+            ports.len()
         ));
     }
-    let config = Arc::new(cli.sim);
-    // The bootstrap listener shares the worker's IP address.
-    let listeners: Vec<(SocketAddr, Option<SocketAddr>)> = cli
-        .listen
+    // These listeners share the worker's IP address.
+    Ok(listen
         .iter()
         .enumerate()
-        .map(|(index, listen)| {
-            let bootstrap = cli
-                .bootstrap_port
-                .get(index)
-                .map(|port| SocketAddr::new(listen.ip(), *port));
-            (*listen, bootstrap)
+        .map(|(index, listen)| ports.get(index).map(|port| SocketAddr::new(listen.ip(), *port)))
+        .collect())
+}
+
+async fn run(cli: Cli) -> Result<(), String> {
+    let bootstrap = per_worker("--bootstrap-port", &cli.bootstrap_port, &cli.listen)?;
+    let loads = per_worker("--loads-port", &cli.loads_port, &cli.listen)?;
+    let workers: Vec<WorkerAddrs> = cli
+        .listen
+        .iter()
+        .zip(bootstrap.into_iter().zip(loads))
+        .map(|(listen, (bootstrap, loads))| WorkerAddrs {
+            listen: *listen,
+            bootstrap,
+            loads,
         })
         .collect();
-    let servers = SimServer::start_fleet(config, &listeners).await?;
+    let config = Arc::new(cli.sim);
+    let servers = SimServer::start_workers(config, &workers).await?;
     for server in &servers {
         println!("{}", server.ready_line());
     }

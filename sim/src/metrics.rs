@@ -32,6 +32,10 @@ pub struct MetricsView<'a> {
     pub stats: &'a [EngineStats],
     /// Empty engines appended (a server reporting the wrong size).
     pub extra_engines: usize,
+    /// The `engine` label of the first engine: the server's start rank
+    /// (`--data-parallel-start-rank`; vLLM labels the engines an API server
+    /// manages with their global ranks). The others follow.
+    pub first_engine: usize,
     pub model: &'a str,
     pub block_size: u64,
     /// KV blocks of one engine. `cache_config_info` shows their sum over
@@ -143,9 +147,9 @@ impl Writer<'_> {
             .stats
             .iter()
             .enumerate()
-            .map(|(index, stats)| (index.to_string(), *stats))
+            .map(|(index, stats)| ((self.view.first_engine + index).to_string(), *stats))
             .collect();
-        let base = engines.len();
+        let base = self.view.first_engine + engines.len();
         engines.extend(
             (0..self.view.extra_engines).map(|extra| ((base + extra).to_string(), EngineStats::default())),
         );
@@ -490,6 +494,7 @@ mod tests {
         MetricsView {
             stats,
             extra_engines: 0,
+            first_engine: 0,
             model: "org/model \"x\"",
             block_size: 16,
             num_gpu_blocks: 25_000,

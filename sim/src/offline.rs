@@ -28,7 +28,7 @@ use crate::config::SimConfig;
 use crate::engine::{self, Arrival, Event, EventKind, Micros, RankSnapshot, ReqId};
 use crate::loads::{self, LoadView};
 use crate::metrics::{self, Garble, MetricsView};
-use crate::tokenizer;
+use crate::{protocol, tokenizer};
 
 /// A prompt as a client sends it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -51,8 +51,13 @@ pub struct Request {
     /// runs to `max_new_tokens`. Given apart from the prompt, as
     /// `/_sim/answers` gives it to the HTTP server (`crate::answers`).
     pub answer_tokens: Option<u64>,
-    /// The rank the request names (`routed_dp_rank`), if any.
+    /// The rank the request names (`routed_dp_rank`), if any: the worker's
+    /// local index, whatever its start rank.
     pub rank: Option<usize>,
+    /// vLLM mode: the `X-data-parallel-rank` header it carries, read as the
+    /// server's frontend reads it (`--vllm-frontend`: a local index for
+    /// Python, a global rank for Rust); `rank` wins if both are set.
+    pub rank_header: Option<String>,
     /// Its `priority`, if it sent one.
     pub priority: Option<i64>,
 }
@@ -64,8 +69,15 @@ impl Request {
             max_new_tokens,
             answer_tokens: None,
             rank: None,
+            rank_header: None,
             priority: None,
         }
+    }
+
+    /// vLLM mode: sends `X-data-parallel-rank: value` (see `rank_header`).
+    pub fn with_rank_header(mut self, value: impl Into<String>) -> Self {
+        self.rank_header = Some(value.into());
+        self
     }
 
     /// The answer ends after `tokens` tokens (or at the cap, if lower).
@@ -139,6 +151,7 @@ impl Fleet {
     /// `instant` and the HTTP-only options play no part.
     pub fn new(config: SimConfig, workers: usize) -> Result<Self, String> {
         config.validate()?;
+        config.validate_workers(workers)?;
         let mut engine = engine::Fleet::new(&config, workers);
         engine.set_every_token(false);
         Ok(Self {
@@ -180,6 +193,11 @@ impl Fleet {
                 ));
             }
         }
+        let rank = match (request.rank, &request.rank_header) {
+            (Some(rank), _) => Some(rank),
+            (None, Some(value)) => self.header_rank(worker, value)?,
+            (None, None) => None,
+        };
         self.advance(at);
         let (prompt, pretokenized) = match request.prompt {
             Prompt::Text(text) => (tokenizer::tokens(&text), false),
@@ -198,7 +216,7 @@ impl Fleet {
             prompts: vec![prompt],
             max_new_tokens: max_new,
             answer_tokens: vec![request.answer_tokens],
-            rank: request.rank,
+            rank,
             room: None,
             pretokenized,
             priority: request.priority,
@@ -220,6 +238,34 @@ impl Fleet {
         // Due now if the tokenizer takes no time.
         self.advance(at);
         Ok(submitted.req)
+    }
+
+    /// The local engine an `X-data-parallel-rank` value pins on `worker`,
+    /// read as the HTTP server reads it (vLLM mode only); an out-of-range
+    /// rank is the error message the server answers 400 with.
+    fn header_rank(&self, worker: usize, value: &str) -> Result<Option<usize>, String> {
+        if !self.config.is_vllm() {
+            return Err(
+                "a rank header needs --engine vllm (SGLang requests name their rank with `rank`)".into(),
+            );
+        }
+        let value = axum::http::HeaderValue::from_str(value)
+            .map_err(|err| format!("invalid header value {value:?}: {err}"))?;
+        let mut headers = axum::http::HeaderMap::new();
+        headers.insert("x-data-parallel-rank", value);
+        let scope = protocol::RankScope {
+            start_rank: self.config.start_rank(worker),
+            port_rank: None,
+        };
+        protocol::parse_request_at(
+            protocol::Api::Completions,
+            br#"{"prompt":"x"}"#,
+            &headers,
+            &self.config,
+            &scope,
+        )
+        .map(|parsed| parsed.rank)
+        .map_err(|rejection| rejection.message)
     }
 
     /// Advances virtual time to `until` seconds; returns what happened
@@ -365,7 +411,7 @@ impl Fleet {
         self.engine.published(worker)
     }
 
-    fn view<'a>(&self, snapshots: &'a [RankSnapshot]) -> LoadView<'a> {
+    fn view<'a>(&self, snapshots: &'a [RankSnapshot], first_rank: usize) -> LoadView<'a> {
         LoadView {
             snapshots,
             base_tokens: &[],
@@ -373,14 +419,30 @@ impl Fleet {
             max_running: self.config.max_running(),
             with_total: !self.config.no_total_tokens,
             extra_ranks: 0,
+            first_rank,
             timestamp: SystemTime::UNIX_EPOCH + Duration::from_micros(self.now),
         }
     }
 
-    /// What `GET /v1/loads` on `worker` would answer now.
+    /// What `GET /v1/loads` on `worker` would answer now (`dp_rank` counted
+    /// from the worker's start rank).
     pub fn v1_loads(&self, worker: usize) -> Value {
         let snapshots = self.snapshots(worker);
-        loads::v1_loads(&self.view(&snapshots))
+        loads::v1_loads(&self.view(&snapshots, self.config.start_rank(worker)))
+    }
+
+    /// SGLang `--rank-ports`: what `GET /v1/loads` on the port of `worker`'s
+    /// rank `rank` (local index) answers with the per-rank loads: that rank
+    /// alone, `dp_rank` its global rank.
+    pub fn rank_v1_loads(&self, worker: usize, rank: usize) -> Value {
+        let snapshots: Vec<RankSnapshot> = self.snapshots(worker).get(rank).copied().into_iter().collect();
+        loads::v1_loads(&self.view(&snapshots, self.config.global_rank(worker, rank)))
+    }
+
+    /// The global rank of `worker`'s engine or rank `local` (what `/metrics`
+    /// labels it, `x-sim-dp-rank` names it); [`Report::rank`] is the local one.
+    pub fn global_rank(&self, worker: usize, local: usize) -> usize {
+        self.config.global_rank(worker, local)
     }
 
     /// vLLM mode: what each engine of `worker` last reported.
@@ -396,6 +458,7 @@ impl Fleet {
         metrics::exposition(&MetricsView {
             stats: &stats,
             extra_engines: 0,
+            first_engine: self.config.start_rank(worker),
             model: &self.config.model,
             block_size: self.config.block_size(),
             num_gpu_blocks: self.config.num_gpu_blocks(),
@@ -408,7 +471,7 @@ impl Fleet {
     /// What `GET /get_load` on `worker` would answer now.
     pub fn get_load(&self, worker: usize) -> Value {
         let snapshots = self.snapshots(worker);
-        loads::get_load(&self.view(&snapshots))
+        loads::get_load(&self.view(&snapshots, self.config.start_rank(worker)))
     }
 
     /// The model itself, for tests that look inside.

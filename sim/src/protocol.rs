@@ -4,7 +4,7 @@ use axum::http::HeaderMap;
 use bytes::Bytes;
 use serde_json::{json, Map, Value};
 
-use crate::config::{RankHeader, Role, SimConfig, VllmVersion};
+use crate::config::{RankHeader, Role, SimConfig, VllmFrontend, VllmVersion};
 use crate::output::{text_upto, token_text};
 use crate::{answers, chat, tokenizer};
 
@@ -61,6 +61,18 @@ pub struct Rejection {
     /// Answered as a stream: 200, one SSE error event, then `[DONE]` (how
     /// vLLM 0.34 refuses an out-of-range rank on a streamed request).
     pub in_stream: bool,
+    /// The JSON error body, when not [`error_body`]'s (vLLM's Rust frontend
+    /// words its errors its own way).
+    pub body: Option<Value>,
+}
+
+impl Rejection {
+    /// The JSON body answered.
+    pub fn json(&self) -> Value {
+        self.body
+            .clone()
+            .unwrap_or_else(|| error_body(self.status, &self.message))
+    }
 }
 
 fn bad_request(message: impl Into<String>) -> Rejection {
@@ -68,7 +80,19 @@ fn bad_request(message: impl Into<String>) -> Rejection {
         status: 400,
         message: message.into(),
         in_stream: false,
+        body: None,
     }
+}
+
+/// Where a serving request arrived, as far as its rank goes: the global
+/// rank of the worker's first rank, and the rank a rank port serves.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct RankScope {
+    /// The global rank of the worker's rank 0 (`--dp-start-rank`).
+    pub start_rank: usize,
+    /// SGLang `--rank-ports`: the (local) rank the port serves; rank fields
+    /// and headers are then checked for their type only and ignored.
+    pub port_rank: Option<usize>,
 }
 
 /// Python's `int(text)` on a header value: surrounding whitespace, an
@@ -109,25 +133,74 @@ pub fn python_int(bytes: &[u8]) -> Option<i128> {
     Some(if negative { -value } else { value })
 }
 
-/// vLLM: the rank `X-data-parallel-rank` pins (`_get_data_parallel_rank`:
-/// first value, not an integer = no rank); an out-of-range one is refused
-/// as vLLM's input processor refuses it.
-fn vllm_rank(headers: &HeaderMap, config: &SimConfig, stream: bool) -> Result<Option<usize>, Rejection> {
+/// vLLM's Rust frontend's reading of a header value
+/// (`process_common_headers`): visible ASCII (`HeaderValue::to_str`),
+/// trimmed, parsed as a `u32` (`"+1"` is 1; `"-1"`, `"1_0"`, `"1.0"` and
+/// numbers beyond `u32` are not ranks).
+pub fn rust_u32(value: &axum::http::HeaderValue) -> Option<u32> {
+    value.to_str().ok()?.trim().parse().ok()
+}
+
+/// vLLM: the (local) engine `X-data-parallel-rank` pins, or None for vLLM's
+/// own balancer. Python frontend (`_get_data_parallel_rank`, then
+/// `InputProcessor.process_inputs`): first value, Python `int()`, not an
+/// integer = no rank, a local index that must lie in `[0, N)`. Rust frontend
+/// (`process_common_headers`, then `choose_engine_for_request`): `u32`, not
+/// one = no rank, the global rank of one of the server's engines `S..S+N`.
+fn vllm_rank(
+    headers: &HeaderMap,
+    config: &SimConfig,
+    scope: &RankScope,
+    stream: bool,
+) -> Result<Option<usize>, Rejection> {
     let Some(value) = headers.get("x-data-parallel-rank") else {
         return Ok(None);
     };
-    let Some(rank) = python_int(value.as_bytes()) else {
-        return Ok(None);
-    };
-    let dp_size = config.dp_size();
-    if rank < 0 || rank >= dp_size as i128 {
-        return Err(Rejection {
-            status: 400,
-            message: format!("data_parallel_rank {rank} is out of range [0, {dp_size})."),
-            in_stream: stream && config.vllm_version == VllmVersion::V0_34,
-        });
+    let engines = config.dp_size();
+    match config.vllm_frontend {
+        VllmFrontend::Python => {
+            let Some(rank) = python_int(value.as_bytes()) else {
+                return Ok(None);
+            };
+            if rank < 0 || rank >= engines as i128 {
+                return Err(Rejection {
+                    status: 400,
+                    message: format!("data_parallel_rank {rank} is out of range [0, {engines})."),
+                    in_stream: stream && config.vllm_version == VllmVersion::V0_34,
+                    body: None,
+                });
+            }
+            Ok(Some(rank as usize))
+        }
+        VllmFrontend::Rust => {
+            let Some(rank) = rust_u32(value) else {
+                return Ok(None);
+            };
+            let local = (rank as usize).checked_sub(scope.start_rank);
+            match local.filter(|local| *local < engines) {
+                Some(local) => Ok(Some(local)),
+                None => Err(rust_frontend_rank_error(rank, engines)),
+            }
+        }
     }
-    Ok(Some(rank as usize))
+}
+
+/// The Rust frontend's answer to a rank none of its engines has: 400
+/// before any streaming (`Error::InvalidDataParallelRank`, a request
+/// validation error, rendered by `ApiError::InvalidRequest`).
+fn rust_frontend_rank_error(rank: u32, engines: usize) -> Rejection {
+    let message = format!("data parallel rank {rank} is out of range for {engines} engine(s)");
+    Rejection {
+        status: 400,
+        body: Some(json!({"error": {
+            "message": message,
+            "type": "invalid_request_error",
+            "param": null,
+            "code": "invalid_request_error",
+        }})),
+        message,
+        in_stream: false,
+    }
 }
 
 /// The tokens of a text prompt; an empty prompt still counts one token.
@@ -164,7 +237,12 @@ fn rank_fields(role: Role) -> &'static [&'static str] {
     }
 }
 
-fn check_range(name: &str, rank: i64, dp_size: usize) -> Result<usize, Rejection> {
+/// A rank in `[0, dp_size)`; with no `dp_size` (a rank port, which ignores
+/// the value) any integer passes.
+fn check_range(name: &str, rank: i64, dp_size: Option<usize>) -> Result<usize, Rejection> {
+    let Some(dp_size) = dp_size else {
+        return Ok(rank.max(0) as usize);
+    };
     if rank < 0 || rank as u64 >= dp_size as u64 {
         return Err(bad_request(format!(
             "{name}={rank} is out of range [0, {dp_size})"
@@ -173,7 +251,11 @@ fn check_range(name: &str, rank: i64, dp_size: usize) -> Result<usize, Rejection
     Ok(rank as usize)
 }
 
-fn parse_rank(body: &Map<String, Value>, role: Role, dp_size: usize) -> Result<Option<usize>, Rejection> {
+fn parse_rank(
+    body: &Map<String, Value>,
+    role: Role,
+    dp_size: Option<usize>,
+) -> Result<Option<usize>, Rejection> {
     let mut chosen = None;
     for name in rank_fields(role) {
         let Some(value) = body.get(*name) else {
@@ -398,6 +480,20 @@ pub fn parse_request(
     headers: &HeaderMap,
     config: &SimConfig,
 ) -> Result<ParsedRequest, Rejection> {
+    parse_request_at(api, body, headers, config, &RankScope::default())
+}
+
+/// [`parse_request`] for a request that arrived where `scope` says: the
+/// rank it names read against the worker's start rank (vLLM's Rust
+/// frontend), or replaced by the rank of the port (SGLang `--rank-ports`).
+/// The rank returned is the worker's local index.
+pub fn parse_request_at(
+    api: Api,
+    body: &[u8],
+    headers: &HeaderMap,
+    config: &SimConfig,
+    scope: &RankScope,
+) -> Result<ParsedRequest, Rejection> {
     let value: Value =
         serde_json::from_slice(body).map_err(|err| bad_request(format!("invalid JSON body: {err}")))?;
     let Value::Object(body) = value else {
@@ -431,16 +527,18 @@ pub fn parse_request(
         // vLLM has no body field for the rank: the header alone pins it,
         // on the OpenAI endpoints (the only serving ones it has here).
         let rank = if reads_rank_header(api, config.rank_header) {
-            vllm_rank(headers, config, stream)?
+            vllm_rank(headers, config, scope, stream)?
         } else {
             None
         };
         (rank, None)
     } else {
-        let mut rank = parse_rank(&body, role, dp_size)?;
+        // A rank port serves its rank whatever the request names.
+        let limit = scope.port_rank.is_none().then_some(dp_size);
+        let mut rank = parse_rank(&body, role, limit)?;
         if reads_rank_header(api, config.rank_header) {
             if let Some(header) = header_int(headers, "x-data-parallel-rank")? {
-                rank = Some(check_range("x-data-parallel-rank", header, dp_size)?);
+                rank = Some(check_range("x-data-parallel-rank", header, limit)?);
             }
         }
         let overrides = if config.header_overrides && applies_overrides(api) {
@@ -449,7 +547,10 @@ pub fn parse_request(
             Overrides::default()
         };
         if let Some(header) = overrides.routed_dp_rank {
-            rank = Some(check_range("x-override-routed-dp-rank", header, dp_size)?);
+            rank = Some(check_range("x-override-routed-dp-rank", header, limit)?);
+        }
+        if scope.port_rank.is_some() {
+            rank = scope.port_rank;
         }
         (rank, Some(overrides))
     };

@@ -1,4 +1,7 @@
-//! HTTP endpoints of a simulated worker.
+//! HTTP endpoints of a simulated worker, and its listeners: the main port
+//! (or, SGLang `--rank-ports`, one port per rank), the prefill bootstrap
+//! port and the whole-worker loads port (sim/README.md, "Deployment
+//! layouts").
 
 use std::io;
 use std::net::SocketAddr;
@@ -21,8 +24,8 @@ use tokio::sync::mpsc::UnboundedReceiver;
 use tokio::task::JoinHandle;
 
 use crate::answers::AnswersUpdate;
-use crate::config::{Role, SimConfig};
-use crate::protocol::{self, Api, ParsedRequest, Rejection, ResponseShape};
+use crate::config::{RankPortLoads, Role, SimConfig};
+use crate::protocol::{self, Api, ParsedRequest, RankScope, Rejection, ResponseShape};
 use crate::sync::lock;
 use crate::worker::{ControlUpdate, LoadFault, Progress, Record, RequestGuard, Server, ServingFault, Shared};
 
@@ -51,16 +54,40 @@ fn unix_seconds() -> u64 {
         .map_or(0, |elapsed| elapsed.as_secs())
 }
 
-/// One server of the process, as its HTTP handlers see it.
+/// One server of the process, as the HTTP handlers of one of its ports
+/// see it.
 #[derive(Clone)]
 pub struct Listener {
     pub shared: Arc<Shared>,
     pub index: usize,
+    /// SGLang `--rank-ports`: the (local) rank this port serves.
+    pub port_rank: Option<usize>,
 }
 
 impl Listener {
     fn server(&self) -> &Server {
         &self.shared.servers[self.index]
+    }
+
+    /// How a request arriving here names its rank.
+    fn scope(&self) -> RankScope {
+        RankScope {
+            start_rank: self.shared.config.start_rank(self.index),
+            port_rank: self.port_rank,
+        }
+    }
+
+    /// What this port's load endpoints report: Some(None) every rank of
+    /// the worker, Some(Some(r)) rank r alone, None nothing (404).
+    fn loads_scope(&self) -> Option<Option<usize>> {
+        let Some(rank) = self.port_rank else {
+            return Some(None);
+        };
+        match self.shared.config.rank_port_loads {
+            RankPortLoads::PerRank => Some(Some(rank)),
+            RankPortLoads::Base => (rank == 0).then_some(None),
+            RankPortLoads::None => None,
+        }
     }
 }
 
@@ -177,6 +204,22 @@ async fn metrics(State(worker): State<Listener>) -> Response {
     }
 }
 
+/// The router of a worker's loads listener (`--loads-port`): the load
+/// endpoints for every rank of the worker, whatever `--rank-port-loads`
+/// says.
+pub fn loads_router(worker: Listener) -> Router {
+    Router::new()
+        .route("/health", get(|| async { StatusCode::OK }))
+        .route("/get_load", get(get_load))
+        .route("/v1/loads", get(v1_loads))
+        .fallback(not_found)
+        .layer(middleware::from_fn_with_state(worker.clone(), tag_response))
+        .with_state(Listener {
+            port_rank: None,
+            ..worker
+        })
+}
+
 /// The router of the prefill bootstrap listener: only the KV rooms.
 pub fn bootstrap_router(worker: Listener) -> Router {
     Router::new()
@@ -252,7 +295,10 @@ async fn get_load(State(worker): State<Listener>) -> Response {
     if worker.shared.config.is_vllm() {
         return not_found().await;
     }
-    load_response(&worker, false).await
+    match worker.loads_scope() {
+        Some(rank) => load_response(&worker, rank, false).await,
+        None => not_found().await,
+    }
 }
 
 async fn v1_loads(State(worker): State<Listener>) -> Response {
@@ -260,17 +306,15 @@ async fn v1_loads(State(worker): State<Listener>) -> Response {
     if worker.shared.config.no_v1_loads {
         return not_found().await;
     }
-    load_response(&worker, true).await
+    match worker.loads_scope() {
+        Some(rank) => load_response(&worker, rank, true).await,
+        None => not_found().await,
+    }
 }
 
-async fn load_response(worker: &Listener, v1: bool) -> Response {
-    let report = |extra_ranks| {
-        if v1 {
-            worker.shared.v1_loads_json(worker.index, extra_ranks)
-        } else {
-            worker.shared.get_load_json(worker.index, extra_ranks)
-        }
-    };
+/// A load report: every rank of the worker, or `rank` alone.
+async fn load_response(worker: &Listener, rank: Option<usize>, v1: bool) -> Response {
+    let report = |extra_ranks| worker.shared.loads_json(worker.index, rank, extra_ranks, v1);
     match worker.server().control().load_fault {
         LoadFault::None | LoadFault::Nan | LoadFault::WrongLabels | LoadFault::Huge => {
             json_response(StatusCode::OK, &report(0))
@@ -434,7 +478,8 @@ async fn serve(
     );
     let control = server.control();
     let (mut response, served) = answer(&worker, api, &headers, &body, control.serving_fault).await;
-    let rank = served.map(|(_, rank)| rank);
+    // Recordings and `x-sim-dp-rank` name the global rank.
+    let rank = served.map(|(serving, rank)| worker.shared.config.global_rank(serving, rank));
     {
         let mut record = lock(&record);
         record.rank = rank;
@@ -479,7 +524,8 @@ fn rejection_response(rejection: &Rejection) -> Response {
         )
             .into_response();
     }
-    error_response(rejection.status, &rejection.message)
+    let code = StatusCode::from_u16(rejection.status).unwrap_or(StatusCode::BAD_REQUEST);
+    json_response(code, &rejection.json())
 }
 
 static RESPONSE_IDS: AtomicU64 = AtomicU64::new(1);
@@ -497,10 +543,11 @@ async fn answer(
     }
     let shared = &listener.shared;
     let config = &shared.config;
-    let request: ParsedRequest = match protocol::parse_request(api, body, headers, config) {
-        Ok(request) => request,
-        Err(rejection) => return (rejection_response(&rejection), None),
-    };
+    let request: ParsedRequest =
+        match protocol::parse_request_at(api, body, headers, config, &listener.scope()) {
+            Ok(request) => request,
+            Err(rejection) => return (rejection_response(&rejection), None),
+        };
     let admitted = match shared.submit(listener.index, &request) {
         Ok(admitted) => admitted,
         Err(rejection) => return (rejection_response(&rejection), None),
@@ -712,18 +759,103 @@ impl Drop for Tasks {
 /// A running simulated worker; dropping every worker of a fleet stops the
 /// model's tasks, dropping one stops its listeners.
 pub struct SimServer {
+    /// The main port (SGLang `--rank-ports`: rank 0's, the base port).
     pub addr: SocketAddr,
     pub bootstrap_addr: Option<SocketAddr>,
+    /// SGLang `--rank-ports`: the port of each rank, in rank order
+    /// (`addr` first); empty otherwise.
+    pub rank_addrs: Vec<SocketAddr>,
+    /// `--loads-port`: the listener answering the whole worker's loads.
+    pub loads_addr: Option<SocketAddr>,
     pub shared: Arc<Shared>,
     pub index: usize,
     _listeners: Tasks,
     _model: Arc<Tasks>,
 }
 
+/// Where one worker listens: its main address (with `--rank-ports`, the
+/// base port: rank r listens on its port + r), and the optional prefill
+/// bootstrap and loads listeners. Port 0 picks free ports (with
+/// `--rank-ports`, a free run of consecutive ones).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WorkerAddrs {
+    pub listen: SocketAddr,
+    pub bootstrap: Option<SocketAddr>,
+    pub loads: Option<SocketAddr>,
+}
+
+impl WorkerAddrs {
+    pub fn new(listen: SocketAddr) -> Self {
+        Self {
+            listen,
+            bootstrap: None,
+            loads: None,
+        }
+    }
+}
+
 async fn bind(addr: SocketAddr) -> Result<TcpListener, String> {
     TcpListener::bind(addr)
         .await
         .map_err(|err| format!("cannot listen on {addr}: {err}"))
+}
+
+fn local_addr(listener: &TcpListener) -> Result<SocketAddr, String> {
+    listener.local_addr().map_err(|err| err.to_string())
+}
+
+/// Attempts at finding a free run of consecutive ports for `--rank-ports`
+/// on port 0.
+const RANK_PORT_ATTEMPTS: usize = 64;
+
+/// The listeners of `count` rank ports: `base`, `base + 1`, ... (on port 0,
+/// the first free run found).
+async fn bind_rank_ports(base: SocketAddr, count: usize) -> Result<Vec<TcpListener>, String> {
+    let consecutive = |first: SocketAddr, listener: TcpListener| async move {
+        let mut listeners = vec![listener];
+        for offset in 1..count {
+            let port = u16::try_from(usize::from(first.port()) + offset)
+                .map_err(|_| format!("rank port {} + {offset} is beyond 65535", first.port()))?;
+            listeners.push(bind(SocketAddr::new(first.ip(), port)).await?);
+        }
+        Ok::<_, String>(listeners)
+    };
+    if base.port() != 0 {
+        return consecutive(base, bind(base).await?).await;
+    }
+    let mut last_error = String::new();
+    for _ in 0..RANK_PORT_ATTEMPTS {
+        let first = bind(base).await?;
+        let addr = local_addr(&first)?;
+        match consecutive(addr, first).await {
+            Ok(listeners) => return Ok(listeners),
+            Err(err) => last_error = err,
+        }
+    }
+    Err(format!(
+        "no run of {count} free consecutive ports found on {} ({last_error})",
+        base.ip()
+    ))
+}
+
+/// The bound listeners of one worker, before the model starts.
+struct BoundWorker {
+    /// One, or one per rank with `--rank-ports` (rank 0's first).
+    main: Vec<TcpListener>,
+    addrs: Vec<SocketAddr>,
+    bootstrap: Option<(TcpListener, SocketAddr)>,
+    loads: Option<(TcpListener, SocketAddr)>,
+}
+
+async fn bind_optional(addr: Option<SocketAddr>) -> Result<Option<(TcpListener, SocketAddr)>, String> {
+    match addr {
+        Some(addr) => {
+            let listener = bind(addr).await?;
+            let addr = local_addr(&listener)?;
+            Ok(Some((listener, addr)))
+        }
+        None => Ok(None),
+    }
 }
 
 fn spawn_server(listener: TcpListener, app: Router) -> JoinHandle<()> {
@@ -756,22 +888,40 @@ impl SimServer {
         config: Arc<SimConfig>,
         listeners: &[(SocketAddr, Option<SocketAddr>)],
     ) -> Result<Vec<Self>, String> {
+        let workers: Vec<WorkerAddrs> = listeners
+            .iter()
+            .map(|(listen, bootstrap)| WorkerAddrs {
+                bootstrap: *bootstrap,
+                ..WorkerAddrs::new(*listen)
+            })
+            .collect();
+        Self::start_workers(config, &workers).await
+    }
+
+    /// Workers sharing one model, each listening where its [`WorkerAddrs`]
+    /// say.
+    pub async fn start_workers(config: Arc<SimConfig>, workers: &[WorkerAddrs]) -> Result<Vec<Self>, String> {
         config.validate()?;
-        let mut bound = Vec::new();
-        for (listen, bootstrap) in listeners {
-            let listener = bind(*listen).await?;
-            let addr = listener.local_addr().map_err(|err| err.to_string())?;
-            let bootstrap_listener = match bootstrap {
-                Some(bootstrap) => Some(bind(*bootstrap).await?),
-                None => None,
-            };
-            let bootstrap_addr = match &bootstrap_listener {
-                Some(listener) => Some(listener.local_addr().map_err(|err| err.to_string())?),
-                None => None,
-            };
-            bound.push((listener, addr, bootstrap_listener, bootstrap_addr));
+        config.validate_workers(workers.len())?;
+        if config.is_vllm() && workers.iter().any(|worker| worker.loads.is_some()) {
+            return Err("--loads-port is SGLang's (vLLM publishes its loads on /metrics)".into());
         }
-        let names = bound.iter().map(|(_, addr, _, _)| addr.to_string()).collect();
+        let mut bound = Vec::new();
+        for worker in workers {
+            let main = if config.rank_ports {
+                bind_rank_ports(worker.listen, config.dp_size()).await?
+            } else {
+                vec![bind(worker.listen).await?]
+            };
+            let addrs = main.iter().map(local_addr).collect::<Result<Vec<_>, _>>()?;
+            bound.push(BoundWorker {
+                main,
+                addrs,
+                bootstrap: bind_optional(worker.bootstrap).await?,
+                loads: bind_optional(worker.loads).await?,
+            });
+        }
+        let names = bound.iter().map(|worker| worker.addrs[0].to_string()).collect();
         let shared = Shared::new(config.clone(), names)?;
         let model = if config.instant {
             Arc::new(Tasks(Vec::new()))
@@ -785,18 +935,37 @@ impl SimServer {
             ))
         };
         let mut servers = Vec::new();
-        for (index, (listener, addr, bootstrap_listener, bootstrap_addr)) in bound.into_iter().enumerate() {
+        for (index, worker) in bound.into_iter().enumerate() {
             let handle = Listener {
                 shared: shared.clone(),
                 index,
+                port_rank: None,
             };
-            let mut tasks = vec![spawn_server(listener, router(handle.clone()))];
-            if let Some(listener) = bootstrap_listener {
-                tasks.push(spawn_server(listener, bootstrap_router(handle)));
+            let mut tasks = Vec::new();
+            for (rank, listener) in worker.main.into_iter().enumerate() {
+                let port = Listener {
+                    port_rank: config.rank_ports.then_some(rank),
+                    ..handle.clone()
+                };
+                tasks.push(spawn_server(listener, router(port)));
             }
+            let bootstrap_addr = worker.bootstrap.map(|(listener, addr)| {
+                tasks.push(spawn_server(listener, bootstrap_router(handle.clone())));
+                addr
+            });
+            let loads_addr = worker.loads.map(|(listener, addr)| {
+                tasks.push(spawn_server(listener, loads_router(handle.clone())));
+                addr
+            });
             servers.push(Self {
-                addr,
+                addr: worker.addrs[0],
                 bootstrap_addr,
+                rank_addrs: if config.rank_ports {
+                    worker.addrs
+                } else {
+                    Vec::new()
+                },
+                loads_addr,
                 shared: shared.clone(),
                 index,
                 _listeners: Tasks(tasks),
@@ -806,7 +975,9 @@ impl SimServer {
         Ok(servers)
     }
 
-    /// The line printed once the worker is bound.
+    /// The line printed once the worker is bound: `ready <addr> role=..
+    /// dp_size=..`, then what differs from the defaults, every port among
+    /// it.
     pub fn ready_line(&self) -> String {
         let config = &self.shared.config;
         let mut line = format!(
@@ -821,10 +992,29 @@ impl SimServer {
         if config.is_vllm() {
             line.push_str(&format!(" engine=vllm-{}", config.vllm_version.name()));
         }
+        let start = config.start_rank(self.index);
+        if start != 0 {
+            line.push_str(&format!(" dp_start_rank={start}"));
+        }
+        if config.is_vllm() && config.vllm_frontend != crate::config::VllmFrontend::Python {
+            line.push_str(&format!(" frontend={}", config.vllm_frontend.name()));
+        }
+        if !self.rank_addrs.is_empty() {
+            let ports: Vec<String> = self.rank_addrs.iter().map(ToString::to_string).collect();
+            line.push_str(&format!(" rank_ports={}", ports.join(",")));
+        }
+        if let Some(loads) = self.loads_addr {
+            line.push_str(&format!(" loads={loads}"));
+        }
         line
     }
 
     pub fn url(&self) -> String {
         format!("http://{}", self.addr)
+    }
+
+    /// SGLang `--rank-ports`: the URL of rank `rank`'s port (local index).
+    pub fn rank_url(&self, rank: usize) -> Option<String> {
+        self.rank_addrs.get(rank).map(|addr| format!("http://{addr}"))
     }
 }

@@ -379,6 +379,7 @@ impl Shared {
         let Some(max_new_tokens) = config.fit_output(longest, wanted) else {
             return Err(Rejection {
                 in_stream: false,
+                body: None,
                 status: 400,
                 message: format!(
                     "The input ({longest} tokens) is longer than the KV cache capacity ({} tokens) of a rank.",
@@ -743,28 +744,38 @@ impl Shared {
         lock(&self.model).fleet.published(worker)
     }
 
-    fn load_view<'a>(
-        &self,
-        snapshots: &'a [RankSnapshot],
-        base: &'a [u64],
-        extra_ranks: usize,
-    ) -> LoadView<'a> {
-        LoadView {
-            snapshots,
-            base_tokens: base,
+    /// The load report of `worker` (`v1`: `/v1/loads`, else `/get_load`):
+    /// every rank, or with `rank` that one alone (a rank port's report),
+    /// `dp_rank` counted from the worker's start rank.
+    pub fn loads_json(&self, worker: usize, rank: Option<usize>, extra_ranks: usize, v1: bool) -> Value {
+        let mut base = self.servers[worker].control().base_tokens;
+        let mut snapshots = self.snapshots(worker);
+        let mut first_rank = self.config.start_rank(worker);
+        if let Some(rank) = rank {
+            snapshots = snapshots.get(rank).copied().into_iter().collect();
+            base = base.get(rank).copied().into_iter().collect();
+            first_rank += rank;
+        }
+        let view = LoadView {
+            snapshots: &snapshots,
+            base_tokens: &base,
             capacity: self.config.kv_capacity(),
             max_running: self.config.max_running(),
             with_total: !self.config.no_total_tokens,
             extra_ranks,
+            first_rank,
             timestamp: SystemTime::now(),
+        };
+        if v1 {
+            loads::v1_loads(&view)
+        } else {
+            loads::get_load(&view)
         }
     }
 
     /// The load report as `/get_load` shapes it.
     pub fn get_load_json(&self, worker: usize, extra_ranks: usize) -> Value {
-        let base = self.servers[worker].control().base_tokens;
-        let snapshots = self.snapshots(worker);
-        loads::get_load(&self.load_view(&snapshots, &base, extra_ranks))
+        self.loads_json(worker, None, extra_ranks, false)
     }
 
     /// vLLM mode: the `/metrics` text of a server (what each engine last
@@ -791,6 +802,7 @@ impl Shared {
         metrics::exposition(&MetricsView {
             stats: &stats,
             extra_engines: if fault == LoadFault::WrongDpSize { 2 } else { 0 },
+            first_engine: self.config.start_rank(worker),
             model: &self.config.model,
             block_size: self.config.block_size(),
             num_gpu_blocks: self.config.num_gpu_blocks(),
@@ -802,9 +814,7 @@ impl Shared {
 
     /// The load report as `/v1/loads` shapes it.
     pub fn v1_loads_json(&self, worker: usize, extra_ranks: usize) -> Value {
-        let base = self.servers[worker].control().base_tokens;
-        let snapshots = self.snapshots(worker);
-        loads::v1_loads(&self.load_view(&snapshots, &base, extra_ranks))
+        self.loads_json(worker, None, extra_ranks, true)
     }
 }
 
