@@ -164,6 +164,7 @@ impl Membership {
                     address,
                     dp_size: None,
                     bootstrap_port: None,
+                    rank_numbering: None,
                 })
                 .collect();
             self.current = Rc::new(self.base.with_members(workers));

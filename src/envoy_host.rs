@@ -101,8 +101,10 @@ extern "C" {
 // The ABI's enumerations, as far as dprank uses them.
 const OK: u32 = 0;
 const REQUEST_HEADERS: u32 = 0;
+const RESPONSE_HEADERS: u32 = 2;
 const CALL_RESPONSE_HEADERS: u32 = 6;
 const REQUEST_BODY: u32 = 0;
+const RESPONSE_BODY: u32 = 1;
 const CALL_RESPONSE_BODY: u32 = 4;
 const PLUGIN_CONFIGURATION: u32 = 7;
 const STREAM_REQUEST: u32 = 0;
@@ -427,6 +429,21 @@ impl Host for EnvoyHost {
     fn resume_response(&self) -> Result<(), HostError> {
         // SAFETY: a plain integer.
         status(unsafe { proxy_continue_stream(STREAM_RESPONSE) })
+    }
+
+    fn response_status(&self) -> Result<Option<u32>, HostError> {
+        let name = ":status";
+        // SAFETY: the name is valid for the call; see `owned`.
+        let bytes = read_bytes(|data, size| unsafe {
+            proxy_get_header_map_value(RESPONSE_HEADERS, name.as_ptr(), name.len(), data, size)
+        })?;
+        Ok(bytes.and_then(|s| std::str::from_utf8(&s).ok()?.parse().ok()))
+    }
+
+    fn response_body(&self, size: usize) -> Result<Vec<u8>, HostError> {
+        // SAFETY: see `owned`.
+        read_bytes(|data, got| unsafe { proxy_get_buffer_bytes(RESPONSE_BODY, 0, size, data, got) })
+            .map(Option::unwrap_or_default)
     }
 
     fn set_effective_context(&self, context_id: u32) -> Result<(), HostError> {

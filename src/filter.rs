@@ -167,8 +167,8 @@ impl HttpContext for DprankHttp {
         action(self.0.borrow_mut().on_response_headers(&EnvoyHost))
     }
 
-    fn on_http_response_body(&mut self, _body_size: usize, _end_of_stream: bool) -> Action {
-        action(self.0.borrow_mut().on_response_body(&EnvoyHost))
+    fn on_http_response_body(&mut self, body_size: usize, _end_of_stream: bool) -> Action {
+        action(self.0.borrow_mut().on_response_body(&EnvoyHost, body_size))
     }
 
     fn on_log(&mut self) {

@@ -138,6 +138,10 @@ pub trait Host {
     fn send_response(&self, status: u32, headers: &[(&str, &str)], body: &[u8]) -> Result<(), HostError>;
     /// Lets a paused response continue.
     fn resume_response(&self) -> Result<(), HostError>;
+    /// In a response callback: the response's status (None: none yet).
+    fn response_status(&self) -> Result<Option<u32>, HostError>;
+    /// In a response-body callback: the first `size` bytes of the body chunk.
+    fn response_body(&self, size: usize) -> Result<Vec<u8>, HostError>;
 
     // Held requests (admission): another request of this thread.
     /// Makes the request (or root) `context_id` the one later calls act on;

@@ -130,8 +130,13 @@ pub enum PerWorker {
     /// Prefix affinity: ranks whose index lost entries because they
     /// reported far fewer cache hits than it expected.
     PrefixForgotten,
-    /// A load report whose ranks are not 0..N-1 was refused.
+    /// A load report whose ranks are not one run S..S+N-1 was refused.
     ReportRefused,
+    /// The worker's reports name its ranks from another first rank than before.
+    RanksRenumbered,
+    /// The worker answered 400 to a rank value, and dprank adapted: the
+    /// numbering it reads, its fewer ranks, or no rank value for it.
+    RankRefused,
     /// Failures passive health counted (5xx, resets, failed connections).
     Failures,
     /// Passive health took the worker out of rotation.
@@ -154,6 +159,8 @@ impl PerWorker {
             PerWorker::SnapshotAgeMs => "snapshot_age_ms",
             PerWorker::PrefixForgotten => "prefix_forgotten",
             PerWorker::ReportRefused => "report_refused",
+            PerWorker::RanksRenumbered => "ranks_renumbered",
+            PerWorker::RankRefused => "rank_refused",
             PerWorker::Failures => "failures",
             PerWorker::Ejections => "ejections",
             PerWorker::RankEjections => "rank_ejections",

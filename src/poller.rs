@@ -326,14 +326,14 @@ impl Poller {
     }
 }
 
-/// A report whose ranks are not 0..N-1: counted, not applied (the last good
-/// snapshot stays until it goes stale), and logged once per worker until a
-/// good report comes, whichever VM polls.
+/// A report whose ranks are not one run S..S+N-1: counted, not applied (the
+/// last good snapshot stays until it goes stale), and logged once per worker
+/// until a good report comes, whichever VM polls.
 fn refuse(config: &Config, host: &dyn Host, w: &Worker, why: &str) {
     host.count(&PerWorker::ReportRefused.of(&w.name), 1);
     if shared_data::set_refused(config, host, w.address, true) {
         log::warn!(
-            "refusing the load reports of {}: its ranks are not 0..N-1 ({why}); keeping its last good snapshot until it is stale",
+            "refusing the load reports of {}: its ranks are not one run S..S+N-1 ({why}); keeping its last good snapshot until it is stale",
             w.endpoint()
         );
     }
@@ -352,8 +352,11 @@ fn apply_report(config: &Config, host: &dyn Host, index: usize, w: &Worker, seq:
             now_ms: now,
             request_tokens: state.request_tokens(),
         };
-        let mut ranks = reading.report(&mut state.source, &context).ranks;
+        let report = reading.report(&mut state.source, &context);
+        let first_rank = report.first_rank;
+        let mut ranks = report.ranks;
         let reported = ranks.len();
+        let (previous_ranks, had_snapshot) = (state.ranks(), state.snapshot_seq > 0);
         if let Some(dp) = w.dp_size {
             ranks.truncate(dp as usize);
         }
@@ -365,6 +368,10 @@ fn apply_report(config: &Config, host: &dyn Host, index: usize, w: &Worker, seq:
         if !state.apply_snapshot(seq, now, &tokens) {
             return None;
         }
+        let moved = state
+            .set_layout(first_rank, previous_ranks)
+            .filter(|_| had_snapshot)
+            .map(|before| (before, first_rank));
         if config.admission.is_some() {
             state.apply_drain(elapsed, &ranks, config.gateways);
         }
@@ -374,9 +381,9 @@ fn apply_report(config: &Config, host: &dyn Host, index: usize, w: &Worker, seq:
             Some(_) => state.prefill.cache_feedback(config.poll_interval_ms),
             None => Vec::new(),
         };
-        Some((tokens, shrink, reported))
+        Some((tokens, shrink, reported, first_rank, moved))
     });
-    let Some((tokens, shrink, reported)) = applied else {
+    let Some((tokens, shrink, reported, first_rank, moved)) = applied else {
         // An answer older than the snapshot in place: answered, not applied.
         host.count(&PerWorker::PollOk.of(&w.name), 1);
         return;
@@ -404,9 +411,16 @@ fn apply_report(config: &Config, host: &dyn Host, index: usize, w: &Worker, seq:
             shrink.iter().map(|(r, _)| r).collect::<Vec<_>>()
         );
     }
+    if let Some((before, now_first)) = moved {
+        host.count(&PerWorker::RanksRenumbered.of(&w.name), 1);
+        log::warn!(
+            "{} now names its ranks from {now_first} (before: from {before}): a server restarted in another place of its deployment",
+            w.endpoint()
+        );
+    }
     for (rank, t) in tokens.iter().enumerate() {
         if let Some(t) = t {
-            host.gauge(&metrics::tokens(&w.name, rank), *t);
+            host.gauge(&metrics::tokens(&w.name, first_rank as usize + rank), *t);
         }
     }
     host.count(&PerWorker::PollOk.of(&w.name), 1);

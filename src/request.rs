@@ -23,6 +23,7 @@ use crate::metrics::{self, AdmissionEvent, HostCall};
 use crate::poller::POLL_DESTINATION_HEADER;
 use crate::router::{
     self, route_value, Chosen, Decision, Overload, PassReason, PdRouted, RejectReason, Reply, Routed,
+    Written, REFUSAL_BYTES,
 };
 use crate::shared_data::cache::StateCache;
 use crate::worker_state::{PrefillTicket, Ticket};
@@ -149,6 +150,11 @@ pub struct Request {
     response_held: bool,
     /// Where the request was sent, for passive health and retry stats when it ends.
     sent_to: Option<SentTo>,
+    /// The rank value written for it, until its answer shows it was not
+    /// refused (a 400 is read for a rank refusal).
+    written: Option<Written>,
+    /// Its answer is a 400: its first body chunk is read for a rank refusal.
+    reads_refusal: bool,
 }
 
 impl Request {
@@ -174,6 +180,8 @@ impl Request {
             prefill: PrefillLeg::None,
             response_held: false,
             sent_to: None,
+            written: None,
+            reads_refusal: false,
         }
     }
 
@@ -316,6 +324,19 @@ impl Request {
     }
 
     pub fn on_response_headers(&mut self, host: &dyn Host) -> Action {
+        if let Some(written) = &self.written {
+            // Only a 400 can refuse the rank value written, and only from
+            // the host it was written for (not a retry's).
+            self.reads_refusal = matches!(host.response_status(), Ok(Some(400)))
+                && host
+                    .property(&["upstream", "address"])
+                    .ok()
+                    .flatten()
+                    .is_some_and(|a| a == written.endpoint.as_bytes());
+            if !self.reads_refusal {
+                self.written = None;
+            }
+        }
         match &self.prefill {
             PrefillLeg::Pending { .. } => {
                 self.response_held = true;
@@ -329,10 +350,19 @@ impl Request {
         }
     }
 
-    /// A chunk of the response body. The first one of a streamed response
-    /// carries the first token: the request's prefill is over.
-    pub fn on_response_body(&mut self, host: &dyn Host) -> Action {
+    /// A chunk of the response body (`body_size` bytes). The first one of a
+    /// streamed response carries the first token: the request's prefill is
+    /// over. The first of a 400 is read for a refusal of the rank value.
+    pub fn on_response_body(&mut self, host: &dyn Host, body_size: usize) -> Action {
         self.prefill_over(host);
+        if std::mem::take(&mut self.reads_refusal) {
+            if let (Some(written), Ok(body)) = (
+                self.written.take(),
+                host.response_body(body_size.min(REFUSAL_BYTES)),
+            ) {
+                router::rank_refused(&self.config, host, written, &body);
+            }
+        }
         // Continuing here would release the held headers with the body.
         if self.response_held {
             Action::Pause
@@ -424,10 +454,10 @@ impl Request {
         );
         if let Some(settings) = self.config.header_transport() {
             let mut digits = itoa::Buffer::new();
-            if let Some(rank) = routed.to.rank {
-                let rank = digits.format(rank);
+            if let Some(value) = routed.to.value {
+                let value = digits.format(value);
                 for name in &settings.rank_headers {
-                    set_header(host, name, rank);
+                    set_header(host, name, value);
                 }
             }
             let class = self.admitting.map(|a| a.class);
@@ -441,6 +471,12 @@ impl Request {
             routed.health_was_clean,
             routed.routed_at_ms,
         );
+        self.written = routed.to.rank.zip(routed.to.value).map(|(rank, value)| Written {
+            worker: routed.to.worker,
+            rank,
+            value,
+            endpoint: routed.to.endpoint.clone(),
+        });
     }
 
     /// Routes the whole buffered body and applies the decision (or holds

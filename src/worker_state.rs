@@ -16,6 +16,7 @@ pub const UNSIZED_REQUEST_TOKENS: u64 = crate::config::DEFAULT_COST_WITHOUT_LENG
 mod drain;
 mod load_table;
 mod prefill;
+pub mod rank_value;
 pub mod saturation;
 
 use crate::codec::Record;
@@ -55,6 +56,11 @@ pub struct WorkerState {
     pub prefill: PrefillState,
     /// Overload protection: each rank's drain rate and KV use.
     pub drain: DrainState,
+    /// How the worker numbers its ranks: `tokens[i]` is its rank
+    /// `first_rank + i` (above 0 for a node of a multi-node deployment).
+    pub first_rank: u32,
+    /// What its answers taught about the rank value it reads.
+    pub learned: rank_value::Learned,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -66,7 +72,7 @@ struct Pending {
 
 /// Kept at `<p>.w.<ip:port>` (`shared_data.rs`).
 impl Record for WorkerState {
-    const TAG: [u8; 4] = *b"DPW8";
+    const TAG: [u8; 4] = *b"DPW9";
     fn within_limits(&self) -> bool {
         WorkerState::within_limits(self)
     }
@@ -178,6 +184,27 @@ impl WorkerState {
         // nothing else can land there while the rank is gone.
         self.pending.retain(|p| p.seq >= seq);
         true
+    }
+
+    /// Records how the snapshot just installed numbers its ranks (the one
+    /// before had `previous_ranks`). A change of layout (another first
+    /// rank, another count) forgets that the worker was unpinned: its new
+    /// layout is tried afresh. Returns the first rank before, when it changed.
+    pub fn set_layout(&mut self, first_rank: u32, previous_ranks: usize) -> Option<u32> {
+        let changed_first = (self.first_rank != first_rank).then_some(self.first_rank);
+        let changed = changed_first.is_some() || previous_ranks != self.tokens.len();
+        if changed && self.learned == rank_value::Learned::Unpinned {
+            self.learned = rank_value::Learned::Nothing;
+        }
+        self.first_rank = first_rank;
+        changed_first
+    }
+
+    /// Leaves out every rank from `ranks` up (the worker said it has no
+    /// more), until the next snapshot. Their pending estimates stay, to be
+    /// given back when their requests end.
+    pub fn keep_ranks(&mut self, ranks: usize) {
+        self.tokens.truncate(ranks);
     }
 
     /// Makes the worker stale until its next successful poll.

@@ -27,6 +27,9 @@ mod input;
 #[path = "e2e/polling.rs"]
 mod polling;
 
+#[path = "e2e/layouts.rs"]
+mod layouts;
+
 #[path = "e2e/chaos_soak.rs"]
 mod chaos_soak;
 

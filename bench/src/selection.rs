@@ -171,6 +171,12 @@ impl Host for MemoryHost {
     fn resume_response(&self) -> Result<(), HostError> {
         Ok(())
     }
+    fn response_status(&self) -> Result<Option<u32>, HostError> {
+        Ok(None)
+    }
+    fn response_body(&self, _size: usize) -> Result<Vec<u8>, HostError> {
+        Ok(Vec::new())
+    }
     fn set_effective_context(&self, _context_id: u32) -> Result<(), HostError> {
         Err(HostError::BAD_ARGUMENT)
     }

@@ -57,6 +57,9 @@ pub enum ServingFault {
 #[derive(Debug, Clone, Default, Serialize)]
 pub struct Control {
     pub base_tokens: Vec<u64>,
+    /// vLLM mode: requests added to each engine's `vllm:num_requests_waiting`
+    /// (by local index), as `base_tokens` is to SGLang's token counts.
+    pub base_waiting: Vec<u64>,
     pub load_fault: LoadFault,
     pub serving_fault: ServingFault,
     pub response_delay_ms: u64,
@@ -67,6 +70,7 @@ pub struct Control {
 #[serde(deny_unknown_fields)]
 pub struct ControlUpdate {
     pub base_tokens: Option<Vec<u64>>,
+    pub base_waiting: Option<Vec<u64>>,
     pub load_fault: Option<LoadFault>,
     pub serving_fault: Option<ServingFault>,
     pub response_delay_ms: Option<u64>,
@@ -782,7 +786,7 @@ impl Shared {
     /// reported; the requests being answered with --instant), garbled as
     /// `fault` says.
     pub fn metrics_text(&self, worker: usize, fault: LoadFault) -> String {
-        let stats: Vec<EngineStats> = if self.config.instant {
+        let mut stats: Vec<EngineStats> = if self.config.instant {
             self.snapshots(worker)
                 .iter()
                 .map(|load| EngineStats {
@@ -793,6 +797,12 @@ impl Shared {
         } else {
             lock(&self.model).fleet.engine_stats(worker)
         };
+        if let Some(server) = self.servers.get(worker) {
+            let base = lock(&server.control).base_waiting.clone();
+            for (engine, extra) in stats.iter_mut().zip(base) {
+                engine.waiting += extra;
+            }
+        }
         let garble = match fault {
             LoadFault::Nan => Garble::Nan,
             LoadFault::WrongLabels => Garble::WrongLabels,
@@ -849,6 +859,9 @@ impl Server {
         if let Some(mut base) = update.base_tokens {
             base.resize(dp_size, 0);
             control.base_tokens = base;
+        }
+        if let Some(base) = update.base_waiting {
+            control.base_waiting = base;
         }
         if let Some(fault) = update.load_fault {
             control.load_fault = fault;

@@ -3,7 +3,7 @@
 
 use super::{
     CostEstimate, EngineKind, FailMode, LoadEndpoint, LoadMeasure, Naming, PickRule, QueueMeasure,
-    RankTransport, StateReads,
+    RankNumbering, RankTransport, StateReads,
 };
 use serde::Deserialize;
 
@@ -57,6 +57,10 @@ pub struct ConfigJson {
     pub cost_estimate: Option<CostEstimate>,
     #[serde(default)]
     pub fail_mode: Option<FailMode>,
+    /// `local` (default) or `global`: how the rank value written numbers a
+    /// worker's ranks named from a first rank above 0.
+    #[serde(default)]
+    pub rank_numbering: Option<RankNumbering>,
     #[serde(default)]
     pub paths: Option<Vec<String>>,
     #[serde(default)]
@@ -162,4 +166,7 @@ pub struct WorkerJson {
     /// Prefill workers only: the KV bootstrap port, told to both sides (null: none).
     #[serde(default)]
     pub bootstrap_port: Option<u16>,
+    /// This worker's `rank_numbering`, if not the configuration's.
+    #[serde(default)]
+    pub rank_numbering: Option<RankNumbering>,
 }

@@ -122,6 +122,20 @@ pub enum FailMode {
     Closed,
 }
 
+/// How the rank value dprank writes (a body field or rank header) numbers
+/// a worker's ranks, where the worker names them from a first rank S above
+/// 0 (a node of a multi-node deployment, engines S..S+N-1):
+/// docs/vllm.md, "Deployment layouts".
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RankNumbering {
+    /// Its index among the worker's own ranks, 0..N-1: vLLM's default
+    /// (Python) frontend, SGLang's rank ingress.
+    Local,
+    /// As the worker's reports name it, S..S+N-1: vLLM's Rust frontend.
+    Global,
+}
+
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct Worker {
     pub name: String,
@@ -129,6 +143,9 @@ pub struct Worker {
     pub dp_size: Option<u32>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub bootstrap_port: Option<u16>,
+    /// This worker's rank numbering, if not the configuration's.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub rank_numbering: Option<RankNumbering>,
 }
 
 impl Worker {
@@ -230,6 +247,9 @@ pub struct Config {
     pub rank_field: String,
     pub cost_estimate: CostEstimate,
     pub fail_mode: FailMode,
+    /// How the rank value written numbers a worker's ranks (a worker's own
+    /// setting overrides it).
+    pub rank_numbering: RankNumbering,
     pub paths: Vec<String>,
     pub keep_client_rank: bool,
     pub pin_header: Option<String>,

@@ -94,6 +94,7 @@ impl TryFrom<ConfigJson> for Config {
             rank_field,
             cost_estimate,
             fail_mode: json.fail_mode.unwrap_or(FailMode::Open),
+            rank_numbering: json.rank_numbering.unwrap_or(RankNumbering::Local),
             paths,
             keep_client_rank,
             pin_header,
@@ -445,6 +446,7 @@ fn validate_worker(key: &str, w: WorkerJson, bootstrap_allowed: bool) -> Result<
         address,
         dp_size: w.dp_size,
         bootstrap_port: w.bootstrap_port,
+        rank_numbering: w.rank_numbering,
     })
 }
 

@@ -121,6 +121,8 @@ pub struct MemoryHost {
     pub replies: RefCell<Vec<Reply>>,
     /// How often a paused response was resumed.
     pub resumed: Cell<u32>,
+    /// The response being delivered: its status and body chunk.
+    pub response: RefCell<(Option<u32>, Vec<u8>)>,
     /// Properties by dotted path (`response.code`), as Envoy serialises them.
     pub properties: RefCell<HashMap<String, Vec<u8>>>,
     /// Histogram values recorded, by name.
@@ -349,6 +351,15 @@ impl Host for MemoryHost {
         self.record("resume_response")?;
         self.resumed.set(self.resumed.get() + 1);
         Ok(())
+    }
+    fn response_status(&self) -> Result<Option<u32>, HostError> {
+        self.record("response_status")?;
+        Ok(self.response.borrow().0)
+    }
+    fn response_body(&self, size: usize) -> Result<Vec<u8>, HostError> {
+        self.record("response_body")?;
+        let body = &self.response.borrow().1;
+        Ok(body.get(..size.min(body.len())).unwrap_or_default().to_vec())
     }
     fn set_effective_context(&self, context_id: u32) -> Result<(), HostError> {
         self.record("set_effective_context")?;

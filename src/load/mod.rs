@@ -41,9 +41,13 @@ pub struct RankLoad {
     pub cache_hit_rate: Option<f64>,
 }
 
-/// One worker's answer, rank by rank (ranks 0..N-1, N at most `MAX_DP_SIZE`).
+/// One worker's answer, rank by rank: `ranks[i]` is the rank the server
+/// names `first_rank + i` (N ranks, at most `MAX_DP_SIZE`). A server that
+/// manages part of a larger group names its ranks from the group's
+/// numbering: vLLM's second node of a DP-8 deployment, engines 4..7.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct LoadReport {
+    pub first_rank: u32,
     pub ranks: Vec<RankLoad>,
 }
 
@@ -59,10 +63,56 @@ pub enum LoadError {
     NotJson(String),
     NoRanks,
     RankOutOfRange(u64),
-    /// The ranks are not exactly 0..N-1 (another rank, a duplicate, a gap,
-    /// or a `dp_rank` that is not a rank number).
+    /// The ranks are not one run S..S+N-1 (a duplicate, a gap, or a
+    /// `dp_rank` that is not a rank number).
     BadRanks(String),
 }
+
+/// The ranks a report names, checked to be one run S..S+N-1 (no gap, no
+/// rank twice) of at most `MAX_DP_SIZE` ranks, numbered below
+/// `MAX_RANK_NUMBER`: (S, N). `count` is the rank count the report states,
+/// if any: with S = 0 it must be N (a report missing its top ranks is
+/// refused, not shrunk), else at least S + N (a node's part of a group).
+pub fn rank_run(ranks: impl IntoIterator<Item = u64>, count: Option<u64>) -> Result<(u32, u32), LoadError> {
+    let mut listed: Vec<u64> = ranks.into_iter().collect();
+    if listed.is_empty() {
+        return Err(LoadError::NoRanks);
+    }
+    listed.sort_unstable();
+    if let Some(twice) = listed.windows(2).find(|w| w[0] == w[1]) {
+        return Err(LoadError::BadRanks(format!("rank {} listed twice", twice[0])));
+    }
+    let (first, last) = (listed[0], listed[listed.len() - 1]);
+    if last >= u64::from(MAX_RANK_NUMBER) {
+        return Err(LoadError::RankOutOfRange(last));
+    }
+    let n = listed.len() as u64;
+    if n > u64::from(MAX_DP_SIZE) {
+        return Err(LoadError::RankOutOfRange(n));
+    }
+    if let Some(gap) = listed.windows(2).find(|w| w[1] != w[0] + 1) {
+        return Err(LoadError::BadRanks(format!(
+            "no rank {} between {} and {}",
+            gap[0] + 1,
+            gap[0],
+            gap[1]
+        )));
+    }
+    match count {
+        Some(count) if count < first + n => {
+            return Err(LoadError::BadRanks(format!("rank {last} with {count} ranks")));
+        }
+        Some(count) if first == 0 && count > n => {
+            return Err(LoadError::BadRanks(format!("no entry for rank {n} of {count}")));
+        }
+        _ => {}
+    }
+    Ok((first as u32, n as u32))
+}
+
+/// The highest rank number a report may name (a group's global numbering:
+/// 65536 ranks).
+pub const MAX_RANK_NUMBER: u32 = 1 << 16;
 
 impl fmt::Display for LoadError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -72,7 +122,10 @@ impl fmt::Display for LoadError {
             LoadError::RankOutOfRange(r) => {
                 write!(f, "load report names dp_rank {r} (limit {MAX_DP_SIZE})")
             }
-            LoadError::BadRanks(why) => write!(f, "load report refused: its ranks are not 0..N-1 ({why})"),
+            LoadError::BadRanks(why) => write!(
+                f,
+                "load report refused: its ranks are not one run S..S+N-1 ({why})"
+            ),
         }
     }
 }

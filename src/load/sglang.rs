@@ -1,11 +1,14 @@
 //! SGLang's load endpoints: `/v1/loads?include=core`, or the older
 //! `/get_load` (`load_endpoint`; `auto` falls back for good on a 404), and
 //! their reports read into a [`LoadReport`]. Unusable figures are unknown,
-//! never guessed; a report whose ranks are not exactly 0..N-1 is refused
+//! never guessed; a report whose ranks are not one run S..S+N-1 is refused
 //! whole ([`LoadError::BadRanks`]: docs/protocol.md, "Load reports").
 
-use super::{Answer, LoadError, LoadReport, LoadSource, Poll, RankLoad, Reading, SourceMemory};
-use crate::config::{LoadEndpoint, MAX_DP_SIZE};
+use super::{
+    rank_run, Answer, LoadError, LoadReport, LoadSource, Poll, RankLoad, Reading, SourceMemory,
+    MAX_RANK_NUMBER,
+};
+use crate::config::LoadEndpoint;
 use serde::Deserialize;
 use serde_json::Value;
 
@@ -154,42 +157,36 @@ pub fn parse(body: &[u8]) -> Result<LoadReport, LoadError> {
         return Err(LoadError::NoRanks);
     }
     let count = match &rank_count {
-        None | Some(Value::Null) => entries.len() as u64,
-        Some(v) => v
-            .as_u64()
-            .ok_or_else(|| LoadError::BadRanks(format!("dp_rank_count {v} is not a count")))?,
+        None | Some(Value::Null) => None,
+        Some(v) => Some(
+            v.as_u64()
+                .ok_or_else(|| LoadError::BadRanks(format!("dp_rank_count {v} is not a count")))?,
+        ),
     };
-    if count > u64::from(MAX_DP_SIZE) {
+    if let Some(count) = count.filter(|c| *c > u64::from(MAX_RANK_NUMBER)) {
         return Err(LoadError::RankOutOfRange(count));
     }
-    let mut ranks: Vec<RankLoad> = vec![RankLoad::default(); count as usize];
-    let mut seen = vec![false; count as usize];
-    for (index, entry) in entries.iter().enumerate() {
-        let rank = match &entry.dp_rank {
-            None => index as u64,
+    let numbers = entries
+        .iter()
+        .enumerate()
+        .map(|(index, entry)| match &entry.dp_rank {
+            None => Ok(index as u64),
             Some(v) => v
                 .as_u64()
-                .ok_or_else(|| LoadError::BadRanks(format!("dp_rank {v} is not a rank number")))?,
-        };
-        if rank >= u64::from(MAX_DP_SIZE) {
-            return Err(LoadError::RankOutOfRange(rank));
-        }
-        let Some(first) = seen.get_mut(rank as usize) else {
-            return Err(LoadError::BadRanks(format!("dp_rank {rank} with {count} ranks")));
-        };
-        if std::mem::replace(first, true) {
-            return Err(LoadError::BadRanks(format!("dp_rank {rank} listed twice")));
-        }
-        if let Some(slot) = ranks.get_mut(rank as usize) {
+                .ok_or_else(|| LoadError::BadRanks(format!("dp_rank {v} is not a rank number"))),
+        })
+        .collect::<Result<Vec<u64>, LoadError>>()?;
+    let (first, n) = rank_run(numbers.iter().copied(), count)?;
+    let mut ranks: Vec<RankLoad> = vec![RankLoad::default(); n as usize];
+    for (entry, number) in entries.iter().zip(numbers) {
+        if let Some(slot) = ranks.get_mut((number - u64::from(first)) as usize) {
             *slot = entry.rank_load();
         }
     }
-    if let Some(gap) = seen.iter().position(|s| !s) {
-        return Err(LoadError::BadRanks(format!(
-            "no entry for dp_rank {gap} of {count}"
-        )));
-    }
-    Ok(LoadReport { ranks })
+    Ok(LoadReport {
+        first_rank: first,
+        ranks,
+    })
 }
 
 #[cfg(test)]
@@ -318,7 +315,7 @@ mod tests {
     }
 
     #[test]
-    fn ranks_must_be_exactly_zero_to_n_minus_one() {
+    fn ranks_must_be_one_run() {
         // The report from issue 14: rank 99 on a worker with two entries.
         assert!(
             refused(br#"{"loads":[{"dp_rank":0,"num_tokens":1},{"dp_rank":99,"num_tokens":0}]}"#)
@@ -337,10 +334,10 @@ mod tests {
     fn dp_rank_count_sets_n_when_present() {
         let gap =
             br#"{"dp_rank_count":4,"loads":[{"dp_rank":0,"num_tokens":1},{"dp_rank":1,"num_tokens":1}]}"#;
-        assert!(refused(gap).contains("no entry for dp_rank 2 of 4"));
+        assert!(refused(gap).contains("no entry for rank 2 of 4"));
         let beyond =
             br#"{"dp_rank_count":1,"loads":[{"dp_rank":0,"num_tokens":1},{"dp_rank":1,"num_tokens":1}]}"#;
-        assert!(refused(beyond).contains("dp_rank 1 with 1 ranks"));
+        assert!(refused(beyond).contains("rank 1 with 1 ranks"));
         assert!(refused(br#"{"dp_rank_count":"2","loads":[{"dp_rank":0}]}"#).contains("not a count"));
         let null = br#"{"dp_rank_count":null,"loads":[{"dp_rank":0,"num_tokens":3}]}"#;
         assert_eq!(
@@ -349,14 +346,33 @@ mod tests {
             "null: count the entries"
         );
         assert_eq!(
-            parse_load_report(br#"{"dp_rank_count":5000,"loads":[{"dp_rank":0}]}"#),
-            Err(LoadError::RankOutOfRange(5000))
+            parse_load_report(br#"{"dp_rank_count":70000,"loads":[{"dp_rank":0}]}"#),
+            Err(LoadError::RankOutOfRange(70000))
         );
     }
 
     #[test]
-    fn a_lone_object_must_be_rank_zero() {
-        assert!(refused(br#"{"dp_rank":3,"num_tokens":7}"#).contains("dp_rank 3 with 1 ranks"));
+    fn ranks_are_named_as_the_server_names_them() {
+        // A lone object names its rank: SGLang's port of rank 3 reports it alone.
+        let one = parse(br#"{"dp_rank":3,"num_tokens":7}"#).unwrap();
+        assert_eq!((one.first_rank, one.tokens()), (3, vec![Some(7)]));
+        // A node of a DP-8 group reports ranks 4..7, of 8 or on their own.
+        for count in ["", r#""dp_rank_count":8,"#] {
+            let body = format!(
+                r#"{{{count}"loads":[{{"dp_rank":5,"num_tokens":2}},{{"dp_rank":4,"num_tokens":1}},{{"dp_rank":6}},{{"dp_rank":7,"num_tokens":4}}]}}"#
+            );
+            let node = parse(body.as_bytes()).unwrap();
+            assert_eq!(
+                (node.first_rank, node.tokens()),
+                (4, vec![Some(1), Some(2), None, Some(4)])
+            );
+        }
+        // Its ranks still make one run, within the count it states.
+        assert!(refused(br#"[{"dp_rank":4},{"dp_rank":6}]"#).contains("no rank 5"));
+        assert!(
+            refused(br#"{"dp_rank_count":6,"loads":[{"dp_rank":4},{"dp_rank":5},{"dp_rank":6}]}"#)
+                .contains("rank 6 with 6 ranks")
+        );
     }
 
     #[test]

@@ -2,15 +2,16 @@
 //! requests running and waiting, KV-cache usage and the prefix-cache
 //! counters, each labelled `engine="N"` and `model_name`, and the server's
 //! KV cache size from `vllm:cache_config_info`. Every other metric and label
-//! is ignored. As for SGLang's reports, the engines must be exactly 0..N-1
-//! or the report is refused whole; a figure that is missing or unusable is
+//! is ignored. The engines are numbered as the server numbers them, one run
+//! S..S+N-1 (a server of a multi-node deployment manages engines S.. of the
+//! group), or the report is refused whole; a figure that is missing or unusable is
 //! unknown (`None`). The rules and why: docs/vllm-metrics.md. How the
 //! figures become dprank's load: `vllm/mapping.rs`.
 
 pub mod mapping;
 
 use super::prometheus::{self, Label, Line, Sample};
-use super::{Answer, LoadSource, Poll, Reading, SourceMemory};
+use super::{rank_run, Answer, LoadError, LoadSource, Poll, Reading, SourceMemory, MAX_RANK_NUMBER};
 use crate::config::MAX_DP_SIZE;
 use std::borrow::Cow;
 use std::fmt;
@@ -37,8 +38,8 @@ impl LoadSource for Vllm<'_> {
         METRICS
     }
 
-    /// Engines that are not exactly 0..N-1 refuse the report, as SGLang's
-    /// ranks do. Any other unusable answer is a failed poll, so that the
+    /// Engines that are not one run S..S+N-1 refuse the report, as
+    /// SGLang's ranks do. Any other unusable answer is a failed poll, so that the
     /// worker keeps its last good snapshot until it goes stale: not vLLM's,
     /// too large, two models, cut short (vLLM ends every answer with a line
     /// feed), or an engine without a usable count of its running or waiting
@@ -54,7 +55,9 @@ impl LoadSource for Vllm<'_> {
             Ok(report) => report,
             Err(VllmMetricsError::BadEngines(why)) => return Answer::Refused(why),
             Err(VllmMetricsError::TooManyEngines(engine)) => {
-                return Answer::Refused(format!("engine {engine}, at or above the limit of {MAX_DP_SIZE}"))
+                return Answer::Refused(format!(
+                "engine {engine}, past the limit of {MAX_DP_SIZE} engines numbered below {MAX_RANK_NUMBER}"
+            ))
             }
             Err(e) => return Answer::Failed(e.to_string()),
         };
@@ -100,7 +103,10 @@ pub struct EngineFigures {
 /// A readable `/metrics` answer.
 #[derive(Debug, Clone, PartialEq)]
 pub struct VllmReport {
-    /// Indexed by engine (the DP rank).
+    /// The number of the first engine (`engine` label): the server's
+    /// `engines[i]` is engine `first_engine + i`.
+    pub first_engine: u32,
+    /// By engine, from the first.
     pub engines: Vec<EngineFigures>,
     /// The `model_name` the figures are labelled with.
     pub model_name: String,
@@ -127,10 +133,11 @@ pub enum VllmMetricsError {
     },
     /// Figures for two models, and no model name to choose one.
     SeveralModels(String, String),
-    /// The engines are not exactly 0..N-1 (a gap, an engine label that is
+    /// The engines are not one run S..S+N-1 (a gap, an engine label that is
     /// no engine number or is missing, the same figure twice for an engine).
     BadEngines(String),
-    /// An engine number at or above `MAX_DP_SIZE`.
+    /// An engine number at or above `MAX_RANK_NUMBER`, or more than
+    /// `MAX_DP_SIZE` engines.
     TooManyEngines(String),
 }
 
@@ -156,9 +163,9 @@ impl fmt::Display for VllmMetricsError {
                 f,
                 "vLLM metrics answer refused: figures for models {a:?} and {b:?}; configure the model name to read"
             ),
-            Self::BadEngines(why) => write!(f, "vLLM metrics answer refused: its engines are not 0..N-1 ({why})"),
+            Self::BadEngines(why) => write!(f, "vLLM metrics answer refused: its engines are not one run S..S+N-1 ({why})"),
             Self::TooManyEngines(engine) => {
-                write!(f, "vLLM metrics answer names engine {engine} (limit {MAX_DP_SIZE})")
+                write!(f, "vLLM metrics answer names engine {engine} (limits: {MAX_DP_SIZE} engines, numbered below {MAX_RANK_NUMBER})")
             }
         }
     }
@@ -241,9 +248,9 @@ pub fn parse_vllm_metrics(body: &[u8], model: Option<&str>) -> Result<VllmReport
     if body.len() > MAX_METRICS_BYTES {
         return Err(VllmMetricsError::TooLarge(body.len()));
     }
-    let mut engines: Vec<EngineFigures> = Vec::new();
-    // Which figures each engine has reported, one bit per figure.
-    let mut reported: Vec<u8> = Vec::new();
+    // By engine number, sorted: its figures, and which it has reported
+    // (one bit per figure).
+    let mut engines: Vec<(usize, EngineFigures, u8)> = Vec::new();
     let mut read_model: Option<Cow<'_, str>> = None;
     let mut other_model: Option<Cow<'_, str>> = None;
     let mut skipped_lines = 0;
@@ -282,11 +289,15 @@ pub fn parse_vllm_metrics(body: &[u8], model: Option<&str>) -> Result<VllmReport
             Some(_) => {}
         }
         let engine = engine_of(figure, engine_label)?;
-        if engine >= engines.len() {
-            engines.resize(engine + 1, EngineFigures::default());
-            reported.resize(engine + 1, 0);
-        }
-        let (Some(figures), Some(bits)) = (engines.get_mut(engine), reported.get_mut(engine)) else {
+        let at = match engines.binary_search_by_key(&engine, |e| e.0) {
+            Ok(at) => at,
+            Err(at) if engines.len() < MAX_DP_SIZE as usize => {
+                engines.insert(at, (engine, EngineFigures::default(), 0));
+                at
+            }
+            Err(_) => return Err(VllmMetricsError::TooManyEngines(engine.to_string())),
+        };
+        let Some((_, figures, bits)) = engines.get_mut(at) else {
             continue;
         };
         if *bits & figure.bit() != 0 {
@@ -304,14 +315,14 @@ pub fn parse_vllm_metrics(body: &[u8], model: Option<&str>) -> Result<VllmReport
             seen: other_model.map(Cow::into_owned),
         });
     };
-    if let Some(gap) = reported.iter().position(|bits| *bits == 0) {
-        return Err(VllmMetricsError::BadEngines(format!(
-            "no figures for engine {gap} of {}",
-            engines.len()
-        )));
-    }
+    let first_engine = match rank_run(engines.iter().map(|e| e.0 as u64), None) {
+        Ok((first, _)) => first,
+        Err(LoadError::BadRanks(why)) => return Err(VllmMetricsError::BadEngines(why)),
+        Err(e) => return Err(VllmMetricsError::BadEngines(e.to_string())),
+    };
     Ok(VllmReport {
-        engines,
+        first_engine,
+        engines: engines.into_iter().map(|e| e.1).collect(),
         model_name: model_name.into_owned(),
         kv_capacity_tokens: capacity.tokens(),
         skipped_lines,
@@ -339,7 +350,7 @@ impl Capacity {
         let Label::Value(engine) = sample.label("engine") else {
             return;
         };
-        if !matches!(engine_number(&engine), Ok(Some(n)) if n < MAX_DP_SIZE as usize) {
+        if !matches!(engine_number(&engine), Ok(Some(n)) if n < MAX_RANK_NUMBER as usize) {
             return;
         }
         let integer = |name: &str| match sample.label(name) {
@@ -396,7 +407,7 @@ fn engine_of(figure: Figure, label: Label<'_>) -> Result<usize, VllmMetricsError
             "engine label {text:?} of {} is not an engine number",
             figure.name()
         ))),
-        Ok(Some(n)) if n < MAX_DP_SIZE as usize => Ok(n),
+        Ok(Some(n)) if n < MAX_RANK_NUMBER as usize => Ok(n),
         Ok(_) => Err(VllmMetricsError::TooManyEngines(text.into_owned())),
     }
 }
@@ -591,10 +602,10 @@ http_requests_created{handler="/v1/chat/completions",method="POST",status="2xx"}
                    vllm:num_requests_running{engine=\"2\",model_name=\"m\"} 1\n";
         assert_eq!(
             answer(gap.as_bytes()),
-            Answer::Refused("no figures for engine 1 of 3".into())
+            Answer::Refused("no rank 1 between 0 and 2".into())
         );
-        let beyond = "vllm:num_requests_running{engine=\"4096\",model_name=\"m\"} 1\n";
-        assert!(matches!(answer(beyond.as_bytes()), Answer::Refused(why) if why.contains("4096")));
+        let beyond = "vllm:num_requests_running{engine=\"65536\",model_name=\"m\"} 1\n";
+        assert!(matches!(answer(beyond.as_bytes()), Answer::Refused(why) if why.contains("65536")));
         let two_models = format!(
             "{SINGLE_PROCESS}{}",
             SINGLE_PROCESS.replace("Qwen/Qwen3-8B", "other")
@@ -855,18 +866,32 @@ vllm_prefix_cache_hits_created{engine="1",model_name="Qwen/Qwen3-8B"} 1.76408341
     }
 
     #[test]
-    fn engines_must_be_exactly_zero_to_n_minus_one() {
+    fn engines_are_one_run_named_as_the_server_names_them() {
         // Engine 1 only in a metric dprank does not read: it has a gap.
         let gap = "vllm:num_requests_running{engine=\"0\",model_name=\"m\"} 1\n\
                    vllm:num_requests_running{engine=\"2\",model_name=\"m\"} 1\n\
                    vllm:num_preemptions_total{engine=\"1\",model_name=\"m\"} 0\n";
-        assert_eq!(refused(gap), "no figures for engine 1 of 3");
-        // A server that runs engines 4..7 of a larger deployment (hybrid or
-        // external load balancing) reports no engine 0.
-        let offset: String = (4..8)
-            .map(|e| format!("vllm:num_requests_running{{engine=\"{e}\",model_name=\"m\"}} 0.0\n"))
-            .collect();
-        assert_eq!(refused(&offset), "no figures for engine 0 of 8");
+        assert!(
+            refused(gap).contains("no rank 1 between 0 and 2"),
+            "{}",
+            refused(gap)
+        );
+        // A server that runs engines 4..7 of a larger deployment (hybrid
+        // load balancing), or engine 5 alone (external): read as named.
+        for (first, n) in [(4usize, 4usize), (5, 1)] {
+            let offset: String = (first..first + n)
+                .flat_map(|e| {
+                    [
+                        "num_requests_running",
+                        "num_requests_waiting",
+                        "kv_cache_usage_perc",
+                    ]
+                    .map(|m| format!("vllm:{m}{{engine=\"{e}\",model_name=\"m\"}} 0.0\n"))
+                })
+                .collect();
+            let report = parse_vllm_metrics(offset.as_bytes(), None).unwrap();
+            assert_eq!((report.first_engine, report.engines.len()), (first as u32, n));
+        }
     }
 
     #[test]
@@ -1102,12 +1127,12 @@ vllm_prefix_cache_hits_created{engine="1",model_name="Qwen/Qwen3-8B"} 1.76408341
                 "refused: figures for models \"a\" and \"b\"; configure the model name to read",
             ),
             (
-                VllmMetricsError::BadEngines("no figures for engine 1 of 3".into()),
-                "refused: its engines are not 0..N-1 (no figures for engine 1 of 3)",
+                VllmMetricsError::BadEngines("no rank 1 between 0 and 2".into()),
+                "refused: its engines are not one run S..S+N-1 (no rank 1 between 0 and 2)",
             ),
             (
-                VllmMetricsError::TooManyEngines("5000".into()),
-                "names engine 5000 (limit 4096)",
+                VllmMetricsError::TooManyEngines("70000".into()),
+                "names engine 70000 (limits: 4096 engines, numbered below 65536)",
             ),
         ];
         for (error, text) in cases {

@@ -239,7 +239,7 @@ fn held_requests_go_in_class_order_then_tenants_in_turn() {
         assert!(h.set_effective_context(id).is_ok());
         let mut r = requests[&id].borrow_mut();
         r.on_response_headers(&h);
-        r.on_response_body(&h);
+        r.on_response_body(&h, 0);
     }
     assert_eq!(
         *h.resumed_contexts.borrow(),

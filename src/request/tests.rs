@@ -61,7 +61,7 @@ fn a_routed_request_gets_its_endpoint_rank_and_length_and_gives_its_estimate_bac
     assert_eq!(h.counter("dprank.pin_ignored"), 1);
     assert!(pending(&c, &h) > 0);
     assert_eq!(
-        (r.on_response_headers(&h), r.on_response_body(&h)),
+        (r.on_response_headers(&h), r.on_response_body(&h, 0)),
         (Action::Continue, Action::Continue)
     );
     r.on_done(&h);
@@ -214,11 +214,11 @@ fn pd_sends_the_prefill_leg_and_holds_the_decode_response_until_it_is_done() {
 
     // The decode response arrives first: held until the prefill is done.
     assert_eq!(r.on_response_headers(&h), Action::Pause);
-    assert_eq!(r.on_response_body(&h), Action::Pause);
+    assert_eq!(r.on_response_body(&h, 0), Action::Pause);
     *h.callout.borrow_mut() = (Some(200), b"{}".to_vec());
     r.on_prefill_response(&h, 1, 2);
     assert_eq!(h.resumed.get(), 1);
-    assert_eq!(r.on_response_body(&h), Action::Continue);
+    assert_eq!(r.on_response_body(&h, 0), Action::Continue);
     assert_eq!(h.counter("dprank.prefill_ok.p0"), 1);
     assert!(
         pending(&c, &h) > 0,
@@ -658,7 +658,7 @@ fn calls_per_request(c: &Rc<Config>, h: &FakeHost, headers: &[(&str, &str)], bod
         let route = h.header("x-dprank-endpoint");
         assert_eq!(route.is_some(), routed);
         r.on_response_headers(h);
-        r.on_response_body(h);
+        r.on_response_body(h, 0);
         let upstream = route.as_deref().and_then(|r| r.split(',').next());
         h.finish_request(200, "via_upstream", upstream, 1);
         r.on_done(h);
@@ -683,28 +683,28 @@ fn host_calls_per_request() {
     // Headers read 1; states read 2 and the health record 1, estimate
     // written 1 (its cas is the one read), released 2 (read + write); clock
     // 1; counter 1; body read 1 and replaced 1; route header (with its
-    // alternate) and content-length set 2; at the end, the attempts and the
-    // status 2.
+    // alternate) and content-length set 2; the response's status 1 (a 400
+    // could refuse the rank value); at the end, the attempts and the status 2.
     let load_only = r#","prefix_affinity":false"#;
-    assert_eq!(count(load_only, &post, body), 15);
+    assert_eq!(count(load_only, &post, body), 16);
     // Prefix affinity (the default) adds 2 here: a prefix-index read and
     // the chosen worker's index written (its ages use the clock read above).
-    assert_eq!(count("", &post, body), 17);
+    assert_eq!(count("", &post, body), 18);
     // Without passive health or alternates: no health record, no properties.
     let plain = r#","prefix_affinity":false,"passive_health":{"enabled":false},"retry_alternates":0"#;
-    assert_eq!(count(plain, &post, body), 12);
+    assert_eq!(count(plain, &post, body), 13);
     // Alternates alone: the attempts, to count retries.
     let alternates = r#","prefix_affinity":false,"passive_health":{"enabled":false}"#;
-    assert_eq!(count(alternates, &post, body), 13);
+    assert_eq!(count(alternates, &post, body), 14);
     // Header mode: no body calls; route header and two rank headers set.
-    assert_eq!(count(r#","rank_transport":"header""#, &post, body), 14);
+    assert_eq!(count(r#","rank_transport":"header""#, &post, body), 15);
     assert_eq!(
         count(
             r#","rank_transport":"header","rank_headers":["x-data-parallel-rank"]"#,
             &post,
             body
         ),
-        13
+        14
     );
     // Passed through: headers read 1, counter 1.
     assert_eq!(count("", &[(":method", "GET"), (":path", "/health")], b""), 2);
@@ -744,13 +744,13 @@ fn host_calls_per_request_at_512_workers() {
         ];
         calls_per_request(&c, &h, &post, b"")
     };
-    // Every state read: 512 reads, and the 14 of a 2-worker fleet less its 2.
-    assert_eq!(count(r#","state_reads":"every_worker""#), 512 + 12);
+    // Every state read: 512 reads, and the 15 of a 2-worker fleet less its 2.
+    assert_eq!(count(r#","state_reads":"every_worker""#), 512 + 13);
     // The default there, the change log: its read instead of the 512, and
     // the worker this VM wrote read back; the estimate's log entry, 1 call
     // (a compare-and-swap onto the log as read for the choice); the
     // release's, 2 (the log read again, then written).
-    assert_eq!(count(""), 12 + 1 + 1 + 1 + 2);
+    assert_eq!(count(""), 13 + 1 + 1 + 1 + 2);
 }
 
 #[test]
@@ -859,7 +859,7 @@ fn header_mode_under_prefix_affinity_decides_at_the_end_of_the_body_and_never_ch
     assert_eq!(state(1).prefill.queued(2, QueueMeasure::Local).requests, 1);
     // The first streamed byte ends its prefill; its end gives the estimate back.
     assert_eq!(r.on_response_headers(&h), Action::Continue);
-    assert_eq!(r.on_response_body(&h), Action::Continue);
+    assert_eq!(r.on_response_body(&h, 0), Action::Continue);
     assert_eq!(state(1).prefill.queued(2, QueueMeasure::Local).requests, 0);
     r.on_done(&h);
     assert_eq!(pending(&c, &h), 0);
@@ -1023,4 +1023,147 @@ fn a_prefill_leg_without_an_answer_or_an_unreadable_one_is_a_clean_502() {
     r.on_prefill_response(&h, 1, 2);
     assert_eq!(h.counter("dprank.host_refused.resume_response"), 1);
     assert_eq!(h.counter("dprank.prefill_ok.p0"), 1);
+}
+
+/// The upstream at `route` (the route header's first host) answers 400 with `body`.
+fn answered_400(h: &FakeHost, route: &str, body: &[u8]) {
+    let host = route.split(',').next().unwrap_or_default();
+    h.properties
+        .borrow_mut()
+        .insert("upstream.address".into(), host.as_bytes().to_vec());
+    *h.response.borrow_mut() = (Some(400), body.to_vec());
+}
+
+/// worker b names its ranks 4..7 (node 2 of a DP-8 deployment).
+fn second_node(c: &Config, h: &FakeHost) {
+    shared_data::update_worker(c, h, 1, shared_data::IfMissing::Skip, |s| {
+        s.first_rank = 4;
+        Some(())
+    })
+    .unwrap();
+}
+
+/// A routed request's rank header, its (local) rank index and its worker.
+fn header_request(c: &Rc<Config>, h: &FakeHost) -> (Request, Option<String>, String) {
+    let mut r = request(c);
+    post(h, "/v1/completions", br#"{"prompt":"x"}"#, &[]);
+    assert_eq!(r.on_request_headers(h, false), Action::Continue);
+    let route = h.header("x-dprank-endpoint").unwrap();
+    (r, h.header("x-data-parallel-rank"), route)
+}
+
+#[test]
+fn a_worker_refusing_the_rank_value_teaches_the_numbering_it_reads() {
+    // Configured global: worker b's rank 2 is written 6 (routed counter rank_6).
+    let (c, h) = fleet(
+        r#","rank_transport":"header","rank_headers":["x-data-parallel-rank"],"rank_numbering":"global""#,
+    );
+    second_node(&c, &h);
+    let (mut r, value, route) = header_request(&c, &h);
+    assert!(route.starts_with("127.0.0.1:2"), "{route}");
+    assert_eq!(value.as_deref(), Some("6"));
+    assert_eq!(h.counter("dprank.routed.b.rank_6"), 1);
+    // vLLM's Python frontend answers 400, naming its local range.
+    answered_400(
+        &h,
+        &route,
+        br#"{"error":{"message":"data_parallel_rank 6 is out of range [0, 4).","type":"BadRequestError"}}"#,
+    );
+    r.on_response_headers(&h);
+    r.on_response_body(&h, 200);
+    assert_eq!(h.counter("dprank.rank_refused.b"), 1);
+    r.on_done(&h);
+    // Every later request carries the local index; a success reads no body.
+    *h.response.borrow_mut() = (Some(200), b"{}".to_vec());
+    let (mut r, value, _) = header_request(&c, &h);
+    assert_eq!(value.as_deref(), Some("2"));
+    r.on_response_headers(&h);
+    let reads = h.host_calls("response_body");
+    r.on_response_body(&h, 2);
+    assert_eq!(h.host_calls("response_body"), reads, "only a 400 is read");
+    assert_eq!(h.counter("dprank.rank_refused.b"), 1, "learned once");
+
+    // The Rust frontend refuses a local index: global it is.
+    let (c, h) = fleet(r#","rank_transport":"header","rank_headers":["x-data-parallel-rank"]"#);
+    second_node(&c, &h);
+    let (mut r, value, route) = header_request(&c, &h);
+    assert_eq!(value.as_deref(), Some("2"), "local by default");
+    answered_400(
+        &h,
+        &route,
+        br#"{"error":{"message":"data parallel rank 2 is out of range for 4 engine(s)"}}"#,
+    );
+    r.on_response_headers(&h);
+    r.on_response_body(&h, 100);
+    let (_, value, _) = header_request(&c, &h);
+    assert_eq!(value.as_deref(), Some("6"));
+}
+
+#[test]
+fn a_worker_restarted_with_fewer_ranks_loses_them_at_its_first_refusal() {
+    let (c, h) = fleet("");
+    // b's rank 2 is the lowest: written in the body.
+    let mut r = request(&c);
+    post(&h, "/generate", br#"{"text":"x"}"#, &[]);
+    send(&mut r, &h);
+    assert_eq!(json(&h.request_body.borrow())["routed_dp_rank"], 2);
+    let route = h.header("x-dprank-endpoint").unwrap();
+    // A retry's 400 (from another host) says nothing about b.
+    answered_400(
+        &h,
+        "127.0.0.1:1",
+        br#"{"error":"routed_dp_rank must be in [0, 2)"}"#,
+    );
+    r.on_response_headers(&h);
+    r.on_response_body(&h, 100);
+    r.on_done(&h);
+    assert_eq!(h.counter("dprank.rank_refused.b"), 0);
+    // b's own 400 names its two ranks.
+    let mut r = request(&c);
+    post(&h, "/generate", br#"{"text":"x"}"#, &[]);
+    send(&mut r, &h);
+    assert_eq!(json(&h.request_body.borrow())["routed_dp_rank"], 2);
+    answered_400(&h, &route, br#"{"error":"routed_dp_rank must be in [0, 2)"}"#);
+    r.on_response_headers(&h);
+    r.on_response_body(&h, 100);
+    r.on_done(&h);
+    assert_eq!(h.counter("dprank.rank_refused.b"), 1);
+    // Until its next poll, b has ranks 0 and 1 only: a's rank 1 (50) wins.
+    let mut r = request(&c);
+    post(&h, "/generate", br#"{"text":"x"}"#, &[]);
+    send(&mut r, &h);
+    assert_eq!(json(&h.request_body.borrow())["routed_dp_rank"], 1);
+    assert!(h.header("x-dprank-endpoint").unwrap().starts_with("127.0.0.1:1"));
+}
+
+#[test]
+fn a_server_of_one_engine_gets_no_rank_header_and_alternates_share_the_value() {
+    let c = Rc::new(
+        Config::from_json(
+            br#"{"workers":[{"address":"127.0.0.1:1","name":"a"},{"address":"127.0.0.1:2","name":"b"},{"address":"127.0.0.1:3","name":"c"}],
+                "poll_cluster":"p","rank_transport":"header","rank_headers":["x-data-parallel-rank"],"rank_numbering":"global"}"#,
+        )
+        .unwrap(),
+    );
+    let h = FakeHost::default();
+    h.now.set(10_000);
+    // a: engine 3 alone (external load balancing); b, c: engines 4..5 and 0..1.
+    poll(&c, &h, 0, &[10]);
+    poll(&c, &h, 1, &[100, 50]);
+    poll(&c, &h, 2, &[100, 60]);
+    shared_data::update_worker(&c, &h, 0, shared_data::IfMissing::Skip, |s| {
+        s.first_rank = 3;
+        Some(())
+    });
+    second_node(&c, &h);
+    let (_, value, route) = header_request(&c, &h);
+    assert_eq!(
+        (value, route.as_str()),
+        (None, "127.0.0.1:1"),
+        "one engine: no header"
+    );
+    // a busy: b's engine 5 (value 5); c's rank 1 is value 1, no alternate for it.
+    poll(&c, &h, 0, &[1000]);
+    let (_, value, route) = header_request(&c, &h);
+    assert_eq!((value.as_deref(), route.as_str()), (Some("5"), "127.0.0.1:2"));
 }

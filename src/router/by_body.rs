@@ -89,9 +89,15 @@ pub fn route_with(
     let committed = pipeline::commit(config, host, cache, &choice, cost, prefix.as_mut(), queued);
     // Stage `reply`: the rank goes into the body, unless the client's own
     // stays; so does the server priority, if any.
+    // No value (an unpinned worker): the client's rank fields are still
+    // neutralised, and the worker's own balancer picks.
     let (mut set, mut neutralise) = match trusted_rank {
         None => (
-            vec![(config.rank_field.as_str(), choice.chosen.rank.to_string())],
+            committed
+                .to
+                .value
+                .map(|v| vec![(config.rank_field.as_str(), v.to_string())])
+                .unwrap_or_default(),
             config.rank_field_names(),
         ),
         Some(_) => (Vec::new(), Vec::new()),

@@ -12,6 +12,7 @@ mod by_header;
 mod outcome;
 mod pd;
 mod pipeline;
+mod rank_refusal;
 mod replies;
 mod snapshot;
 
@@ -23,6 +24,7 @@ pub use by_header::{cost_from_length, route_by_headers, route_by_headers_with};
 pub use outcome::{pass_early, pass_or_reject, PassReason, RejectReason};
 pub use pd::{mark_unreachable, prefill_health, prefill_not_sent, prefill_outcome, PdRouted};
 pub use pipeline::RouteArgs;
+pub use rank_refusal::{rank_refused, Written, REFUSAL_BYTES};
 pub use replies::Reply;
 
 use crate::config::Config;
@@ -39,7 +41,11 @@ use std::rc::Rc;
 pub struct Chosen {
     /// Index in `Config::all_workers`.
     pub worker: usize,
+    /// The rank's index among the worker's ranks.
     pub rank: Option<u32>,
+    /// The value written for it (body field or rank header), as the worker
+    /// reads it (`worker_state::rank_value`); None: none is written.
+    pub value: Option<u32>,
     /// Value for the route header (`ip:port`).
     pub endpoint: Rc<str>,
 }
@@ -49,6 +55,7 @@ impl Chosen {
         Chosen {
             worker,
             rank,
+            value: rank.and_then(|r| cache.rank_value(worker, r)),
             endpoint: cache.endpoint(worker),
         }
     }

@@ -230,6 +230,9 @@ pub(crate) fn commit(
     queued: Option<Prefill>,
 ) -> Committed {
     let at = choice.chosen;
+    // Before the estimate's write: a write that meets another forgets the
+    // cached state, which the rank value is read from.
+    let to = Chosen::new(cache, at.worker, Some(at.rank));
     let alternates = retry_targets(host, cache, choice);
     let prefill = prefix
         .as_deref()
@@ -239,8 +242,11 @@ pub(crate) fn commit(
     if let Some(prefix) = prefix {
         record(config, host, prefix, cache, choice.pool_offset, &at);
     }
+    // A retry carries the rank value written for `to`: only alternates
+    // that read the same value.
+    let alternates = alternates.into_iter().filter(|a| a.value == to.value).collect();
     Committed {
-        to: Chosen::new(cache, at.worker, Some(at.rank)),
+        to,
         alternates,
         ticket,
         prefill,

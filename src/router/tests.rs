@@ -322,6 +322,7 @@ fn the_reply_of_a_routed_leg_carries_its_tickets_and_moment() {
     let to = Chosen {
         worker: 1,
         rank: Some(2),
+        value: Some(2),
         endpoint: "127.0.0.1:2".into(),
     };
     let ticket = crate::worker_state::Ticket {

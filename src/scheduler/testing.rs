@@ -7,6 +7,7 @@ pub fn worker(name: &str, port: u16, dp_size: Option<u32>) -> Worker {
         address: format!("127.0.0.1:{port}").parse().unwrap(),
         dp_size,
         bootstrap_port: None,
+        rank_numbering: None,
     }
 }
 

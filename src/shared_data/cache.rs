@@ -8,10 +8,11 @@
 use super::changes::{self, ChangeLog, Place};
 use super::{log_tagged_write, update_worker, IfMissing, Keys};
 use crate::codec::{decode, encode_into};
-use crate::config::Config;
+use crate::config::{Config, RankNumbering};
 use crate::health::{Health, NO_HEALTH};
 use crate::host::Host;
 use crate::metrics;
+use crate::worker_state::rank_value::{self, Learned};
 use crate::worker_state::{LoadTable, Ticket, WorkerState};
 use std::rc::Rc;
 
@@ -31,6 +32,8 @@ struct Entry {
     encoding: Vec<u8>,
     /// `routed.<worker>.rank_<r>` names, filled as ranks are routed to.
     routed_names: Vec<String>,
+    /// The worker's first rank those names count from.
+    routed_names_first: u32,
 }
 
 #[derive(Default)]
@@ -267,18 +270,52 @@ impl StateCache {
             .map_or_else(|| Rc::from(""), |e| e.endpoint.clone())
     }
 
-    /// The name of the counter of requests routed to (`worker`, `rank`).
+    /// The rank value to write for rank index `rank` of worker `index`
+    /// (`worker_state::rank_value`); None: none.
+    pub fn rank_value(&self, index: usize, rank: u32) -> Option<u32> {
+        let config = self.config.as_ref()?;
+        let worker = config.worker(index)?;
+        // A worker routed to has a state; without one, only a local value is known.
+        let (first, ranks, learned) = match self.states.get(index)?.as_ref() {
+            Some(s) => (s.first_rank, s.ranks(), s.learned),
+            None if rank_value::numbering(config, worker, Learned::Nothing) == Some(RankNumbering::Local) => {
+                (0, 0, Learned::Nothing)
+            }
+            None => return None,
+        };
+        let in_header = config.header_transport().is_some();
+        rank_value::value(
+            rank_value::numbering(config, worker, learned),
+            first,
+            ranks,
+            rank,
+            in_header,
+        )
+    }
+
+    /// The name of the counter of requests routed to (`worker`, rank index
+    /// `rank`): by the rank as the worker names it.
     pub fn routed_name(&mut self, worker: usize, rank: u32) -> &str {
         let name = self
             .config
             .as_ref()
             .and_then(|c| c.worker(worker))
             .map_or("", |w| w.name.as_str());
-        let Some(names) = self.entries.get_mut(worker).map(|e| &mut e.routed_names) else {
+        let first = self
+            .states
+            .get(worker)
+            .and_then(Option::as_ref)
+            .map_or(0, |s| s.first_rank);
+        let Some(entry) = self.entries.get_mut(worker) else {
             return "";
         };
+        if entry.routed_names_first != first {
+            entry.routed_names.clear();
+            entry.routed_names_first = first;
+        }
+        let names = &mut entry.routed_names;
         while names.len() <= rank as usize {
-            names.push(metrics::routed(name, names.len() as u32));
+            names.push(metrics::routed(name, first.saturating_add(names.len() as u32)));
         }
         names.get(rank as usize).map_or("", String::as_str)
     }

@@ -146,7 +146,7 @@ fn chaos_soak() {
     fronted_a.front.set(LoadAnswer::Forward { delay: LOAD_DELAY });
     let (b, fronted_b) = fronted_sim(&dir, "worker_b", 4, SIM_ARGS);
     let c = Sim::start(&dir, "worker_c", 4, SIM_ARGS);
-    let names = vec![(a.addr, "worker_a"), (b.addr, "worker_b"), (c.addr, "worker_c")];
+    let names = [(a.addr, "worker_a"), (b.addr, "worker_b"), (c.addr, "worker_c")];
     let b_backend = fronted_b.backend.addr.to_string();
     let sims = vec![a, b, c];
     let envoy = Envoy::start(&dir, &scenario, &sims, &EnvoyOptions::default());

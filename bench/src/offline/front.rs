@@ -306,7 +306,7 @@ impl DprankGateway {
         self.set_time(t_s);
         let _ = self.host.set_effective_context(ctx);
         request.borrow_mut().on_response_headers(&self.host);
-        request.borrow_mut().on_response_body(&self.host);
+        request.borrow_mut().on_response_body(&self.host, 0);
     }
 
     /// The stream ended (Envoy's access log callback).

@@ -120,7 +120,10 @@ pub fn rank_loads(report: &VllmReport, memory: &mut CacheCounters, context: &Rep
             }
         })
         .collect();
-    LoadReport { ranks }
+    LoadReport {
+        first_rank: report.first_engine,
+        ranks,
+    }
 }
 
 #[cfg(test)]
@@ -139,6 +142,7 @@ mod tests {
 
     fn report(engines: Vec<EngineFigures>, capacity: Option<u64>) -> VllmReport {
         VllmReport {
+            first_engine: 0,
             engines,
             model_name: "m".into(),
             kv_capacity_tokens: capacity,

@@ -1,0 +1,95 @@
+//! A worker that answers 400 to the rank value dprank wrote: what it
+//! teaches (`worker_state::rank_value::learn`) goes into the worker's state,
+//! for every thread and every later request, counted and logged once. A
+//! worker whose range is smaller than its last report (restarted with fewer
+//! ranks) loses its top ranks at once, until its next poll.
+
+use crate::config::Config;
+use crate::host::Host;
+use crate::metrics::PerWorker;
+use crate::shared_data::{self, IfMissing};
+use crate::worker_state::rank_value::{self, Learned};
+
+/// The most of a 400 answer read for a rank refusal.
+pub const REFUSAL_BYTES: usize = 1024;
+
+/// A rank value written for a request: which worker, its rank index, the value.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Written {
+    pub worker: usize,
+    pub rank: u32,
+    pub value: u32,
+    /// The host it was sent to (a retry may land elsewhere: only this
+    /// host's refusal says anything about the worker).
+    pub endpoint: std::rc::Rc<str>,
+}
+
+/// The worker answered 400 with `body` (its first bytes) to `written`: if it
+/// is a rank refusal, the worker's state learns what it teaches.
+pub fn rank_refused(config: &Config, host: &dyn Host, written: Written, body: &[u8]) {
+    let Some(refusal) = rank_value::refusal(body) else {
+        return;
+    };
+    let Some(w) = config.worker(written.worker) else {
+        return;
+    };
+    let changed = shared_data::update_worker(config, host, written.worker, IfMissing::Skip, |state| {
+        let ranks = state.ranks();
+        match rank_value::learn(refusal, written.value, written.rank, state.first_rank, ranks) {
+            Some(learned) if learned != state.learned => {
+                state.learned = learned;
+                Some(Change::Learned(learned, state.first_rank))
+            }
+            Some(_) => None,
+            None => {
+                let fewer = rank_value::fewer_ranks(refusal, ranks)?;
+                state.keep_ranks(fewer);
+                Some(Change::Fewer(fewer))
+            }
+        }
+    });
+    let Some(change) = changed else {
+        return;
+    };
+    host.count(&PerWorker::RankRefused.of(&w.name), 1);
+    let (learned, first_rank) = match change {
+        Change::Learned(learned, first_rank) => (learned, first_rank),
+        Change::Fewer(n) => {
+            log::warn!(
+                "{} refused rank value {}: it has {n} ranks now; its others are left out until its next poll",
+                w.endpoint(),
+                written.value
+            );
+            return;
+        }
+    };
+    match learned {
+        Learned::Numbering(n) => log::warn!(
+            "{} refused rank value {} (its ranks start at {first_rank}): it reads {} rank values; writing those from now on. \
+             Set \"rank_numbering\": \"{}\" on this worker to spare the first request",
+            w.endpoint(),
+            written.value,
+            numbering_name(n),
+            numbering_name(n)
+        ),
+        Learned::Unpinned => log::warn!(
+            "{} refused rank value {} in a way neither numbering explains: no rank value is written for it until its layout changes (its own balancer picks)",
+            w.endpoint(),
+            written.value
+        ),
+        Learned::Nothing => {}
+    }
+}
+
+/// What a refusal changed.
+enum Change {
+    Learned(Learned, u32),
+    Fewer(usize),
+}
+
+fn numbering_name(n: crate::config::RankNumbering) -> &'static str {
+    match n {
+        crate::config::RankNumbering::Local => "local",
+        crate::config::RankNumbering::Global => "global",
+    }
+}
