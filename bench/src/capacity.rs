@@ -364,16 +364,14 @@ impl CapacityJob<'_> {
         let workload = capacity_workload(self.workload);
         let label = format!("{} KV {} ({})", workload.name(), self.kv.name(), self.preset.name);
         let overload = self.overload_throughput(&workload)?;
-        let start = if overload > 0.0 {
+        let start = search_start(overload, self.first_overload_rate());
+        if start == overload {
             eprintln!("capacity {label}: overload throughput {overload:.2} req/s");
-            overload
         } else {
-            let start = self.first_overload_rate();
             eprintln!(
                 "capacity {label}: no request finished within the {OVERLOAD_WINDOW_S} s overload window, so the overload throughput was not measured; the search starts from {start:.1} req/s"
             );
-            start
-        };
+        }
         let within = |(ttft, tpot): (f64, f64)| ttft <= self.slo.ttft_ms && tpot <= self.slo.tpot_ms;
         let mut steps: Vec<(f64, Option<f64>)> = Vec::new();
         let mut try_rate = |rate: f64| -> Result<(f64, f64), String> {
@@ -447,6 +445,18 @@ impl CapacityJob<'_> {
             measured: crate::provenance::now_utc(),
             provenance: Some(self.provenance.clone()),
         })
+    }
+}
+
+/// The rate the bisection starts from: the overload throughput, or the
+/// first overload rate when no request finished in the overload window
+/// (then there is no throughput to start from, and a rate of 0 would plan
+/// no arrivals).
+fn search_start(overload: f64, first_overload_rate: f64) -> f64 {
+    if overload > 0.0 && overload.is_finite() {
+        overload
+    } else {
+        first_overload_rate
     }
 }
 
@@ -578,6 +588,26 @@ mod tests {
             None
         );
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn a_window_where_nothing_finished_starts_the_search_from_the_first_overload_rate() {
+        assert_eq!(search_start(12.5, 32.0), 12.5);
+        assert_eq!(search_start(0.0, 32.0), 32.0);
+        assert_eq!(search_start(f64::NAN, 32.0), 32.0);
+        let entry = CapacityEntry {
+            overload_rps: 0.0,
+            ..serde_json::from_str::<CapacityEntry>(
+                r#"{"workload":"mooncake-conversation","kv":"large","fleet":"2x8","rps":0.4,"method":"sustainable","measured":"then"}"#,
+            )
+            .unwrap()
+        };
+        assert_eq!(entry.method, METHOD);
+        assert!(
+            entry.describe().contains("overload throughput not measured"),
+            "{}",
+            entry.describe()
+        );
     }
 
     #[test]
