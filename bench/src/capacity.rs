@@ -256,7 +256,12 @@ impl CapacityJob<'_> {
     fn spec<'v>(&self, variant: &'v Variant, seed: u64) -> Result<driver::RunSpec<'v>, String> {
         Ok(driver::RunSpec {
             variant,
-            sim: sim_config(self.preset, self.kv, self.fleet.dp_size, &[])?,
+            sim: sim_config(
+                self.preset,
+                self.kv,
+                self.fleet.dp_size,
+                &SimPreset::noise_seed_args(seed),
+            )?,
             workers: self.fleet.workers,
             seed,
             turn_horizon_s: f64::INFINITY,

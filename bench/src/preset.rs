@@ -276,6 +276,14 @@ impl SimPreset {
         args
     }
 
+    /// The seed of the simulator's step noise for a run of `seed`: every
+    /// variant of a seed meets the same draws, other seeds other draws
+    /// (noise plays a part only on presets that have it,
+    /// `deepseek-v3-ep-high`, or with `sim.step-noise`).
+    pub fn noise_seed_args(seed: u64) -> [String; 2] {
+        ["--noise-seed".into(), seed.to_string()]
+    }
+
     pub fn time_scale(&self, kv: Kv) -> f64 {
         match kv {
             Kv::Small => self.time_scale_small,

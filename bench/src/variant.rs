@@ -679,6 +679,8 @@ pub struct SimFeatures {
     pub cost_model: bool,
     /// `--engine vllm`: vLLM servers.
     pub vllm: bool,
+    /// `--noise-seed`: seeded step noise (the split presets).
+    pub noise_seed: bool,
 }
 
 impl SimFeatures {
@@ -713,6 +715,7 @@ impl SimFeatures {
             cache_report: help.contains("--enable-cache-report"),
             cost_model: help.contains("--cost-model"),
             vllm: help.contains("--engine"),
+            noise_seed: help.contains("--noise-seed"),
         }
     }
 
