@@ -11,7 +11,11 @@
 //! first an upper bound, the completion rate under overload (the earlier
 //! definition of capacity), then a bracket [lo, hi] with lo meeting the SLO
 //! and hi not, halved until it is narrower than 2% of hi; the capacity is
-//! lo. A run is given up as soon as more requests have waited past the SLO
+//! lo. When no request finishes within the overload window (long prompts
+//! on a slow preset), the overload throughput is not measured and the
+//! search starts from the first overload rate instead, saying so; a rate
+//! 256 times lower still missing the SLO is reported as out of reach. A
+//! run is given up as soon as more requests have waited past the SLO
 //! than a p90 allows (it fails). Results go to capacity.json with how they
 //! were found, and are reused until `--remeasure`. `bursty` sends the
 //! `no-prefix` requests and only times them differently, so its load is a
@@ -108,7 +112,7 @@ impl CapacityEntry {
             );
         }
         format!(
-            "`{}`, KV {}, {}, preset `{}`: {:.2} req/s, the highest rate at which the clairvoyant chooser kept TTFT p90 within {} ms ({:.0} ms there) and TPOT p90 within {} ms ({:.1} ms there) over {} s of warm-up and {} s measured, pooled over seeds {:?}; overload throughput {:.2} req/s ({})",
+            "`{}`, KV {}, {}, preset `{}`: {:.2} req/s, the highest rate at which the clairvoyant chooser kept TTFT p90 within {} ms ({:.0} ms there) and TPOT p90 within {} ms ({:.1} ms there) over {} s of warm-up and {} s measured, pooled over seeds {:?}; {} ({})",
             self.workload,
             self.kv,
             self.fleet,
@@ -121,7 +125,11 @@ impl CapacityEntry {
             self.warmup_s,
             self.window_s,
             self.seeds,
-            self.overload_rps,
+            if self.overload_rps > 0.0 {
+                format!("overload throughput {:.2} req/s", self.overload_rps)
+            } else {
+                format!("overload throughput not measured (no request finished within the {OVERLOAD_WINDOW_S} s overload window)")
+            },
             self.measured
         )
     }
@@ -248,7 +256,12 @@ impl CapacityJob<'_> {
     fn spec<'v>(&self, variant: &'v Variant, seed: u64) -> Result<driver::RunSpec<'v>, String> {
         Ok(driver::RunSpec {
             variant,
-            sim: sim_config(self.preset, self.kv, self.fleet.dp_size, &[])?,
+            sim: sim_config(
+                self.preset,
+                self.kv,
+                self.fleet.dp_size,
+                &SimPreset::noise_seed_args(seed),
+            )?,
             workers: self.fleet.workers,
             seed,
             turn_horizon_s: f64::INFINITY,
@@ -263,7 +276,7 @@ impl CapacityJob<'_> {
     /// 60 s window; the rate doubles until the fleet falls behind.
     fn overload_throughput(&self, workload: &Workload) -> Result<f64, String> {
         let clairvoyant = Variant::parse("clairvoyant")?;
-        let mut offered = 2.0 * self.fleet.workers as f64 * self.fleet.dp_size as f64;
+        let mut offered = self.first_overload_rate();
         for _ in 0..12 {
             let plan = workload.plan(&self.shape(offered, SEEDS[0], OVERLOAD_WINDOW_S))?;
             let mut spec = self.spec(&clairvoyant, SEEDS[0])?;
@@ -287,6 +300,12 @@ impl CapacityJob<'_> {
             "capacity of `{}`: the fleet kept up even at {offered:.1} req/s",
             workload.name()
         ))
+    }
+
+    /// The rate the overload measurement starts from: two requests per
+    /// second per rank.
+    fn first_overload_rate(&self) -> f64 {
+        2.0 * self.fleet.workers as f64 * self.fleet.dp_size as f64
     }
 
     /// The pooled TTFT p90 and TPOT p90 (ms) of the capacity seeds at
@@ -350,7 +369,14 @@ impl CapacityJob<'_> {
         let workload = capacity_workload(self.workload);
         let label = format!("{} KV {} ({})", workload.name(), self.kv.name(), self.preset.name);
         let overload = self.overload_throughput(&workload)?;
-        eprintln!("capacity {label}: overload throughput {overload:.2} req/s");
+        let start = search_start(overload, self.first_overload_rate());
+        if start == overload {
+            eprintln!("capacity {label}: overload throughput {overload:.2} req/s");
+        } else {
+            eprintln!(
+                "capacity {label}: no request finished within the {OVERLOAD_WINDOW_S} s overload window, so the overload throughput was not measured; the search starts from {start:.1} req/s"
+            );
+        }
         let within = |(ttft, tpot): (f64, f64)| ttft <= self.slo.ttft_ms && tpot <= self.slo.tpot_ms;
         let mut steps: Vec<(f64, Option<f64>)> = Vec::new();
         let mut try_rate = |rate: f64| -> Result<(f64, f64), String> {
@@ -362,14 +388,14 @@ impl CapacityJob<'_> {
             steps.push((rate, p90.0.is_finite().then_some(p90.0)));
             Ok(p90)
         };
-        let (mut lo, mut hi) = (overload / 2.0, overload);
+        let (mut lo, mut hi) = (start / 2.0, start);
         let mut lo_p90 = try_rate(lo)?;
         let mut halvings = 0;
         while !within(lo_p90) {
             halvings += 1;
             if halvings > 8 {
                 return Err(format!(
-                    "capacity {label}: even {lo:.3} req/s misses TTFT p90 <= {} ms or TPOT p90 <= {} ms ({:.0} ms, {:.1} ms): the SLO is out of reach",
+                    "capacity {label}: not measured: even {lo:.3} req/s misses TTFT p90 <= {} ms or TPOT p90 <= {} ms ({:.0} ms, {:.1} ms): the SLO is out of reach on this preset",
                     self.slo.ttft_ms, self.slo.tpot_ms, lo_p90.0, lo_p90.1
                 ));
             }
@@ -377,7 +403,7 @@ impl CapacityJob<'_> {
             lo /= 2.0;
             lo_p90 = try_rate(lo)?;
         }
-        if hi == overload {
+        if hi == start {
             let mut raises = 0;
             loop {
                 let p90 = try_rate(hi)?;
@@ -424,6 +450,18 @@ impl CapacityJob<'_> {
             measured: crate::provenance::now_utc(),
             provenance: Some(self.provenance.clone()),
         })
+    }
+}
+
+/// The rate the bisection starts from: the overload throughput, or the
+/// first overload rate when no request finished in the overload window
+/// (then there is no throughput to start from, and a rate of 0 would plan
+/// no arrivals).
+fn search_start(overload: f64, first_overload_rate: f64) -> f64 {
+    if overload > 0.0 && overload.is_finite() {
+        overload
+    } else {
+        first_overload_rate
     }
 }
 
@@ -555,6 +593,26 @@ mod tests {
             None
         );
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn a_window_where_nothing_finished_starts_the_search_from_the_first_overload_rate() {
+        assert_eq!(search_start(12.5, 32.0), 12.5);
+        assert_eq!(search_start(0.0, 32.0), 32.0);
+        assert_eq!(search_start(f64::NAN, 32.0), 32.0);
+        let entry = CapacityEntry {
+            overload_rps: 0.0,
+            ..serde_json::from_str::<CapacityEntry>(
+                r#"{"workload":"mooncake-conversation","kv":"large","fleet":"2x8","rps":0.4,"method":"sustainable","measured":"then"}"#,
+            )
+            .unwrap()
+        };
+        assert_eq!(entry.method, METHOD);
+        assert!(
+            entry.describe().contains("overload throughput not measured"),
+            "{}",
+            entry.describe()
+        );
     }
 
     #[test]

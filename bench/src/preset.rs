@@ -7,7 +7,11 @@
 //! tokens/s per rank, 20 ms + 0.25 us per KV token decode steps). The
 //! calibrated presets select the simulator's `--cost-model`; their regime
 //! values are marked provisional until re-checked against the merged model
-//! (bench/README.md, "Presets").
+//! (bench/README.md, "Presets"). `deepseek-v3-ep` (the default) splits a
+//! step into each rank's own part and the routed experts' shared part;
+//! `deepseek-v3-ep-low` and `-high` bracket the lockstep penalty the
+//! published figures leave open; `deepseek-v3-dp8` is the first fit, which
+//! the stored results name.
 
 use std::fmt::Write as _;
 
@@ -96,11 +100,19 @@ const LARGE: KvRegime = KvRegime {
     tokens: 400_000,
     running: 256,
 };
+/// The large regime of the split presets: what an 8-GPU node leaves per
+/// rank when DP attention keeps a copy of the attention and dense weights
+/// on every GPU (sim/README.md, "The fits").
+const LARGE_DP_ATTENTION: KvRegime = KvRegime {
+    tokens: 300_000,
+    running: 256,
+};
 
-/// The calibrated DeepSeek-V3-class preset (the default).
+/// The first calibrated DeepSeek-V3-class preset: every rank prices its
+/// own MoE work (the stored results name it).
 const DEEPSEEK_V3_DP8: SimPreset = SimPreset {
     name: "deepseek-v3-dp8",
-    about: "the calibrated DeepSeek-V3-class DP-attention node: 8 ranks per worker in lockstep (`--cost-model deepseek-v3-dp8`)",
+    about: "the first calibrated DeepSeek-V3-class DP-attention node: 8 ranks per worker in lockstep, each pricing its own MoE work (`--cost-model deepseek-v3-dp8`; the earlier results' model)",
     sim_args: &["--cost-model", "deepseek-v3-dp8"],
     vllm: false,
     dp_size: 8,
@@ -118,6 +130,33 @@ const DEEPSEEK_V3_DP8: SimPreset = SimPreset {
     time_scale_large: 1.0,
     // Checked after the merge (bench/README.md, "Simulator presets").
     provisional: None,
+};
+
+/// The split model (the default): each rank's own part of a step, the
+/// routed experts' work shared by the group.
+const DEEPSEEK_V3_EP: SimPreset = SimPreset {
+    name: "deepseek-v3-ep",
+    about: "DeepSeek-V3 under DP attention and expert parallelism, 8 ranks per worker in lockstep, a step priced as the slowest rank's own part plus the routed experts' work of all ranks spread over them (`--cost-model deepseek-v3-ep`)",
+    sim_args: &["--cost-model", "deepseek-v3-ep"],
+    large: LARGE_DP_ATTENTION,
+    provisional: None,
+    ..DEEPSEEK_V3_DP8
+};
+
+/// The split model at the low end of the lockstep penalty.
+const DEEPSEEK_V3_EP_LOW: SimPreset = SimPreset {
+    name: "deepseek-v3-ep-low",
+    about: "the split DeepSeek-V3 model at the low end of the lockstep penalty: full/empty decode step 2.1x, a rank's own part its attention alone (`--cost-model deepseek-v3-ep-low`)",
+    sim_args: &["--cost-model", "deepseek-v3-ep-low"],
+    ..DEEPSEEK_V3_EP
+};
+
+/// The split model at the high end of the lockstep penalty.
+const DEEPSEEK_V3_EP_HIGH: SimPreset = SimPreset {
+    name: "deepseek-v3-ep-high",
+    about: "the DeepSeek-V3 model at the high end of the lockstep penalty: full/empty decode step 6.5x, each rank pricing its whole step, 3% step noise and 1% stragglers (`--cost-model deepseek-v3-ep-high`)",
+    sim_args: &["--cost-model", "deepseek-v3-ep-high"],
+    ..DEEPSEEK_V3_EP
 };
 
 /// The calibrated small dense preset.
@@ -138,7 +177,7 @@ const DENSE_8B: SimPreset = SimPreset {
     provisional: Some(PROVISIONAL),
 };
 
-pub const PRESETS: [SimPreset; 5] = [
+pub const PRESETS: [SimPreset; 8] = [
     SimPreset {
         name: "legacy",
         about: "the uncalibrated model of the earlier results: prefill 20k tokens/s per rank, decode steps 20 ms + 0.25 us per KV token, 4 ranks per worker in lockstep",
@@ -169,6 +208,9 @@ pub const PRESETS: [SimPreset; 5] = [
         time_scale_large: 2.0,
         provisional: None,
     },
+    DEEPSEEK_V3_EP,
+    DEEPSEEK_V3_EP_LOW,
+    DEEPSEEK_V3_EP_HIGH,
     DEEPSEEK_V3_DP8,
     DENSE_8B,
     // vLLM serving the same models: the same regime, vLLM's engine.
@@ -192,7 +234,7 @@ pub const PRESETS: [SimPreset; 5] = [
 ];
 
 /// The default preset.
-pub const DEFAULT_PRESET: &str = "deepseek-v3-dp8";
+pub const DEFAULT_PRESET: &str = "deepseek-v3-ep";
 
 /// The preset named `name`.
 pub fn preset(name: &str) -> Result<&'static SimPreset, String> {
@@ -232,6 +274,14 @@ impl SimPreset {
             regime.running.to_string(),
         ]);
         args
+    }
+
+    /// The seed of the simulator's step noise for a run of `seed`: every
+    /// variant of a seed meets the same draws, other seeds other draws
+    /// (noise plays a part only on presets that have it,
+    /// `deepseek-v3-ep-high`, or with `sim.step-noise`).
+    pub fn noise_seed_args(seed: u64) -> [String; 2] {
+        ["--noise-seed".into(), seed.to_string()]
     }
 
     pub fn time_scale(&self, kv: Kv) -> f64 {
@@ -280,7 +330,20 @@ mod tests {
         }
         assert!(preset("nope").unwrap_err().contains("legacy"));
         let legacy = preset("legacy").unwrap();
-        assert_eq!(preset(DEFAULT_PRESET).unwrap().name, "deepseek-v3-dp8");
+        assert_eq!(preset(DEFAULT_PRESET).unwrap().name, "deepseek-v3-ep");
+        // The bracket's ends and the default share the regime but the model.
+        let ends = ["deepseek-v3-ep-low", "deepseek-v3-ep-high"].map(|name| preset(name).unwrap());
+        for end in ends {
+            assert_eq!(
+                (end.small, end.large, end.slo),
+                (
+                    preset(DEFAULT_PRESET).unwrap().small,
+                    LARGE_DP_ATTENTION,
+                    SloRule::FromIdle
+                )
+            );
+            assert_eq!(end.sim_args[1], end.name);
+        }
         assert_eq!(legacy.max_prompt(Kv::Small), 8192);
         assert!(legacy.provisional.is_none());
         assert_eq!(

@@ -365,6 +365,9 @@ pub fn start_fleets(
             "0".into(),
         ];
         args.extend(cell.preset.sim_args(cell.kv));
+        if features.noise_seed {
+            args.extend(SimPreset::noise_seed_args(cell.seed));
+        }
         if features.cache_report {
             // The cache-hit column reads usage.prompt_tokens_details, which
             // SGLang reports only with this flag.

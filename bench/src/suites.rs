@@ -632,7 +632,9 @@ pub struct SuiteArgs {
     pub workers: Option<usize>,
     #[arg(long)]
     pub dp_size: Option<usize>,
-    /// The simulated model: legacy, deepseek-v3-dp8, dense-8b.
+    /// The simulated model: deepseek-v3-ep (the default), its bracket
+    /// deepseek-v3-ep-low and deepseek-v3-ep-high, deepseek-v3-dp8 (the
+    /// first fit), legacy, dense-8b, vllm-dense-8b, vllm-deepseek-v3-dp8.
     #[arg(long)]
     pub sim_preset: Option<String>,
     /// The file `trace-file` (or `replay`) replays.

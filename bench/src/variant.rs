@@ -124,9 +124,12 @@ pub struct Variant {
 pub const ADMIT_WAIT_SHARE_OF_TTFT: f64 = 0.5;
 
 /// Built-in variants: name, expansion, what it is.
-pub const ALIASES: [(&str, &str, &str); 26] = [
+pub const ALIASES: [(&str, &str, &str); 29] = [
     ("rr", "rr", "Envoy round robin over workers, each worker round robin over its ranks (SGLang's default controller; on vLLM servers, vLLM's internal balancer)"),
     ("in-server", "in-server", "the servers' own balancer: each SGLang worker sends a request to its rank with the fewest tokens (`--load-balance-method total_tokens`), each vLLM server's internal balancer picks its engine; Envoy least_request over workers"),
+    ("in-server-delayer", "in-server:sim.prefill-delayer=on", "in-server with SGLang's prefill delayer switched on (`--enable-prefill-delayer`): ranks that could prefill wait up to 30 passes while others could not, so that they prefill together (SGLang workers only)"),
+    ("in-server-mixed", "in-server:sim.mixed-chunk=on", "in-server with SGLang's mixed chunks switched on (`--enable-mixed-chunk`): a prefill step carries the running decodes (SGLang workers only)"),
+    ("in-server-best", "in-server:sim.prefill-delayer=on:sim.mixed-chunk=on", "in-server with both of SGLang's switches against the lockstep stall: the prefill delayer and mixed chunks (SGLang workers only)"),
     ("in-server-rr", "in-server:lb=round_robin", "the servers' own balancer (SGLang `total_tokens`, vLLM's internal balancer) behind Envoy round robin over workers"),
     ("gie", "gie", "a model of the Gateway API Inference Extension's endpoint picker, default profile: prefix-cache (weight 3), queue (2) and KV-cache utilisation (2) scorers per pod over its own index of routed prompts and metrics polled every 50 ms, reading the first sample of each series (engine 0's on a DP server) as its metric mapping does; each server's own balancer picks the engine (offline only)"),
     ("gie-sum", "gie:metrics=sum", "the Inference Extension model reading a pod's waiting requests summed and its KV usage averaged over its engines (a charitable reading; offline only)"),
@@ -676,6 +679,8 @@ pub struct SimFeatures {
     pub cost_model: bool,
     /// `--engine vllm`: vLLM servers.
     pub vllm: bool,
+    /// `--noise-seed`: seeded step noise (the split presets).
+    pub noise_seed: bool,
 }
 
 impl SimFeatures {
@@ -710,6 +715,7 @@ impl SimFeatures {
             cache_report: help.contains("--enable-cache-report"),
             cost_model: help.contains("--cost-model"),
             vllm: help.contains("--engine"),
+            noise_seed: help.contains("--noise-seed"),
         }
     }
 
@@ -866,6 +872,29 @@ mod tests {
         for v in ["dprank:poll=200", "dprank:gw=1", "smg-pd:policy=least_load:gw=2"] {
             assert!(!Variant::parse(v).unwrap().describe().contains('{'), "{v}");
         }
+    }
+
+    #[test]
+    fn the_in_server_balancer_at_its_best_switches_sglang_options_on() {
+        let best = Variant::parse("in-server-best").unwrap();
+        assert_eq!(best.dispatch, Dispatch::InServer);
+        assert_eq!(best.sim_args, ["--prefill-delayer", "on", "--mixed-chunk", "on"]);
+        let rr = Variant::parse("rr:sim.prefill-delayer=on").unwrap();
+        assert_eq!(
+            (rr.dispatch, rr.sim_args),
+            (
+                Dispatch::RoundRobin,
+                vec!["--prefill-delayer".to_string(), "on".into()]
+            )
+        );
+        let parsed = crate::offline::sim_config(
+            crate::preset::preset("deepseek-v3-ep").unwrap(),
+            crate::preset::Kv::Small,
+            8,
+            &best.sim_args,
+        )
+        .unwrap();
+        assert!(parsed.prefill_delayer() && parsed.mixed_chunk());
     }
 
     #[test]

@@ -4,7 +4,7 @@ use std::net::SocketAddr;
 
 use clap::{ArgAction, Args, Parser, ValueEnum};
 
-use crate::engine::cost::{CostModel, CostPreset, Deployment};
+use crate::engine::cost::{CostModel, CostPreset, Deployment, StepNoise};
 
 /// SGLANG_INIT_NEW_TOKEN_RATIO.
 pub const INIT_NEW_TOKEN_RATIO: f64 = 0.7;
@@ -225,7 +225,7 @@ pub struct SimConfig {
     pub vllm_version: VllmVersion,
     /// The modelled deployment (step costs and shape); the flags below
     /// override its values one by one.
-    #[arg(long, value_enum, default_value_t = CostPreset::DeepseekV3Dp8)]
+    #[arg(long, value_enum, default_value_t = CostPreset::DeepseekV3Ep)]
     pub cost_model: CostPreset,
     /// Data-parallel ranks per worker (default: the cost model's).
     #[arg(long)]
@@ -257,6 +257,45 @@ pub struct SimConfig {
     /// Extra decode-step time per KV token the running batch reads.
     #[arg(long)]
     pub decode_step_us_per_token: Option<f64>,
+    /// Share (0 to 1) of the per-token prefill cost that is routed-expert
+    /// work, spread over the ranks stepping together (default: the cost
+    /// model's).
+    #[arg(long)]
+    pub prefill_shared: Option<f64>,
+    /// Share (0 to 1) of the per-sequence decode cost spread over the ranks
+    /// stepping together (default: the cost model's).
+    #[arg(long)]
+    pub decode_shared: Option<f64>,
+    /// Relative standard deviation of each rank's own part of a step, per
+    /// step (0.03 = 3%; default: the cost model's).
+    #[arg(long)]
+    pub step_noise: Option<f64>,
+    /// Chance that a rank straggles in a step (default: the cost model's).
+    #[arg(long)]
+    pub straggler_chance: Option<f64>,
+    /// How much longer a straggling rank's part takes (0.3 = 30%; default:
+    /// the cost model's).
+    #[arg(long)]
+    pub straggler_slowdown: Option<f64>,
+    /// Seed of the step-time noise (the same seed, the same run).
+    #[arg(long, default_value_t = 0)]
+    pub noise_seed: u64,
+    /// SGLang --enable-prefill-delayer: under DP attention, ranks that could
+    /// prefill wait (at most --prefill-delayer-max-delay-passes passes)
+    /// while other ranks could not, so that the ranks prefill together.
+    #[arg(long, alias = "enable-prefill-delayer", value_enum, num_args = 0..=1, default_missing_value = "on")]
+    pub prefill_delayer: Option<Toggle>,
+    /// SGLang --prefill-delayer-max-delay-passes.
+    #[arg(long, default_value_t = 30)]
+    pub prefill_delayer_max_delay_passes: u32,
+    /// SGLang --prefill-delayer-token-usage-low-watermark: a rank whose KV
+    /// usage is below it prefills at once (none by default).
+    #[arg(long)]
+    pub prefill_delayer_token_usage_low_watermark: Option<f64>,
+    /// SGLang --enable-mixed-chunk: a prefill step carries the running
+    /// batch's decodes in the same forward pass.
+    #[arg(long, alias = "enable-mixed-chunk", value_enum, num_args = 0..=1, default_missing_value = "on")]
+    pub mixed_chunk: Option<Toggle>,
     /// KV cache capacity of one rank, in tokens (default: the cost
     /// model's).
     #[arg(long)]
@@ -385,7 +424,7 @@ impl Default for SimConfig {
         Self {
             engine: EngineKind::Sglang,
             vllm_version: VllmVersion::V0_14,
-            cost_model: CostPreset::DeepseekV3Dp8,
+            cost_model: CostPreset::DeepseekV3Ep,
             dp_size: None,
             dispatch: None,
             time_scale: 1.0,
@@ -395,6 +434,16 @@ impl Default for SimConfig {
             decode_step_ms: None,
             decode_step_us_per_seq: None,
             decode_step_us_per_token: None,
+            prefill_shared: None,
+            decode_shared: None,
+            step_noise: None,
+            straggler_chance: None,
+            straggler_slowdown: None,
+            noise_seed: 0,
+            prefill_delayer: None,
+            prefill_delayer_max_delay_passes: 30,
+            prefill_delayer_token_usage_low_watermark: None,
+            mixed_chunk: None,
             kv_capacity: None,
             max_running: None,
             lockstep: None,
@@ -456,6 +505,26 @@ impl SimConfig {
             if value.is_some_and(|value| !(value.is_finite() && value >= 0.0)) {
                 return Err(format!("{name} must be a non-negative number"));
             }
+        }
+        for (name, value) in [
+            ("--prefill-shared", self.prefill_shared),
+            ("--decode-shared", self.decode_shared),
+            ("--straggler-chance", self.straggler_chance),
+        ] {
+            if value.is_some_and(|value| !(0.0..=1.0).contains(&value)) {
+                return Err(format!("{name} must be between 0 and 1"));
+            }
+        }
+        for (name, value) in [
+            ("--step-noise", self.step_noise),
+            ("--straggler-slowdown", self.straggler_slowdown),
+        ] {
+            if value.is_some_and(|value| !(value.is_finite() && value >= 0.0)) {
+                return Err(format!("{name} must be a non-negative number"));
+            }
+        }
+        if self.prefill_delayer() && !self.lockstep() {
+            return Err("--prefill-delayer needs ranks in lockstep (DP attention)".into());
         }
         let capacity = self.kv_capacity();
         if capacity < 2 {
@@ -545,6 +614,9 @@ impl SimConfig {
     }
 
     fn validate_vllm(&self) -> Result<(), String> {
+        if self.prefill_delayer() || self.mixed_chunk() {
+            return Err("--prefill-delayer and --mixed-chunk are SGLang's; vLLM's scheduler mixes prefills and decodes always".into());
+        }
         if self.role != Role::Regular {
             return Err("--engine vllm runs the regular role only (no prefill/decode roles)".into());
         }
@@ -681,7 +753,38 @@ impl SimConfig {
         if let Some(us) = self.decode_step_us_per_token {
             cost.decode_us_per_kv_token = us;
         }
+        if let Some(share) = self.prefill_shared {
+            cost.prefill_shared = share;
+        }
+        if let Some(share) = self.decode_shared {
+            cost.decode_shared = share;
+        }
         cost
+    }
+
+    /// The step-time noise: the cost model's, with the overriding flags.
+    pub fn noise(&self) -> StepNoise {
+        let mut noise = self.deployment().noise;
+        if let Some(spread) = self.step_noise {
+            noise.spread = spread;
+        }
+        if let Some(chance) = self.straggler_chance {
+            noise.straggler_chance = chance;
+        }
+        if let Some(slowdown) = self.straggler_slowdown {
+            noise.straggler_slowdown = slowdown;
+        }
+        noise
+    }
+
+    /// Whether SGLang's prefill delayer runs.
+    pub fn prefill_delayer(&self) -> bool {
+        self.prefill_delayer == Some(Toggle::On)
+    }
+
+    /// Whether prefill steps carry the running batch's decodes.
+    pub fn mixed_chunk(&self) -> bool {
+        self.mixed_chunk == Some(Toggle::On)
     }
 
     /// Prompt tokens one rank prefills per step, if chunking is on: SGLang
@@ -747,10 +850,10 @@ mod tests {
     #[test]
     fn the_default_is_the_deepseek_node_and_flags_override_its_values() {
         let config = parse(&[]);
-        assert_eq!(config.cost_model, CostPreset::DeepseekV3Dp8);
+        assert_eq!(config.cost_model, CostPreset::DeepseekV3Ep);
         assert_eq!(
             (config.dp_size(), config.kv_capacity(), config.max_running()),
-            (8, 500_000, 256)
+            (8, 300_000, 256)
         );
         assert!(config.lockstep() && config.dp_attention());
         let config = parse(&[
@@ -820,6 +923,29 @@ mod tests {
         assert!((config.init_new_token_ratio() - 0.7).abs() < 1e-12);
         // Lockstep can still be asked for.
         assert!(parse(&["--cost-model", "dense-8b", "--lockstep"]).lockstep());
+    }
+
+    #[test]
+    fn the_sglang_switches_take_both_spellings() {
+        let config = parse(&["--enable-prefill-delayer", "--enable-mixed-chunk"]);
+        assert!(config.prefill_delayer() && config.mixed_chunk());
+        let config = parse(&["--prefill-delayer", "on", "--mixed-chunk", "off"]);
+        assert!(config.prefill_delayer() && !config.mixed_chunk());
+        assert!(!parse(&[]).prefill_delayer());
+        let dense = parse(&["--cost-model", "dense-8b", "--prefill-delayer"]);
+        assert!(dense.validate().unwrap_err().contains("lockstep"));
+        let config = parse(&[
+            "--cost-model",
+            "deepseek-v3-ep-high",
+            "--step-noise",
+            "0",
+            "--decode-shared",
+            "0.5",
+        ]);
+        assert_eq!(config.noise().spread, 0.0);
+        assert_eq!(config.noise().straggler_chance, 0.01);
+        assert_eq!(config.cost().decode_shared, 0.5);
+        assert!(parse(&["--decode-shared", "1.5"]).validate().is_err());
     }
 
     #[test]

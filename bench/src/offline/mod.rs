@@ -63,7 +63,11 @@ pub fn run_cell(cell: &Cell, requests_out: Option<&Path>) -> Result<RunRecord, S
     let started = Instant::now();
     let spec = driver::RunSpec {
         variant: &cell.variant,
-        sim: sim_config(cell.preset, cell.kv, cell.fleet.dp_size, &cell.variant.sim_args)?,
+        sim: sim_config(cell.preset, cell.kv, cell.fleet.dp_size, &{
+            let mut extra = SimPreset::noise_seed_args(cell.seed).to_vec();
+            extra.extend(cell.variant.sim_args.iter().cloned());
+            extra
+        })?,
         workers: cell.fleet.workers,
         seed: cell.seed,
         turn_horizon_s: cell.warmup_s + cell.duration_s + crate::workload::chat::TAIL_S,

@@ -1,7 +1,10 @@
-//! What one forward pass of a rank costs, from the work in it: pure
+//! What one forward pass costs, from the work each rank puts in it: pure
 //! arithmetic, no scheduling (the rank scheduler builds the work, this
-//! prices it). The presets, their sources and how they were fitted are in
-//! sim/README.md ("Step costs").
+//! prices it). Under DP attention with expert parallelism a pass has a
+//! per-rank part (attention, replicated layers), whose slowest rank sets
+//! the pace, and a shared part (routed experts and their all-to-all),
+//! spread over every rank of the group. The presets, their sources and how
+//! they were fitted are in sim/README.md ("Step costs").
 
 use clap::ValueEnum;
 
@@ -16,6 +19,12 @@ use super::Micros;
 ///   over the earlier ones and over each other;
 /// - decode step: `decode_base + decode_per_seq x sequences +
 ///   decode_per_kv_token x KV tokens the batch reads`.
+///
+/// For a group of ranks stepping together (`group_us`) the shares
+/// `prefill_shared` of the per-token term and `decode_shared` of the
+/// per-sequence term are the routed experts' work: priced on the group's
+/// total tokens divided by its ranks, not on each rank's own. A rank alone,
+/// or a balanced group, costs what the formulas above say.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct CostModel {
     pub prefill_base_us: f64,
@@ -24,6 +33,38 @@ pub struct CostModel {
     pub decode_base_us: f64,
     pub decode_us_per_seq: f64,
     pub decode_us_per_kv_token: f64,
+    /// Share (0 to 1) of `prefill_us_per_token` spread over the group.
+    pub prefill_shared: f64,
+    /// Share (0 to 1) of `decode_us_per_seq` spread over the group.
+    pub decode_shared: f64,
+}
+
+/// What one rank puts into a forward pass: prefill chunks, decodes, or
+/// both (vLLM's unified batches, SGLang's mixed chunks).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct StepWork {
+    pub prefill: PrefillWork,
+    pub decode: DecodeWork,
+}
+
+impl StepWork {
+    pub fn prefill(prefill: PrefillWork) -> Self {
+        Self {
+            prefill,
+            ..Self::default()
+        }
+    }
+
+    pub fn decode(decode: DecodeWork) -> Self {
+        Self {
+            decode,
+            ..Self::default()
+        }
+    }
+
+    fn is_empty(&self) -> bool {
+        self.prefill.tokens == 0 && self.decode.seqs == 0
+    }
 }
 
 /// The work of one prefill step of a rank.
@@ -74,22 +115,77 @@ impl CostModel {
     /// both are in it, plus each kind's variable terms. A step of one kind
     /// costs what `prefill_us` or `decode_us` says.
     pub fn mixed_us(&self, prefill: PrefillWork, decode: DecodeWork) -> Micros {
-        let has_prefill = prefill.tokens > 0;
-        let has_decode = decode.seqs > 0;
-        if !has_prefill && !has_decode {
+        let work = StepWork { prefill, decode };
+        if work.is_empty() {
             return 0;
         }
-        let base = match (has_prefill, has_decode) {
-            (true, true) => self.prefill_base_us.max(self.decode_base_us),
-            (true, false) => self.prefill_base_us,
-            _ => self.decode_base_us,
-        };
-        let us = base
+        let us = self.base_us(&work)
             + self.prefill_us_per_token * prefill.tokens as f64
             + self.prefill_us_per_pair * prefill.pairs
             + self.decode_us_per_seq * decode.seqs as f64
             + self.decode_us_per_kv_token * decode.kv_tokens as f64;
         us.max(0.0).round() as Micros
+    }
+
+    /// The fixed cost of a pass holding `work`.
+    fn base_us(&self, work: &StepWork) -> f64 {
+        match (work.prefill.tokens > 0, work.decode.seqs > 0) {
+            (true, true) => self.prefill_base_us.max(self.decode_base_us),
+            (true, false) => self.prefill_base_us,
+            _ => self.decode_base_us,
+        }
+    }
+
+    /// The part of a rank's pass that only it runs: the fixed cost, its
+    /// attention and KV reads, and the unshared share of its tokens.
+    pub fn rank_us(&self, work: &StepWork) -> Micros {
+        if work.is_empty() {
+            return 0;
+        }
+        let us = self.base_us(work)
+            + self.prefill_us_per_token * (1.0 - self.prefill_shared) * work.prefill.tokens as f64
+            + self.prefill_us_per_pair * work.prefill.pairs
+            + self.decode_us_per_seq * (1.0 - self.decode_shared) * work.decode.seqs as f64
+            + self.decode_us_per_kv_token * work.decode.kv_tokens as f64;
+        us.max(0.0).round() as Micros
+    }
+
+    /// The routed experts' share of a rank's tokens, before it is spread.
+    fn shared_us(&self, work: &StepWork) -> f64 {
+        self.prefill_us_per_token * self.prefill_shared * work.prefill.tokens as f64
+            + self.decode_us_per_seq * self.decode_shared * work.decode.seqs as f64
+    }
+
+    /// One pass of `ranks` ranks stepping together, `works` being the busy
+    /// ones' work (a rank with none runs an idle pass): the slowest rank's
+    /// own part, each stretched by `slowdown(rank index in works)`, plus
+    /// the shared part of every rank's tokens divided by `ranks`. None when
+    /// no rank has work.
+    pub fn group_us(
+        &self,
+        ranks: usize,
+        works: &[StepWork],
+        mut slowdown: impl FnMut(usize) -> f64,
+    ) -> Option<Micros> {
+        if works.iter().all(StepWork::is_empty) {
+            return None;
+        }
+        let slowest = works
+            .iter()
+            .enumerate()
+            .map(|(index, work)| {
+                let own = self.rank_us(work);
+                let factor = slowdown(index);
+                if factor == 1.0 {
+                    own
+                } else {
+                    (own as f64 * factor).round() as Micros
+                }
+            })
+            .max()
+            .unwrap_or(0);
+        let shared: f64 = works.iter().map(|work| self.shared_us(work)).sum();
+        Some(slowest + (shared / ranks.max(1) as f64).round() as Micros)
     }
 }
 
@@ -112,10 +208,48 @@ pub struct Deployment {
     pub vllm_block_size: u64,
     /// vLLM mode: `max_num_seqs` per engine.
     pub vllm_max_num_seqs: u64,
+    /// Step-to-step variation of each rank's own part of a step.
+    pub noise: StepNoise,
+}
+
+/// How much a rank's own part of a step varies from the model's figure:
+/// a relative normal spread per step, and now and then a straggler. Drawn
+/// from a seed, so a run is reproducible (sim/README.md, "Noise").
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct StepNoise {
+    /// Standard deviation of the relative variation (0.03 = 3%).
+    pub spread: f64,
+    /// Chance that a rank straggles in a step.
+    pub straggler_chance: f64,
+    /// How much longer a straggling rank's part takes (0.3 = 30%).
+    pub straggler_slowdown: f64,
+}
+
+impl StepNoise {
+    pub const NONE: StepNoise = StepNoise {
+        spread: 0.0,
+        straggler_chance: 0.0,
+        straggler_slowdown: 0.0,
+    };
+
+    pub fn is_none(&self) -> bool {
+        self.spread <= 0.0 && (self.straggler_chance <= 0.0 || self.straggler_slowdown <= 0.0)
+    }
+
+    /// The factor a rank's part is multiplied by, from two uniform draws in
+    /// [0, 1) and one standard normal draw; at least 0.5.
+    pub fn factor(&self, normal: f64, uniform: f64) -> f64 {
+        let mut factor = 1.0 + self.spread * normal;
+        if uniform < self.straggler_chance {
+            factor += self.straggler_slowdown;
+        }
+        factor.max(0.5)
+    }
 }
 
 /// DeepSeek-V3 under DP attention and expert parallelism on H100-class
-/// GPUs, per rank (GPU), fitted in sim/README.md.
+/// GPUs, per rank (GPU), fitted in sim/README.md, every rank pricing its
+/// own MoE work (the first fit; kept for the results made with it).
 pub const DEEPSEEK_V3_DP8: Deployment = Deployment {
     cost: CostModel {
         prefill_base_us: 14_040.0,
@@ -124,6 +258,8 @@ pub const DEEPSEEK_V3_DP8: Deployment = Deployment {
         decode_base_us: 14_040.0,
         decode_us_per_seq: 252.7,
         decode_us_per_kv_token: 0.025_74,
+        prefill_shared: 0.0,
+        decode_shared: 0.0,
     },
     dp_size: 8,
     dp_attention: true,
@@ -134,6 +270,70 @@ pub const DEEPSEEK_V3_DP8: Deployment = Deployment {
     // of 1024 would run the decode fit far outside what it was fitted on).
     vllm_block_size: 64,
     vllm_max_num_seqs: 256,
+    noise: StepNoise::NONE,
+};
+
+/// The routed experts' share of DeepSeek-V3's compute per token: 8 of 256
+/// experts x 58 layers x 44M parameters = 20.4B of 37.4B active.
+pub const ROUTED_EXPERT_SHARE: f64 = 0.55;
+
+/// KV tokens per rank of an 8-GPU node serving DeepSeek-V3 under DP
+/// attention: every GPU holds an eighth of the routed experts and a copy of
+/// everything else (sim/README.md, "The fits").
+const DP_ATTENTION_NODE_KV: u64 = 300_000;
+
+/// The split model, fitted (sim/README.md): DeepSeek's production decode
+/// figure read as one token per step (full/empty decode step 6.5x), the
+/// routed experts' share of the per-token and per-sequence terms spread
+/// over the group.
+pub const DEEPSEEK_V3_EP: Deployment = Deployment {
+    cost: CostModel {
+        prefill_base_us: 14_045.0,
+        prefill_us_per_token: 131.08,
+        prefill_us_per_pair: 0.013_23,
+        decode_base_us: 14_045.0,
+        decode_us_per_seq: 252.7,
+        decode_us_per_kv_token: 0.025_74,
+        prefill_shared: ROUTED_EXPERT_SHARE,
+        decode_shared: ROUTED_EXPERT_SHARE,
+    },
+    kv_capacity: DP_ATTENTION_NODE_KV,
+    ..DEEPSEEK_V3_DP8
+};
+
+/// The low end of the lockstep penalty: DeepSeek's production decode
+/// figure read with multi-token prediction at 90% acceptance (full/empty
+/// decode step 2.1x); a rank's own part of a step is its attention alone.
+pub const DEEPSEEK_V3_EP_LOW: Deployment = Deployment {
+    cost: CostModel {
+        prefill_base_us: 43_824.0,
+        prefill_us_per_token: 129.26,
+        prefill_us_per_pair: 0.013_23,
+        decode_base_us: 43_824.0,
+        decode_us_per_seq: 136.4,
+        decode_us_per_kv_token: 0.025_74,
+        prefill_shared: 1.0,
+        decode_shared: 1.0,
+    },
+    ..DEEPSEEK_V3_EP
+};
+
+/// The high end: the one-token reading (6.5x) with every rank pricing its
+/// whole step, MoE included, as the first fit did, and each rank's part
+/// varying 3% per step with a 1% chance of a 30% straggler (assumed, not
+/// measured).
+pub const DEEPSEEK_V3_EP_HIGH: Deployment = Deployment {
+    cost: CostModel {
+        prefill_shared: 0.0,
+        decode_shared: 0.0,
+        ..DEEPSEEK_V3_EP.cost
+    },
+    noise: StepNoise {
+        spread: 0.03,
+        straggler_chance: 0.01,
+        straggler_slowdown: 0.3,
+    },
+    ..DEEPSEEK_V3_EP
 };
 
 /// A Llama-3.1-8B-class dense model, one replica per H100, ranks
@@ -146,6 +346,8 @@ pub const DENSE_8B: Deployment = Deployment {
         decode_base_us: 7_430.0,
         decode_us_per_seq: 33.9,
         decode_us_per_kv_token: 0.039_1,
+        prefill_shared: 0.0,
+        decode_shared: 0.0,
     },
     dp_size: 8,
     dp_attention: false,
@@ -155,6 +357,7 @@ pub const DENSE_8B: Deployment = Deployment {
     // max_num_seqs 1024.
     vllm_block_size: 16,
     vllm_max_num_seqs: 1024,
+    noise: StepNoise::NONE,
 };
 
 /// The simulator's earlier, uncalibrated model: prefill at 20k tokens/s,
@@ -168,6 +371,8 @@ pub const LEGACY: Deployment = Deployment {
         decode_base_us: 20_000.0,
         decode_us_per_seq: 0.0,
         decode_us_per_kv_token: 0.25,
+        prefill_shared: 0.0,
+        decode_shared: 0.0,
     },
     dp_size: 4,
     dp_attention: true,
@@ -175,6 +380,7 @@ pub const LEGACY: Deployment = Deployment {
     max_running: 64,
     vllm_block_size: 16,
     vllm_max_num_seqs: 64,
+    noise: StepNoise::NONE,
 };
 
 /// The deployment the simulator models: a rank's step costs, ranks per
@@ -182,8 +388,20 @@ pub const LEGACY: Deployment = Deployment {
 /// overridable by its own flag). See sim/README.md ("Step costs").
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum CostPreset {
-    /// DeepSeek-V3 under DP attention on H100-class GPUs: 8 ranks in
-    /// lockstep, costs fitted to SGLang's and DeepSeek's published figures.
+    /// DeepSeek-V3 under DP attention and expert parallelism: 8 ranks in
+    /// lockstep, the routed experts' work spread over them (the default).
+    #[value(name = "deepseek-v3-ep")]
+    DeepseekV3Ep,
+    /// The same at the low end of the lockstep penalty (decode full/empty
+    /// 2.1x, a rank's own part its attention alone).
+    #[value(name = "deepseek-v3-ep-low")]
+    DeepseekV3EpLow,
+    /// The same at the high end (decode full/empty 6.5x, each rank pricing
+    /// its whole step, step-time noise and stragglers).
+    #[value(name = "deepseek-v3-ep-high")]
+    DeepseekV3EpHigh,
+    /// The first fit: 8 ranks in lockstep, each pricing its own MoE work,
+    /// 500k KV per rank (the results made before the split name it).
     #[value(name = "deepseek-v3-dp8")]
     DeepseekV3Dp8,
     /// A Llama-3.1-8B-class dense model, one replica per H100: 8 ranks
@@ -199,6 +417,9 @@ pub enum CostPreset {
 impl Deployment {
     pub fn of(preset: CostPreset) -> Deployment {
         match preset {
+            CostPreset::DeepseekV3Ep => DEEPSEEK_V3_EP,
+            CostPreset::DeepseekV3EpLow => DEEPSEEK_V3_EP_LOW,
+            CostPreset::DeepseekV3EpHigh => DEEPSEEK_V3_EP_HIGH,
             CostPreset::DeepseekV3Dp8 => DEEPSEEK_V3_DP8,
             CostPreset::Dense8b => DENSE_8B,
             CostPreset::Legacy => LEGACY,
@@ -297,6 +518,77 @@ mod tests {
             }
             assert_eq!(model.mixed_us(PrefillWork::default(), DecodeWork::default()), 0);
         }
+    }
+
+    #[test]
+    fn a_group_step_is_the_slowest_own_part_plus_the_shared_part_spread() {
+        let model = &DEEPSEEK_V3_EP.cost;
+        let decode = |seqs| {
+            StepWork::decode(DecodeWork {
+                seqs,
+                kv_tokens: seqs * 2000,
+            })
+        };
+        // A rank alone, or a balanced group, costs the single-rank formula.
+        let alone = model.group_us(1, &[decode(64)], |_| 1.0).unwrap();
+        assert!(alone.abs_diff(model.decode_us(decode(64).decode)) <= 1);
+        let balanced = model.group_us(8, &[decode(64); 8], |_| 1.0).unwrap();
+        assert!(balanced.abs_diff(alone) <= 1, "{balanced} vs {alone}");
+        // One busy rank among eight: its own part, an eighth of its share.
+        let lone = model.group_us(8, &[decode(64)], |_| 1.0).unwrap();
+        let shared = model.decode_us_per_seq * model.decode_shared * 64.0;
+        assert_eq!(
+            lone,
+            model.rank_us(&decode(64)) + (shared / 8.0).round() as Micros
+        );
+        assert!(lone < alone);
+        // Without shares the group costs its slowest rank, as it used to.
+        let whole = &DEEPSEEK_V3_EP_HIGH.cost;
+        let uneven = [decode(10), decode(64)];
+        assert_eq!(
+            whole.group_us(8, &uneven, |_| 1.0),
+            Some(
+                whole
+                    .decode_us(decode(10).decode)
+                    .max(whole.decode_us(decode(64).decode))
+            )
+        );
+        // A slowdown stretches a rank's own part only.
+        let slowed = model.group_us(8, &[decode(64)], |_| 1.5).unwrap();
+        assert_eq!(
+            slowed - lone,
+            (model.rank_us(&decode(64)) as f64 * 0.5).round() as Micros
+        );
+        assert_eq!(model.group_us(8, &[], |_| 1.0), None);
+        assert_eq!(model.group_us(8, &[StepWork::default()], |_| 1.0), None);
+    }
+
+    #[test]
+    fn the_bracket_ends_are_the_two_readings_of_the_decode_figures() {
+        let empty_full = |model: &CostModel| {
+            model.decode_us(DecodeWork {
+                seqs: 256,
+                kv_tokens: 512_000,
+            }) as f64
+                / model.decode_base_us
+        };
+        assert!((empty_full(&DEEPSEEK_V3_EP_LOW.cost) - 2.1).abs() < 0.05);
+        assert!((empty_full(&DEEPSEEK_V3_EP_HIGH.cost) - 6.5).abs() < 0.1);
+        // Both reproduce SGLang's full batch: 91.9 ms.
+        for model in [
+            DEEPSEEK_V3_EP_LOW.cost,
+            DEEPSEEK_V3_EP_HIGH.cost,
+            DEEPSEEK_V3_EP.cost,
+        ] {
+            let full = model.decode_us(DecodeWork {
+                seqs: 256,
+                kv_tokens: 512_000,
+            });
+            assert!(full.abs_diff(91_913) < 100, "{full}");
+        }
+        assert!(StepNoise::NONE.is_none() && !DEEPSEEK_V3_EP_HIGH.noise.is_none());
+        assert_eq!(DEEPSEEK_V3_EP_HIGH.noise.factor(0.0, 0.5), 1.0);
+        assert!((DEEPSEEK_V3_EP_HIGH.noise.factor(1.0, 0.001) - 1.33).abs() < 1e-9);
     }
 
     #[test]

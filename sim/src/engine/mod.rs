@@ -18,7 +18,7 @@ use std::collections::{BTreeMap, HashMap, VecDeque};
 
 use crate::config::{Admission, Dispatch, Role, SimConfig, Toggle, VllmVersion, CLIP_MAX_NEW_TOKENS};
 use crate::config::{MIN_NEW_TOKEN_RATIO_FACTOR, NEW_TOKEN_RATIO_DECAY_STEPS};
-use cost::CostModel;
+use cost::{CostModel, StepNoise};
 pub use rank::RankSnapshot;
 use rank::Seq;
 pub use vllm::EngineStats;
@@ -145,6 +145,14 @@ pub(crate) struct Params {
     pub ratio_decay: f64,
     pub clip: u64,
     pub cost: CostModel,
+    pub noise: StepNoise,
+    pub noise_seed: u64,
+    /// SGLang `--enable-prefill-delayer` and its settings.
+    pub prefill_delayer: bool,
+    pub prefill_delayer_max_passes: u32,
+    pub prefill_delayer_watermark: Option<f64>,
+    /// SGLang `--enable-mixed-chunk`.
+    pub mixed_chunk: bool,
     pub tokenizer_base_us: f64,
     pub tokenizer_us_per_token: f64,
     pub publish_interval: u32,
@@ -205,6 +213,12 @@ impl Params {
                 CLIP_MAX_NEW_TOKENS
             },
             cost: config.cost(),
+            noise: config.noise(),
+            noise_seed: config.noise_seed,
+            prefill_delayer: config.prefill_delayer() && config.lockstep() && !config.is_vllm(),
+            prefill_delayer_max_passes: config.prefill_delayer_max_delay_passes.max(1),
+            prefill_delayer_watermark: config.prefill_delayer_token_usage_low_watermark,
+            mixed_chunk: config.mixed_chunk() && !config.is_vllm(),
             tokenizer_base_us: config.tokenizer_delay_us,
             tokenizer_us_per_token: config.tokenizer_us_per_token,
             publish_interval: config.load_publish_interval.max(1),
@@ -276,9 +290,13 @@ impl Fleet {
         let params = Params::new(config);
         let count = workers.max(1);
         let servers = if params.vllm {
-            Servers::Vllm((0..count).map(|_| vllm::worker::Worker::new(&params)).collect())
+            Servers::Vllm(
+                (0..count)
+                    .map(|index| vllm::worker::Worker::new(&params, index))
+                    .collect(),
+            )
         } else {
-            Servers::Sglang((0..count).map(|_| Worker::new(&params)).collect())
+            Servers::Sglang((0..count).map(|index| Worker::new(&params, index)).collect())
         };
         Self {
             servers,

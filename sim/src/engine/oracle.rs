@@ -178,7 +178,7 @@ fn project(params: &Params, worker: &Worker, r: usize, now: Micros, new: Item) -
     // Prompts being prefilled now join the running batch when the step
     // ends (a chunk that is not the last stays the chunked prompt).
     let joining: Vec<u64> = match &rank.plan {
-        Plan::Prefill { batch, .. } => batch
+        Plan::Prefill { batch, .. } | Plan::Mixed { batch, .. } => batch
             .iter()
             .filter(|(id, take)| {
                 rank.seqs

@@ -12,6 +12,9 @@
 //!   (fewest output tokens first, then longest prompt) back to the queue
 //!   and raises the ratio; otherwise the ratio decays towards its minimum;
 //! - prompts longer than the chunk budget are prefilled in chunks;
+//! - with `--enable-mixed-chunk` a prefill step carries the running batch's
+//!   decodes; with the prefill delayer a rank may hold new prefills back
+//!   (`hold_prefill`, decided for the group in `worker.rs`);
 //! - the radix cache and the requests share the rank's KV pool: prompts
 //!   are inserted after prefill, whole sequences when they finish.
 
@@ -111,6 +114,14 @@ pub(crate) enum Plan {
     },
     /// One decode step of the running batch.
     Decode(DecodeWork),
+    /// A prefill step carrying the decodes of `decoding` (SGLang's mixed
+    /// chunk).
+    Mixed {
+        batch: Vec<(SeqId, u64)>,
+        work: PrefillWork,
+        decoding: Vec<SeqId>,
+        decode: DecodeWork,
+    },
 }
 
 /// A rank's load as published for the load endpoints and the DP controller.
@@ -167,6 +178,9 @@ pub(crate) struct Rank {
     /// SGLang's `batch_is_full`: no prefill is tried until the running
     /// batch shrinks.
     pub batch_is_full: bool,
+    /// The prefill delayer holds new prefills back this step (a prompt
+    /// being chunked goes on).
+    pub hold_prefill: bool,
     pub plan: Plan,
     publish_counter: u32,
     pub published: RankSnapshot,
@@ -197,6 +211,7 @@ impl Rank {
             alloc_total: 0,
             ratio: params.init_ratio,
             batch_is_full: false,
+            hold_prefill: false,
             plan: Plan::Idle,
             publish_counter: 0,
             published: RankSnapshot::default(),
@@ -307,7 +322,7 @@ impl Rank {
                 best = best.max(common);
             }
         };
-        if let Plan::Prefill { batch, .. } = &self.plan {
+        if let Plan::Prefill { batch, .. } | Plan::Mixed { batch, .. } = &self.plan {
             for (id, take) in batch {
                 consider(id, *take);
             }
@@ -318,20 +333,77 @@ impl Rank {
         best
     }
 
-    /// Plans the next step: a prefill batch if one can be formed, else a
-    /// decode step of the running batch, else nothing.
+    /// Plans the next step: a prefill batch if one can be formed (with
+    /// the running batch's decodes under mixed chunks), else a decode step
+    /// of the running batch, else nothing.
     pub fn plan_step(&mut self, params: &Params, now: Micros, out: &mut Vec<Event>) -> Plan {
         let plan = if params.role == Role::Decode {
             self.admit_for_transfer(params, now, out);
             self.decode_plan(params, now, out)
         } else {
             match self.prefill_batch(params, now) {
+                Some(Plan::Prefill { batch, work }) if params.mixed_chunk && !self.running.is_empty() => {
+                    self.mix_with_running(params, batch, work)
+                }
                 Some(plan) => plan,
                 None => self.decode_plan(params, now, out),
             }
         };
         self.plan = plan.clone();
         plan
+    }
+
+    /// `mix_with_running`: the running batch decodes in the prefill's
+    /// forward pass, if the KV has a slot for each of its next tokens (the
+    /// admission left room for them); else the prefill runs alone.
+    fn mix_with_running(&mut self, params: &Params, batch: Vec<(SeqId, u64)>, work: PrefillWork) -> Plan {
+        let need = self.decode_need(params, &self.running);
+        if !self.check_decode_mem(params, need) {
+            return Plan::Prefill { batch, work };
+        }
+        for id in self.running.clone() {
+            let computed = self.seqs.get(&id).map_or(0, |seq| seq.computed);
+            self.set_alloc(params, id, computed + 1);
+        }
+        Plan::Mixed {
+            batch,
+            work,
+            decoding: self.running.clone(),
+            decode: self.decode_work(),
+        }
+    }
+
+    /// Whether the prefill delayer counts this rank as able to prefill: a
+    /// waiting request would pass admission's slot and KV checks (SGLang
+    /// negotiates after them since PR #31835).
+    pub fn would_prefill(&self, params: &Params) -> bool {
+        let Some(seq) = self.waiting.front().and_then(|id| self.seqs.get(id)) else {
+            return false;
+        };
+        if self.batch_is_full || self.running.len() as u64 >= params.max_running {
+            return false;
+        }
+        let cached = if params.cache_on {
+            self.cache.match_len(&seq.prompt) as u64
+        } else {
+            0
+        };
+        let extend = seq.fill_len().saturating_sub(cached).max(1);
+        let reserve = seq.max_new.saturating_sub(seq.generated).min(params.clip);
+        let room =
+            (self.available(params) + self.cache.evictable_size()) as f64 - self.running_offset(params);
+        ((extend + reserve + params.page) as f64) < room
+    }
+
+    /// Whether the rank has a step to run even if it takes no new prompt.
+    pub fn busy_without_new_prefill(&self) -> bool {
+        !self.running.is_empty() || self.chunked.is_some()
+    }
+
+    /// KV in use as a share of the rank's capacity (SGLang's token usage).
+    pub fn token_usage(&self, params: &Params) -> f64 {
+        let free = self.available(params) + self.cache.evictable_size();
+        params.capacity.saturating_sub(free) as f64 / params.capacity.max(1) as f64
     }
 
     fn decode_plan(&mut self, params: &Params, now: Micros, out: &mut Vec<Event>) -> Plan {
@@ -367,17 +439,20 @@ impl Rank {
             self.batch_is_full = true;
             return None;
         }
+        // Mixed chunks: the running batch's decode tokens come out of the
+        // step's budgets (`mixed_with_decode_tokens`).
+        let mixed = if params.mixed_chunk { running as i64 } else { 0 };
         let mut adder = Adder {
-            offset: self.running_offset(params),
+            offset: self.running_offset(params) + mixed as f64,
             current: 0,
-            rem_input: params.max_prefill as i64,
-            rem_chunk: params.chunk.map(|chunk| chunk as i64),
+            rem_input: params.max_prefill as i64 - mixed,
+            rem_chunk: params.chunk.map(|chunk| chunk as i64 - mixed),
             batch: Vec::new(),
         };
         if let Some(id) = self.chunked {
             self.add_chunked(params, id, &mut adder);
         }
-        while let Some(&id) = self.waiting.front() {
+        while let Some(&id) = self.waiting.front().filter(|_| !self.hold_prefill) {
             if adder.batch.len() as u64 >= slots {
                 self.batch_is_full = true;
                 break;
@@ -687,25 +762,44 @@ impl Rank {
                 self.publish(params, now);
             }
             Plan::Decode(_) => {
-                let mut tokens = 0;
-                for id in self.running.clone() {
-                    let Some(seq) = self.seqs.get_mut(&id) else {
-                        continue;
-                    };
-                    seq.computed += 1;
-                    seq.generated += 1;
-                    tokens += 1;
-                    out.push(seq.token_event(now));
-                    if seq.generated >= seq.stop_at {
-                        self.finish(params, id);
-                    }
-                }
-                self.decode_steps.push_back((start, now, tokens));
-                while self.decode_steps.len() > GEN_THROUGHPUT_STEPS {
-                    self.decode_steps.pop_front();
-                }
+                self.end_decode(params, self.running.clone(), start, now, out);
                 self.count_publish(params, now);
             }
+            Plan::Mixed { batch, decoding, .. } => {
+                self.end_decode(params, decoding, start, now, out);
+                for (id, take) in batch {
+                    self.end_prefill(params, now, id, take, out);
+                }
+                self.publish(params, now);
+            }
+        }
+    }
+
+    /// The sequences `ids` decoded one token each.
+    fn end_decode(
+        &mut self,
+        params: &Params,
+        ids: Vec<SeqId>,
+        start: Micros,
+        now: Micros,
+        out: &mut Vec<Event>,
+    ) {
+        let mut tokens = 0;
+        for id in ids {
+            let Some(seq) = self.seqs.get_mut(&id) else {
+                continue;
+            };
+            seq.computed += 1;
+            seq.generated += 1;
+            tokens += 1;
+            out.push(seq.token_event(now));
+            if seq.generated >= seq.stop_at {
+                self.finish(params, id);
+            }
+        }
+        self.decode_steps.push_back((start, now, tokens));
+        while self.decode_steps.len() > GEN_THROUGHPUT_STEPS {
+            self.decode_steps.pop_front();
         }
     }
 

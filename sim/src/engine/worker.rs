@@ -1,6 +1,8 @@
 //! One simulated server: its ranks, how they step (together under DP
-//! attention, or each on its own), its tokenizer and its DP controller.
+//! attention, or each on its own) and what a step costs, its tokenizer, its
+//! DP controller and SGLang's prefill delayer.
 
+use super::cost::StepWork;
 use super::rank::{Plan, Rank};
 use super::{Arrival, Event, Micros, Params};
 use crate::config::Dispatch;
@@ -15,6 +17,45 @@ pub(crate) struct Group {
     pub ranks: Vec<usize>,
     /// The step in progress: (start, end).
     pub step: Option<(Micros, Micros)>,
+    /// Seeds the group's step-time noise (from the noise seed, the server
+    /// and the group).
+    noise_key: u64,
+    /// Steps begun: the noise's counter.
+    steps: u64,
+    /// Prefill delayer: passes held back in a row.
+    delayed: u32,
+}
+
+/// SplitMix64: a deterministic stream of well-mixed 64-bit values (the
+/// step noise; vLLM's spread of requests over API processes, as the kernel
+/// spreads connections over processes sharing a port).
+pub(crate) fn mix(mut x: u64) -> u64 {
+    x = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    x = (x ^ (x >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    x ^ (x >> 31)
+}
+
+/// A uniform draw in [0, 1) from 53 bits of `x`.
+fn unit(x: u64) -> f64 {
+    (x >> 11) as f64 / (1u64 << 53) as f64
+}
+
+impl Group {
+    /// How much longer than modelled rank `rank`'s part of the current step
+    /// takes: 1 without noise, else a draw fixed by the seed, the group,
+    /// the step and the rank.
+    fn slowdown(&self, params: &Params, rank: usize) -> f64 {
+        let noise = &params.noise;
+        if noise.is_none() {
+            return 1.0;
+        }
+        let base = mix(self.noise_key ^ mix(self.steps) ^ mix(rank as u64).rotate_left(17));
+        let (a, b, c) = (mix(base), mix(base ^ 1), mix(base ^ 2));
+        // Box-Muller: a standard normal from two uniforms.
+        let normal = (-2.0 * (1.0 - unit(a)).ln()).sqrt() * (std::f64::consts::TAU * unit(b)).cos();
+        noise.factor(normal, unit(c))
+    }
 }
 
 /// SGLang's `DPBudget`: the controller's view of each rank's load, the
@@ -54,21 +95,25 @@ impl TokenizerQueue {
     }
 }
 
-/// Ranks that step together: all of them under lockstep, else one each.
-pub(crate) fn groups(dp: usize, lockstep: bool) -> Vec<Group> {
-    if lockstep {
-        vec![Group {
-            ranks: (0..dp).collect(),
-            step: None,
-        }]
+/// Ranks that step together: all of them under lockstep, else one each;
+/// `server` (its index in the fleet) seeds their noise.
+pub(crate) fn groups(params: &Params, server: usize) -> Vec<Group> {
+    let dp = params.dp_size;
+    let sets: Vec<Vec<usize>> = if params.lockstep {
+        vec![(0..dp).collect()]
     } else {
-        (0..dp)
-            .map(|rank| Group {
-                ranks: vec![rank],
-                step: None,
-            })
-            .collect()
-    }
+        (0..dp).map(|rank| vec![rank]).collect()
+    };
+    sets.into_iter()
+        .enumerate()
+        .map(|(index, ranks)| Group {
+            ranks,
+            step: None,
+            noise_key: mix(params.noise_seed ^ mix(server as u64) ^ mix(index as u64).rotate_left(29)),
+            steps: 0,
+            delayed: 0,
+        })
+        .collect()
 }
 
 /// A server's ranks (vLLM: engines) and the groups they step in: what
@@ -76,24 +121,29 @@ pub(crate) fn groups(dp: usize, lockstep: bool) -> Vec<Group> {
 pub(crate) trait GroupedRanks {
     fn groups_mut(&mut self) -> &mut [Group];
 
-    /// Plans the next step of rank `index`; its duration, or None when the
-    /// rank has nothing to do.
+    /// Plans the next step of rank `index`; the work it puts in the step,
+    /// or None when the rank has nothing to do.
     fn plan_rank(
         &mut self,
         params: &Params,
         index: usize,
         now: Micros,
         out: &mut Vec<Event>,
-    ) -> Option<Micros>;
+    ) -> Option<StepWork>;
+
+    /// Before a group plans its step (SGLang's prefill delayer).
+    fn before_step(&mut self, _params: &Params, _group: usize) {}
 
     /// Rank `index` has nothing to do, nor has any rank of its group: it
     /// publishes its idle state.
     fn idle_rank(&mut self, params: &Params, index: usize, now: Micros);
 
     /// Plans one step of a group; its duration, or None when every rank of
-    /// the group is idle. The step lasts as long as the slowest rank's, an
-    /// idle rank waiting too (DP attention; a vLLM engine with nothing to
-    /// do runs a dummy batch, the cheapest step).
+    /// the group is idle. The step lasts as long as the slowest rank's own
+    /// part, an idle rank waiting too (DP attention; a vLLM engine with
+    /// nothing to do runs a dummy batch, the cheapest step), plus the
+    /// routed experts' work of all ranks spread over the group
+    /// (`CostModel::group_us`).
     fn begin_step(
         &mut self,
         params: &Params,
@@ -102,11 +152,22 @@ pub(crate) trait GroupedRanks {
         out: &mut Vec<Event>,
     ) -> Option<Micros> {
         let ranks = self.groups_mut().get(group)?.ranks.clone();
-        let mut longest = None;
+        self.before_step(params, group);
+        let mut works = Vec::new();
+        let mut busy = Vec::new();
         for &index in &ranks {
-            longest = longest.max(self.plan_rank(params, index, now, out));
+            if let Some(work) = self.plan_rank(params, index, now, out) {
+                works.push(work);
+                busy.push(index);
+            }
         }
-        match longest {
+        let state = &mut self.groups_mut()[group];
+        state.steps += 1;
+        let state = &*state;
+        let duration = params
+            .cost
+            .group_us(ranks.len(), &works, |at| state.slowdown(params, busy[at]));
+        match duration {
             Some(duration) => {
                 self.groups_mut()[group].step = Some((now, now + duration));
                 Some(duration)
@@ -132,11 +193,12 @@ pub(crate) struct Worker {
 }
 
 impl Worker {
-    pub fn new(params: &Params) -> Self {
+    /// Server `index` of the fleet.
+    pub fn new(params: &Params, index: usize) -> Self {
         let dp = params.dp_size;
         Self {
             ranks: (0..dp).map(|_| Rank::new(params)).collect(),
-            groups: groups(dp, params.lockstep),
+            groups: groups(params, index),
             lockstep: params.lockstep,
             tokenizer: TokenizerQueue::default(),
             round_robin: 0,
@@ -231,11 +293,59 @@ impl GroupedRanks for Worker {
         index: usize,
         now: Micros,
         out: &mut Vec<Event>,
-    ) -> Option<Micros> {
+    ) -> Option<StepWork> {
         match self.ranks[index].plan_step(params, now, out) {
             Plan::Idle => None,
-            Plan::Prefill { work, .. } => Some(params.cost.prefill_us(work)),
-            Plan::Decode(work) => Some(params.cost.decode_us(work)),
+            Plan::Prefill { work, .. } => Some(StepWork::prefill(work)),
+            Plan::Decode(work) => Some(StepWork::decode(work)),
+            Plan::Mixed { work, decode, .. } => Some(StepWork {
+                prefill: work,
+                decode,
+            }),
+        }
+    }
+
+    /// SGLang's `PrefillDelayer` (managers/prefill_delayer.py): each pass
+    /// the ranks tell each other whether they could prefill; when some could
+    /// and others could not, those that could hold their new prefills back
+    /// (decoding instead) for up to `max_delay_passes - 1` passes in a row,
+    /// so that the ranks prefill together; a rank whose KV usage is under
+    /// the low watermark, if one is set, ends the wait. A pass in which no
+    /// rank would run anything is not held: SGLang's idle loop spins
+    /// through such passes at once.
+    fn before_step(&mut self, params: &Params, group: usize) {
+        if !params.prefill_delayer {
+            return;
+        }
+        let Some(state) = self.groups.get(group) else {
+            return;
+        };
+        let ranks = state.ranks.clone();
+        let prefillable: Vec<bool> = ranks
+            .iter()
+            .map(|&index| self.ranks[index].would_prefill(params))
+            .collect();
+        let mixed = prefillable.iter().any(|p| *p) && !prefillable.iter().all(|p| *p);
+        let watermark = params.prefill_delayer_watermark.is_some_and(|mark| {
+            ranks
+                .iter()
+                .zip(&prefillable)
+                .any(|(&index, &p)| p && self.ranks[index].token_usage(params) < mark)
+        });
+        let busy_anyway = ranks
+            .iter()
+            .any(|&index| self.ranks[index].busy_without_new_prefill());
+        let state = &mut self.groups[group];
+        let hold =
+            if mixed && !watermark && busy_anyway && state.delayed + 1 < params.prefill_delayer_max_passes {
+                state.delayed += 1;
+                true
+            } else {
+                state.delayed = 0;
+                false
+            };
+        for index in ranks {
+            self.ranks[index].hold_prefill = hold;
         }
     }
 

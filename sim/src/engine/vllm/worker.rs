@@ -6,7 +6,8 @@
 
 use super::balancer::Balancer;
 use super::engine::Engine;
-use crate::engine::worker::{groups, Group, GroupedRanks, TokenizerQueue};
+use crate::engine::cost::StepWork;
+use crate::engine::worker::{groups, mix, Group, GroupedRanks, TokenizerQueue};
 use crate::engine::{Event, Micros, Params};
 
 #[derive(Debug)]
@@ -20,21 +21,13 @@ pub(crate) struct Worker {
     received: u64,
 }
 
-/// splitmix64: spreads requests over the API processes as the kernel
-/// spreads connections over processes sharing a port.
-fn mix(x: u64) -> u64 {
-    let mut z = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    z ^ (z >> 31)
-}
-
 impl Worker {
-    pub fn new(params: &Params) -> Self {
+    /// Server `index` of the fleet.
+    pub fn new(params: &Params, index: usize) -> Self {
         let dp = params.dp_size;
         Self {
             engines: (0..dp).map(|_| Engine::new(params)).collect(),
-            groups: groups(dp, params.lockstep),
+            groups: groups(params, index),
             lockstep: params.lockstep,
             tokenizer: TokenizerQueue::default(),
             balancer: Balancer::new(params.vllm_version, dp, params.api_servers, params.engines_report),
@@ -92,7 +85,7 @@ impl GroupedRanks for Worker {
         index: usize,
         now: Micros,
         out: &mut Vec<Event>,
-    ) -> Option<Micros> {
+    ) -> Option<StepWork> {
         let engine = &mut self.engines[index];
         if self.balancer.reports_before_step() {
             let (waiting, running) = engine.counts();
@@ -101,7 +94,7 @@ impl GroupedRanks for Worker {
         }
         engine
             .plan_step(params, now, out)
-            .map(|(prefill, decode)| params.cost.mixed_us(prefill, decode))
+            .map(|(prefill, decode)| StepWork { prefill, decode })
     }
 
     fn idle_rank(&mut self, _params: &Params, index: usize, now: Micros) {
