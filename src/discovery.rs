@@ -165,6 +165,8 @@ impl Membership {
                     dp_size: None,
                     bootstrap_port: None,
                     rank_numbering: None,
+                    rank_ports: false,
+                    loads_address: None,
                 })
                 .collect();
             self.current = Rc::new(self.base.with_members(workers));

@@ -106,7 +106,11 @@ pub fn request_ended(config: &Config, host: &dyn Host, sent_to: &SentTo) {
         attempts: Some(attempts),
     };
     count_retries(host, &finished, &sent_to.hosts);
-    let observed = outcomes(&finished, &sent_to.hosts, sent_to.rank);
+    let mut observed = outcomes(&finished, &sent_to.hosts, sent_to.rank);
+    // A rank port stands for its worker.
+    for (target, _) in &mut observed {
+        target.worker = config.worker_address_of(target.worker);
+    }
     record(
         config,
         host,

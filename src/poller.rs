@@ -7,7 +7,7 @@ use crate::config::{Config, Discovery, Worker};
 use crate::discovery;
 use crate::health_updates;
 use crate::host::{Callout, CalloutError, CalloutResponse, Host};
-use crate::load::{Answer, LoadSource, Poll, Reading, ReportContext, Source};
+use crate::load::{Answer, LoadReport, LoadSource, Poll, Reading, ReportContext, Source};
 use crate::metrics::{self, PerWorker};
 use crate::prefix::index::IndexRecord;
 use crate::shared_data::{self, IfMissing, Members};
@@ -24,6 +24,16 @@ struct LoadCall {
     worker: SocketAddr,
     seq: u64,
     poll: Poll,
+    /// A worker with one port per rank, polled port by port: the rank index
+    /// this port answers for (None: the worker's whole report).
+    part: Option<u32>,
+}
+
+/// The answers of one poll of a worker polled port by port, as they come.
+#[derive(Debug, Default)]
+struct Parts {
+    /// By rank index: the port's report, or why it has none.
+    answers: Vec<Option<Result<LoadReport, String>>>,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -49,6 +59,8 @@ pub struct Poller {
     /// written, is never absent again (proxy-wasm has no delete), so each is
     /// checked once per VM instead of copying the whole index at every poll.
     indexes: HashSet<String>,
+    /// Polls of workers polled port by port, by (worker, poll sequence).
+    parts: HashMap<(SocketAddr, u64), Parts>,
 }
 
 /// How often every thread's root context ticks: fine enough for sub-second
@@ -71,6 +83,7 @@ impl Poller {
             outstanding: HashMap::new(),
             healthy: HashMap::new(),
             indexes: HashSet::new(),
+            parts: HashMap::new(),
         }
     }
 
@@ -193,34 +206,102 @@ impl Poller {
         let Some((seq, poll)) = polled else {
             return;
         };
-        let authority = w.endpoint();
-        let call = Callout {
-            cluster: &config.poll_cluster,
-            headers: &[
-                (":method", "GET"),
-                (":path", poll.path),
-                (":authority", authority.as_str()),
-                (POLL_DESTINATION_HEADER, authority.as_str()),
-                ("accept", poll.accept),
-            ],
-            body: None,
-            timeout_ms: config.poll_timeout_ms,
-        };
-        match host.http_call(&call) {
-            Ok(token) => {
-                let worker = w.address;
-                self.outstanding
-                    .insert(token, Call::Load(LoadCall { worker, seq, poll }));
-            }
-            Err(e) => {
-                host.count(&PerWorker::PollFailed.of(&w.name), 1);
-                log::warn!(
-                    "cannot poll {} through cluster `{}` ({e}): is the cluster defined?",
-                    authority,
-                    config.poll_cluster
-                );
+        let targets = w.load_targets();
+        if targets.iter().any(|(_, part)| part.is_some()) {
+            // Earlier polls of this worker are over: their late parts are dropped.
+            self.parts.retain(|(worker, _), _| *worker != w.address);
+            self.parts.insert(
+                (w.address, seq),
+                Parts {
+                    answers: vec![None; targets.len()],
+                },
+            );
+        }
+        for (target, part) in targets {
+            let authority = target.to_string();
+            let call = Callout {
+                cluster: &config.poll_cluster,
+                headers: &[
+                    (":method", "GET"),
+                    (":path", poll.path),
+                    (":authority", authority.as_str()),
+                    (POLL_DESTINATION_HEADER, authority.as_str()),
+                    ("accept", poll.accept),
+                ],
+                body: None,
+                timeout_ms: config.poll_timeout_ms,
+            };
+            match host.http_call(&call) {
+                Ok(token) => {
+                    let worker = w.address;
+                    self.outstanding.insert(
+                        token,
+                        Call::Load(LoadCall {
+                            worker,
+                            seq,
+                            poll,
+                            part,
+                        }),
+                    );
+                }
+                Err(e) => {
+                    host.count(&PerWorker::PollFailed.of(&w.name), 1);
+                    log::warn!(
+                        "cannot poll {} through cluster `{}` ({e}): is the cluster defined?",
+                        authority,
+                        config.poll_cluster
+                    );
+                    self.parts.remove(&(w.address, seq));
+                    return;
+                }
             }
         }
+    }
+
+    /// One port's answer of a worker polled port by port; the whole
+    /// report once every port has answered (Some(Err) when one failed),
+    /// None while some have not.
+    fn gather(
+        &mut self,
+        call: &LoadCall,
+        part: u32,
+        outcome: Result<Reading, String>,
+    ) -> Option<Result<Reading, String>> {
+        let key = (call.worker, call.seq);
+        let parts = self.parts.get_mut(&key)?;
+        let answer = outcome.and_then(|reading| match reading {
+            Reading::Complete(report) if report.ranks.len() == 1 => Ok(report),
+            _ => Err(format!(
+                "rank port {part} answered a report of more than its rank"
+            )),
+        });
+        *parts.answers.get_mut(part as usize)? = Some(answer);
+        if parts.answers.iter().any(Option::is_none) {
+            return None;
+        }
+        let answers = self.parts.remove(&key)?.answers;
+        let mut reports = Vec::with_capacity(answers.len());
+        for (r, answer) in answers.into_iter().enumerate() {
+            match answer? {
+                Ok(report) => reports.push(report),
+                Err(why) => return Some(Err(format!("rank port {r}: {why}"))),
+            }
+        }
+        let first = reports.first().map_or(0, |r| r.first_rank);
+        let mut merged = LoadReport {
+            first_rank: first,
+            ranks: Vec::with_capacity(reports.len()),
+        };
+        for (r, report) in reports.into_iter().enumerate() {
+            if u64::from(report.first_rank) != u64::from(first) + r as u64 {
+                return Some(Err(format!(
+                    "rank port {r} reports rank {} (rank port 0: {first})",
+                    report.first_rank
+                )));
+            }
+            merged.ranks.extend(report.ranks);
+        }
+        Some(Ok(Reading::Complete(merged)))
     }
 
     /// Handles a callout's answer, or why there is none (a reset, a cut answer).
@@ -293,6 +374,13 @@ impl Poller {
             }
             Ok(Answer::Failed(reason)) => Err(reason),
             Err(e) => Err(e.to_string()),
+        };
+        let outcome = match call.part {
+            None => outcome,
+            Some(part) => match self.gather(&call, part, outcome) {
+                Some(whole) => whole,
+                None => return,
+            },
         };
         let ok = match outcome {
             Ok(reading) => {

@@ -875,10 +875,14 @@ fn tenant_key(value: &[u8]) -> u64 {
     xxhash_rust::xxh3::xxh3_64(value).max(1)
 }
 
-/// The addresses of chosen workers (`Config::all_workers` indices).
+/// The hosts chosen workers are sent to (a rank port, where the worker has
+/// one per rank): what Envoy's `upstream.address` names.
 fn addresses<'a>(config: &Config, chosen: impl Iterator<Item = &'a Chosen>) -> Vec<std::net::SocketAddr> {
     chosen
-        .filter_map(|c| config.worker(c.worker).map(|w| w.address))
+        .filter_map(|c| {
+            let w = config.worker(c.worker)?;
+            Some(c.rank.map_or(w.address, |r| w.rank_address(r)))
+        })
         .collect()
 }
 

@@ -106,7 +106,7 @@ impl Record for Members {
     const TAG: [u8; 4] = *b"DPM1";
 }
 
-/// Workers whose last load report was refused (ranks not 0..N-1), sorted:
+/// Workers whose last load report was refused (ranks not one run S..S+N-1), sorted:
 /// so that whichever VM polls, a refusal is logged once, not per poll.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Refused(pub Vec<SocketAddr>);

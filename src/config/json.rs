@@ -169,4 +169,10 @@ pub struct WorkerJson {
     /// This worker's `rank_numbering`, if not the configuration's.
     #[serde(default)]
     pub rank_numbering: Option<RankNumbering>,
+    /// One port per rank (`address`'s port + r); needs `dp_size`.
+    #[serde(default)]
+    pub rank_ports: Option<bool>,
+    /// With `rank_ports`: a worker-level load endpoint (`ip:port`).
+    #[serde(default)]
+    pub loads_address: Option<String>,
 }

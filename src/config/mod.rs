@@ -146,12 +146,58 @@ pub struct Worker {
     /// This worker's rank numbering, if not the configuration's.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub rank_numbering: Option<RankNumbering>,
+    /// One port per rank: rank r is served at `address`'s port + r, and the
+    /// port selects it (no rank value is written). SGLang's Rust server.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub rank_ports: bool,
+    /// With `rank_ports`: where the worker reports every rank's load; None:
+    /// each rank port reports its own.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub loads_address: Option<SocketAddr>,
 }
 
 impl Worker {
     /// `ip:port` as Envoy prints host addresses (the override_host value).
     pub fn endpoint(&self) -> String {
         self.address.to_string()
+    }
+
+    /// Where rank index `rank` is served: its own port with `rank_ports`,
+    /// else the worker's address.
+    pub fn rank_address(&self, rank: u32) -> SocketAddr {
+        match self.rank_ports {
+            true => SocketAddr::new(
+                self.address.ip(),
+                self.address
+                    .port()
+                    .saturating_add(rank.min(u32::from(u16::MAX)) as u16),
+            ),
+            false => self.address,
+        }
+    }
+
+    /// Whether `addr` is one of this worker's hosts (its address, or a rank port).
+    pub fn serves_at(&self, addr: SocketAddr) -> bool {
+        let ports = if self.rank_ports {
+            self.dp_size.unwrap_or(1)
+        } else {
+            1
+        };
+        addr.ip() == self.address.ip()
+            && addr.port() >= self.address.port()
+            && u32::from(addr.port() - self.address.port()) < ports
+    }
+
+    /// Where the worker's loads are polled: (address, the rank index a
+    /// rank port answers for; None: every rank).
+    pub fn load_targets(&self) -> Vec<(SocketAddr, Option<u32>)> {
+        match (self.rank_ports, self.loads_address) {
+            (true, Some(at)) => vec![(at, None)],
+            (true, None) => (0..self.dp_size.unwrap_or(1))
+                .map(|r| (self.rank_address(r), Some(r)))
+                .collect(),
+            (false, _) => vec![(self.address, None)],
+        }
     }
 }
 
@@ -391,6 +437,14 @@ impl Config {
     /// A worker by its index in `all_workers`.
     pub fn worker(&self, index: usize) -> Option<&Worker> {
         self.all_workers().nth(index)
+    }
+
+    /// The address of the worker that serves at `addr` (one of its rank
+    /// ports, or its address); `addr` itself when none does.
+    pub fn worker_address_of(&self, addr: SocketAddr) -> SocketAddr {
+        self.all_workers()
+            .find(|w| w.serves_at(addr))
+            .map_or(addr, |w| w.address)
     }
 
     /// Every polled worker: the routed pool, then the prefill pool in PD mode.

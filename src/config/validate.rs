@@ -23,6 +23,7 @@ impl TryFrom<ConfigJson> for Config {
         let prefix = prefix::settings(&json)?;
         let (gateways, pick) = (super::gateways::gateways(&json)?, super::gateways::pick(&json)?);
         let mode = mode(&mut json, naming)?;
+        rank_ports_allowed(&engine, &mode)?;
         let (poll_interval_ms, poll_timeout_ms, stale_after_ms) = poll_timing(&json)?;
         let rank_field = field_name(
             "rank_field",
@@ -374,6 +375,29 @@ pub fn default_worker_name(address: &SocketAddr) -> String {
         .collect()
 }
 
+/// One port per rank is SGLang's layout (its Rust server), in regular mode:
+/// vLLM's servers of one engine each are workers of their own.
+fn rank_ports_allowed(engine: &Engine, mode: &Mode) -> Result<(), ConfigError> {
+    let with_ports = match mode {
+        Mode::StaticWorkers { workers } => workers.iter().any(|w| w.rank_ports),
+        Mode::Pd(pd) => pd.decode.iter().chain(&pd.prefill).any(|w| w.rank_ports),
+        Mode::FromCluster { .. } => false,
+    };
+    if !with_ports {
+        return Ok(());
+    }
+    if matches!(mode, Mode::Pd(_)) {
+        return Err(invalid("rank_ports", "not in PD mode"));
+    }
+    if matches!(engine, Engine::Vllm { .. }) {
+        return Err(invalid(
+            "rank_ports",
+            "SGLang's layout; with vLLM, give each server (one port) a worker entry of its own",
+        ));
+    }
+    Ok(())
+}
+
 /// Validates one pool. `others` are the workers of pools already validated:
 /// addresses and names must be unique across pools (they key shared state and stats).
 fn validate_workers(
@@ -431,6 +455,32 @@ fn validate_worker(key: &str, w: WorkerJson, bootstrap_allowed: bool) -> Result<
             ));
         }
     }
+    let rank_ports = w.rank_ports.unwrap_or(false);
+    if rank_ports && (bootstrap_allowed || w.dp_size.is_none()) {
+        return Err(invalid(
+            format!("{key}.rank_ports"),
+            "needs the worker's dp_size (its number of rank ports), in regular mode",
+        ));
+    }
+    if rank_ports && u32::from(address.port()) + w.dp_size.unwrap_or(1) > u32::from(u16::MAX) + 1 {
+        return Err(invalid(
+            format!("{key}.rank_ports"),
+            "its rank ports run past port 65535",
+        ));
+    }
+    let loads_address = match w.loads_address {
+        None => None,
+        Some(_) if !rank_ports => {
+            return Err(invalid(
+                format!("{key}.loads_address"),
+                "only a worker with rank_ports has one",
+            ));
+        }
+        Some(a) => Some(
+            a.parse::<SocketAddr>()
+                .map_err(|_| invalid(format!("{key}.loads_address"), format!("`{a}` is not ip:port")))?,
+        ),
+    };
     let name = match w.name {
         Some(n) if is_metric_name(&n) => n,
         Some(n) => {
@@ -447,6 +497,8 @@ fn validate_worker(key: &str, w: WorkerJson, bootstrap_allowed: bool) -> Result<
         dp_size: w.dp_size,
         bootstrap_port: w.bootstrap_port,
         rank_numbering: w.rank_numbering,
+        rank_ports,
+        loads_address,
     })
 }
 

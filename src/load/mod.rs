@@ -72,7 +72,8 @@ pub enum LoadError {
 /// rank twice) of at most `MAX_DP_SIZE` ranks, numbered below
 /// `MAX_RANK_NUMBER`: (S, N). `count` is the rank count the report states,
 /// if any: with S = 0 it must be N (a report missing its top ranks is
-/// refused, not shrunk), else at least S + N (a node's part of a group).
+/// refused, not shrunk); above, at least N (a rank port states its own one
+/// rank, a node's ingress its own ranks or the group's).
 pub fn rank_run(ranks: impl IntoIterator<Item = u64>, count: Option<u64>) -> Result<(u32, u32), LoadError> {
     let mut listed: Vec<u64> = ranks.into_iter().collect();
     if listed.is_empty() {
@@ -99,7 +100,7 @@ pub fn rank_run(ranks: impl IntoIterator<Item = u64>, count: Option<u64>) -> Res
         )));
     }
     match count {
-        Some(count) if count < first + n => {
+        Some(count) if count < n || (first == 0 && count < last + 1) => {
             return Err(LoadError::BadRanks(format!("rank {last} with {count} ranks")));
         }
         Some(count) if first == 0 && count > n => {

@@ -367,12 +367,15 @@ mod tests {
                 (4, vec![Some(1), Some(2), None, Some(4)])
             );
         }
-        // Its ranks still make one run, within the count it states.
+        // Its ranks still make one run, no more than the count it states.
         assert!(refused(br#"[{"dp_rank":4},{"dp_rank":6}]"#).contains("no rank 5"));
         assert!(
-            refused(br#"{"dp_rank_count":6,"loads":[{"dp_rank":4},{"dp_rank":5},{"dp_rank":6}]}"#)
-                .contains("rank 6 with 6 ranks")
+            refused(br#"{"dp_rank_count":2,"loads":[{"dp_rank":4},{"dp_rank":5},{"dp_rank":6}]}"#)
+                .contains("rank 6 with 2 ranks")
         );
+        // A rank port states its own count.
+        let port = parse(br#"{"dp_rank_count":1,"loads":[{"dp_rank":3,"num_tokens":5}]}"#).unwrap();
+        assert_eq!((port.first_rank, port.tokens()), (3, vec![Some(5)]));
     }
 
     #[test]

@@ -619,3 +619,80 @@ fn an_answer_the_proxy_will_not_hand_over_is_a_failed_poll_that_keeps_the_snapsh
     assert_eq!(tokens(&h), kept, "the last good snapshot stays");
     assert!(why.to_string().contains("BadArgument"));
 }
+
+#[test]
+fn a_worker_with_a_port_per_rank_is_polled_port_by_port_and_read_whole() {
+    let c = Config::from_json(
+        br#"{"workers":[{"address":"127.0.0.1:30000","name":"node","dp_size":2,"rank_ports":true}],"poll_cluster":"p"}"#,
+    )
+    .unwrap();
+    let h = FakeHost::default();
+    h.now.set(9_000_000);
+    let mut p = Poller::new(0);
+    p.on_tick(&c, &h);
+    let calls = h.calls.borrow().clone();
+    let ports: Vec<&str> = (0..calls.len())
+        .map(|i| header(&calls, i, ":authority"))
+        .collect();
+    assert_eq!(ports, ["127.0.0.1:30000", "127.0.0.1:30001"]);
+    // Each port reports its own rank, by its global number (a second node: 4, 5).
+    p.on_response(
+        &c,
+        &h,
+        calls[1].2,
+        &answer(200, br#"{"loads":[{"dp_rank":5,"num_tokens":20}]}"#),
+    );
+    assert!(
+        read_worker_states(&c, &h)[0]
+            .as_ref()
+            .is_none_or(|s| s.snapshot_seq == 0),
+        "one port alone is no report"
+    );
+    p.on_response(
+        &c,
+        &h,
+        calls[0].2,
+        &answer(200, br#"{"loads":[{"dp_rank":4,"num_tokens":10}]}"#),
+    );
+    let state = read_worker_states(&c, &h)[0].clone().unwrap();
+    assert_eq!(
+        (state.first_rank, state.polled_tokens(0), state.polled_tokens(1)),
+        (4, Some(10), Some(20))
+    );
+    assert_eq!(h.counter("dprank.poll_ok.node"), 1);
+    // A port that fails fails the poll: the snapshot stays.
+    h.now.set(9_000_000 + c.poll_interval_ms);
+    h.calls.borrow_mut().clear();
+    p.on_tick(&c, &h);
+    let calls = h.calls.borrow().clone();
+    p.on_response(
+        &c,
+        &h,
+        calls[0].2,
+        &answer(200, br#"{"loads":[{"dp_rank":4,"num_tokens":99}]}"#),
+    );
+    p.on_response(&c, &h, calls[1].2, &Err(CalloutError::NoResponse));
+    assert_eq!(h.counter("dprank.poll_failed.node"), 1);
+    assert_eq!(
+        read_worker_states(&c, &h)[0].as_ref().unwrap().polled_tokens(0),
+        Some(10)
+    );
+    // Ports that disagree on the numbering are a failed poll too.
+    h.now.set(9_000_000 + 2 * c.poll_interval_ms);
+    h.calls.borrow_mut().clear();
+    p.on_tick(&c, &h);
+    let calls = h.calls.borrow().clone();
+    p.on_response(
+        &c,
+        &h,
+        calls[0].2,
+        &answer(200, br#"{"loads":[{"dp_rank":0,"num_tokens":1}]}"#),
+    );
+    p.on_response(
+        &c,
+        &h,
+        calls[1].2,
+        &answer(200, br#"{"loads":[{"dp_rank":5,"num_tokens":2}]}"#),
+    );
+    assert_eq!(h.counter("dprank.poll_failed.node"), 2);
+}

@@ -1167,3 +1167,41 @@ fn a_server_of_one_engine_gets_no_rank_header_and_alternates_share_the_value() {
     let (_, value, route) = header_request(&c, &h);
     assert_eq!((value.as_deref(), route.as_str()), (Some("5"), "127.0.0.1:2"));
 }
+
+#[test]
+fn a_worker_with_a_port_per_rank_gets_each_request_at_its_rank_port_without_a_rank_value() {
+    let c = Rc::new(
+        Config::from_json(
+            br#"{"workers":[{"address":"127.0.0.1:30000","name":"node","dp_size":4,"rank_ports":true},
+                {"address":"127.0.0.1:40000","name":"other","dp_size":4,"rank_ports":true}],"poll_cluster":"p","prefix_affinity":false}"#,
+        )
+        .unwrap(),
+    );
+    let h = FakeHost::default();
+    h.now.set(10_000);
+    poll(&c, &h, 0, &[100, 100, 5, 100]);
+    poll(&c, &h, 1, &[100, 100, 50, 100]);
+    let mut r = request(&c);
+    post(&h, "/generate", br#"{"text":"x","routed_dp_rank":3}"#, &[]);
+    send(&mut r, &h);
+    // Rank 2's port, then the other worker's rank 2 port for retries.
+    assert_eq!(
+        h.header("x-dprank-endpoint").as_deref(),
+        Some("127.0.0.1:30002,127.0.0.1:40002")
+    );
+    assert_eq!(
+        json(&h.request_body.borrow())["routed_dp_rank"],
+        serde_json::Value::Null,
+        "the port selects the rank"
+    );
+    assert_eq!(h.counter("dprank.routed.node.rank_2"), 1);
+    // A failure at the rank port counts against its worker's rank.
+    h.finish_request(503, "via_upstream", Some("127.0.0.1:30002"), 1);
+    r.on_done(&h);
+    assert_eq!(h.counter("dprank.failures.node"), 1, "counted against its worker");
+    let recorded = format!("{:?}", shared_data::read_health(&c, &h));
+    assert!(
+        recorded.contains("30000") && !recorded.contains("30002"),
+        "under the worker's address: {recorded}"
+    );
+}

@@ -46,7 +46,8 @@ pub struct Chosen {
     /// The value written for it (body field or rank header), as the worker
     /// reads it (`worker_state::rank_value`); None: none is written.
     pub value: Option<u32>,
-    /// Value for the route header (`ip:port`).
+    /// Value for the route header (`ip:port`): the worker's, or its
+    /// rank's own port (`rank_ports`).
     pub endpoint: Rc<str>,
 }
 
@@ -56,7 +57,7 @@ impl Chosen {
             worker,
             rank,
             value: rank.and_then(|r| cache.rank_value(worker, r)),
-            endpoint: cache.endpoint(worker),
+            endpoint: cache.rank_endpoint(worker, rank),
         }
     }
 }

@@ -8,6 +8,8 @@ pub fn worker(name: &str, port: u16, dp_size: Option<u32>) -> Worker {
         dp_size,
         bootstrap_port: None,
         rank_numbering: None,
+        rank_ports: false,
+        loads_address: None,
     }
 }
 

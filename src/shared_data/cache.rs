@@ -34,6 +34,8 @@ struct Entry {
     routed_names: Vec<String>,
     /// The worker's first rank those names count from.
     routed_names_first: u32,
+    /// With `rank_ports`: each rank's own `ip:port` (else empty).
+    rank_endpoints: Vec<Rc<str>>,
 }
 
 #[derive(Default)]
@@ -226,6 +228,12 @@ impl StateCache {
             .map(|w| Entry {
                 key: keys.worker(&w.address),
                 endpoint: Rc::from(w.endpoint()),
+                rank_endpoints: match w.rank_ports {
+                    true => (0..w.dp_size.unwrap_or(1))
+                        .map(|r| Rc::from(w.rank_address(r).to_string()))
+                        .collect(),
+                    false => Vec::new(),
+                },
                 ..Entry::default()
             })
             .collect();
@@ -270,11 +278,28 @@ impl StateCache {
             .map_or_else(|| Rc::from(""), |e| e.endpoint.clone())
     }
 
+    /// The route header value of rank index `rank` of worker `index`: its
+    /// rank port for a worker with `rank_ports`, else the worker's.
+    pub fn rank_endpoint(&self, index: usize, rank: Option<u32>) -> Rc<str> {
+        match (self.entries.get(index), rank) {
+            (Some(e), Some(r)) if !e.rank_endpoints.is_empty() => e
+                .rank_endpoints
+                .get(r as usize)
+                .cloned()
+                .unwrap_or_else(|| e.endpoint.clone()),
+            _ => self.endpoint(index),
+        }
+    }
+
     /// The rank value to write for rank index `rank` of worker `index`
     /// (`worker_state::rank_value`); None: none.
     pub fn rank_value(&self, index: usize, rank: u32) -> Option<u32> {
         let config = self.config.as_ref()?;
         let worker = config.worker(index)?;
+        if worker.rank_ports {
+            // The port selects the rank.
+            return None;
+        }
         // A worker routed to has a state; without one, only a local value is known.
         let (first, ranks, learned) = match self.states.get(index)?.as_ref() {
             Some(s) => (s.first_rank, s.ranks(), s.learned),

@@ -250,3 +250,73 @@ fn a_server_restarted_with_fewer_engines_costs_at_most_one_request() {
     assert!(failed <= 1, "at most one failed request: {statuses:?}");
     assert!(envoy.stat("rank_refused.server_b") <= 1);
 }
+
+/// SGLang's Rust server: each rank on its own port (`--rank-ports`), each
+/// port reporting its own rank's load. Two such workers of four ranks, the
+/// shipped `envoy/dprank.yaml` with `rank_ports` and every rank port in the
+/// cluster: each request goes to its rank's port, with no rank in its body,
+/// and follows the least-loaded rank across both workers.
+#[test]
+fn sglang_one_port_per_rank_balances_by_rank() {
+    use crate::common::envoy::render_config;
+    use crate::common::process::{cluster_mut, lb_endpoints, yaml_of, Launch};
+    use crate::common::{repo_root, wasm_path};
+    use std::net::SocketAddr;
+    let scenario = Scenario::load("layouts_rank_ports");
+    let dir = TestDir::new(&scenario.name);
+    let sims: Vec<Sim> = ["worker_a", "worker_b"]
+        .iter()
+        .map(|name| Sim::start(&dir, name, 4, &["--instant", "--rank-ports"]))
+        .collect();
+    let shipped = std::fs::read_to_string(repo_root().join("envoy/dprank.yaml")).expect("the shipped config");
+    let workers: Vec<(&str, SocketAddr)> = sims.iter().map(|s| (s.name.as_str(), s.addr)).collect();
+    let rendered = render_config(&shipped, &workers, &scenario.filter_overrides, &wasm_path(), None);
+    let mut doc: serde_json::Value = serde_yaml_ng::from_str(&rendered).expect("YAML");
+    let ports: Vec<SocketAddr> = sims
+        .iter()
+        .flat_map(|s| (0..4).map(move |r| SocketAddr::new(s.addr.ip(), s.addr.port() + r)))
+        .collect();
+    cluster_mut(&mut doc, "sglang")["load_assignment"]["endpoints"] = lb_endpoints(&ports);
+    let config = dir.file("envoy.yaml");
+    std::fs::write(&config, yaml_of(&doc)).expect("write the config");
+    let envoy = EnvoyProcess::start(&dir, &config, &Launch::new("envoy"));
+    for sim in &sims {
+        envoy.wait_for_stat(&format!("poll_ok.{}", sim.name), 1, Duration::from_secs(30));
+    }
+    let client = crate::common::Client::new();
+    let body =
+        json!({"text": "one port per rank", "routed_dp_rank": 3, "sampling_params": {"max_new_tokens": 1}});
+    for (loads, (worker, rank)) in [
+        (
+            [[5000, 5000, 5000, 5000], [6000, 100, 6000, 6000]],
+            (1usize, 1u64),
+        ),
+        ([[5000, 5000, 5000, 200], [6000, 6000, 6000, 6000]], (0, 3)),
+    ] {
+        for (sim, base) in sims.iter().zip(loads) {
+            sim.set_base_tokens(&base);
+        }
+        crate::common::wait_until("the least-loaded rank's port", Duration::from_secs(10), || {
+            let reply = client.post(
+                &envoy.url("/generate"),
+                &[("content-type", "application/json")],
+                body.to_string().as_bytes(),
+            );
+            assert_eq!(reply.status, 200, "{reply:?}");
+            let served = sims[worker].requests().pop();
+            served
+                .filter(|r| r.body_json()["text"] == "one port per rank" && r.rank == Some(rank))
+                .map(|recorded| {
+                    assert!(
+                        recorded.body_json()["routed_dp_rank"].is_null(),
+                        "the port selects the rank: {recorded:?}"
+                    );
+                })
+        });
+        assert!(envoy.stat(&format!("routed.{}.rank_{rank}", sims[worker].name)) >= 1);
+    }
+    assert_eq!(
+        envoy.stat("poll_failed.worker_a") + envoy.stat("poll_failed.worker_b"),
+        0
+    );
+}
