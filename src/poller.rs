@@ -325,7 +325,7 @@ impl Poller {
     /// knows.
     fn fall_back(&mut self, config: &Config, host: &dyn Host, index: usize) {
         shared_data::update_worker(config, host, index, IfMissing::Create, |state| {
-            state.source.fallback = true;
+            Source::of(config).fall_back(&mut state.source);
             Some(())
         });
         self.dispatch(config, host, index);
@@ -362,12 +362,7 @@ impl Poller {
                     "{} has no {}; polling {} from now on",
                     w.endpoint(),
                     call.poll.path,
-                    source
-                        .poll(&crate::load::SourceMemory {
-                            fallback: true,
-                            ..Default::default()
-                        })
-                        .path
+                    source.fall_back(&mut Default::default()).path
                 );
                 self.fall_back(config, host, index);
                 return;

@@ -569,7 +569,7 @@ mod tests {
         let mut w = polled(&[5, u64::MAX - 1, 7]);
         w.begin_poll();
         w.add(1, 2, 99).unwrap();
-        w.source.fallback = true;
+        w.source.write(&crate::load::sglang::FellBack(true));
         w.mark_unreachable();
         let bytes = encode(&w);
         assert_eq!(decode::<WorkerState>(&bytes), Some(w.clone()));

@@ -38,8 +38,8 @@ pub struct WorkerState {
     pub snapshot_at_ms: u64,
     /// A request to this worker failed to connect: out of rotation until the next good poll.
     pub unreachable: bool,
-    /// What the worker's load source keeps between polls (SGLang's
-    /// fallback endpoint, vLLM's prefix-cache counters).
+    /// What the worker's load source keeps between polls (its own record,
+    /// opaque here: `load/`).
     pub source: SourceMemory,
     /// This gateway's mean estimate of a request routed here, over about
     /// the last `MEAN_SPAN` requests (`request_tokens`), in 1/`MEAN_SPAN`
@@ -72,7 +72,7 @@ struct Pending {
 
 /// Kept at `<p>.w.<ip:port>` (`shared_data.rs`).
 impl Record for WorkerState {
-    const TAG: [u8; 4] = *b"DPW9";
+    const TAG: [u8; 4] = *b"DPWA";
     fn within_limits(&self) -> bool {
         WorkerState::within_limits(self)
     }

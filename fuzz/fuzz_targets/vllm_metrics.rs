@@ -580,7 +580,8 @@ fn check_source(u: &mut Unstructured<'_>, body: &[u8], model: Option<&str>) {
     let answer = vllm.answer(&poll, 200, body);
     let parsed = parse_vllm_metrics(body, model);
     match (&answer, &parsed) {
-        (Answer::Report(Reading::Vllm(report)), Ok(parsed)) => {
+        (Answer::Report(reading), Ok(parsed)) => {
+            let report = reading.readout::<VllmReport>().expect("vLLM's readout");
             assert_eq!(report, parsed);
             assert!(body.ends_with(b"\n"), "a cut answer is no report");
             assert!(
@@ -612,7 +613,7 @@ fn check_source(u: &mut Unstructured<'_>, body: &[u8], model: Option<&str>) {
             now_ms: now,
             request_tokens: u.arbitrary().unwrap_or(0),
         };
-        let loads = Reading::Vllm(report.clone()).report(&mut memory, &context);
+        let loads = Reading::new(report.clone()).report(&mut memory, &context);
         check_loads(&report, &loads.ranks, &context, poll == 0);
         assert!(memory.within_limits(report.engines.len()));
         now = now.saturating_add(u.int_in_range(0..=100_000).unwrap_or(0));

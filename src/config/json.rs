@@ -96,6 +96,14 @@ pub struct ConfigJson {
     pub prefix_private_weight: Option<f64>,
     #[serde(default)]
     pub prefix_private_after_ms: Option<u64>,
+    #[serde(default)]
+    pub prefix_lockstep_raise_weight: Option<f64>,
+    #[serde(default)]
+    pub prefix_lockstep_max_fullness: Option<f64>,
+    #[serde(default)]
+    pub prefix_lockstep_running_tokens: Option<u64>,
+    #[serde(default)]
+    pub prefix_lockstep_horizon_weight: Option<f64>,
     /// Several gateways: how many, the picker and its choices (`config/gateways.rs`).
     #[serde(default)]
     pub gateways: Option<u32>,

@@ -25,6 +25,12 @@ pub const DEFAULT_WAIT_WEIGHT: f64 = 0.0;
 pub const DEFAULT_KV_WEIGHT: f64 = 1.0;
 pub const DEFAULT_PRIVATE_WEIGHT: f64 = 25.0;
 pub const DEFAULT_PRIVATE_AFTER_MS: u64 = 3000;
+/// The lockstep rule's defaults (`Lockstep`), chosen on tuning seeds
+/// (docs/prefix-affinity.md, docs/prefix-affinity-results.md).
+pub const DEFAULT_LOCKSTEP_RAISE_WEIGHT: f64 = 0.75;
+pub const DEFAULT_LOCKSTEP_MAX_FULLNESS: f64 = 2.0;
+pub const DEFAULT_LOCKSTEP_RUNNING_TOKENS: u64 = 3_000;
+pub const DEFAULT_LOCKSTEP_HORIZON_WEIGHT: f64 = 0.5;
 /// Most blocks a rank's index keeps, whatever its capacity (bounds the
 /// shared data one worker's index takes: 8 bytes per block).
 pub const MAX_BLOCKS_PER_RANK: usize = 1 << 16;
@@ -59,6 +65,52 @@ pub enum LoadMeasure {
     /// `SlowestRank` for a prompt no rank is thought to hold (nothing to
     /// keep together: only the lockstep matters), `Rank` for the others.
     SlowestRankWhenUncached,
+}
+
+impl LoadMeasure {
+    /// Whether the lockstep rule costs a request's ranks (else each rank's
+    /// own tokens do): always under `SlowestRank`; under
+    /// `SlowestRankWhenUncached` for a prompt `held_nowhere`.
+    pub fn lockstep(self, held_nowhere: bool) -> bool {
+        match self {
+            LoadMeasure::SlowestRank => true,
+            LoadMeasure::SlowestRankWhenUncached => held_nowhere,
+            LoadMeasure::Rank => false,
+        }
+    }
+}
+
+/// The lockstep rule's terms (`prefix_load` `slowest_rank`, or
+/// `slowest_rank_when_uncached` for a prompt no rank holds: the `lockstep`
+/// scorer, docs/prefix-affinity.md).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Lockstep {
+    /// How much raising a worker's slowest rank costs, per rank it slows,
+    /// when that rank is full (`prefix_lockstep_raise_weight`).
+    pub raise_weight: f64,
+    /// The slowest rank's tokens count at most this many times its capacity
+    /// (they include queued prompts, which can exceed it;
+    /// `prefix_lockstep_max_fullness`).
+    pub max_fullness: f64,
+    /// Tokens each request a rank reports running counts as, on top of its
+    /// tokens: a decode step's time grows with its sequences, not only their
+    /// KV tokens (`prefix_lockstep_running_tokens`).
+    pub running_tokens: u64,
+    /// Weight of the worker's prefill horizon: the longest prefill queued on
+    /// any of its ranks, or the rank's queue plus the prompt when that is
+    /// longer (`prefix_lockstep_horizon_weight`).
+    pub horizon_weight: f64,
+}
+
+impl Default for Lockstep {
+    fn default() -> Lockstep {
+        Lockstep {
+            raise_weight: DEFAULT_LOCKSTEP_RAISE_WEIGHT,
+            max_fullness: DEFAULT_LOCKSTEP_MAX_FULLNESS,
+            running_tokens: DEFAULT_LOCKSTEP_RUNNING_TOKENS,
+            horizon_weight: DEFAULT_LOCKSTEP_HORIZON_WEIGHT,
+        }
+    }
 }
 
 /// `prefix_load` when the configuration leaves it out. SGLang's DP-attention
@@ -104,6 +156,8 @@ pub struct Prefix {
     pub private_after_ms: u64,
     pub queue: QueueMeasure,
     pub load: LoadMeasure,
+    /// The lockstep rule's terms, where `load` applies it.
+    pub lockstep: Lockstep,
 }
 
 /// The defaults for SGLang, the default engine.
@@ -121,6 +175,7 @@ impl Default for Prefix {
             private_after_ms: DEFAULT_PRIVATE_AFTER_MS,
             queue: QueueMeasure::Max,
             load: default_load(EngineKind::default()),
+            lockstep: Lockstep::default(),
         }
     }
 }
@@ -163,7 +218,7 @@ pub fn settings(json: &ConfigJson) -> Result<Option<Prefix>, ConfigError> {
     ];
     let header = matches!(json.rank_transport, Some(RankTransport::Header));
     if !json.prefix_affinity.unwrap_or(!header) {
-        return match tuning.iter().find(|(_, set)| *set) {
+        return match tuning.iter().chain(&lockstep_keys(json)).find(|(_, set)| *set) {
             Some((key, _)) => Err(invalid(key, "applies only with prefix_affinity: true".into())),
             None => Ok(None),
         };
@@ -200,6 +255,10 @@ pub fn settings(json: &ConfigJson) -> Result<Option<Prefix>, ConfigError> {
             format!("must be {MIN_TTL_MS}..=prefix_ttl_ms ({ttl_ms}), got {private_after_ms}"),
         ));
     }
+    let load = json
+        .prefix_load
+        .unwrap_or_else(|| default_load(json.engine.unwrap_or_default()));
+    let lockstep = lockstep(json, load)?;
     Ok(Some(Prefix {
         block_bytes,
         capacity_tokens: json.prefix_capacity_tokens,
@@ -219,10 +278,70 @@ pub fn settings(json: &ConfigJson) -> Result<Option<Prefix>, ConfigError> {
         )?,
         private_after_ms,
         queue: json.prefix_queue.unwrap_or(QueueMeasure::Max),
-        load: json
-            .prefix_load
-            .unwrap_or_else(|| default_load(json.engine.unwrap_or_default())),
+        load,
+        lockstep,
     }))
+}
+
+/// The lockstep rule's keys, and whether each is set.
+fn lockstep_keys(json: &ConfigJson) -> [(&'static str, bool); 4] {
+    [
+        (
+            "prefix_lockstep_raise_weight",
+            json.prefix_lockstep_raise_weight.is_some(),
+        ),
+        (
+            "prefix_lockstep_max_fullness",
+            json.prefix_lockstep_max_fullness.is_some(),
+        ),
+        (
+            "prefix_lockstep_running_tokens",
+            json.prefix_lockstep_running_tokens.is_some(),
+        ),
+        (
+            "prefix_lockstep_horizon_weight",
+            json.prefix_lockstep_horizon_weight.is_some(),
+        ),
+    ]
+}
+
+/// The lockstep rule's terms under `load`: refused where it never applies.
+fn lockstep(json: &ConfigJson, load: LoadMeasure) -> Result<Lockstep, ConfigError> {
+    if load == LoadMeasure::Rank {
+        if let Some((key, _)) = lockstep_keys(json).iter().find(|(_, set)| *set) {
+            return Err(invalid(
+                key,
+                "applies only with prefix_load slowest_rank or slowest_rank_when_uncached".into(),
+            ));
+        }
+    }
+    let running_tokens = json
+        .prefix_lockstep_running_tokens
+        .unwrap_or(DEFAULT_LOCKSTEP_RUNNING_TOKENS);
+    if running_tokens > MAX_CAPACITY_TOKENS {
+        return Err(invalid(
+            "prefix_lockstep_running_tokens",
+            format!("must be 0..={MAX_CAPACITY_TOKENS}, got {running_tokens}"),
+        ));
+    }
+    Ok(Lockstep {
+        raise_weight: weight(
+            "prefix_lockstep_raise_weight",
+            json.prefix_lockstep_raise_weight,
+            DEFAULT_LOCKSTEP_RAISE_WEIGHT,
+        )?,
+        max_fullness: weight(
+            "prefix_lockstep_max_fullness",
+            json.prefix_lockstep_max_fullness,
+            DEFAULT_LOCKSTEP_MAX_FULLNESS,
+        )?,
+        running_tokens,
+        horizon_weight: weight(
+            "prefix_lockstep_horizon_weight",
+            json.prefix_lockstep_horizon_weight,
+            DEFAULT_LOCKSTEP_HORIZON_WEIGHT,
+        )?,
+    })
 }
 
 impl Prefix {

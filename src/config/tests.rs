@@ -581,6 +581,66 @@ fn prefix_keys_are_checked_and_refused_when_affinity_is_off() {
     );
 }
 
+#[test]
+fn lockstep_terms_default_to_the_tuned_values_and_are_checked() {
+    use super::prefix::Lockstep;
+    let with = |extra: &str| parse(&format!(r#"{{"workers":[{{"address":"127.0.0.1:1"}}],{extra}}}"#));
+    let defaults = with(r#""prefix_load":"slowest_rank""#).unwrap().prefix.unwrap();
+    assert_eq!(
+        defaults.lockstep,
+        Lockstep {
+            raise_weight: 0.75,
+            max_fullness: 2.0,
+            running_tokens: 3000,
+            horizon_weight: 0.5,
+        }
+    );
+    let tuned = with(
+        r#""prefix_lockstep_raise_weight":1,"prefix_lockstep_max_fullness":3,"prefix_lockstep_running_tokens":0,"prefix_lockstep_horizon_weight":0"#,
+    )
+    .unwrap()
+    .prefix
+    .unwrap();
+    assert_eq!(
+        tuned.lockstep,
+        Lockstep {
+            raise_weight: 1.0,
+            max_fullness: 3.0,
+            running_tokens: 0,
+            horizon_weight: 0.0,
+        },
+        "under SGLang's default slowest_rank_when_uncached"
+    );
+    for key in [
+        "prefix_lockstep_raise_weight",
+        "prefix_lockstep_max_fullness",
+        "prefix_lockstep_horizon_weight",
+    ] {
+        assert_eq!(key_of(with(&format!(r#""{key}":-1"#))), key);
+        assert_eq!(key_of(with(&format!(r#""{key}":1e9"#))), key);
+    }
+    assert_eq!(
+        key_of(with(r#""prefix_lockstep_running_tokens":16777217"#)),
+        "prefix_lockstep_running_tokens"
+    );
+    // Refused where they would do nothing.
+    assert_eq!(
+        key_of(with(r#""prefix_load":"rank","prefix_lockstep_raise_weight":1"#)),
+        "prefix_lockstep_raise_weight"
+    );
+    assert_eq!(
+        key_of(with(r#""engine":"vllm","prefix_lockstep_running_tokens":1"#)),
+        "prefix_lockstep_running_tokens",
+        "vLLM's default: rank"
+    );
+    assert_eq!(
+        key_of(with(
+            r#""prefix_affinity":false,"prefix_lockstep_horizon_weight":1"#
+        )),
+        "prefix_lockstep_horizon_weight"
+    );
+}
+
 fn regular(extra: &str) -> Result<Config, ConfigError> {
     parse(&format!(r#"{{"workers":[{{"address":"127.0.0.1:1"}}]{extra}}}"#))
 }

@@ -1,17 +1,21 @@
 //! Load sources: what a worker's engine is asked for its load, and how its
 //! answer is read into one [`LoadReport`]. The poller asks the source what
-//! to request and hands it the answer; it knows no engine. Two engines:
+//! to request and hands it the answer; it knows no engine, and the types
+//! here know no engine's shapes: an engine's answers ([`Readout`]) and what
+//! it keeps of a worker between polls ([`Remembered`], stored opaque as the
+//! worker's [`SourceMemory`]) are its own types, in its own module. Two engines:
 //! SGLang (`sglang.rs`) and vLLM (`vllm.rs`, its figures mapped in
-//! `vllm/mapping.rs`); another is a module beside them and a [`Source`]
-//! variant (docs/architecture.md). What a source needs between polls is its
-//! [`SourceMemory`], kept in the worker's state.
+//! `vllm/mapping.rs`); another is a module beside them and one line in
+//! [`Source::of`] (docs/architecture.md).
 
 pub mod prometheus;
 pub mod sglang;
 pub mod vllm;
 
+use crate::codec::{self, Record};
 use crate::config::{Config, Engine, MAX_DP_SIZE};
 use serde::{Deserialize, Serialize};
+use std::any::Any;
 use std::fmt;
 
 /// The window a rank's cache hit rate covers: SGLang reports its own over
@@ -140,11 +144,11 @@ pub struct Poll {
 }
 
 /// What a worker's answer to a [`Poll`] means.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, PartialEq)]
 pub enum Answer {
     Report(Reading),
     /// The endpoint does not exist on this worker: poll it again at once on
-    /// the source's fallback, and from now on (`SourceMemory::fallback`).
+    /// the source's fallback, and from now on ([`LoadSource::fall_back`]).
     FallBack,
     /// A report whose ranks cannot be trusted: not applied, logged once.
     Refused(String),
@@ -152,14 +156,68 @@ pub enum Answer {
     Failed(String),
 }
 
+/// What a source read from an answer, in its own type: turned into the
+/// report inside the write that applies it, with the worker's memory and
+/// this gateway's estimates.
+pub trait Readout: fmt::Debug + PartialEq + 'static {
+    /// The report, per rank; `memory` (the worker's) learns this poll.
+    fn report(&self, memory: &mut SourceMemory, context: &ReportContext) -> LoadReport;
+}
+
+/// A report complete in itself (SGLang's, in tokens).
+impl Readout for LoadReport {
+    fn report(&self, _memory: &mut SourceMemory, _context: &ReportContext) -> LoadReport {
+        self.clone()
+    }
+}
+
+/// A [`Readout`] of any source's type, as [`Reading`] holds it.
+trait AnyReadout: fmt::Debug {
+    fn report(&self, memory: &mut SourceMemory, context: &ReportContext) -> LoadReport;
+    fn as_any(&self) -> &dyn Any;
+    fn same(&self, other: &dyn AnyReadout) -> bool;
+}
+
+impl<R: Readout> AnyReadout for R {
+    fn report(&self, memory: &mut SourceMemory, context: &ReportContext) -> LoadReport {
+        Readout::report(self, memory, context)
+    }
+
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
+
+    fn same(&self, other: &dyn AnyReadout) -> bool {
+        other.as_any().downcast_ref::<R>() == Some(self)
+    }
+}
+
 /// A readable answer, before what needs the worker's memory and this
-/// gateway's estimates is worked out ([`Reading::report`]).
-#[derive(Debug, Clone, PartialEq)]
-pub enum Reading {
-    /// A report complete in itself (SGLang's, in tokens).
-    Complete(LoadReport),
-    /// vLLM's per-engine figures (requests, a share of KV, counters).
-    Vllm(vllm::VllmReport),
+/// gateway's estimates is worked out ([`Reading::report`]): the source's
+/// [`Readout`], opaque here (one allocation per poll).
+#[derive(Debug)]
+pub struct Reading(Box<dyn AnyReadout>);
+
+impl PartialEq for Reading {
+    fn eq(&self, other: &Reading) -> bool {
+        self.0.same(other.0.as_ref())
+    }
+}
+
+impl Reading {
+    pub fn new(readout: impl Readout) -> Reading {
+        Reading(Box::new(readout))
+    }
+
+    /// The report, per rank; `memory` (the worker's) learns this poll.
+    pub fn report(&self, memory: &mut SourceMemory, context: &ReportContext) -> LoadReport {
+        self.0.report(memory, context)
+    }
+
+    /// The source's readout, if it is an `R`.
+    pub fn readout<R: Readout>(&self) -> Option<&R> {
+        self.0.as_any().downcast_ref()
+    }
 }
 
 /// What a report's figures are worked out with, besides the answer.
@@ -172,31 +230,50 @@ pub struct ReportContext {
     pub request_tokens: u64,
 }
 
-impl Reading {
-    /// The report, per rank; `memory` (the worker's) learns this poll.
-    pub fn report(&self, memory: &mut SourceMemory, context: &ReportContext) -> LoadReport {
-        match self {
-            Reading::Complete(report) => report.clone(),
-            Reading::Vllm(figures) => vllm::mapping::rank_loads(figures, &mut memory.prefix_cache, context),
-        }
-    }
+/// What a source keeps of a worker between polls, in its own type: a
+/// shared-data [`Record`] (its own tag, and `within_limits` against
+/// `MAX_DP_SIZE` ranks), `Default` for nothing kept.
+pub trait Remembered: Record + Default + PartialEq {}
+
+impl<M: Record + Default + PartialEq> Remembered for M {}
+
+/// Bytes a source may keep of a worker: 64 a rank, and 64 more.
+pub const fn max_memory_bytes(max_ranks: usize) -> usize {
+    64 * max_ranks + 64
 }
 
-/// What a load source keeps of a worker between polls, in the worker's
-/// state (so whichever thread polls next knows).
+/// What the worker's load source keeps of it between polls, in the worker's
+/// state (so whichever thread polls next knows): the source's
+/// [`Remembered`] type, encoded (its tag, then postcard); empty when it
+/// keeps nothing.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct SourceMemory {
-    /// The source fell back to its second endpoint for this worker (SGLang
-    /// under `load_endpoint: auto`: no `/v1/loads`, poll `/get_load`).
-    pub fallback: bool,
-    /// vLLM: the prefix-cache counters of the last poll, for the hit rate.
-    pub prefix_cache: vllm::mapping::CacheCounters,
-}
+pub struct SourceMemory(#[serde(with = "crate::codec::bytes")] Vec<u8>);
 
 impl SourceMemory {
-    /// Whether the sizes are within what dprank ever writes.
+    /// What was kept, as an `M`; `M::default()` when nothing was, or
+    /// something else was (another source's, or beyond its limits).
+    pub fn read<M: Remembered>(&self) -> M {
+        match self.0.is_empty() {
+            true => M::default(),
+            false => codec::decode(&self.0).unwrap_or_default(),
+        }
+    }
+
+    /// Keeps `memory`: nothing for `M::default()`, and nothing (the source
+    /// starts afresh) for more than [`max_memory_bytes`] allows.
+    pub fn write<M: Remembered>(&mut self, memory: &M) {
+        self.0.clear();
+        if *memory != M::default() {
+            let bytes = codec::encode(memory);
+            if bytes.len() <= max_memory_bytes(MAX_DP_SIZE as usize) {
+                self.0 = bytes;
+            }
+        }
+    }
+
+    /// Whether the size is within what dprank ever writes.
     pub fn within_limits(&self, max_ranks: usize) -> bool {
-        self.prefix_cache.within_limits(max_ranks)
+        self.0.len() <= max_memory_bytes(max_ranks)
     }
 }
 
@@ -206,40 +283,111 @@ pub trait LoadSource {
     fn poll(&self, memory: &SourceMemory) -> Poll;
     /// What the worker's answer to `poll` (HTTP `status`, `body`) means.
     fn answer(&self, poll: &Poll, status: u32, body: &[u8]) -> Answer;
+    /// After [`Answer::FallBack`]: `memory` (the worker's) learns to poll the
+    /// fallback from now on; the poll it now sends. A source without a
+    /// fallback never answers so.
+    fn fall_back(&self, memory: &mut SourceMemory) -> Poll {
+        self.poll(memory)
+    }
 }
 
-/// The load source of a configuration, dispatched statically.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Source<'c> {
-    Sglang(sglang::Sglang),
-    Vllm(vllm::Vllm<'c>),
-}
+/// The load source of a configuration.
+pub struct Source<'c>(Box<dyn LoadSource + 'c>);
 
 impl Source<'_> {
+    /// The registry: the source of each `engine`.
     pub fn of(config: &Config) -> Source<'_> {
-        match &config.engine {
-            Engine::Sglang => Source::Sglang(sglang::Sglang {
-                endpoint: config.load_endpoint,
-            }),
-            Engine::Vllm { served_model_name } => Source::Vllm(vllm::Vllm {
-                model: served_model_name.as_deref(),
-            }),
-        }
+        Source(match &config.engine {
+            Engine::Sglang => Box::new(sglang::Sglang::of(config)),
+            Engine::Vllm { .. } => Box::new(vllm::Vllm::of(config)),
+        })
     }
 }
 
 impl LoadSource for Source<'_> {
     fn poll(&self, memory: &SourceMemory) -> Poll {
-        match self {
-            Source::Sglang(s) => s.poll(memory),
-            Source::Vllm(s) => s.poll(memory),
-        }
+        self.0.poll(memory)
     }
 
     fn answer(&self, poll: &Poll, status: u32, body: &[u8]) -> Answer {
-        match self {
-            Source::Sglang(s) => s.answer(poll, status, body),
-            Source::Vllm(s) => s.answer(poll, status, body),
-        }
+        self.0.answer(poll, status, body)
+    }
+
+    fn fall_back(&self, memory: &mut SourceMemory) -> Poll {
+        self.0.fall_back(memory)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::sglang::FellBack;
+    use super::vllm::mapping::CacheCounters;
+    use super::*;
+
+    #[test]
+    fn a_source_reads_back_only_its_own_memory() {
+        let mut memory = SourceMemory::default();
+        assert_eq!(memory.read::<FellBack>(), FellBack(false), "nothing kept");
+        memory.write(&FellBack(true));
+        assert_eq!(memory.read::<FellBack>(), FellBack(true));
+        assert_eq!(
+            memory.read::<CacheCounters>(),
+            CacheCounters::default(),
+            "another source's memory: nothing"
+        );
+        memory.write(&FellBack(false));
+        assert_eq!(memory, SourceMemory::default(), "the default keeps no bytes");
+    }
+
+    /// A memory as large as a source may keep of a worker of `MAX_DP_SIZE`
+    /// ranks, and one larger.
+    #[derive(Debug, Default, PartialEq, Serialize, Deserialize)]
+    struct Blob(#[serde(with = "crate::codec::bytes")] Vec<u8>);
+
+    impl Record for Blob {
+        const TAG: [u8; 4] = *b"DPT1";
+    }
+
+    #[test]
+    fn a_memory_beyond_the_limit_is_not_kept() {
+        let max = max_memory_bytes(MAX_DP_SIZE as usize);
+        // The tag and a 3-byte length come before the bytes.
+        let largest = Blob(vec![1; max - 7]);
+        let mut memory = SourceMemory::default();
+        memory.write(&largest);
+        assert_eq!(memory.read::<Blob>(), largest);
+        assert!(memory.within_limits(MAX_DP_SIZE as usize));
+        memory.write(&Blob(vec![1; max - 6]));
+        assert_eq!(memory, SourceMemory::default(), "forgotten: start afresh");
+    }
+
+    #[test]
+    fn readings_compare_by_their_source_s_readout() {
+        let report = |tokens| LoadReport {
+            first_rank: 0,
+            ranks: vec![RankLoad {
+                tokens: Some(tokens),
+                ..RankLoad::default()
+            }],
+        };
+        assert_eq!(Reading::new(report(1)), Reading::new(report(1)));
+        assert_ne!(Reading::new(report(1)), Reading::new(report(2)));
+        let vllm = vllm::VllmReport {
+            first_engine: 0,
+            engines: Vec::new(),
+            model_name: "m".into(),
+            kv_capacity_tokens: None,
+            skipped_lines: 0,
+        };
+        assert_ne!(Reading::new(report(1)), Reading::new(vllm.clone()));
+        assert_eq!(Reading::new(vllm.clone()).readout(), Some(&vllm));
+        assert_eq!(Reading::new(report(1)).readout::<vllm::VllmReport>(), None);
+        let context = ReportContext {
+            now_ms: 1,
+            request_tokens: 1,
+        };
+        let mut memory = SourceMemory::default();
+        assert_eq!(Reading::new(report(3)).report(&mut memory, &context), report(3));
+        assert_eq!(memory, SourceMemory::default(), "a complete report keeps nothing");
     }
 }

@@ -2,14 +2,17 @@
 //! `/get_load` (`load_endpoint`; `auto` falls back for good on a 404), and
 //! their reports read into a [`LoadReport`]. Unusable figures are unknown,
 //! never guessed; a report whose ranks are not one run S..S+N-1 is refused
-//! whole ([`LoadError::BadRanks`]: docs/protocol.md, "Load reports").
+//! whole ([`LoadError::BadRanks`]: docs/protocol.md, "Load reports"). Its
+//! report is complete in itself; what it keeps of a worker is whether it
+//! fell back ([`FellBack`]).
 
 use super::{
     rank_run, Answer, LoadError, LoadReport, LoadSource, Poll, RankLoad, Reading, SourceMemory,
     MAX_RANK_NUMBER,
 };
-use crate::config::LoadEndpoint;
-use serde::Deserialize;
+use crate::codec::Record;
+use crate::config::{Config, LoadEndpoint};
+use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 const V1_LOADS: Poll = Poll {
@@ -27,20 +30,43 @@ pub struct Sglang {
     pub endpoint: LoadEndpoint,
 }
 
+impl Sglang {
+    pub fn of(config: &Config) -> Sglang {
+        Sglang {
+            endpoint: config.load_endpoint,
+        }
+    }
+}
+
+/// What SGLang's source keeps of a worker: under `load_endpoint: auto`, that
+/// it has no `/v1/loads` (poll `/get_load` from now on).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FellBack(pub bool);
+
+/// Kept in the worker's `SourceMemory`.
+impl Record for FellBack {
+    const TAG: [u8; 4] = *b"DPE1";
+}
+
 impl LoadSource for Sglang {
     fn poll(&self, memory: &SourceMemory) -> Poll {
         match self.endpoint {
             LoadEndpoint::GetLoad => GET_LOAD,
             LoadEndpoint::V1Loads => V1_LOADS,
-            LoadEndpoint::Auto if memory.fallback => GET_LOAD,
+            LoadEndpoint::Auto if memory.read::<FellBack>().0 => GET_LOAD,
             LoadEndpoint::Auto => V1_LOADS,
         }
+    }
+
+    fn fall_back(&self, memory: &mut SourceMemory) -> Poll {
+        memory.write(&FellBack(true));
+        self.poll(memory)
     }
 
     fn answer(&self, poll: &Poll, status: u32, body: &[u8]) -> Answer {
         match status {
             200 => match parse(body) {
-                Ok(report) => Answer::Report(Reading::Complete(report)),
+                Ok(report) => Answer::Report(Reading::new(report)),
                 Err(LoadError::BadRanks(why)) => Answer::Refused(why),
                 Err(e) => Answer::Failed(e.to_string()),
             },
@@ -202,11 +228,10 @@ mod tests {
     fn polls_as_load_endpoint_says_and_falls_back_on_404_only_under_auto() {
         let source = |endpoint| Sglang { endpoint };
         let first = SourceMemory::default();
-        let fell_back = SourceMemory {
-            fallback: true,
-            ..SourceMemory::default()
-        };
         let auto = source(LoadEndpoint::Auto);
+        let mut fell_back = SourceMemory::default();
+        assert_eq!(auto.fall_back(&mut fell_back).path, "/get_load");
+        assert_eq!(fell_back.read::<FellBack>(), FellBack(true));
         assert_eq!(auto.poll(&first).path, "/v1/loads?include=core");
         assert_eq!(auto.poll(&fell_back).path, "/get_load");
         assert_eq!(
@@ -226,7 +251,9 @@ mod tests {
             Answer::Failed("HTTP 503 from /v1/loads?include=core".into())
         );
         let report = auto.answer(&auto.poll(&first), 200, br#"[{"num_tokens":4}]"#);
-        assert!(matches!(report, Answer::Report(Reading::Complete(r)) if r.tokens() == [Some(4)]));
+        assert!(
+            matches!(report, Answer::Report(r) if r.readout::<LoadReport>().unwrap().tokens() == [Some(4)])
+        );
         let twice = br#"[{"dp_rank":0},{"dp_rank":0}]"#;
         assert!(
             matches!(auto.answer(&auto.poll(&first), 200, twice), Answer::Refused(why) if why.contains("twice"))

@@ -12,7 +12,7 @@ pub mod mapping;
 
 use super::prometheus::{self, Label, Line, Sample};
 use super::{rank_run, Answer, LoadError, LoadSource, Poll, Reading, SourceMemory, MAX_RANK_NUMBER};
-use crate::config::MAX_DP_SIZE;
+use crate::config::{Config, Engine, MAX_DP_SIZE};
 use std::borrow::Cow;
 use std::fmt;
 
@@ -31,6 +31,16 @@ const METRICS: Poll = Poll {
 pub struct Vllm<'c> {
     /// Only the figures of this `model_name`; None: the one model reported.
     pub model: Option<&'c str>,
+}
+
+impl Vllm<'_> {
+    pub fn of(config: &Config) -> Vllm<'_> {
+        let model = match &config.engine {
+            Engine::Vllm { served_model_name } => served_model_name.as_deref(),
+            _ => None,
+        };
+        Vllm { model }
+    }
 }
 
 impl LoadSource for Vllm<'_> {
@@ -63,7 +73,7 @@ impl LoadSource for Vllm<'_> {
         };
         match incomplete(&report) {
             Some(why) => Answer::Failed(why),
-            None => Answer::Report(Reading::Vllm(report)),
+            None => Answer::Report(Reading::new(report)),
         }
     }
 }
@@ -592,7 +602,7 @@ http_requests_created{handler="/v1/chat/completions",method="POST",status="2xx"}
         let poll = vllm.poll(&SourceMemory::default());
         assert_eq!((poll.path, poll.accept), ("/metrics", "text/plain"));
         assert!(
-            matches!(answer(SINGLE_PROCESS.as_bytes()), Answer::Report(Reading::Vllm(r)) if r.engines.len() == 2)
+            matches!(answer(SINGLE_PROCESS.as_bytes()), Answer::Report(r) if r.readout::<VllmReport>().unwrap().engines.len() == 2)
         );
         assert_eq!(
             vllm.answer(&poll, 404, b"{}"),

@@ -10,7 +10,12 @@
 //! 1. `scorers/<name>.rs`: a unit struct implementing [`Scorer`]. `applies`
 //!    says, once per choice, whether it can add anything; `score` adds its
 //!    cost to each slot of one worker (`cost::add_cost`, saturating) and sets
-//!    `REMOVED` for a rank it cannot score.
+//!    `REMOVED` for a rank it cannot score. Two scorers that cost the same
+//!    thing two ways split the requests by `applies` (`load` and
+//!    `lockstep`, as `prefix_load` says).
+//!    Its weights and tuned constants are configuration, beside the others
+//!    (`config/prefix.rs`, read from `ctx.prefix`'s settings), not constants
+//!    in its file.
 //! 2. A `ScorerStep` variant in `profile.rs` and its two arms in `steps.rs`
 //!    (the compiler names the `match`es that miss it); a `mod` line below.
 //! 3. Its place in `profile.rs`: `PREFIX_SCORERS`, `LOAD_SCORERS`, or both.
@@ -45,6 +50,7 @@ mod runner;
 mod scorers {
     pub(super) mod kv;
     pub(super) mod load;
+    pub(super) mod lockstep;
     pub(super) mod other_gateways;
     pub(super) mod prefix;
     pub(super) mod queue;

@@ -20,6 +20,7 @@ pub(super) enum ScorerStep {
     Queue,
     Prefix,
     Load,
+    Lockstep,
     Kv,
     OtherGateways,
     Rendezvous,
@@ -38,7 +39,10 @@ pub(super) const FILTERS: &[FilterStep] = &[Fresh, Healthy, OnlyRank, Pinned, Un
 pub(super) const LOAD_SCORERS: &[ScorerStep] = &[Load, OtherGateways];
 
 /// Scorers under prefix affinity: the work queued ahead, the request's own
-/// uncached prefill, the rank's load and the KV it lacks (weighted,
-/// `config/prefix.rs`); with `gateways` > 1, the others' likely requests
-/// and a lean shared by every gateway toward the same ranks for a prompt.
-pub(super) const PREFIX_SCORERS: &[ScorerStep] = &[Queue, Prefix, Load, Kv, OtherGateways, Rendezvous];
+/// uncached prefill, the rank's load (or, where `prefix_load` says, its
+/// worker's lockstep instead: `load` and `lockstep` never both apply) and
+/// the KV it lacks (weighted, `config/prefix.rs`); with `gateways` > 1, the
+/// others' likely requests and a lean shared by every gateway toward the
+/// same ranks for a prompt.
+pub(super) const PREFIX_SCORERS: &[ScorerStep] =
+    &[Queue, Prefix, Load, Lockstep, Kv, OtherGateways, Rendezvous];

@@ -5,7 +5,7 @@
 
 use super::filters::{fresh, healthy, only_rank, pinned, unsaturated};
 use super::profile::{FilterStep, ScorerStep, FILTERS, LOAD_SCORERS, PREFIX_SCORERS};
-use super::scorers::{kv, load, other_gateways, prefix, queue, rendezvous};
+use super::scorers::{kv, load, lockstep, other_gateways, prefix, queue, rendezvous};
 use super::{Context, Filter, Scorer, WorkerView};
 use crate::cost::Slot;
 
@@ -50,6 +50,7 @@ impl Scorer for ScorerStep {
             ScorerStep::Queue => queue::Queue.applies(ctx),
             ScorerStep::Prefix => prefix::Prefix.applies(ctx),
             ScorerStep::Load => load::Load.applies(ctx),
+            ScorerStep::Lockstep => lockstep::Lockstep.applies(ctx),
             ScorerStep::Kv => kv::Kv.applies(ctx),
             ScorerStep::OtherGateways => other_gateways::OtherGateways.applies(ctx),
             ScorerStep::Rendezvous => rendezvous::Rendezvous.applies(ctx),
@@ -62,6 +63,7 @@ impl Scorer for ScorerStep {
             ScorerStep::Queue => queue::Queue.score(ctx, worker, costs),
             ScorerStep::Prefix => prefix::Prefix.score(ctx, worker, costs),
             ScorerStep::Load => load::Load.score(ctx, worker, costs),
+            ScorerStep::Lockstep => lockstep::Lockstep.score(ctx, worker, costs),
             ScorerStep::Kv => kv::Kv.score(ctx, worker, costs),
             ScorerStep::OtherGateways => other_gateways::OtherGateways.score(ctx, worker, costs),
             ScorerStep::Rendezvous => rendezvous::Rendezvous.score(ctx, worker, costs),

@@ -3,12 +3,14 @@
 //! A rank's tokens are its KV in use (`kv_cache_usage_perc` x its share of
 //! `cache_config_info`'s blocks) plus its waiting requests at this gateway's
 //! mean request estimate; its cache hit rate is the counters' increase over
-//! a window, which needs the last poll's counters ([`CacheCounters`], kept
-//! in the worker's state). Why each choice: docs/vllm.md.
+//! a window, which needs the last poll's counters ([`CacheCounters`], what
+//! the source keeps of a worker in its `SourceMemory`). Why each choice:
+//! docs/vllm.md.
 
 use super::{EngineFigures, VllmReport};
-use crate::codec::words;
-use crate::load::{LoadReport, RankLoad, ReportContext, HIT_RATE_WINDOW_MS};
+use crate::codec::{words, Record};
+use crate::config::MAX_DP_SIZE;
+use crate::load::{LoadReport, RankLoad, Readout, ReportContext, SourceMemory, HIT_RATE_WINDOW_MS};
 use serde::{Deserialize, Serialize};
 
 /// Not read at the last poll.
@@ -26,6 +28,14 @@ pub struct CacheCounters {
     /// of their increases, decayed over `HIT_RATE_WINDOW_MS`.
     #[serde(with = "words")]
     per_rank: Vec<u64>,
+}
+
+/// Kept in the worker's `SourceMemory`.
+impl Record for CacheCounters {
+    const TAG: [u8; 4] = *b"DPK1";
+    fn within_limits(&self) -> bool {
+        CacheCounters::within_limits(self, MAX_DP_SIZE as usize)
+    }
 }
 
 impl CacheCounters {
@@ -82,6 +92,17 @@ impl CacheCounters {
                 (queries > 0).then(|| (hits as f64 / queries as f64).clamp(0.0, 1.0))
             })
             .collect()
+    }
+}
+
+/// A readable `/metrics` answer becomes the report with the counters the
+/// worker's memory keeps, updated with this poll's.
+impl Readout for VllmReport {
+    fn report(&self, memory: &mut SourceMemory, context: &ReportContext) -> LoadReport {
+        let mut counters: CacheCounters = memory.read();
+        let report = rank_loads(self, &mut counters, context);
+        memory.write(&counters);
+        report
     }
 }
 
@@ -273,6 +294,18 @@ mod tests {
             (rank.tokens, rank.waiting_uncached_tokens, rank.cache_hit_rate),
             (Some(2000), Some(500), Some(0.75))
         );
+    }
+
+    #[test]
+    fn the_readout_keeps_the_counters_in_the_worker_s_memory() {
+        let mut memory = SourceMemory::default();
+        let at = |queries, hits| report(vec![engine(0, 0, 0.0, queries, hits)], None);
+        let rate = |memory: &mut SourceMemory, r: &VllmReport, now| {
+            Readout::report(r, memory, &context(now, 1)).ranks[0].cache_hit_rate
+        };
+        assert_eq!(rate(&mut memory, &at(1000, 500), 1000), None);
+        assert_eq!(memory.read::<CacheCounters>().read_at_ms, 1000);
+        assert_eq!(rate(&mut memory, &at(2000, 1250), 2000), Some(0.75));
     }
 
     #[test]
