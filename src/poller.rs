@@ -269,8 +269,9 @@ impl Poller {
     ) -> Option<Result<Reading, String>> {
         let key = (call.worker, call.seq);
         let parts = self.parts.get_mut(&key)?;
-        let answer = outcome.and_then(|reading| match reading {
-            Reading::Complete(report) if report.ranks.len() == 1 => Ok(report),
+        // Rank ports are SGLang's: its readout is a complete report.
+        let answer = outcome.and_then(|reading| match reading.readout::<LoadReport>() {
+            Some(report) if report.ranks.len() == 1 => Ok(report.clone()),
             _ => Err(format!(
                 "rank port {part} answered a report of more than its rank"
             )),
@@ -301,7 +302,7 @@ impl Poller {
             }
             merged.ranks.extend(report.ranks);
         }
-        Some(Ok(Reading::Complete(merged)))
+        Some(Ok(Reading::new(merged)))
     }
 
     /// Handles a callout's answer, or why there is none (a reset, a cut answer).
