@@ -104,6 +104,8 @@ pub struct ConfigJson {
     pub prefix_lockstep_running_tokens: Option<u64>,
     #[serde(default)]
     pub prefix_lockstep_horizon_weight: Option<f64>,
+    #[serde(default)]
+    pub prefix_lockstep_rank_weight: Option<f64>,
     /// Several gateways: how many, the picker and its choices (`config/gateways.rs`).
     #[serde(default)]
     pub gateways: Option<u32>,

@@ -31,6 +31,7 @@ pub const DEFAULT_LOCKSTEP_RAISE_WEIGHT: f64 = 0.75;
 pub const DEFAULT_LOCKSTEP_MAX_FULLNESS: f64 = 2.0;
 pub const DEFAULT_LOCKSTEP_RUNNING_TOKENS: u64 = 3_000;
 pub const DEFAULT_LOCKSTEP_HORIZON_WEIGHT: f64 = 0.5;
+pub const DEFAULT_LOCKSTEP_RANK_WEIGHT: f64 = 0.05;
 /// Most blocks a rank's index keeps, whatever its capacity (bounds the
 /// shared data one worker's index takes: 8 bytes per block).
 pub const MAX_BLOCKS_PER_RANK: usize = 1 << 16;
@@ -100,6 +101,10 @@ pub struct Lockstep {
     /// any of its ranks, or the rank's queue plus the prompt when that is
     /// longer (`prefix_lockstep_horizon_weight`).
     pub horizon_weight: f64,
+    /// Weight of a rank's own load above its worker's least loaded rank:
+    /// among the ranks of one worker, which the rest of the rule costs
+    /// alike, the less loaded is chosen (`prefix_lockstep_rank_weight`).
+    pub rank_weight: f64,
 }
 
 impl Default for Lockstep {
@@ -109,6 +114,7 @@ impl Default for Lockstep {
             max_fullness: DEFAULT_LOCKSTEP_MAX_FULLNESS,
             running_tokens: DEFAULT_LOCKSTEP_RUNNING_TOKENS,
             horizon_weight: DEFAULT_LOCKSTEP_HORIZON_WEIGHT,
+            rank_weight: DEFAULT_LOCKSTEP_RANK_WEIGHT,
         }
     }
 }
@@ -284,7 +290,7 @@ pub fn settings(json: &ConfigJson) -> Result<Option<Prefix>, ConfigError> {
 }
 
 /// The lockstep rule's keys, and whether each is set.
-fn lockstep_keys(json: &ConfigJson) -> [(&'static str, bool); 4] {
+fn lockstep_keys(json: &ConfigJson) -> [(&'static str, bool); 5] {
     [
         (
             "prefix_lockstep_raise_weight",
@@ -301,6 +307,10 @@ fn lockstep_keys(json: &ConfigJson) -> [(&'static str, bool); 4] {
         (
             "prefix_lockstep_horizon_weight",
             json.prefix_lockstep_horizon_weight.is_some(),
+        ),
+        (
+            "prefix_lockstep_rank_weight",
+            json.prefix_lockstep_rank_weight.is_some(),
         ),
     ]
 }
@@ -340,6 +350,11 @@ fn lockstep(json: &ConfigJson, load: LoadMeasure) -> Result<Lockstep, ConfigErro
             "prefix_lockstep_horizon_weight",
             json.prefix_lockstep_horizon_weight,
             DEFAULT_LOCKSTEP_HORIZON_WEIGHT,
+        )?,
+        rank_weight: weight(
+            "prefix_lockstep_rank_weight",
+            json.prefix_lockstep_rank_weight,
+            DEFAULT_LOCKSTEP_RANK_WEIGHT,
         )?,
     })
 }

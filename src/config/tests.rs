@@ -593,10 +593,11 @@ fn lockstep_terms_default_to_the_tuned_values_and_are_checked() {
             max_fullness: 2.0,
             running_tokens: 3000,
             horizon_weight: 0.5,
+            rank_weight: 0.05,
         }
     );
     let tuned = with(
-        r#""prefix_lockstep_raise_weight":1,"prefix_lockstep_max_fullness":3,"prefix_lockstep_running_tokens":0,"prefix_lockstep_horizon_weight":0"#,
+        r#""prefix_lockstep_raise_weight":1,"prefix_lockstep_max_fullness":3,"prefix_lockstep_running_tokens":0,"prefix_lockstep_horizon_weight":0,"prefix_lockstep_rank_weight":0"#,
     )
     .unwrap()
     .prefix
@@ -608,6 +609,7 @@ fn lockstep_terms_default_to_the_tuned_values_and_are_checked() {
             max_fullness: 3.0,
             running_tokens: 0,
             horizon_weight: 0.0,
+            rank_weight: 0.0,
         },
         "under SGLang's default slowest_rank_when_uncached"
     );
@@ -615,6 +617,7 @@ fn lockstep_terms_default_to_the_tuned_values_and_are_checked() {
         "prefix_lockstep_raise_weight",
         "prefix_lockstep_max_fullness",
         "prefix_lockstep_horizon_weight",
+        "prefix_lockstep_rank_weight",
     ] {
         assert_eq!(key_of(with(&format!(r#""{key}":-1"#))), key);
         assert_eq!(key_of(with(&format!(r#""{key}":1e9"#))), key);

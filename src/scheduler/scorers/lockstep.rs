@@ -42,7 +42,13 @@ impl Scorer for Lockstep {
             own,
             capacity,
             worker.loads,
-            running,
+            &running,
+            costs,
+        );
+        add_rank_order(
+            terms.rank_weight * settings.load_weight,
+            worker.loads,
+            &running,
             costs,
         );
         let queued = |rank: usize| worker.state.prefill.queued(rank, settings.queue).tokens;
@@ -88,6 +94,30 @@ fn add_slowest(
             let raised = lockstep(rank, *load).saturating_add(own).saturating_sub(slowest);
             add_cost(cost, weighted(slowest, weight));
             add_cost(cost, weighted(raised, weight * per_raised));
+        }
+    }
+}
+
+/// Within a worker, which the rest of the rule costs alike rank for rank, a
+/// rank costs `weight` times its own load (`running` included) above the
+/// worker's least loaded rank: the least loaded is chosen, never the slowest
+/// while another has room. The least loaded rank's cost is unchanged, so
+/// workers compare as before unless their ranks nearly tie.
+fn add_rank_order(weight: f64, loads: &[Slot], running: impl Fn(usize) -> u64, costs: &mut [Slot]) {
+    if weight == 0.0 {
+        return;
+    }
+    let lockstep = |rank: usize, load: Slot| load.saturating_add(running(rank));
+    let listed = || loads.iter().enumerate().filter(|(_, l)| **l != REMOVED);
+    let Some(least) = listed().map(|(rank, l)| lockstep(rank, *l)).min() else {
+        return;
+    };
+    for (rank, load) in listed() {
+        if let Some(cost) = costs.get_mut(rank) {
+            add_cost(
+                cost,
+                weighted(lockstep(rank, *load).saturating_sub(least), weight),
+            );
         }
     }
 }
@@ -151,11 +181,49 @@ mod tests {
         PromptBlocks::of(&crate::body::JsonObject::parse(body.as_bytes()).unwrap(), 64)
     }
 
+    /// The rule's terms without the rank order (its own test below), unless `keys` set it.
     fn config(keys: &str) -> Config {
+        let order = match keys.contains("prefix_lockstep_rank_weight") {
+            true => "",
+            false => r#","prefix_lockstep_rank_weight":0"#,
+        };
         let json = format!(
-            r#"{{"workers":[{{"address":"127.0.0.1:1"}}],"prefix_load_weight":1,"prefix_capacity_tokens":1000,"prefix_block_bytes":64{keys}}}"#
+            r#"{{"workers":[{{"address":"127.0.0.1:1"}}],"prefix_load_weight":1,"prefix_capacity_tokens":1000,"prefix_block_bytes":64{keys}{order}}}"#
         );
         Config::from_json(json.as_bytes()).unwrap()
+    }
+
+    #[test]
+    fn within_a_worker_the_less_loaded_rank_is_chosen_never_the_slowest_while_another_has_room() {
+        // The issue's worker: 5,000 / 150 / 3,000 / 4,000 tokens, a short
+        // prompt no rank holds, capacity 100,000 (the raise rounds to little).
+        let settings = big(r#","prefix_lockstep_rank_weight":0.05"#);
+        let s = state(&[5000, 150, 3000, 4000], 1000);
+        let costs = scored(&prefix_request(&settings, prompt(64), 0), &s, vec![0; 4]);
+        let least = costs.iter().enumerate().min_by_key(|(_, c)| **c).map(|(r, _)| r);
+        assert_eq!(least, Some(1), "the least loaded rank: {costs:?}");
+        assert!(
+            costs[0] > costs[2] && costs[2] < costs[3] && costs[3] < costs[0],
+            "{costs:?}"
+        );
+        // Without it the ranks nearly tie: the slowest could be drawn.
+        let plain = config_plain();
+        let flat = scored(&prefix_request(&plain, prompt(64), 0), &s, vec![0; 4]);
+        assert!(flat[1..].iter().all(|c| *c == flat[1]), "{flat:?}");
+        // The least loaded rank costs what it did: workers compare as before.
+        assert_eq!(costs[1], flat[1]);
+    }
+
+    fn config_plain() -> crate::config::Prefix {
+        big(r#","prefix_lockstep_rank_weight":0"#)
+    }
+
+    /// Prefix settings with a capacity of 100,000 tokens a rank.
+    fn big(keys: &str) -> crate::config::Prefix {
+        let json = format!(
+            r#"{{"workers":[{{"address":"127.0.0.1:1"}}],"prefix_load_weight":1,"prefix_capacity_tokens":100000,"prefix_block_bytes":64{keys}}}"#
+        );
+        Config::from_json(json.as_bytes()).unwrap().prefix.unwrap()
     }
 
     #[test]
