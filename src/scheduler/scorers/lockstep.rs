@@ -42,13 +42,13 @@ impl Scorer for Lockstep {
             own,
             capacity,
             worker.loads,
-            &running,
+            running,
             costs,
         );
         add_rank_order(
             terms.rank_weight * settings.load_weight,
             worker.loads,
-            &running,
+            running,
             costs,
         );
         let queued = |rank: usize| worker.state.prefill.queued(rank, settings.queue).tokens;
