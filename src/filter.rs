@@ -43,14 +43,14 @@ fn action(a: request::Action) -> Action {
 impl Context for DprankRoot {
     fn on_http_call_response(&mut self, token: u32, headers: usize, body_size: usize, _trailers: usize) {
         if let (Some(routing), Some(poller)) = (&self.routing, &mut self.poller) {
-            if routing.on_root_callout(&EnvoyHost, token, headers, body_size, self.id) {
+            if request::on_root_callout(routing, &EnvoyHost, token, headers, body_size, self.id) {
                 return;
             }
             let config = routing.current(&EnvoyHost);
             let answer = EnvoyHost.callout_response(headers, body_size);
             poller.on_response(&config, &EnvoyHost, token, &answer);
             // A poll may show room for held requests.
-            routing.let_in(&EnvoyHost, self.id, true);
+            request::let_in(routing, &EnvoyHost, self.id, true);
         }
     }
 
@@ -58,7 +58,7 @@ impl Context for DprankRoot {
     /// every held request is answered.
     fn on_done(&mut self) -> bool {
         if let Some(routing) = &self.routing {
-            routing.drain_held(&EnvoyHost, self.id);
+            request::drain_held(routing, &EnvoyHost, self.id);
         }
         true
     }
@@ -108,7 +108,7 @@ impl RootContext for DprankRoot {
             if config.poll_loads {
                 poller.on_tick(&config, &EnvoyHost);
             }
-            routing.on_admission_tick(&EnvoyHost, self.id);
+            request::on_admission_tick(routing, &EnvoyHost, self.id);
         }
     }
 

@@ -6,6 +6,7 @@
 //! each importing only from those below: docs/architecture.md lists them,
 //! says what each does and follows a request through the routing pipeline.
 
+pub mod admission;
 pub mod body;
 pub mod codec;
 pub mod config;
@@ -21,6 +22,7 @@ pub mod load;
 pub mod metrics;
 pub mod poller;
 pub mod prefix;
+pub mod reply;
 pub mod request;
 pub mod router;
 pub mod scheduler;

@@ -67,7 +67,7 @@ impl<'a> Keys<'a> {
     pub fn changes(&self) -> String {
         format!("{}.changes", self.prefix)
     }
-    /// Admission: the requests held on every thread (`request/held_record.rs`).
+    /// Admission: the requests held on every thread (`admission/held_record.rs`).
     pub fn held(&self) -> String {
         format!("{}.held", self.prefix)
     }

@@ -165,6 +165,11 @@ impl Admission {
             .map(|values| values.get(class).copied().flatten())
     }
 
+    /// The name of `class` ("" if there is no such class).
+    pub fn class_name(&self, class: usize) -> &str {
+        self.classes.get(class).map_or("", String::as_str)
+    }
+
     pub fn is_sheddable(&self, class: usize) -> bool {
         self.sheddable_class == Some(class)
     }

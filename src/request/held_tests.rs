@@ -3,7 +3,9 @@
 //! tenants and the bound over threads. Each request is its own context.
 
 use super::*;
+use crate::admission::held_record;
 use crate::host::fake::FakeHost;
+use crate::host::HostError;
 use crate::shared_data::testing::{fleet, json, poll, queue_prefill};
 use std::collections::HashMap;
 
@@ -99,12 +101,12 @@ fn a_held_request_is_let_in_when_room_comes_and_not_twice() {
     assert_eq!(h.counter("dprank.admission.queued.standard"), 1);
     assert_eq!(held_total(&c, &h), 1);
     // A tick while still saturated changes nothing.
-    routing.on_admission_tick(&h, 0);
+    on_admission_tick(&routing, &h, 0);
     assert!(r.borrow().is_held() && h.resumed_contexts.borrow().is_empty());
     // Room: the next tick routes it on its own context and resumes it.
     h.now.set(10_300);
     queue_prefill(&c, &h, 0);
-    routing.on_admission_tick(&h, 0);
+    on_admission_tick(&routing, &h, 0);
     assert_eq!(*h.resumed_contexts.borrow(), [7]);
     assert!(!r.borrow().is_held());
     assert_eq!(h.context.get(), 0, "the root's context is effective again");
@@ -114,7 +116,7 @@ fn a_held_request_is_let_in_when_room_comes_and_not_twice() {
     assert_eq!(h.histogram_values("dprank.admission.queue_wait_ms"), [300]);
     assert_eq!(held_total(&c, &h), 0);
     assert_eq!(h.counter("dprank.admission.admitted.standard"), 1);
-    routing.on_admission_tick(&h, 0);
+    on_admission_tick(&routing, &h, 0);
     assert_eq!(h.resumed_contexts.borrow().len(), 1, "let in once");
     r.borrow_mut().on_done(&h);
     assert_eq!(held_total(&c, &h), 0);
@@ -129,10 +131,10 @@ fn a_request_waiting_past_the_time_out_gets_503_with_retry_after() {
     // Ticks every 50 ms: answered at the last one that comes before the
     // 2000 ms are up, so never held longer.
     h.now.set(10_000 + 1950);
-    routing.on_admission_tick(&h, 0);
+    on_admission_tick(&routing, &h, 0);
     assert!(r.borrow().is_held(), "the next tick is still in time");
     h.now.set(10_000 + 1951);
-    routing.on_admission_tick(&h, 0);
+    on_admission_tick(&routing, &h, 0);
     assert_eq!(replies(&h), [(3, 503, "queue_timeout".to_string())]);
     let (_, headers, _) = h.replies.borrow()[0].clone();
     assert!(headers.contains(&("retry-after".to_string(), "1".to_string())));
@@ -157,7 +159,7 @@ fn a_client_gone_while_held_frees_its_place() {
     assert_eq!(held_total(&c, &h), 0);
     assert_eq!(h.counter("dprank.admission.client_gone.standard"), 1);
     queue_prefill(&c, &h, 0);
-    routing.on_admission_tick(&h, 0);
+    on_admission_tick(&routing, &h, 0);
     assert!(h.resumed_contexts.borrow().is_empty() && h.replies.borrow().is_empty());
 }
 
@@ -182,7 +184,7 @@ fn sheddable_requests_are_refused_at_once_and_a_full_queue_keeps_the_higher_clas
     assert_eq!(h.counter("dprank.admission.rejected.displaced.standard"), 1);
     // Room for all: the critical one first, then in arrival order.
     queue_prefill(&c, &h, 0);
-    routing.on_admission_tick(&h, 0);
+    on_admission_tick(&routing, &h, 0);
     assert_eq!(*h.resumed_contexts.borrow(), [6, 2, 3]);
     assert_eq!(held_total(&c, &h), 0);
     assert!(held.iter().all(|r| !r.borrow().is_held()));
@@ -231,7 +233,7 @@ fn held_requests_go_in_class_order_then_tenants_in_turn() {
     queue_prefill(&c, &h, 0);
     for _ in 0..order.len() {
         let before = h.resumed_contexts.borrow().len();
-        routing.on_admission_tick(&h, 0);
+        on_admission_tick(&routing, &h, 0);
         let resumed = h.resumed_contexts.borrow().clone();
         assert_eq!(resumed.len(), before + 1, "one at a time: {resumed:?}");
         // Its first byte: its prompt leaves the rank's queue.
@@ -267,7 +269,7 @@ fn header_mode_holds_at_the_headers_and_keeps_the_body_back() {
     assert!(r.borrow().is_held());
     assert_eq!(r.borrow_mut().on_request_body(&h, 200, false), Action::Pause);
     queue_prefill(&c, &h, 0);
-    routing.on_admission_tick(&h, 0);
+    on_admission_tick(&routing, &h, 0);
     assert_eq!(*h.resumed_contexts.borrow(), [9]);
     assert!(h.set_effective_context(9).is_ok());
     assert!(h.header("x-data-parallel-rank").is_some());
@@ -283,7 +285,7 @@ fn the_filter_going_away_answers_every_held_request() {
         arrive(&h, &routing, 1, &[]).0,
         arrive(&h, &routing, 2, &[("x-dprank-priority", "critical")]).0,
     ];
-    routing.drain_held(&h, 0);
+    drain_held(&routing, &h, 0);
     let mut got = replies(&h);
     got.sort();
     assert_eq!(
@@ -303,17 +305,17 @@ fn a_higher_class_on_another_thread_goes_first_and_takes_a_place_here() {
     let (critical, _) = arrive(&h, &there, 10, &[("x-dprank-priority", "critical")]);
     assert!(critical.borrow().is_held(), "a place another thread gives up");
     assert_eq!(held_total(&c, &h), 4, "for a tick at most");
-    here.on_admission_tick(&h, 0);
+    on_admission_tick(&here, &h, 0);
     assert_eq!(replies(&h), [(3, 429, "displaced".to_string())]);
     assert_eq!(held_total(&c, &h), 3);
     // Room: `here` sees the critical request on `there` and waits for it.
     queue_prefill(&c, &h, 0);
-    here.on_admission_tick(&h, 0);
+    on_admission_tick(&here, &h, 0);
     assert!(h.resumed_contexts.borrow().is_empty());
-    there.on_admission_tick(&h, 0);
+    on_admission_tick(&there, &h, 0);
     assert_eq!(*h.resumed_contexts.borrow(), [10]);
-    here.on_admission_tick(&h, 0);
-    here.on_admission_tick(&h, 0);
+    on_admission_tick(&here, &h, 0);
+    on_admission_tick(&here, &h, 0);
     assert_eq!(*h.resumed_contexts.borrow(), [10, 1, 2]);
 }
 
@@ -327,7 +329,7 @@ fn a_held_request_whose_stream_is_gone_when_let_in_leaves_the_queue_once() {
     h.end_context(5);
     h.now.set(10_100);
     queue_prefill(&c, &h, 0);
-    routing.on_admission_tick(&h, 0);
+    on_admission_tick(&routing, &h, 0);
     assert!(h.resumed_contexts.borrow().is_empty() && h.replies.borrow().is_empty());
     assert_eq!(h.counter("dprank.host_refused.effective_context"), 1);
     assert_eq!(h.counter("dprank.admission.client_gone.standard"), 1);
@@ -347,7 +349,7 @@ fn a_held_request_the_proxy_will_not_resume_gives_back_its_estimate_at_its_end()
     h.refuse("resume_request", HostError::BAD_ARGUMENT);
     h.now.set(10_100);
     queue_prefill(&c, &h, 0);
-    routing.on_admission_tick(&h, 0);
+    on_admission_tick(&routing, &h, 0);
     assert_eq!(h.counter("dprank.host_refused.resume_request"), 1);
     assert!(!r.borrow().is_held(), "out of the queue");
     let pending = |h: &FakeHost| -> u64 {

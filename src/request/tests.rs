@@ -4,6 +4,7 @@
 use super::*;
 use crate::config::QueueMeasure;
 use crate::host::fake::FakeHost;
+use crate::host::HostError;
 use crate::shared_data::testing::{fleet, json, pd_fleet, poll};
 use crate::shared_data::{self, read_worker_states};
 

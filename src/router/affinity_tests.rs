@@ -13,9 +13,15 @@ use crate::prefix::PromptBlocks;
 use crate::shared_data::testing::*;
 use crate::shared_data::{read_worker_states, Keys};
 
-/// Routes with a fresh copy of the states, as a VM that has not routed before.
+/// Routes with a fresh copy of the states, as a VM that has not routed
+/// before, through the real entry.
 fn route(c: &Rc<Config>, h: &dyn Host, body: &[u8], pin: Option<&str>, tie_breaker: u64) -> Decision {
-    super::route(c, h, &mut StateCache::default(), body, pin, tie_breaker)
+    let args = RouteArgs {
+        pin,
+        tie_breaker,
+        class: None,
+    };
+    super::route(c, h, &mut StateCache::default(), Input::Body(body), &args).expect("no admission")
 }
 
 fn routed(d: Decision) -> Routed {
@@ -45,16 +51,16 @@ fn chat(system: usize, question: &str, stream: bool) -> Vec<u8> {
 }
 
 fn place(r: &Routed) -> (usize, u32) {
-    (r.to.worker, r.to.rank.unwrap())
+    (r.chosen.worker, r.chosen.rank.unwrap())
 }
 
 /// The request answers at once: first byte, then the end.
 fn finish(c: &Rc<Config>, h: &dyn Host, r: &Routed) {
-    if let Some(p) = &r.prefill {
-        prefill_started(c, h, &mut StateCache::default(), p);
+    if let Some(p) = &r.queued_prefill {
+        StateCache::default().prefill_started(c, h, p);
     }
-    if let Some(t) = &r.ticket {
-        release(c, h, &mut StateCache::default(), t, None);
+    if let Some(t) = &r.estimate {
+        StateCache::default().release(c, h, t, None);
     }
 }
 
@@ -139,7 +145,7 @@ fn off_gives_the_load_only_rule() {
     let places: std::collections::HashSet<(usize, u32)> = (0..16)
         .map(|i| {
             let r = routed(route(&c, &h, &chat(6000, "Same?", true), None, i));
-            assert!(r.prefill.is_none());
+            assert!(r.queued_prefill.is_none());
             finish(&c, &h, &r);
             place(&r)
         })
@@ -193,10 +199,10 @@ fn a_heavily_loaded_rank_loses_its_prefix_traffic() {
     let warm = routed(route(&c, &h, &chat(6000, "Warm up.", true), None, 1));
     finish(&c, &h, &warm);
     let mut heavy = [100u64; 4];
-    heavy[warm.to.rank.unwrap() as usize] = 1_000_000;
+    heavy[warm.chosen.rank.unwrap() as usize] = 1_000_000;
     h.now.set(h.now.get() + 1000);
-    poll(&c, &h, warm.to.worker, &heavy);
-    poll(&c, &h, 1 - warm.to.worker, &[100; 4]);
+    poll(&c, &h, warm.chosen.worker, &heavy);
+    poll(&c, &h, 1 - warm.chosen.worker, &[100; 4]);
     let r = routed(route(&c, &h, &chat(6000, "Now?", true), None, 2));
     assert_ne!(place(&r), place(&warm));
 }
@@ -231,9 +237,9 @@ fn the_index_forgets_prompts_after_its_ttl() {
 fn the_prefill_charge_leaves_at_the_first_byte_and_the_estimate_at_the_end() {
     let (c, h) = equal_fleet(r#","prefix_queue":"local""#);
     let r = routed(route(&c, &h, &chat(4000, "Hi", true), None, 1));
-    let p = r.prefill.unwrap();
+    let p = r.queued_prefill.unwrap();
     let queued = |h: &FakeHost| {
-        read_worker_states(&c, h)[r.to.worker]
+        read_worker_states(&c, h)[r.chosen.worker]
             .as_ref()
             .unwrap()
             .prefill
@@ -241,14 +247,14 @@ fn the_prefill_charge_leaves_at_the_first_byte_and_the_estimate_at_the_end() {
     };
     assert_eq!((queued(&h).tokens, queued(&h).requests), (p.tokens, 1));
     assert!(p.tokens > 900 && p.streamed);
-    prefill_started(&c, &h, &mut StateCache::default(), &p);
+    StateCache::default().prefill_started(&c, &h, &p);
     assert_eq!((queued(&h).tokens, queued(&h).requests), (0, 0));
     let states = read_worker_states(&c, &h);
-    assert!(states[r.to.worker].as_ref().unwrap().pending_total() > 0);
+    assert!(states[r.chosen.worker].as_ref().unwrap().pending_total() > 0);
     // The second time the same prompt costs only its uncached tail.
     let again = routed(route(&c, &h, &chat(4000, "Hi", false), None, 1));
     assert_eq!(place(&again), place(&r));
-    let p2 = again.prefill.unwrap();
+    let p2 = again.queued_prefill.unwrap();
     assert!(p2.tokens < 200 && !p2.streamed, "{p2:?}");
 }
 
@@ -264,23 +270,11 @@ fn pd_chooses_the_prefill_rank_by_prefix_and_the_decode_rank_by_load() {
     };
     let first = pd(1);
     let prefill = (first.prefill.worker, first.prefill.rank);
-    if let Some(p) = &first.prefill_charge {
-        prefill_started(&c, &h, &mut StateCache::default(), p);
+    if let Some(p) = &first.queued_prefill {
+        StateCache::default().prefill_started(&c, &h, p);
     }
-    release(
-        &c,
-        &h,
-        &mut StateCache::default(),
-        first.prefill_ticket.as_ref().unwrap(),
-        None,
-    );
-    release(
-        &c,
-        &h,
-        &mut StateCache::default(),
-        first.decode_ticket.as_ref().unwrap(),
-        None,
-    );
+    StateCache::default().release(&c, &h, first.prefill_estimate.as_ref().unwrap(), None);
+    StateCache::default().release(&c, &h, first.decode_estimate.as_ref().unwrap(), None);
     assert_eq!(
         first.decode.as_ref().map(|d| (d.worker, d.rank)),
         Some((1, Some(1)))
@@ -288,23 +282,11 @@ fn pd_chooses_the_prefill_rank_by_prefix_and_the_decode_rank_by_load() {
     for tie in 2..8 {
         let next = pd(tie);
         assert_eq!((next.prefill.worker, next.prefill.rank), prefill, "tie {tie}");
-        assert!(next.decode_ticket.is_some());
-        release(
-            &c,
-            &h,
-            &mut StateCache::default(),
-            next.prefill_ticket.as_ref().unwrap(),
-            None,
-        );
-        release(
-            &c,
-            &h,
-            &mut StateCache::default(),
-            next.decode_ticket.as_ref().unwrap(),
-            None,
-        );
-        if let Some(p) = &next.prefill_charge {
-            prefill_started(&c, &h, &mut StateCache::default(), p);
+        assert!(next.decode_estimate.is_some());
+        StateCache::default().release(&c, &h, next.prefill_estimate.as_ref().unwrap(), None);
+        StateCache::default().release(&c, &h, next.decode_estimate.as_ref().unwrap(), None);
+        if let Some(p) = &next.queued_prefill {
+            StateCache::default().prefill_started(&c, &h, p);
         }
     }
     // Only the prefill pool keeps an index.

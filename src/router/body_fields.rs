@@ -2,7 +2,7 @@
 //! rank, the request's cost estimate, and prefix affinity's prompt and
 //! output budget.
 
-use super::pipeline::Prefill;
+use super::pipeline::PrefillCharge;
 use crate::body::JsonObject;
 use crate::config::{Config, CostEstimate};
 use crate::prefix::{PromptBlocks, RequestPrefix};
@@ -62,20 +62,20 @@ pub(super) fn prefix_request<'a>(
     ))
 }
 
-/// Admission without prefix affinity: the request's prompt, charged to its
-/// rank's queue (prefix affinity charges its uncached part itself).
-pub(super) fn queue_charge(
+/// Admission without prefix affinity: the request's prompt, queued on its
+/// rank (prefix affinity queues its uncached part itself).
+pub(super) fn prefill_charge(
     config: &Config,
     object: &JsonObject,
     prefix: Option<&RequestPrefix>,
-) -> Option<Prefill> {
+) -> Option<PrefillCharge> {
     if config.admission.is_none() || prefix.is_some() {
         return None;
     }
     let streamed = object
         .raw_value("stream")
         .is_some_and(|v| v.trim_ascii() == b"true");
-    Some(Prefill::plain(
+    Some(PrefillCharge::plain(
         object.estimated_tokens(CostEstimate::Bytes).max(1),
         streamed,
     ))

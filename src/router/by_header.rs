@@ -7,14 +7,16 @@
 //! and a body that is no JSON object is the server's to refuse (routed by
 //! load).
 
-use super::body_fields::{estimated_tokens, prefix_request, queue_charge};
+use super::body_fields::{estimated_tokens, prefill_charge, prefix_request};
 use super::outcome::pass_or_reject;
-use super::pipeline::{self, Leg, Prefill, RouteArgs};
-use super::snapshot::{Side, Snapshot};
+use super::pipeline::{self, Committed, Leg, Legs, Path, PrefillCharge, RouteArgs, Unchosen};
+use super::snapshot::{Moment, Side, Snapshot};
 use super::{Decision, Routed};
+use crate::admission::Overloaded;
 use crate::body::JsonObject;
 use crate::config::{Config, CostEstimate, HeaderTransport};
 use crate::host::Host;
+use crate::prefix::RequestPrefix;
 use crate::scheduler::Constraint;
 use crate::shared_data::cache::StateCache;
 use std::rc::Rc;
@@ -30,51 +32,23 @@ pub fn cost_from_length(config: &Config, settings: &HeaderTransport, content_len
     }
 }
 
-/// Decides where a request goes without its body. `cache` is this VM's copy
-/// of the workers' states and health record (read here); `pin` the
-/// test-only pin header; `cost` the tokens the request adds to its rank
-/// until a poll counts it. Alternates get the chosen rank as in body mode:
-/// the rank headers travel unchanged with every retry.
-pub fn route_by_headers(
-    config: &Rc<Config>,
-    host: &dyn Host,
-    cache: &mut StateCache,
-    cost: u64,
-    pin: Option<&str>,
-    tie_breaker: u64,
-) -> Decision {
-    let args = RouteArgs {
-        pin,
-        tie_breaker,
-        class: None,
-    };
-    route_by_headers_with(config, host, cache, cost, &args)
-}
-
-/// `route_by_headers`, with everything the lifecycle knows of the request
-/// in `args`.
-pub fn route_by_headers_with(
+/// Decides where a request goes without its body, `cost` the tokens its
+/// headers say it adds to its rank until a poll counts it. Alternates get
+/// the chosen rank as in body mode: the rank headers travel unchanged with
+/// every retry.
+pub(super) fn route_by_length(
     config: &Rc<Config>,
     host: &dyn Host,
     cache: &mut StateCache,
     cost: u64,
     args: &RouteArgs,
-) -> Decision {
-    let pin = args.pin;
-    let snapshot = match pipeline::start(config, host, cache, args) {
-        Ok(snapshot) => snapshot,
-        Err(refused) => return refused.into(),
+) -> Result<Decision, Overloaded> {
+    let path = HeaderPath {
+        config,
+        object: None,
+        cost: Cost::Given(cost),
     };
-    let Some(choice) = pipeline::choose(host, &snapshot, &leg(config, pin), None) else {
-        return no_candidate(config, host, &snapshot);
-    };
-    let moment = snapshot.moment();
-    // Admission's queue: the length is all there is of the prompt; whether
-    // the answer streams is not known, so it leaves the queue when a poll
-    // counts it (or at its end).
-    let queued = config.admission.as_ref().map(|_| Prefill::plain(cost, false));
-    let committed = pipeline::commit(config, host, cache, &choice, cost, None, queued);
-    Decision::Route(Routed::new(committed, moment, None))
+    pipeline::run(config, host, cache, args, path)
 }
 
 /// Header mode under prefix affinity: decides at the end of the (non-empty)
@@ -88,47 +62,90 @@ pub(super) fn route_by_prompt(
     cache: &mut StateCache,
     body: &[u8],
     args: &RouteArgs,
-) -> Decision {
-    let pin = args.pin;
-    let object = JsonObject::parse(body).ok();
-    let snapshot = match pipeline::start(config, host, cache, args) {
-        Ok(snapshot) => snapshot,
-        Err(refused) => return refused.into(),
+) -> Result<Decision, Overloaded> {
+    let path = HeaderPath {
+        config,
+        object: JsonObject::parse(body).ok(),
+        cost: Cost::OfBody(cost_from_length(config, settings, Some(body.len() as u64))),
     };
-    let mut prefix = object
-        .as_ref()
-        .and_then(|o| prefix_request(config, o, snapshot.now_ms));
-    let Some(choice) = pipeline::choose(host, &snapshot, &leg(config, pin), prefix.as_mut()) else {
-        return no_candidate(config, host, &snapshot);
-    };
-    let moment = snapshot.moment();
-    let cost = match &object {
-        Some(object) => estimated_tokens(config, object, prefix.as_ref()),
-        None => cost_from_length(config, settings, Some(body.len() as u64)),
-    };
-    let queued = match &object {
-        Some(object) => queue_charge(config, object, prefix.as_ref()),
-        None => config.admission.as_ref().map(|_| Prefill::plain(cost, false)),
-    };
-    let committed = pipeline::commit(config, host, cache, &choice, cost, prefix.as_mut(), queued);
-    Decision::Route(Routed::new(committed, moment, None))
+    pipeline::run(config, host, cache, args, path)
 }
 
-/// Header mode's leg: the routed pool, a test pin if any, the configured
-/// alternates (the rank headers travel unchanged with every retry).
-fn leg<'r>(config: &Config, pin: Option<&'r str>) -> Leg<'r> {
-    Leg {
-        side: Side::Routed,
-        constraint: Constraint { only_rank: None, pin },
-        alternates: config.retry_alternates as usize,
+/// Where header mode's cost comes from.
+#[derive(Debug, Clone, Copy)]
+enum Cost {
+    /// The headers' (`content-length`).
+    Given(u64),
+    /// The body's JSON object; this, from its length, if it is none.
+    OfBody(u64),
+}
+
+/// Header mode's path through the pipeline: the forwarded pool, a test pin
+/// if any, the configured alternates, no body written.
+struct HeaderPath<'c, 'b> {
+    config: &'c Config,
+    /// The body's JSON object, when the decision waits for the body.
+    object: Option<JsonObject<'b>>,
+    cost: Cost,
+}
+
+impl<'c> Path<'c> for HeaderPath<'c, '_> {
+    fn legs<'p>(&self, config: &Config, pin: Option<&'p str>) -> Legs<'p> {
+        Legs {
+            first: Leg {
+                side: Side::Forward,
+                constraint: Constraint { only_rank: None, pin },
+                alternates: config.retry_alternates as usize,
+            },
+            second: None,
+        }
     }
-}
 
-/// Nobody can be chosen: passed on with no rank header (or refused in
-/// closed mode), the body untouched.
-fn no_candidate(config: &Config, host: &dyn Host, snapshot: &Snapshot) -> Decision {
-    let reason = pipeline::no_candidate_reason(snapshot, Side::Routed);
-    pass_or_reject(config, host, reason, None)
+    fn prefix(&self, config: &'c Config, now_ms: u64) -> Option<RequestPrefix<'c>> {
+        self.object
+            .as_ref()
+            .and_then(|o| prefix_request(config, o, now_ms))
+    }
+
+    /// Nobody can be chosen: passed on with no rank header (or refused in
+    /// closed mode), the body untouched.
+    fn unchosen(&self, host: &dyn Host, snapshot: &Snapshot) -> Unchosen {
+        let reason = pipeline::no_candidate_reason(snapshot, Side::Forward);
+        Unchosen::Decided(pass_or_reject(self.config, host, reason, None))
+    }
+
+    fn cost(&self, config: &Config, prefix: Option<&RequestPrefix>) -> u64 {
+        match (&self.object, self.cost) {
+            (Some(object), _) => estimated_tokens(config, object, prefix),
+            (None, Cost::Given(cost) | Cost::OfBody(cost)) => cost,
+        }
+    }
+
+    /// Admission's queue: without a JSON object the length is all there is
+    /// of the prompt, and whether the answer streams is not known, so it
+    /// leaves the queue when a poll counts it (or at its end).
+    fn prefill_charge(&self, config: &Config, prefix: Option<&RequestPrefix>) -> Option<PrefillCharge> {
+        match &self.object {
+            Some(object) => prefill_charge(config, object, prefix),
+            None => {
+                let cost = self.cost(config, prefix);
+                config
+                    .admission
+                    .as_ref()
+                    .map(|_| PrefillCharge::plain(cost, false))
+            }
+        }
+    }
+
+    fn reply(
+        self,
+        _host: &dyn Host,
+        first: Committed,
+        _second: Option<Committed>,
+        moment: Moment,
+    ) -> Decision {
+        Decision::Route(Routed::new(first, moment, None))
+    }
 }
 
 #[cfg(test)]

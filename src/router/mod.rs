@@ -1,34 +1,31 @@
-//! Per-request routing: a request in, a [`Decision`] out. Knows nothing of
-//! proxy-wasm; `request.rs` applies the decision. Every path (body mode in
-//! `by_body.rs`, header mode in `by_header.rs`, PD mode in `pd.rs`) runs
-//! one pipeline (`pipeline.rs`): refresh, admission, pool, choose, retry
-//! targets, account, record, reply. A request not routed is passed through
-//! or refused (`outcome.rs`); every local answer is in `replies.rs`.
+//! Per-request routing: a request in, a [`Decision`] out (or the overload
+//! admission keeps it out with). Knows nothing of proxy-wasm; the request
+//! lifecycle (`request/`) applies the decision. [`route`] sends a request
+//! down its path: body mode (`by_body.rs`), header mode (`by_header.rs`),
+//! PD mode (`pd.rs`); each is a [`pipeline::Path`] that one pipeline runs
+//! (`pipeline.rs`: refresh, admission, pool, choose, retry targets,
+//! account, record, reply). A request not routed is passed through or
+//! refused (`outcome.rs`).
 
-pub mod admission;
 mod body_fields;
 mod by_body;
 mod by_header;
 mod outcome;
 mod pd;
 mod pipeline;
-mod rank_refusal;
-mod replies;
 mod snapshot;
 
-pub use admission::{queue as admission_queue, Overload};
 pub(crate) use body_fields::server_priority;
 pub use body_fields::PRIORITY_FIELD;
-pub use by_body::{route, route_with};
-pub use by_header::{cost_from_length, route_by_headers, route_by_headers_with};
+pub use by_header::cost_from_length;
 pub use outcome::{pass_early, pass_or_reject, PassReason, RejectReason};
-pub use pd::{mark_unreachable, prefill_health, prefill_not_sent, prefill_outcome, PdRouted};
+pub use pd::PdRouted;
 pub use pipeline::RouteArgs;
-pub use rank_refusal::{rank_refused, Written, REFUSAL_BYTES};
-pub use replies::Reply;
 
+use crate::admission::{Controller, Overloaded};
 use crate::config::Config;
 use crate::host::Host;
+use crate::reply::Reply;
 use crate::shared_data::cache::StateCache;
 use crate::worker_state::{PrefillTicket, Ticket};
 use pipeline::Committed;
@@ -36,12 +33,14 @@ use snapshot::Moment;
 use std::borrow::Cow;
 use std::rc::Rc;
 
-/// A worker chosen for a request and, when load data allowed a choice, its rank.
+/// The chosen (worker, rank) of a leg, or one of its retry alternates: the
+/// one noun for it from `commit` on.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Chosen {
     /// Index in `Config::all_workers`.
     pub worker: usize,
-    /// The rank's index among the worker's ranks.
+    /// The rank's index among the worker's ranks; None when load data
+    /// allowed no choice of rank.
     pub rank: Option<u32>,
     /// The value written for it (body field or rank header), as the worker
     /// reads it (`worker_state::rank_value`); None: none is written.
@@ -62,23 +61,25 @@ impl Chosen {
     }
 }
 
+/// A request routed in body or header mode.
 #[derive(Debug, PartialEq, Eq)]
 pub struct Routed {
-    pub to: Chosen,
+    pub chosen: Chosen,
     /// Other workers with the same rank, cheapest first, for Envoy's retries.
     pub alternates: Vec<Chosen>,
     /// The rewritten body, or None to keep the client's (a trusted client rank).
     pub body: Option<Vec<u8>>,
-    /// To release when the request ends; None if accounting could not be written.
-    pub ticket: Option<Ticket>,
+    /// The estimate added to the chosen rank, given back when the request
+    /// ends; None if accounting could not be written.
+    pub estimate: Option<Ticket>,
     /// The health record listed nothing when the request was routed: its
     /// success needs no write.
     pub health_was_clean: bool,
     /// When it was routed (the clock the choice read).
     pub routed_at_ms: u64,
-    /// Prefix affinity: the prefill charged to the rank, to take back at
-    /// the first response byte (or the end).
-    pub prefill: Option<PrefillTicket>,
+    /// The prompt queued on the chosen rank (prefix affinity, admission),
+    /// taken back at the first response byte (or the end).
+    pub queued_prefill: Option<PrefillTicket>,
 }
 
 impl Routed {
@@ -86,24 +87,24 @@ impl Routed {
     /// `moment`, with the rewritten body if any.
     fn new(committed: Committed, moment: Moment, body: Option<Vec<u8>>) -> Routed {
         Routed {
-            to: committed.to,
+            chosen: committed.chosen,
             alternates: committed.alternates,
             body,
-            ticket: committed.ticket,
+            estimate: committed.estimate,
             health_was_clean: moment.health_was_clean,
             routed_at_ms: moment.routed_at_ms,
-            prefill: committed.prefill,
+            queued_prefill: committed.queued_prefill,
         }
     }
 }
 
 /// The route header's value: the chosen worker, then its alternates
 /// (`override_host` takes the next one at each retry).
-pub fn route_value<'a>(to: &'a Chosen, alternates: &[Chosen]) -> Cow<'a, str> {
+pub fn route_value<'a>(chosen: &'a Chosen, alternates: &[Chosen]) -> Cow<'a, str> {
     if alternates.is_empty() {
-        return Cow::Borrowed(&to.endpoint);
+        return Cow::Borrowed(&chosen.endpoint);
     }
-    let mut value = String::from(&*to.endpoint);
+    let mut value = String::from(&*chosen.endpoint);
     for alt in alternates {
         value.push(',');
         value.push_str(&alt.endpoint);
@@ -127,65 +128,67 @@ pub enum Decision {
         reason: RejectReason,
         reply: Reply,
     },
-    /// Admission: every candidate is saturated; nothing was chosen or
-    /// written. The lifecycle refuses or holds the request by its class.
-    Overloaded(Overload),
 }
 
-/// Admission now, as a request would find it: the overload if every
-/// candidate is saturated (None otherwise, or without admission), and how
-/// many candidate ranks are saturated.
-pub fn overload_now(config: &Rc<Config>, host: &dyn Host, cache: &mut StateCache) -> (Option<Overload>, u64) {
-    if config.admission.is_none() {
-        return (None, 0);
-    }
-    let snapshot = snapshot::refresh(config, host, cache, 0);
-    let overload = match admission::judge(&snapshot, None) {
-        crate::worker_state::saturation::Judgement::Saturated {
-            ranks,
-            retry_after_ms,
-        } => Some(Overload {
-            retry_after_ms,
-            saturated_ranks: ranks,
-        }),
-        _ => None,
-    };
-    (overload, admission::saturated_ranks(&snapshot))
+/// What the router is given of a request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Input<'b> {
+    /// The whole body (body mode, PD mode, header mode under prefix
+    /// affinity).
+    Body(&'b [u8]),
+    /// Header mode from the headers alone: the tokens the request adds to
+    /// its rank (from `content-length`).
+    Headers { cost: u64 },
 }
 
-/// Under prefix affinity, the request's prefill is over: its first response
-/// byte came (streamed), or it ended. `config` is the one it was routed with.
-pub fn prefill_started(config: &Rc<Config>, host: &dyn Host, cache: &mut StateCache, ticket: &PrefillTicket) {
-    cache.write_as_routed(config, host, ticket.worker, |state| {
-        state.prefill_started(ticket);
-        Some(())
-    });
-}
-
-/// Gives back a routed request's estimate when its stream ends (and, under
-/// prefix affinity, its prefill charge when no response byte came first);
-/// `config` is the one it was routed with.
-pub fn release(
+/// Decides where a request goes, down the path its configuration and
+/// `input` call for; `cache` is this VM's copy of the workers' states and
+/// health record (read here). Err: admission found the pool overloaded
+/// (nothing was chosen or written; the lifecycle refuses or holds it).
+pub fn route(
     config: &Rc<Config>,
     host: &dyn Host,
     cache: &mut StateCache,
-    ticket: &Ticket,
-    prefill: Option<&PrefillTicket>,
-) {
-    if prefill.is_none() && cache.counted_by_snapshot(config, ticket) {
-        // A snapshot counted the request: nothing is left to give back.
-        return;
+    input: Input,
+    args: &RouteArgs,
+) -> Result<Decision, Overloaded> {
+    let body = match input {
+        Input::Headers { cost } => return by_header::route_by_length(config, host, cache, cost, args),
+        Input::Body(body) => body,
+    };
+    if let Some(pd) = config.pd() {
+        return pd::route_pd(config, pd, host, cache, body, args);
     }
-    cache.write_as_routed(config, host, ticket.worker, |state| {
-        let released = state.release(ticket);
-        match prefill {
-            Some(prefill) => {
-                state.prefill_started(prefill);
-                Some(())
-            }
-            None => released.then_some(()),
-        }
-    });
+    if body.is_empty() {
+        // A chunked or HTTP/2 request whose body turned out empty.
+        return Ok(outcome::pass(host, PassReason::EmptyBody, None));
+    }
+    match config.header_transport() {
+        Some(settings) => by_header::route_by_prompt(config, settings, host, cache, body, args),
+        None => by_body::route_body(config, host, cache, body, args),
+    }
+}
+
+/// Admission now, as a request of the default class would find it: the
+/// overload if every candidate is saturated (None otherwise, or without
+/// admission), and how many candidate ranks are saturated.
+pub fn overloaded_now(
+    config: &Rc<Config>,
+    host: &dyn Host,
+    cache: &mut StateCache,
+) -> (Option<Overloaded>, u64) {
+    if config.admission.is_none() {
+        return (None, 0);
+    }
+    let admission = Controller::new(config.admission.as_ref());
+    let snapshot = snapshot::refresh(config, host, cache, 0);
+    let side = snapshot.judged_side();
+    let candidates = || snapshot.candidate_queues(side, admission.rule(None));
+    let overloaded = match admission.judgement(None, candidates()) {
+        crate::admission::Judgement::Overloaded(o) => Some(o),
+        _ => None,
+    };
+    (overloaded, admission.saturated_ranks(candidates()))
 }
 
 #[cfg(test)]

@@ -1,15 +1,16 @@
 //! What becomes of a request the router does not route: passed through
 //! untouched (a [`PassReason`], counted as `passthrough.<reason>`), or
 //! answered by dprank itself (a [`RejectReason`] with its [`Reply`],
-//! counted as `rejected.<reason>`). The two are apart so that a new way of
-//! refusing (admission control) is a new `RejectReason` and nothing else.
+//! counted as `rejected.<reason>`). The two are apart so that closed mode
+//! refuses what open mode passes under the same name. Admission's refusals
+//! are its own (`admission::Refusal`), counted the same way.
 
-use super::replies::Reply;
 use super::Decision;
 use crate::body::BodyError;
 use crate::config::{Config, FailMode};
 use crate::host::Host;
 use crate::metrics;
+use crate::reply::Reply;
 
 /// Why a request went through untouched (also the suffix of its counter).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -80,20 +81,6 @@ pub enum RejectReason {
     ClientRankUnavailable,
     NoFreshData,
     NoneInRotation,
-    /// Admission, reject mode: every candidate is saturated.
-    Saturated,
-    /// Admission: a sheddable request while every candidate is saturated.
-    Sheddable,
-    /// Admission, queue mode: saturated, and the queue is full of requests
-    /// of this class or higher.
-    QueueFull,
-    /// Admission, queue mode: a higher class took its place in a full queue.
-    Displaced,
-    /// Admission, queue mode: no room came within `queue_timeout_ms`.
-    QueueTimeout,
-    /// Admission, queue mode: the filter (its configuration) went away
-    /// while the request waited.
-    Draining,
     /// Closed mode: the proxy refused to hand over the request's headers or body.
     HostRefused,
 }
@@ -107,40 +94,8 @@ impl RejectReason {
             RejectReason::ClientRankUnavailable => "client_rank_unavailable",
             RejectReason::NoFreshData => "no_fresh_data",
             RejectReason::NoneInRotation => "none_in_rotation",
-            RejectReason::Saturated => "saturated",
-            RejectReason::Sheddable => "sheddable",
-            RejectReason::QueueFull => "queue_full",
-            RejectReason::Displaced => "displaced",
-            RejectReason::QueueTimeout => "queue_timeout",
-            RejectReason::Draining => "draining",
             RejectReason::HostRefused => "host_refused",
         }
-    }
-
-    /// Admission's refusals: the answer, coming back after `retry_after_ms`.
-    pub fn admission_reply(self, retry_after_ms: u64) -> Reply {
-        let (status, message) = match self {
-            RejectReason::Saturated => (
-                429,
-                "every rank is saturated: its expected wait is past the limit",
-            ),
-            RejectReason::Sheddable => (
-                429,
-                "every rank is saturated and this request's class is sheddable",
-            ),
-            RejectReason::QueueFull => (429, "every rank is saturated and the admission queue is full"),
-            RejectReason::Displaced => (
-                429,
-                "a request of a higher class took this one's place in the admission queue",
-            ),
-            RejectReason::QueueTimeout => (503, "no rank had room before the admission queue's time-out"),
-            RejectReason::Draining => (
-                503,
-                "the filter's configuration was replaced while the request waited",
-            ),
-            _ => return self.reply(),
-        };
-        Reply::admission(status, self.as_str(), message, retry_after_ms)
     }
 
     /// The answer the client gets.
@@ -152,12 +107,6 @@ impl RejectReason {
             RejectReason::NoFreshData => Reply::no_fresh_data(),
             RejectReason::NoneInRotation => Reply::none_in_rotation(),
             RejectReason::HostRefused => Reply::host_refused(),
-            RejectReason::Saturated
-            | RejectReason::Sheddable
-            | RejectReason::QueueFull
-            | RejectReason::Displaced
-            | RejectReason::QueueTimeout
-            | RejectReason::Draining => self.admission_reply(1000),
         }
     }
 }

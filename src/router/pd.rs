@@ -1,27 +1,25 @@
 //! PD mode (prefill/decode disaggregation): a prefill and a decode (worker,
-//! rank), each a leg of the routing pipeline (`pipeline.rs`), the bootstrap
-//! fields that make the two legs meet, and what the prefill leg's outcome
-//! means for the client. What differs from body mode: two legs (the prefill
-//! one with prefix affinity and no alternates, the decode one by load with
-//! them), a body that is not a JSON object is refused in every mode, and a
-//! leg without fresh data still goes (prefill workers take turns, the
-//! decode worker is the cluster's pick).
+//! rank), the two legs of one run of the routing pipeline (`pipeline.rs`),
+//! and the bootstrap fields that make the two legs meet. What differs from
+//! body mode: two legs (the prefill one with prefix affinity and no
+//! alternates, the decode one by load with them), a body that is not a JSON
+//! object is refused in every mode, and a leg without fresh data still goes
+//! (prefill workers take turns, the decode worker is the cluster's pick).
+//! The request lifecycle sends the prefill leg (`request/prefill.rs`).
 
-use super::body_fields::{estimated_tokens, prefix_request, queue_charge, server_priority, with_priority};
+use super::body_fields::{estimated_tokens, prefill_charge, prefix_request, server_priority, with_priority};
 use super::outcome::{reject, PassReason, RejectReason};
-use super::pipeline::{self, Choice, Committed, Leg, RouteArgs};
+use super::pipeline::{self, Choice, Committed, Leg, Legs, Path, PrefillCharge, RouteArgs, Unchosen};
 use super::snapshot::{Moment, Side, Snapshot};
-use super::{Chosen, Decision, Reply};
+use super::{Chosen, Decision};
+use crate::admission::Overloaded;
 use crate::body::{bootstrap_fields, JsonObject};
-use crate::config::{Config, Pd, RankOf, Worker};
-use crate::health::{classify, targets, Outcome};
-use crate::health_updates;
+use crate::config::{Config, Pd, RankOf};
 use crate::host::Host;
-use crate::metrics::{self, PerWorker};
+use crate::metrics;
 use crate::prefix::RequestPrefix;
 use crate::scheduler::Constraint;
 use crate::shared_data::cache::StateCache;
-use crate::shared_data::{self, IfMissing};
 use crate::worker_state::{PrefillTicket, Ticket};
 use std::rc::Rc;
 
@@ -38,11 +36,14 @@ pub struct PdRouted {
     pub routed_at_ms: u64,
     pub prefill_body: Vec<u8>,
     pub decode_body: Vec<u8>,
-    pub prefill_ticket: Option<Ticket>,
-    pub decode_ticket: Option<Ticket>,
-    /// Prefix affinity: the prefill charged to the prefill rank (over when
-    /// the prefill leg answers).
-    pub prefill_charge: Option<PrefillTicket>,
+    /// The estimate added to the prefill rank (given back when the prefill
+    /// leg answers).
+    pub prefill_estimate: Option<Ticket>,
+    /// The estimate added to the decode rank (given back at the end).
+    pub decode_estimate: Option<Ticket>,
+    /// The prompt queued on the prefill rank (taken back when the prefill
+    /// leg answers).
+    pub queued_prefill: Option<PrefillTicket>,
 }
 
 /// The test pin `prefill_worker/rank,decode_worker/rank`: either side may be empty.
@@ -65,124 +66,144 @@ pub(super) fn route_pd(
     cache: &mut StateCache,
     body: &[u8],
     args: &RouteArgs,
-) -> Decision {
-    let (pin, tie_breaker) = (args.pin, args.tie_breaker);
+) -> Result<Decision, Overloaded> {
     let object = match JsonObject::parse(body) {
         // Without the bootstrap fields neither side could serve it.
         Err(e) => {
             let refusal = RejectReason::from(e);
-            return reject(host, refusal, refusal.reply());
+            return Ok(reject(host, refusal, refusal.reply()));
         }
         Ok(o) => o,
     };
-    let snapshot = match pipeline::start(config, host, cache, args) {
-        Ok(snapshot) => snapshot,
-        Err(refused) => return refused.into(),
-    };
-    let mut prefix = prefix_request(config, &object, snapshot.now_ms);
-    let (prefill, decode) = choose_legs(host, &snapshot, pin, prefix.as_mut());
-    let moment = snapshot.moment();
-    // Without prefill data the prefill workers take turns and pick their own rank.
-    let turn = (tie_breaker % pd.prefill.len().max(1) as u64) as usize;
-    let prefill_index = prefill
-        .as_ref()
-        .map_or(config.prefill_offset() + turn, |c| c.chosen.worker);
-    let Some(prefill_worker) = config.worker(prefill_index) else {
-        // Only an empty prefill pool, which validation refuses, names no worker.
-        let refusal = RejectReason::NoFreshData;
-        return reject(host, refusal, refusal.reply());
-    };
-    let cost = estimated_tokens(config, &object, prefix.as_ref());
-    // Admission judges the prefill pool: its queue is the prefill leg's.
-    let queued = queue_charge(config, &object, prefix.as_ref());
-    let prefill = prefill.map(|c| pipeline::commit(config, host, cache, &c, cost, prefix.as_mut(), queued));
-    let decode = decode.map(|c| pipeline::commit(config, host, cache, &c, cost, None, None));
-    let prefill_to = prefill
-        .as_ref()
-        .map_or_else(|| Chosen::new(cache, prefill_index, None), |p| p.to.clone());
-    let legs = Legs {
-        prefill_to,
-        prefill,
-        decode,
-        moment,
-        priority: server_priority(config, args.class),
-    };
-    reply(pd, host, &object, prefill_worker, legs)
-}
-
-/// Stage `choose` of both legs: the prefill rank by prefix and load
-/// (`pin`'s first half), the decode rank by load with its retry
-/// alternates (its second half); a leg without fresh data is counted.
-fn choose_legs(
-    host: &dyn Host,
-    snapshot: &Snapshot,
-    pin: Option<&str>,
-    prefix: Option<&mut RequestPrefix>,
-) -> (Option<Choice>, Option<Choice>) {
-    let (prefill_pin, decode_pin) = split_pin(pin);
-    let leg = |side, pin, alternates| Leg {
-        side,
-        constraint: Constraint { only_rank: None, pin },
-        alternates,
-    };
-    let prefill = pipeline::choose(host, snapshot, &leg(Side::Prefill, prefill_pin, 0), prefix);
-    let alternates = snapshot.config.retry_alternates as usize;
-    let decode = pipeline::choose(host, snapshot, &leg(Side::Routed, decode_pin, alternates), None);
-    if prefill.is_none() {
-        host.count(metrics::NO_FRESH_PREFILL_DATA, 1);
-    }
-    if decode.is_none() {
-        host.count(&metrics::passthrough(PassReason::NoFreshData.as_str()), 1);
-    }
-    (prefill, decode)
-}
-
-/// Both legs as committed (a leg without fresh data is not).
-struct Legs {
-    prefill_to: Chosen,
-    prefill: Option<Committed>,
-    decode: Option<Committed>,
-    moment: Moment,
-    /// Server priority, written into both legs (`body_fields::server_priority`).
-    priority: Option<Option<i64>>,
-}
-
-/// Stage `reply` of PD mode: each leg's body, with the bootstrap fields
-/// (drawn here) and the rank fields whose rank is known.
-fn reply(pd: &Pd, host: &dyn Host, object: &JsonObject, prefill_worker: &Worker, legs: Legs) -> Decision {
-    let bootstrap = bootstrap_fields(
+    let path = PdPath {
+        config,
+        pd,
         object,
-        prefill_worker.address.ip(),
-        prefill_worker.bootstrap_port,
-        || host.random_u64(),
-    );
-    let decode_rank = legs.decode.as_ref().and_then(|d| d.to.rank);
-    let ranks = (legs.prefill_to.rank, decode_rank);
-    let mut neutralise = pd.field_names();
-    let mut priority = Vec::new();
-    with_priority(legs.priority, &mut priority, &mut neutralise);
-    let body_for = |fields| {
-        let mut set = pd_body_fields(&bootstrap, fields, ranks);
-        set.extend(priority.iter().cloned());
-        object.rewritten(&set, &neutralise)
+        tie_breaker: args.tie_breaker,
+        class: args.class,
     };
-    let (prefill_ticket, prefill_charge) = legs.prefill.map_or((None, None), |p| (p.ticket, p.prefill));
-    let (decode, decode_alternates, decode_ticket) = match legs.decode {
-        Some(d) => (Some(d.to), d.alternates, d.ticket),
-        None => (None, Vec::new(), None),
-    };
-    Decision::Pd(PdRouted {
-        prefill: legs.prefill_to,
-        decode,
-        decode_alternates,
-        health_was_clean: legs.moment.health_was_clean,
-        routed_at_ms: legs.moment.routed_at_ms,
-        prefill_body: body_for(&pd.prefill_body_fields),
-        decode_body: body_for(&pd.decode_body_fields),
-        prefill_ticket,
-        decode_ticket,
-        prefill_charge,
-    })
+    pipeline::run(config, host, cache, args, path)
+}
+
+/// PD mode's path through the pipeline.
+struct PdPath<'c, 'b> {
+    config: &'c Config,
+    pd: &'c Pd,
+    object: JsonObject<'b>,
+    /// Without prefill data the prefill workers take turns by it.
+    tie_breaker: u64,
+    /// Admission's class, for the server priority written into both legs.
+    class: Option<usize>,
+}
+
+impl<'c> Path<'c> for PdPath<'c, '_> {
+    /// The prefill leg by prefix and load with no alternates (`pin`'s
+    /// first half), then the decode leg by load with its retry alternates
+    /// (its second half).
+    fn legs<'p>(&self, config: &Config, pin: Option<&'p str>) -> Legs<'p> {
+        let (prefill_pin, decode_pin) = split_pin(pin);
+        let leg = |side, pin, alternates| Leg {
+            side,
+            constraint: Constraint { only_rank: None, pin },
+            alternates,
+        };
+        Legs {
+            first: leg(Side::Prefill, prefill_pin, 0),
+            second: Some(leg(Side::Forward, decode_pin, config.retry_alternates as usize)),
+        }
+    }
+
+    fn prefix(&self, config: &'c Config, now_ms: u64) -> Option<RequestPrefix<'c>> {
+        prefix_request(config, &self.object, now_ms)
+    }
+
+    /// A leg without fresh data is counted, and still goes.
+    fn found(&self, host: &dyn Host, prefill: Option<&Choice>, decode: Option<&Choice>) {
+        if prefill.is_none() {
+            host.count(metrics::NO_FRESH_PREFILL_DATA, 1);
+        }
+        if decode.is_none() {
+            host.count(&metrics::passthrough(PassReason::NoFreshData.as_str()), 1);
+        }
+    }
+
+    /// Without prefill data the prefill workers take turns and pick their
+    /// own rank.
+    fn unchosen(&self, host: &dyn Host, _snapshot: &Snapshot) -> Unchosen {
+        let turn = (self.tie_breaker % self.pd.prefill.len().max(1) as u64) as usize;
+        let worker = self.config.prefill_offset() + turn;
+        match self.config.worker(worker) {
+            Some(_) => Unchosen::GoesTo(worker),
+            // Only an empty prefill pool, which validation refuses, names no worker.
+            None => Unchosen::Decided(no_prefill_worker(host)),
+        }
+    }
+
+    fn cost(&self, config: &Config, prefix: Option<&RequestPrefix>) -> u64 {
+        estimated_tokens(config, &self.object, prefix)
+    }
+
+    /// Admission judges the prefill pool: its queue is the prefill leg's.
+    fn prefill_charge(&self, config: &Config, prefix: Option<&RequestPrefix>) -> Option<PrefillCharge> {
+        prefill_charge(config, &self.object, prefix)
+    }
+
+    /// Each leg's body, with the bootstrap fields (drawn here) and the rank
+    /// fields whose rank is known.
+    fn reply(
+        self,
+        host: &dyn Host,
+        prefill: Committed,
+        decode: Option<Committed>,
+        moment: Moment,
+    ) -> Decision {
+        let (pd, object) = (self.pd, &self.object);
+        let Some(prefill_worker) = self.config.worker(prefill.chosen.worker) else {
+            return no_prefill_worker(host);
+        };
+        let bootstrap = bootstrap_fields(
+            object,
+            prefill_worker.address.ip(),
+            prefill_worker.bootstrap_port,
+            || host.random_u64(),
+        );
+        let decode_rank = decode.as_ref().and_then(|d| d.chosen.rank);
+        let ranks = (prefill.chosen.rank, decode_rank);
+        let mut neutralise = pd.field_names();
+        let mut priority = Vec::new();
+        with_priority(
+            server_priority(self.config, self.class),
+            &mut priority,
+            &mut neutralise,
+        );
+        let body_for = |fields| {
+            let mut set = pd_body_fields(&bootstrap, fields, ranks);
+            set.extend(priority.iter().cloned());
+            object.rewritten(&set, &neutralise)
+        };
+        let (decode, decode_alternates, decode_estimate) = match decode {
+            Some(d) => (Some(d.chosen), d.alternates, d.estimate),
+            None => (None, Vec::new(), None),
+        };
+        Decision::Pd(PdRouted {
+            prefill: prefill.chosen,
+            decode,
+            decode_alternates,
+            health_was_clean: moment.health_was_clean,
+            routed_at_ms: moment.routed_at_ms,
+            prefill_body: body_for(&pd.prefill_body_fields),
+            decode_body: body_for(&pd.decode_body_fields),
+            prefill_estimate: prefill.estimate,
+            decode_estimate,
+            queued_prefill: prefill.queued_prefill,
+        })
+    }
+}
+
+/// No prefill worker to send the request to.
+fn no_prefill_worker(host: &dyn Host) -> Decision {
+    let refusal = RejectReason::NoFreshData;
+    reject(host, refusal, refusal.reply())
 }
 
 /// The bootstrap fields plus each rank field whose rank is known; `ranks` is
@@ -203,75 +224,6 @@ fn pd_body_fields<'a>(
         }
     }
     set
-}
-
-/// What the client gets when the prefill leg ended: None if it succeeded,
-/// else the error reply. A prefill that did not answer at all also takes its
-/// worker out of rotation until its next good poll.
-pub fn prefill_outcome(
-    config: &Config,
-    host: &dyn Host,
-    worker: usize,
-    status: Option<u32>,
-    body: &[u8],
-) -> Option<Reply> {
-    let (endpoint, name) = config
-        .worker(worker)
-        .map(|w| (w.endpoint(), w.name.clone()))
-        .unwrap_or_default();
-    if let Some(200..=299) = status {
-        host.count(&PerWorker::PrefillOk.of(&name), 1);
-        return None;
-    }
-    host.count(&PerWorker::PrefillFailed.of(&name), 1);
-    // Envoy answers 503 itself when it cannot connect; 502/504 mean the same
-    // from a proxy in between. Either way, stop sending there until a poll succeeds.
-    if matches!(status, None | Some(502..=504)) {
-        mark_unreachable(config, host, worker);
-    }
-    Some(Reply::prefill_failed(&endpoint, status, body))
-}
-
-/// What the prefill leg's answer tells passive health about its worker and
-/// rank: an answer other than 5xx (and 429) is a success, a 5xx a failure of
-/// the rank, no answer at all (refused, reset, timeout) the worker's
-/// (unreachable).
-pub fn prefill_health(
-    config: &Config,
-    host: &dyn Host,
-    worker: usize,
-    rank: Option<u32>,
-    status: Option<u32>,
-    routed_at_ms: u64,
-) {
-    let Some(w) = config.worker(worker) else {
-        return;
-    };
-    let outcome = match status {
-        None => Outcome::Unreachable,
-        Some(code) => classify(Some(u64::from(code)), Some("via_upstream")),
-    };
-    if outcome == Outcome::Neutral {
-        return;
-    }
-    let observed = targets(w.address, rank, outcome);
-    health_updates::record(config, host, &observed, routed_at_ms, false);
-}
-
-/// The prefill leg could not even be dispatched (Envoy refused the call).
-pub fn prefill_not_sent(config: &Config, host: &dyn Host, worker: usize) -> Reply {
-    let name = config.worker(worker).map(|w| w.name.clone()).unwrap_or_default();
-    host.count(&PerWorker::PrefillFailed.of(&name), 1);
-    Reply::prefill_not_sent()
-}
-
-/// A prefill worker that could not be reached gets no more requests until a
-/// poll succeeds again.
-pub fn mark_unreachable(config: &Config, host: &dyn Host, worker: usize) {
-    shared_data::update_worker(config, host, worker, IfMissing::Skip, |state| {
-        state.mark_unreachable();
-        Some(())
-    });
 }
 
 #[cfg(test)]

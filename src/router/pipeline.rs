@@ -1,21 +1,25 @@
-//! The routing pipeline every path runs: body mode, header mode and both
-//! legs of PD mode.
+//! The routing pipeline every path runs, in one place ([`run`]): body
+//! mode, header mode and both legs of PD mode.
 //!
 //! ```text
 //! refresh -> admission -> pool -> choose -> retry targets -> account -> record -> reply
 //! ```
 //!
-//! `refresh` and `pool` are in `snapshot.rs`, `admission` in `admission.rs`;
-//! the stages that choose and write are here, each a function of its own.
-//! A path says only what differs: the [`Leg`] (which pool, the constraint,
-//! how many alternates), where the cost estimate comes from, whether prefix
-//! affinity applies, and what reply it builds (`by_body.rs`, `by_header.rs`,
-//! `pd.rs`). Choosing writes nothing; `commit` writes.
+//! `refresh` and `pool` are in `snapshot.rs`; `admission` asks the
+//! admission controller; the stages that choose and write are here, each a
+//! function of its own. A path says only what differs, as a [`Path`]: its
+//! legs (which pool, the constraint, how many alternates), prefix
+//! affinity's view of the prompt, where the cost comes from, what it does
+//! when nobody is chosen, and the reply it builds (`by_body.rs`,
+//! `by_header.rs`, `pd.rs`). Choosing writes nothing; `commit` writes: the
+//! estimate (and the queued prefill, in the same write) onto the chosen
+//! rank in one compare-and-swap, and, under prefix affinity, the prompt
+//! into the chosen worker's index.
 
-use super::admission::{self, Admission, Overload};
 use super::outcome::PassReason;
-use super::snapshot::{self, Side, Snapshot};
+use super::snapshot::{self, Moment, Side, Snapshot};
 use super::{Chosen, Decision};
+use crate::admission::{Controller, Overloaded};
 use crate::config::Config;
 use crate::health::NO_HEALTH;
 use crate::host::Host;
@@ -25,36 +29,6 @@ use crate::scheduler::{self, Candidate, Constraint, Context, Pool};
 use crate::shared_data::{self, cache::StateCache};
 use crate::worker_state::{Charge, PrefillTicket, Ticket};
 use std::rc::Rc;
-
-/// A request admission did not let in: every candidate is saturated.
-#[derive(Debug, PartialEq, Eq)]
-pub(crate) struct Refused(Overload);
-
-impl From<Refused> for Decision {
-    fn from(r: Refused) -> Decision {
-        Decision::Overloaded(r.0)
-    }
-}
-
-/// Stages `refresh` and `admission`: the snapshot every later stage reads,
-/// or the overload that keeps the request out (the lifecycle refuses or
-/// holds it and counts what it does).
-pub(crate) fn start<'a>(
-    config: &'a Rc<Config>,
-    host: &dyn Host,
-    cache: &'a mut StateCache,
-    args: &RouteArgs,
-) -> Result<Snapshot<'a>, Refused> {
-    let mut snapshot = snapshot::refresh(config, host, cache, args.tie_breaker);
-    match admission::admit(host, &snapshot, args.class) {
-        Admission::Admit(room) => {
-            let side = admission::judged_side(&snapshot);
-            snapshot.room = room.map(|r| (side, r));
-            Ok(snapshot)
-        }
-        Admission::Overloaded(overload) => Err(Refused(overload)),
-    }
-}
 
 /// What the lifecycle tells the pipeline about a request besides its body.
 #[derive(Debug, Clone, Copy, Default)]
@@ -76,6 +50,118 @@ pub(crate) struct Leg<'r> {
     pub alternates: usize,
 }
 
+/// A request's legs, chosen and committed in this order: the first scores
+/// the prompt (prefix affinity) and has it queued on its rank; PD mode has
+/// a second (the decode leg).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Legs<'r> {
+    pub first: Leg<'r>,
+    pub second: Option<Leg<'r>>,
+}
+
+/// What a path does with a first leg nobody was chosen for (returned once,
+/// never kept: its size does not matter).
+#[allow(clippy::large_enum_variant)]
+pub(crate) enum Unchosen {
+    /// It goes to this worker anyway, unaccounted (PD's prefill workers
+    /// take turns).
+    GoesTo(usize),
+    /// The request ends here: passed through, or refused.
+    Decided(Decision),
+}
+
+/// A path through the pipeline: everything body, header and PD mode do
+/// differently, each hook at its stage.
+pub(crate) trait Path<'c> {
+    /// Stage `pool`: the legs, and the pools they choose from.
+    fn legs<'p>(&self, config: &Config, pin: Option<&'p str>) -> Legs<'p>;
+
+    /// Prefix affinity's view of the prompt, at the clock `refresh` read
+    /// (None: off, or no prompt to read).
+    fn prefix(&self, config: &'c Config, now_ms: u64) -> Option<RequestPrefix<'c>>;
+
+    /// After `choose`, whatever was found (PD counts a leg without fresh
+    /// data).
+    fn found(&self, _host: &dyn Host, _first: Option<&Choice>, _second: Option<&Choice>) {}
+
+    /// Nobody was chosen for the first leg: what becomes of it.
+    fn unchosen(&self, host: &dyn Host, snapshot: &Snapshot) -> Unchosen;
+
+    /// The tokens the request adds to each leg's rank until a poll counts
+    /// them.
+    fn cost(&self, config: &Config, prefix: Option<&RequestPrefix>) -> u64;
+
+    /// Without prefix affinity, the prompt the first leg queues on its rank
+    /// (admission's queue), if any.
+    fn prefill_charge(&self, config: &Config, prefix: Option<&RequestPrefix>) -> Option<PrefillCharge>;
+
+    /// Stage `reply`: the decision, from the committed legs.
+    fn reply(self, host: &dyn Host, first: Committed, second: Option<Committed>, moment: Moment) -> Decision;
+}
+
+/// Runs `path` through every stage, in order. Err: admission keeps the
+/// request out (nothing was chosen or written).
+pub(crate) fn run<'c>(
+    config: &'c Rc<Config>,
+    host: &dyn Host,
+    cache: &mut StateCache,
+    args: &RouteArgs,
+    path: impl Path<'c>,
+) -> Result<Decision, Overloaded> {
+    let mut snapshot = snapshot::refresh(config, host, cache, args.tie_breaker);
+    admit(host, &mut snapshot, args.class)?;
+    let mut prefix = path.prefix(config, snapshot.now_ms);
+    let legs = path.legs(config, args.pin);
+    let first = choose(host, &snapshot, &legs.first, prefix.as_mut());
+    let second = legs.second.and_then(|leg| choose(host, &snapshot, &leg, None));
+    path.found(host, first.as_ref(), second.as_ref());
+    let first = match first {
+        Some(choice) => First::Chosen(choice),
+        None => match path.unchosen(host, &snapshot) {
+            Unchosen::GoesTo(worker) => First::Unaccounted(worker),
+            Unchosen::Decided(decision) => return Ok(decision),
+        },
+    };
+    let moment = snapshot.moment();
+    let cost = path.cost(config, prefix.as_ref());
+    let charge = path.prefill_charge(config, prefix.as_ref());
+    let commit_second =
+        |cache: &mut StateCache| second.map(|choice| commit(config, host, cache, &choice, cost, None, None));
+    let (first, second) = match first {
+        First::Chosen(choice) => {
+            let first = commit(config, host, cache, &choice, cost, prefix.as_mut(), charge);
+            (first, commit_second(cache))
+        }
+        First::Unaccounted(worker) => {
+            let second = commit_second(cache);
+            (Committed::unaccounted(cache, worker), second)
+        }
+    };
+    Ok(path.reply(host, first, second, moment))
+}
+
+/// The first leg after `choose`.
+enum First {
+    Chosen(Choice),
+    /// Nobody was chosen; it goes to this worker anyway.
+    Unaccounted(usize),
+}
+
+/// Stage `admission`: the admission controller judges the pool admission
+/// looks at (PD's prefill pool, else the forwarded one) for the request's
+/// `class`; a request let in chooses there by the rule it was judged by.
+fn admit(host: &dyn Host, snapshot: &mut Snapshot, class: Option<usize>) -> Result<(), Overloaded> {
+    if snapshot.config.admission.is_none() {
+        return Ok(());
+    }
+    let admission = Controller::new(snapshot.config.admission.as_ref());
+    let side = snapshot.judged_side();
+    let candidates = snapshot.candidate_queues(side, admission.rule(None));
+    let rule = admission.judge(host, class, candidates)?;
+    snapshot.rule = rule.map(|r| (side, r));
+    Ok(())
+}
+
 /// A leg's choice, before anything is written.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct Choice {
@@ -87,17 +173,6 @@ pub(crate) struct Choice {
     pub wanted: usize,
     /// The pool's first worker in `Config::all_workers`.
     pub pool_offset: usize,
-}
-
-/// A committed leg: where it goes, and what the request gives back at its end.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) struct Committed {
-    pub to: Chosen,
-    pub alternates: Vec<Chosen>,
-    /// None if accounting could not be written.
-    pub ticket: Option<Ticket>,
-    /// Prefix affinity: the prefill charged to the rank.
-    pub prefill: Option<PrefillTicket>,
 }
 
 /// Stage `choose`: the best (worker, rank) of the leg's pool under its
@@ -142,12 +217,12 @@ fn choose_in_rotation(
 ) -> Option<(Candidate, Vec<Candidate>)> {
     let plain = snapshot.context(constraint);
     let config = snapshot.config;
-    // Admission let the request in: ranks with room first, as long as
-    // there are any (a constraint may keep only others).
-    let room = snapshot.room_for(leg.side);
-    let with_room = room.and_then(|room| {
+    // Admission let the request in: ranks with room by its rule first, as
+    // long as there are any (a constraint may keep only others).
+    let rule = snapshot.rule_for(leg.side);
+    let with_room = rule.and_then(|rule| {
         let ctx = Context {
-            room: Some(room),
+            room: Some(rule),
             ..plain
         };
         run_scheduler(config, host, pool, ctx, prefix.as_deref_mut(), leg.alternates)
@@ -216,10 +291,35 @@ pub(crate) fn no_candidate_reason(snapshot: &Snapshot, side: Side) -> PassReason
     }
 }
 
+/// A committed leg: where it goes, and what the request gives back at its end.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Committed {
+    pub chosen: Chosen,
+    pub alternates: Vec<Chosen>,
+    /// The estimate added to the chosen rank; None if accounting could not
+    /// be written.
+    pub estimate: Option<Ticket>,
+    /// The prompt queued on the chosen rank.
+    pub queued_prefill: Option<PrefillTicket>,
+}
+
+impl Committed {
+    /// A leg that goes to `worker` though nobody was chosen (PD's prefill
+    /// workers' turn): no rank, nothing accounted.
+    pub fn unaccounted(cache: &StateCache, worker: usize) -> Committed {
+        Committed {
+            chosen: Chosen::new(cache, worker, None),
+            alternates: Vec::new(),
+            estimate: None,
+            queued_prefill: None,
+        }
+    }
+}
+
 /// Stages `retry targets`, `account` and `record` of a chosen leg, which
 /// adds `cost` tokens to its rank until a poll counts them; with `prefix`,
-/// its prefill is charged and its prompt recorded in the worker's index;
-/// without, `queued` is charged if given (admission's queue).
+/// its uncached prompt is queued on the rank and recorded in the worker's
+/// index; without, `charge` is queued if given (admission).
 pub(crate) fn commit(
     config: &Config,
     host: &dyn Host,
@@ -227,29 +327,32 @@ pub(crate) fn commit(
     choice: &Choice,
     cost: u64,
     prefix: Option<&mut RequestPrefix>,
-    queued: Option<Prefill>,
+    charge: Option<PrefillCharge>,
 ) -> Committed {
-    let at = choice.chosen;
+    let candidate = choice.chosen;
     // Before the estimate's write: a write that meets another forgets the
     // cached state, which the rank value is read from.
-    let to = Chosen::new(cache, at.worker, Some(at.rank));
+    let chosen = Chosen::new(cache, candidate.worker, Some(candidate.rank));
     let alternates = retry_targets(host, cache, choice);
-    let prefill = prefix
+    let charge = prefix
         .as_deref()
-        .map(|p| Prefill::of(p, at.worker - choice.pool_offset, at.rank))
-        .or(queued);
-    let (ticket, prefill) = account(config, host, cache, &at, cost, prefill);
+        .map(|p| PrefillCharge::of(p, candidate.worker - choice.pool_offset, candidate.rank))
+        .or(charge);
+    let (estimate, queued_prefill) = account(config, host, cache, &candidate, cost, charge);
     if let Some(prefix) = prefix {
-        record(config, host, prefix, cache, choice.pool_offset, &at);
+        record(config, host, prefix, cache, choice.pool_offset, &candidate);
     }
-    // A retry carries the rank value written for `to`: only alternates
-    // that read the same value.
-    let alternates = alternates.into_iter().filter(|a| a.value == to.value).collect();
+    // A retry carries the rank value written for the chosen rank: only
+    // alternates that read the same value.
+    let alternates = alternates
+        .into_iter()
+        .filter(|a| a.value == chosen.value)
+        .collect();
     Committed {
-        to,
+        chosen,
         alternates,
-        ticket,
-        prefill,
+        estimate,
+        queued_prefill,
     }
 }
 
@@ -269,26 +372,28 @@ pub(crate) fn retry_targets(host: &dyn Host, cache: &StateCache, choice: &Choice
         .collect()
 }
 
-/// What prefix affinity charges the chosen (worker, rank) for a request, and
-/// whether its response is streamed.
+/// The prompt a request queues on its chosen rank until its prefill starts
+/// (prefix affinity, or admission), and whether its response is streamed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct Prefill {
+pub(crate) struct PrefillCharge {
     charge: Charge,
     streamed: bool,
 }
 
-impl Prefill {
+impl PrefillCharge {
     /// Admission without prefix affinity: the request's whole prompt
     /// (`prompt` tokens) queues on its rank.
-    pub(crate) fn plain(prompt: u64, streamed: bool) -> Prefill {
-        Prefill {
+    pub(crate) fn plain(prompt: u64, streamed: bool) -> PrefillCharge {
+        PrefillCharge {
             charge: Charge { prompt, cached: 0 },
             streamed,
         }
     }
 
-    fn of(prefix: &RequestPrefix, pool_worker: usize, rank: u32) -> Prefill {
-        Prefill {
+    /// Prefix affinity: the prompt less what the index expects the rank
+    /// to hold.
+    fn of(prefix: &RequestPrefix, pool_worker: usize, rank: u32) -> PrefillCharge {
+        PrefillCharge {
             charge: Charge {
                 prompt: prefix.prompt.tokens(),
                 cached: prefix.cached(pool_worker, rank as usize),
@@ -298,23 +403,23 @@ impl Prefill {
     }
 }
 
-/// Stage `account`: adds a routed request's estimate (and, under prefix
-/// affinity, its prefill, in the same write) to its rank and counts the route.
+/// Stage `account`: adds a routed request's estimate (and its queued
+/// prefill, in the same write) to its rank and counts the route.
 pub(crate) fn account(
     config: &Config,
     host: &dyn Host,
     cache: &mut StateCache,
-    at: &Candidate,
+    chosen: &Candidate,
     cost: u64,
-    prefill: Option<Prefill>,
+    charge: Option<PrefillCharge>,
 ) -> (Option<Ticket>, Option<PrefillTicket>) {
-    let (worker, rank) = (at.worker, at.rank);
+    let (worker, rank) = (chosen.worker, chosen.rank);
     let tickets = cache.write(config, host, worker, |state| {
-        let ticket = state.add(worker, rank, cost)?;
-        let prefill = prefill
+        let estimate = state.add(worker, rank, cost)?;
+        let queued = charge
             .as_ref()
-            .and_then(|p| state.charge_prefill(worker, rank, p.charge, p.streamed));
-        Some((ticket, prefill))
+            .and_then(|c| state.charge_prefill(worker, rank, c.charge, c.streamed));
+        Some((estimate, queued))
     });
     if tickets.is_none() {
         host.count(metrics::ACCOUNTING_SKIPPED, 1);
@@ -332,224 +437,25 @@ pub(crate) fn record(
     prefix: &mut RequestPrefix,
     cache: &StateCache,
     pool_offset: usize,
-    at: &Candidate,
+    chosen: &Candidate,
 ) {
     if !prefix.records() {
         return;
     }
     let capacity = cache
         .states()
-        .get(at.worker)
+        .get(chosen.worker)
         .and_then(Option::as_ref)
-        .and_then(|s| s.prefill.capacity(at.rank as usize));
-    let first = prefix.take_value(at.worker - pool_offset);
+        .and_then(|s| s.prefill.capacity(chosen.rank as usize));
+    let first = prefix.take_value(chosen.worker - pool_offset);
     shared_data::update_index(
         config,
         host,
-        at.worker,
+        chosen.worker,
         first,
-        prefix.record_on(at.rank, capacity),
+        prefix.record_on(chosen.rank, capacity),
     );
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::health::{Outcome, Target};
-    use crate::host::fake::FakeHost;
-    use crate::shared_data::testing::fleet;
-
-    fn leg(pin: Option<&str>, alternates: usize) -> Leg<'_> {
-        Leg {
-            side: Side::Routed,
-            constraint: Constraint { only_rank: None, pin },
-            alternates,
-        }
-    }
-
-    /// Fails worker `i` of `c` once at `at` (ejecting it under one failure).
-    fn eject(c: &Config, h: &FakeHost, i: usize, at: u64) {
-        let t = Target {
-            worker: c.routed()[i].address,
-            rank: None,
-        };
-        crate::health_updates::record(c, h, &[(t, Outcome::Failure)], at, false);
-    }
-
-    #[test]
-    fn an_overloaded_pool_chooses_nothing_and_writes_nothing() {
-        let (c, h) = fleet(r#","admission":{"max_wait_ms":100,"prefill_tokens_per_s":1}"#);
-        let mut cache = StateCache::default();
-        assert!(
-            start(&c, &h, &mut cache, &RouteArgs::default()).is_ok(),
-            "empty queues"
-        );
-        crate::shared_data::testing::queue_prefill(&c, &h, 1000);
-        let writes = h.host_calls("shared_set");
-        let Err(refused) = start(&c, &h, &mut cache, &RouteArgs::default()) else {
-            panic!("overloaded")
-        };
-        let Decision::Overloaded(overload) = refused.into() else {
-            panic!("the lifecycle decides")
-        };
-        assert_eq!(overload.saturated_ranks, 8);
-        assert_eq!(h.host_calls("shared_set"), writes);
-        assert!(h.counters.borrow().keys().all(|k| !k.contains("rejected")));
-    }
-
-    #[test]
-    fn choose_drops_a_pin_naming_nobody_and_counts_it() {
-        let (c, h) = fleet(r#","prefix_affinity":false"#);
-        let mut cache = StateCache::default();
-        let snapshot = snapshot::refresh(&c, &h, &mut cache, 0);
-        let pinned = choose(&h, &snapshot, &leg(Some("a/3"), 1), None).unwrap();
-        assert_eq!(
-            (pinned.chosen.worker, pinned.chosen.rank, pinned.chosen.cost),
-            (0, 3, 100)
-        );
-        assert_eq!(h.counter(metrics::PIN_IGNORED), 0);
-        let dropped = choose(&h, &snapshot, &leg(Some("zz/0"), 1), None).unwrap();
-        assert_eq!(
-            (dropped.chosen.worker, dropped.chosen.rank),
-            (1, 2),
-            "the least loaded"
-        );
-        assert_eq!(h.counter(metrics::PIN_IGNORED), 1);
-        assert_eq!(
-            (dropped.found.len(), dropped.found[0].worker, dropped.wanted),
-            (1, 0, 1),
-            "a's rank 2 is the alternate"
-        );
-    }
-
-    #[test]
-    fn with_nobody_in_rotation_choose_takes_a_worker_past_its_cooldown() {
-        let (c, h) =
-            fleet(r#","passive_health":{"consecutive_failures":1,"cooldown_ms":100,"probe_share":0.000001}"#);
-        eject(&c, &h, 0, 10_000);
-        eject(&c, &h, 1, 10_000);
-        let mut cache = StateCache::default();
-        let snapshot = snapshot::refresh(&c, &h, &mut cache, 0);
-        assert_eq!(
-            choose(&h, &snapshot, &leg(None, 0), None),
-            None,
-            "both cooling down"
-        );
-        assert_eq!(
-            no_candidate_reason(&snapshot, Side::Routed),
-            PassReason::NoneInRotation
-        );
-        h.now.set(10_200);
-        let snapshot = snapshot::refresh(&c, &h, &mut cache, 0);
-        assert!(!snapshot.admit_probing, "not a probe by draw");
-        let probe = choose(&h, &snapshot, &leg(None, 0), None).unwrap();
-        assert_eq!((probe.chosen.worker, probe.chosen.rank), (1, 2));
-    }
-
-    #[test]
-    fn no_candidate_reason_tells_stale_data_from_ejections() {
-        let (c, h) = fleet("");
-        h.now.set(10_000 + c.stale_after_ms + 1);
-        let mut cache = StateCache::default();
-        let snapshot = snapshot::refresh(&c, &h, &mut cache, 0);
-        assert_eq!(
-            no_candidate_reason(&snapshot, Side::Routed),
-            PassReason::NoFreshData
-        );
-    }
-
-    #[test]
-    fn commit_lists_the_alternates_writes_the_estimate_and_counts_the_route() {
-        let (c, h) = fleet(r#","prefix_affinity":false"#);
-        let mut cache = StateCache::default();
-        let snapshot = snapshot::refresh(&c, &h, &mut cache, 0);
-        let choice = choose(&h, &snapshot, &leg(None, 2), None).unwrap();
-        let committed = commit(&c, &h, &mut cache, &choice, 30, None, None);
-        assert_eq!(
-            (
-                committed.to.worker,
-                committed.to.rank,
-                committed.to.endpoint.as_ref()
-            ),
-            (1, Some(2), "127.0.0.1:2")
-        );
-        assert_eq!(committed.alternates.len(), 1);
-        assert_eq!(committed.alternates[0].endpoint.as_ref(), "127.0.0.1:1");
-        assert_eq!(committed.ticket.map(|t| t.cost), Some(30));
-        assert!(committed.prefill.is_none());
-        assert_eq!(
-            cache.states()[1].as_ref().unwrap().effective_tokens(2),
-            Some(20 + 30)
-        );
-        assert_eq!(h.counter("dprank.routed.b.rank_2"), 1);
-        assert_eq!(h.counter(metrics::NO_ALTERNATE), 0);
-    }
-
-    #[test]
-    fn retry_targets_count_a_leg_left_without_the_alternates_it_asked_for() {
-        let cache = StateCache::default();
-        let h = FakeHost::default();
-        let choice = |wanted| Choice {
-            chosen: Candidate {
-                worker: 0,
-                rank: 0,
-                cost: 0,
-            },
-            found: Vec::new(),
-            wanted,
-            pool_offset: 0,
-        };
-        assert!(retry_targets(&h, &cache, &choice(0)).is_empty());
-        assert_eq!(h.counter(metrics::NO_ALTERNATE), 0, "none asked for");
-        assert!(retry_targets(&h, &cache, &choice(2)).is_empty());
-        assert_eq!(h.counter(metrics::NO_ALTERNATE), 1);
-    }
-
-    #[test]
-    fn account_skips_a_worker_without_state_but_counts_the_route() {
-        let (c, h) = fleet("");
-        let mut cache = StateCache::default();
-        cache.refresh(&c, &h);
-        let beyond = Candidate {
-            worker: 0,
-            rank: 9,
-            cost: 0,
-        };
-        assert_eq!(account(&c, &h, &mut cache, &beyond, 5, None), (None, None));
-        assert_eq!(h.counter(metrics::ACCOUNTING_SKIPPED), 1, "rank 9 does not exist");
-        assert_eq!(h.counter("dprank.routed.a.rank_9"), 1);
-    }
-
-    #[test]
-    fn record_writes_the_prompt_under_the_cas_read_for_the_choice() {
-        let (c, h) = fleet("");
-        let mut cache = StateCache::default();
-        let body = format!(r#"{{"text":"{}","stream":true}}"#, "r".repeat(3000));
-        let object = crate::body::JsonObject::parse(body.as_bytes()).unwrap();
-        let snapshot = snapshot::refresh(&c, &h, &mut cache, 0);
-        let mut prefix = crate::router::body_fields::prefix_request(&c, &object, snapshot.now_ms).unwrap();
-        let choice = choose(&h, &snapshot, &leg(None, 0), Some(&mut prefix)).unwrap();
-        assert_eq!(
-            prefix.cached(choice.chosen.worker, choice.chosen.rank as usize),
-            0
-        );
-        let (reads, writes) = (h.host_calls("shared_get"), h.host_calls("shared_set"));
-        record(&c, &h, &mut prefix, &cache, 0, &choice.chosen);
-        assert_eq!(
-            (
-                h.host_calls("shared_get") - reads,
-                h.host_calls("shared_set") - writes
-            ),
-            (0, 1),
-            "one write, no read"
-        );
-        let mut again = crate::router::body_fields::prefix_request(&c, &object, h.now.get()).unwrap();
-        let at = choice.chosen;
-        again.insert(at.worker, shared_data::read_prefix_index(&c, &h, at.worker));
-        assert_eq!(
-            again.cached(at.worker, at.rank as usize),
-            640,
-            "the prompt's 5 whole blocks of 128 tokens are held there now"
-        );
-    }
-}
+mod tests;

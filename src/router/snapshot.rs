@@ -1,21 +1,23 @@
 //! Stage `refresh`, and stage `pool`: the fleet as one request sees it.
 //! Refreshing reads the workers' states and the health record into the VM's
 //! cache, the clock once, and decides whether this request may probe a
-//! worker or rank past its cooldown; every later stage reads the snapshot.
+//! worker or rank past its cooldown; every later stage reads the snapshot,
+//! admission the queues of the ranks the request could be sent to.
 
 use crate::config::Config;
 use crate::health::{self, Health};
 use crate::host::Host;
 use crate::scheduler::{Constraint, Context, Pool};
 use crate::shared_data::cache::StateCache;
-use crate::worker_state::saturation::Room;
+use crate::worker_state::saturation::Rule;
+use crate::worker_state::RankQueue;
 use std::rc::Rc;
 
 /// Which pool a leg of a request chooses from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Side {
     /// Where requests are forwarded: the workers, or PD's decode pool.
-    Routed,
+    Forward,
     /// PD's prefill pool.
     Prefill,
 }
@@ -31,8 +33,8 @@ pub(crate) struct Snapshot<'a> {
     /// Varies per request so that equal costs spread.
     pub tie_breaker: u64,
     /// Admission let the request in by this rule: the judged side chooses
-    /// among ranks with room (None: no admission, or no data to judge).
-    pub room: Option<(Side, Room)>,
+    /// among ranks with room by it (None: no admission, or no data to judge).
+    pub rule: Option<(Side, Rule)>,
 }
 
 /// When a request was routed and whether the health record listed nothing
@@ -64,7 +66,7 @@ pub(crate) fn refresh<'a>(
         now_ms,
         admit_probing,
         tie_breaker,
-        room: None,
+        rule: None,
     }
 }
 
@@ -122,8 +124,40 @@ impl<'a> Snapshot<'a> {
     }
 
     /// Admission's rule for a leg on `side`, if it let the request in.
-    pub fn room_for(&self, side: Side) -> Option<Room> {
-        self.room.filter(|(s, _)| *s == side).map(|(_, room)| room)
+    pub fn rule_for(&self, side: Side) -> Option<Rule> {
+        self.rule.filter(|(s, _)| *s == side).map(|(_, rule)| rule)
+    }
+
+    /// The pool admission judges: PD's prefill pool (where requests queue
+    /// before their first token), else the forwarded one.
+    pub fn judged_side(&self) -> Side {
+        match self.config.pd() {
+            Some(_) => Side::Prefill,
+            None => Side::Forward,
+        }
+    }
+
+    /// The queues, as `rule` reads them (None: none), of the ranks a request
+    /// could be sent to on `side`: fresh workers in rotation (no probes),
+    /// ranks with a known load and not ejected.
+    pub fn candidate_queues(&self, side: Side, rule: Option<Rule>) -> impl Iterator<Item = RankQueue> + 'a {
+        let pool = self.pool(side);
+        let (now, stale) = (self.now_ms, self.config.stale_after_ms);
+        let health = self.health();
+        pool.workers
+            .iter()
+            .zip(pool.states.iter())
+            .filter_map(move |(worker, state)| {
+                let rule = rule?;
+                let state = state.as_ref().filter(|s| s.is_fresh(now, stale))?;
+                let out: Vec<u32> = health.admitted(worker.address, now, false)?.collect();
+                Some((rule, state, out))
+            })
+            .flat_map(move |(rule, state, out)| {
+                (0..state.ranks())
+                    .filter(move |r| state.effective_tokens(*r).is_some() && !out.contains(&(*r as u32)))
+                    .map(move |r| rule.queue(state, r))
+            })
     }
 }
 
@@ -147,7 +181,7 @@ mod tests {
         assert_eq!(h.host_calls("now_ms") - clocks, 1);
         assert_eq!(snap.now_ms, 10_000);
         assert!(!snap.admit_probing && snap.moment().health_was_clean);
-        let pool = snap.pool(Side::Routed);
+        let pool = snap.pool(Side::Forward);
         assert_eq!((pool.workers.len(), pool.offset), (2, 0));
         assert!(pool.states.iter().all(Option::is_some));
     }
@@ -177,7 +211,7 @@ mod tests {
         let (c, h) = pd_fleet("");
         let mut cache = StateCache::default();
         let snap = refresh(&c, &h, &mut cache, 0);
-        let (decode, prefill) = (snap.pool(Side::Routed), snap.pool(Side::Prefill));
+        let (decode, prefill) = (snap.pool(Side::Forward), snap.pool(Side::Prefill));
         assert_eq!((decode.offset, decode.workers[0].name.as_str()), (0, "d0"));
         assert_eq!((prefill.offset, prefill.workers[0].name.as_str()), (2, "p0"));
         assert_eq!(prefill.states.len(), 2);

@@ -4,6 +4,42 @@ use crate::shared_data::cache::StateCache;
 use crate::shared_data::read_worker_states;
 use crate::shared_data::testing::*;
 
+/// Routes `body` through the real entry as a request of the default
+/// class (`pin` the test pin, `tie_breaker` its draw); admission, when
+/// configured, lets it in.
+fn route(
+    c: &Rc<Config>,
+    h: &dyn Host,
+    cache: &mut StateCache,
+    body: &[u8],
+    pin: Option<&str>,
+    tie_breaker: u64,
+) -> Decision {
+    route_with(
+        c,
+        h,
+        cache,
+        body,
+        &RouteArgs {
+            pin,
+            tie_breaker,
+            class: None,
+        },
+    )
+    .expect("let in")
+}
+
+/// `route`, with the request's `args`; Err: admission keeps it out.
+fn route_with(
+    c: &Rc<Config>,
+    h: &dyn Host,
+    cache: &mut StateCache,
+    body: &[u8],
+    args: &RouteArgs,
+) -> Result<Decision, Overloaded> {
+    super::route(c, h, cache, Input::Body(body), args)
+}
+
 fn routed(d: Decision) -> Routed {
     match d {
         Decision::Route(r) => r,
@@ -23,7 +59,7 @@ fn routes_to_the_joint_minimum_and_injects_the_rank() {
         0,
     ));
     assert_eq!(
-        (r.to.worker, r.to.rank, r.to.endpoint.as_ref()),
+        (r.chosen.worker, r.chosen.rank, r.chosen.endpoint.as_ref()),
         (1, Some(2), "127.0.0.1:2")
     );
     assert_eq!(r.body.unwrap(), br#"{"routed_dp_rank":2,"text":"hi"}"#);
@@ -44,7 +80,7 @@ fn estimates_spread_a_burst_between_polls() {
                 None,
                 i,
             ));
-            (r.to.worker, r.to.rank)
+            (r.chosen.worker, r.chosen.rank)
         })
         .collect();
     // 20 -> 60 after the first, so the second goes to the 50-token rank.
@@ -64,7 +100,7 @@ fn ended_requests_give_their_estimate_back() {
     ));
     let states = read_worker_states(&c, &h);
     assert!(states[1].as_ref().unwrap().pending_total() > 0);
-    release(&c, &h, &mut StateCache::default(), &r.ticket.unwrap(), None);
+    StateCache::default().release(&c, &h, &r.estimate.unwrap(), None);
     let states = read_worker_states(&c, &h);
     assert_eq!(states[1].as_ref().unwrap().pending_total(), 0);
 }
@@ -81,7 +117,7 @@ fn accounting_survives_concurrent_writers() {
         None,
         0,
     ));
-    assert!(r.ticket.is_some());
+    assert!(r.estimate.is_some());
     h.conflicts.set(1000);
     let r = routed(route(
         &c,
@@ -91,7 +127,7 @@ fn accounting_survives_concurrent_writers() {
         None,
         0,
     ));
-    assert!(r.ticket.is_none(), "routing goes on without accounting");
+    assert!(r.estimate.is_none(), "routing goes on without accounting");
     assert_eq!(h.counter("dprank.accounting_skipped"), 1);
 }
 
@@ -123,7 +159,7 @@ fn trusted_client_rank_keeps_the_body_and_picks_the_worker() {
         None,
         0,
     ));
-    assert_eq!((r.to.worker, r.to.rank, r.body), (0, Some(1), None));
+    assert_eq!((r.chosen.worker, r.chosen.rank, r.body), (0, Some(1), None));
     // Not an integer: ignored, routed normally.
     let r = routed(route(
         &c,
@@ -133,7 +169,7 @@ fn trusted_client_rank_keeps_the_body_and_picks_the_worker() {
         None,
         0,
     ));
-    assert_eq!((r.to.worker, r.to.rank), (1, Some(2)));
+    assert_eq!((r.chosen.worker, r.chosen.rank), (1, Some(2)));
 }
 
 #[test]
@@ -219,9 +255,9 @@ fn bad_bodies_pass_through_in_open_mode() {
 fn pin_header_overrides_when_it_names_a_candidate() {
     let (c, h) = fleet(r#","pin_header":"x-dprank-pin""#);
     let r = routed(route(&c, &h, &mut StateCache::default(), b"{}", Some("a/3"), 0));
-    assert_eq!((r.to.worker, r.to.rank), (0, Some(3)));
+    assert_eq!((r.chosen.worker, r.chosen.rank), (0, Some(3)));
     let r = routed(route(&c, &h, &mut StateCache::default(), b"{}", Some("a/9"), 0));
-    assert_eq!((r.to.worker, r.to.rank), (1, Some(2)));
+    assert_eq!((r.chosen.worker, r.chosen.rank), (1, Some(2)));
     assert_eq!(h.counter("dprank.pin_ignored"), 1);
 }
 
@@ -332,10 +368,10 @@ fn the_reply_of_a_routed_leg_carries_its_tickets_and_moment() {
         cost: 9,
     };
     let committed = pipeline::Committed {
-        to: to.clone(),
+        chosen: to.clone(),
         alternates: vec![],
-        ticket: Some(ticket),
-        prefill: None,
+        estimate: Some(ticket),
+        queued_prefill: None,
     };
     let moment = snapshot::Moment {
         routed_at_ms: 77,
@@ -343,7 +379,7 @@ fn the_reply_of_a_routed_leg_carries_its_tickets_and_moment() {
     };
     let r = Routed::new(committed, moment, Some(b"{}".to_vec()));
     assert_eq!(
-        (r.to, r.ticket, r.body.as_deref()),
+        (r.chosen, r.estimate, r.body.as_deref()),
         (to, Some(ticket), Some(&b"{}"[..]))
     );
     assert_eq!((r.routed_at_ms, r.health_was_clean), (77, false));
@@ -369,7 +405,7 @@ fn admission_sends_a_request_it_lets_in_to_a_rank_with_room() {
             None,
             0,
         ));
-        (r.to.worker, r.to.rank)
+        (r.chosen.worker, r.chosen.rank)
     };
     assert_eq!(
         pick(r#","prefix_affinity":false"#, false),
@@ -398,7 +434,7 @@ fn admission_lets_a_long_prompt_onto_an_idle_rank() {
         None,
         0,
     ));
-    assert_eq!((r.to.worker, r.to.rank), (1, Some(2)));
+    assert_eq!((r.chosen.worker, r.chosen.rank), (1, Some(2)));
 }
 
 #[test]
@@ -426,11 +462,17 @@ fn admission_caps_the_requests_on_a_rank() {
         None,
         0,
     ));
-    assert_eq!((r.to.worker, r.to.rank), (0, Some(1)));
+    assert_eq!((r.chosen.worker, r.chosen.rank), (0, Some(1)));
     running(&c, &h, 0, &|_| 8);
     running(&c, &h, 1, &|_| 8);
-    let d = route(&c, &h, &mut StateCache::default(), br#"{"text":"hi"}"#, None, 0);
-    assert!(matches!(d, Decision::Overloaded(_)), "{d:?}");
+    let d = route_with(
+        &c,
+        &h,
+        &mut StateCache::default(),
+        br#"{"text":"hi"}"#,
+        &RouteArgs::default(),
+    );
+    assert!(d.is_err(), "overloaded: {d:?}");
 }
 
 #[test]
@@ -441,7 +483,7 @@ fn server_priority_goes_into_the_routed_body_by_class() {
             class,
             ..RouteArgs::default()
         };
-        routed(route_with(&c, &h, &mut StateCache::default(), body, &args)).body
+        routed(route_with(&c, &h, &mut StateCache::default(), body, &args).unwrap()).body
     };
     let on = r#","admission":{"server_priority":{"critical":1,"sheddable":-1}}"#;
     assert_eq!(

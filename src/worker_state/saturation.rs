@@ -1,9 +1,9 @@
-//! Overload protection's saturation rule, pure: a rank's expected wait
-//! from its queue ([`RankQueue`]), whether it has room, and whether a pool
-//! has. Admission judges pools by it (`router/admission`), and the
-//! scheduler's `unsaturated` filter keeps saturated ranks out of a choice
-//! while others have room. docs/overload.md says why it reads what it
-//! reads.
+//! Overload protection's saturation rule for one rank, pure: its expected
+//! wait from its queue ([`RankQueue`]) and whether it has room under a
+//! class's [`Limits`]. Admission's saturation detector judges pools by it
+//! (`admission/saturation.rs`), and the scheduler's `unsaturated` filter
+//! keeps saturated ranks out of a choice while others have room.
+//! docs/overload.md says why it reads what it reads.
 
 use super::{RankQueue, WorkerState};
 
@@ -18,16 +18,20 @@ pub struct Limits {
     pub max_requests: Option<u64>,
 }
 
-/// Everything needed to judge a rank from its state: the limits, the
-/// configured drain rate and whether it is learned.
+/// Admission's rule for a request: everything needed to judge a rank from
+/// its state (the class's limits, the configured drain rate and whether it
+/// is learned).
 #[derive(Debug, Clone, Copy, PartialEq)]
-pub struct Room {
+pub struct Rule {
     pub limits: Limits,
     pub prior_tokens_per_s: f64,
     pub learn: bool,
 }
 
-impl Room {
+/// The scheduler's name for [`Rule`] (its `Context::room`), until it says `Rule`.
+pub type Room = Rule;
+
+impl Rule {
     /// `rank`'s queue as `state` holds it.
     pub fn queue(&self, state: &WorkerState, rank: usize) -> RankQueue {
         state.rank_queue(rank, self.prior_tokens_per_s, self.learn)
@@ -70,40 +74,6 @@ pub fn excess_ms(q: &RankQueue, limits: &Limits) -> Option<u64> {
     let kv_full = matches!((q.kv_usage, limits.max_kv_usage), (Some(kv), Some(max)) if kv >= max);
     let busy = matches!((q.in_flight, limits.max_requests), (Some(n), Some(max)) if n >= max);
     (kv_full || busy).then_some(limits.max_wait_ms)
-}
-
-/// What a pool's ranks say about one more request.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Judgement {
-    /// Some rank has room.
-    Room,
-    /// No rank to judge (no fresh data, or none in rotation).
-    NoData,
-    /// Every rank is saturated; the least saturated is this many ms of
-    /// wait past the limit (how long until it has room, as far as known).
-    Saturated { ranks: u32, retry_after_ms: u64 },
-}
-
-/// Judges the candidate ranks of a pool: room as soon as one has it.
-pub fn judge(queues: impl IntoIterator<Item = RankQueue>, limits: &Limits) -> Judgement {
-    let mut least: Option<u64> = None;
-    let mut ranks = 0u32;
-    for q in queues {
-        match excess_ms(&q, limits) {
-            None => return Judgement::Room,
-            Some(excess) => {
-                ranks += 1;
-                least = Some(least.map_or(excess, |l| l.min(excess)));
-            }
-        }
-    }
-    match least {
-        None => Judgement::NoData,
-        Some(least) => Judgement::Saturated {
-            ranks,
-            retry_after_ms: least.max(1),
-        },
-    }
 }
 
 #[cfg(test)]
@@ -183,19 +153,5 @@ mod tests {
             None,
             "running not reported: the wait alone"
         );
-    }
-
-    #[test]
-    fn a_pool_has_room_if_one_rank_has_and_else_says_how_long_to_wait() {
-        let busy = |t| queue(Some(t), 1);
-        assert_eq!(judge([busy(30_000), busy(5_000)], &LIMITS), Judgement::Room);
-        assert_eq!(
-            judge([busy(30_000), busy(15_000)], &LIMITS),
-            Judgement::Saturated {
-                ranks: 2,
-                retry_after_ms: 500
-            }
-        );
-        assert_eq!(judge(std::iter::empty(), &LIMITS), Judgement::NoData);
     }
 }

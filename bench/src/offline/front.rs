@@ -17,7 +17,7 @@ use dprank::headers::SERVER_PRIORITY_HEADER;
 use dprank::host::memory::MemoryHost;
 use dprank::host::{CalloutResponse, Host};
 use dprank::poller::{Poller, POLL_DESTINATION_HEADER};
-use dprank::request::{queue_tick_period_ms, Request, Routing};
+use dprank::request::{self, queue_tick_period_ms, Request, Routing};
 use dprank::router::PRIORITY_FIELD;
 use serde_json::Value;
 
@@ -114,7 +114,7 @@ impl DprankGateway {
         self.set_time(t_s);
         let _ = self.host.set_effective_context(0);
         self.poller.on_tick(&self.config, &self.host);
-        self.routing.on_admission_tick(&self.host, 0);
+        request::on_admission_tick(&self.routing, &self.host, 0);
         let calls = std::mem::take(&mut *self.host.calls.borrow_mut());
         calls
             .into_iter()
@@ -149,7 +149,7 @@ impl DprankGateway {
         self.poller
             .on_response(&self.config, &self.host, call.token, &answer);
         // As the filter's root context: a poll may show room.
-        self.routing.let_in(&self.host, 0, true);
+        request::let_in(&self.routing, &self.host, 0, true);
     }
 
     /// Routes request `id` at `t_s` through dprank's request lifecycle

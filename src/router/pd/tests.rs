@@ -1,9 +1,26 @@
-use super::super::{route, Decision, RejectReason};
+use super::super::{Decision, Input, RejectReason};
 use super::*;
 use crate::host::fake::FakeHost;
+use crate::reply::Reply;
 use crate::shared_data::cache::StateCache;
-use crate::shared_data::read_worker_states;
 use crate::shared_data::testing::*;
+
+/// Routes `body` through the real entry as a request of the default class.
+fn route(
+    c: &Rc<Config>,
+    h: &dyn Host,
+    cache: &mut StateCache,
+    body: &[u8],
+    pin: Option<&str>,
+    tie_breaker: u64,
+) -> Decision {
+    let args = RouteArgs {
+        pin,
+        tie_breaker,
+        class: None,
+    };
+    super::super::route(c, h, cache, Input::Body(body), &args).expect("no admission")
+}
 
 fn pd(d: Decision) -> PdRouted {
     match d {
@@ -50,7 +67,7 @@ fn pd_picks_both_pools_and_writes_matching_bootstrap_fields() {
         (p["text"].as_str(), d["stream"].as_bool()),
         (Some("hello"), Some(true))
     );
-    assert!(r.prefill_ticket.is_some() && r.decode_ticket.is_some());
+    assert!(r.prefill_estimate.is_some() && r.decode_estimate.is_some());
     assert_eq!(
         h.counter("dprank.routed.p0.rank_1") + h.counter("dprank.routed.d1.rank_1"),
         2
@@ -180,61 +197,20 @@ fn pd_pin_names_both_sides() {
 }
 
 #[test]
-fn prefill_outcomes() {
-    let (c, h) = pd_fleet("");
-    let fresh = |h: &FakeHost| {
-        read_worker_states(&c, h)[2]
-            .as_ref()
-            .unwrap()
-            .is_fresh(10_000, c.stale_after_ms)
-    };
-    assert_eq!(prefill_outcome(&c, &h, 2, Some(200), b"{}"), None);
-    assert_eq!(h.counter("dprank.prefill_ok.p0"), 1);
-    let Reply { status, body, .. } = prefill_outcome(&c, &h, 2, Some(500), b"internal").unwrap();
-    assert_eq!(status, 502);
-    assert!(body.contains("500") && body.contains("internal"));
-    assert_eq!(json(body.as_bytes())["error"]["type"], "prefill_failed");
-    assert_eq!(
-        prefill_outcome(&c, &h, 2, Some(400), b"too long").unwrap().status,
-        400
-    );
-    assert!(fresh(&h), "an answering worker stays in rotation");
-    assert_eq!(prefill_outcome(&c, &h, 2, None, b"").unwrap().status, 502);
-    assert!(!fresh(&h));
-    poll(&c, &h, 2, &[9, 1]);
-    assert!(fresh(&h), "a good poll brings it back");
-    let Reply { status, body, .. } =
-        prefill_outcome(&c, &h, 2, Some(503), b"upstream connect error").unwrap();
-    assert_eq!(status, 502);
-    assert!(body.contains("upstream connect error"));
-    assert!(!fresh(&h), "Envoy's own 503 means unreachable");
-    // The dead prefill worker gets no more traffic.
-    for i in 0..4 {
-        assert_eq!(
-            pd(route(&c, &h, &mut StateCache::default(), b"{}", None, i))
-                .prefill
-                .worker,
-            3
-        );
-    }
-    assert_eq!(h.counter("dprank.prefill_failed.p0"), 4);
-}
-
-#[test]
 fn server_priority_goes_into_both_legs() {
     let (c, h) = pd_fleet(r#","admission":{"server_priority":{"critical":7}}"#);
     let args = crate::router::RouteArgs {
         class: Some(0),
         ..crate::router::RouteArgs::default()
     };
-    let d = crate::router::route_with(
+    let d = super::super::route(
         &c,
         &h,
         &mut StateCache::default(),
-        br#"{"text":"hello","priority":1}"#,
+        Input::Body(br#"{"text":"hello","priority":1}"#),
         &args,
     );
-    let r = pd(d);
+    let r = pd(d.unwrap());
     let (p, d) = (json(&r.prefill_body), json(&r.decode_body));
     assert_eq!(
         (p["priority"].as_i64(), d["priority"].as_i64()),

@@ -1,20 +1,15 @@
 //! Every answer dprank gives itself instead of forwarding the request: one
 //! type, with an OpenAI-style JSON error body (the shape SGLang's own errors
-//! have), so clients parse dprank's refusals like the server's.
+//! have), so clients parse dprank's refusals like the server's. Routing's
+//! answers are built here, admission's in `admission/refusal.rs`.
 
 use crate::host::Host;
 use crate::metrics::{self, HostCall};
 
 const NOT_AN_OBJECT: &str = "request body must be a JSON object (dprank routes by its fields)";
 
-/// The longest `retry-after` dprank sends (s).
-pub const MAX_RETRY_AFTER_S: u64 = 300;
-
 /// The most of a prefill worker's answer quoted back to the client.
 const DETAIL_BYTES: usize = 512;
-
-/// The response header naming why admission refused a request.
-pub const ADMISSION_HEADER: &str = "x-dprank-admission";
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Reply {
@@ -26,34 +21,15 @@ pub struct Reply {
 }
 
 impl Reply {
-    fn error(status: u32, kind: &str, message: &str) -> Reply {
+    /// An answer of `status` with an error of type `kind` (admission's
+    /// answers are built in `admission/refusal.rs`).
+    pub(crate) fn error(status: u32, kind: &str, message: &str) -> Reply {
         let body = serde_json::json!({"error": {"message": message, "type": kind, "code": "dprank"}});
         Reply {
             status,
             body: body.to_string(),
             headers: Vec::new(),
         }
-    }
-
-    /// Admission refused the request (`reason`, a `RejectReason` name):
-    /// 429 for want of capacity now, with `x-envoy-ratelimited`; 503 when
-    /// it waited in vain or the filter is going away, with
-    /// `x-envoy-overloaded` (either stops Envoy's retry policies from
-    /// retrying it). `retry-after` says when to come back, in whole
-    /// seconds (at least 1).
-    pub fn admission(status: u32, reason: &str, message: &str, retry_after_ms: u64) -> Reply {
-        let seconds = retry_after_ms.div_ceil(1000).clamp(1, MAX_RETRY_AFTER_S);
-        let envoy = match status {
-            429 => ("x-envoy-ratelimited", "true".to_string()),
-            _ => ("x-envoy-overloaded", "true".to_string()),
-        };
-        let mut reply = Reply::error(status, "overloaded", message);
-        reply.headers = vec![
-            ("retry-after", seconds.to_string()),
-            (ADMISSION_HEADER, reason.to_string()),
-            envoy,
-        ];
-        reply
     }
 
     /// The body is not a JSON object (closed mode, or PD mode where the
@@ -166,30 +142,6 @@ mod tests {
                 (400, Some("invalid_request_error"))
             );
         }
-    }
-
-    #[test]
-    fn admission_refusals_say_why_and_when_to_come_back() {
-        let r = Reply::admission(429, "saturated", "every rank is saturated", 1200);
-        assert_eq!(r.status, 429);
-        assert_eq!(json(&r)["error"]["type"], "overloaded");
-        assert_eq!(
-            r.headers,
-            vec![
-                ("retry-after", "2".to_string()),
-                (ADMISSION_HEADER, "saturated".to_string()),
-                ("x-envoy-ratelimited", "true".to_string())
-            ]
-        );
-        let t = Reply::admission(503, "queue_timeout", "waited", 0);
-        assert_eq!(
-            t.headers[0],
-            ("retry-after", "1".to_string()),
-            "at least a second"
-        );
-        assert_eq!(t.headers[2].0, "x-envoy-overloaded");
-        let far = Reply::admission(429, "saturated", "", u64::MAX);
-        assert_eq!(far.headers[0].1, MAX_RETRY_AFTER_S.to_string());
     }
 
     #[test]

@@ -1,12 +1,14 @@
-//! A worker that answers 400 to the rank value dprank wrote: what it
-//! teaches (`worker_state::rank_value::learn`) goes into the worker's state,
-//! for every thread and every later request, counted and logged once. A
-//! worker whose range is smaller than its last report (restarted with fewer
-//! ranks) loses its top ranks at once, until its next poll.
+//! A worker that answers 400 to the rank value dprank wrote: the request
+//! watches its answer ([`RankWatch`]), and what a refusal teaches
+//! (`worker_state::rank_value::learn`) goes into the worker's state, for
+//! every thread and every later request, counted and logged once. A worker
+//! whose range is smaller than its last report (restarted with fewer ranks)
+//! loses its top ranks at once, until its next poll.
 
 use crate::config::Config;
 use crate::host::Host;
 use crate::metrics::PerWorker;
+use crate::router::Chosen;
 use crate::shared_data::{self, IfMissing};
 use crate::worker_state::rank_value::{self, Learned};
 
@@ -24,9 +26,60 @@ pub struct Written {
     pub endpoint: std::rc::Rc<str>,
 }
 
+/// A request's watch on the rank value written for it.
+#[derive(Debug, Default)]
+pub(super) struct RankWatch {
+    /// The rank value written, until the answer shows it was not refused.
+    written: Option<Written>,
+    /// The answer is a 400: its first body chunk is read for a refusal.
+    reads_refusal: bool,
+}
+
+impl RankWatch {
+    /// The request goes to `chosen`: the value written for it, if any, is
+    /// watched.
+    pub fn watch(&mut self, chosen: &Chosen) {
+        self.written = chosen.rank.zip(chosen.value).map(|(rank, value)| Written {
+            worker: chosen.worker,
+            rank,
+            value,
+            endpoint: chosen.endpoint.clone(),
+        });
+    }
+
+    /// The response's headers: only a 400 can refuse the rank value
+    /// written, and only from the host it was written for (not a retry's).
+    pub fn on_response_headers(&mut self, host: &dyn Host) {
+        if let Some(written) = &self.written {
+            self.reads_refusal = matches!(host.response_status(), Ok(Some(400)))
+                && host
+                    .property(&["upstream", "address"])
+                    .ok()
+                    .flatten()
+                    .is_some_and(|a| a == written.endpoint.as_bytes());
+            if !self.reads_refusal {
+                self.written = None;
+            }
+        }
+    }
+
+    /// A chunk of the response body (`body_size` bytes): the first of a
+    /// 400 is read for a refusal.
+    pub fn on_response_body(&mut self, config: &Config, host: &dyn Host, body_size: usize) {
+        if std::mem::take(&mut self.reads_refusal) {
+            if let (Some(written), Ok(body)) = (
+                self.written.take(),
+                host.response_body(body_size.min(REFUSAL_BYTES)),
+            ) {
+                rank_refused(config, host, written, &body);
+            }
+        }
+    }
+}
+
 /// The worker answered 400 with `body` (its first bytes) to `written`: if it
 /// is a rank refusal, the worker's state learns what it teaches.
-pub fn rank_refused(config: &Config, host: &dyn Host, written: Written, body: &[u8]) {
+fn rank_refused(config: &Config, host: &dyn Host, written: Written, body: &[u8]) {
     let Some(refusal) = rank_value::refusal(body) else {
         return;
     };

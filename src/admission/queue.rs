@@ -1,52 +1,37 @@
 //! One thread's held requests, in the order admission lets them in: the
-//! highest class first; within a class, round robin across tenants; within
-//! a tenant, first come first served. Pure: what is held (`T`) and how it
-//! is resumed or answered are the request lifecycle's.
+//! highest class first; within a class, the tenants' lines in the order of
+//! the [`FairnessPolicy`] (round robin); within a line, the order of the
+//! [`OrderingPolicy`] (first come first served). Pure: what is held (`T`)
+//! and how it is resumed or answered are the request lifecycle's.
 
+use super::fairness::TenantRoundRobin;
+use super::ordering::Fcfs;
+use super::{FairnessPolicy, Line, OrderingPolicy, Waiting};
 use std::collections::VecDeque;
 
-/// A held request.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Waiting<T> {
-    /// The request's context id (unique per thread).
-    pub id: u32,
-    /// Index in the configured classes, 0 the highest.
-    pub class: usize,
-    /// A hash of the tenant header's value (0: none).
-    pub tenant: u64,
-    /// When it started waiting (ms).
-    pub since_ms: u64,
-    /// Arrival order, to tell the newest among equal times.
-    seq: u64,
-    pub payload: T,
-}
-
-/// A tenant's turn in a class: its requests, oldest first.
 #[derive(Debug)]
-struct Turn<T> {
-    tenant: u64,
-    waiting: VecDeque<Waiting<T>>,
-}
-
-#[derive(Debug)]
-pub struct HeldQueue<T> {
-    /// Per class (0 highest), the tenants in turn order (front next).
-    classes: Vec<VecDeque<Turn<T>>>,
+pub struct HeldQueue<T, F = TenantRoundRobin, O = Fcfs> {
+    /// Per class (0 highest), the tenants' lines in turn order (front next).
+    classes: Vec<VecDeque<Line<T>>>,
     len: usize,
     seq: u64,
+    fairness: F,
+    ordering: O,
 }
 
-impl<T> Default for HeldQueue<T> {
+impl<T, F: Default, O: Default> Default for HeldQueue<T, F, O> {
     fn default() -> Self {
         HeldQueue {
             classes: Vec::new(),
             len: 0,
             seq: 0,
+            fairness: F::default(),
+            ordering: O::default(),
         }
     }
 }
 
-impl<T> HeldQueue<T> {
+impl<T, F: FairnessPolicy, O: OrderingPolicy> HeldQueue<T, F, O> {
     pub fn len(&self) -> usize {
         self.len
     }
@@ -59,28 +44,29 @@ impl<T> HeldQueue<T> {
     pub fn counts(&self) -> Vec<u32> {
         self.classes
             .iter()
-            .map(|turns| turns.iter().map(|t| t.waiting.len() as u32).sum())
+            .map(|lines| lines.iter().map(|l| l.waiting.len() as u32).sum())
             .collect()
     }
 
     /// The highest class anything is held in.
     pub fn highest_class(&self) -> Option<usize> {
-        self.classes.iter().position(|turns| !turns.is_empty())
+        self.classes.iter().position(|lines| !lines.is_empty())
     }
 
     /// The lowest class anything is held in.
     pub fn lowest_class(&self) -> Option<usize> {
-        self.classes.iter().rposition(|turns| !turns.is_empty())
+        self.classes.iter().rposition(|lines| !lines.is_empty())
     }
 
-    fn class_mut(&mut self, class: usize) -> &mut VecDeque<Turn<T>> {
+    fn class_mut(&mut self, class: usize) -> &mut VecDeque<Line<T>> {
         if self.classes.len() <= class {
             self.classes.resize_with(class + 1, VecDeque::new);
         }
         &mut self.classes[class]
     }
 
-    /// Holds a request at the back of its tenant's line.
+    /// Holds a request in its tenant's line, where the ordering puts it
+    /// (a new tenant's line joins its class's turns at the back).
     pub fn push(&mut self, id: u32, class: usize, tenant: u64, since_ms: u64, payload: T) {
         self.seq += 1;
         let waiting = Waiting {
@@ -91,10 +77,22 @@ impl<T> HeldQueue<T> {
             seq: self.seq,
             payload,
         };
-        let turns = self.class_mut(class);
-        match turns.iter_mut().find(|t| t.tenant == tenant) {
-            Some(turn) => turn.waiting.push_back(waiting),
-            None => turns.push_back(Turn {
+        let ordering = &self.ordering;
+        let lines = {
+            if self.classes.len() <= class {
+                self.classes.resize_with(class + 1, VecDeque::new);
+            }
+            &mut self.classes[class]
+        };
+        match lines.iter_mut().find(|l| l.tenant == tenant) {
+            Some(line) => {
+                let mut at = line.waiting.len();
+                while at > 0 && ordering.before(&waiting, &line.waiting[at - 1]) {
+                    at -= 1;
+                }
+                line.waiting.insert(at, waiting);
+            }
+            None => lines.push_back(Line {
                 tenant,
                 waiting: VecDeque::from([waiting]),
             }),
@@ -106,19 +104,19 @@ impl<T> HeldQueue<T> {
     pub fn peek(&self) -> Option<&Waiting<T>> {
         self.classes
             .iter()
-            .find_map(|turns| turns.front())
-            .and_then(|turn| turn.waiting.front())
+            .find_map(|lines| lines.front())
+            .and_then(|line| line.waiting.front())
     }
 
-    /// Takes the request admission lets in next; its tenant's turn moves
-    /// to the back of its class.
+    /// Takes the request admission lets in next: the front of the front
+    /// line of the highest class; the fairness policy puts its line back.
     pub fn pop(&mut self) -> Option<Waiting<T>> {
         let class = self.highest_class()?;
-        let turns = self.classes.get_mut(class)?;
-        let mut turn = turns.pop_front()?;
-        let next = turn.waiting.pop_front();
-        if !turn.waiting.is_empty() {
-            turns.push_back(turn);
+        let lines = self.classes.get_mut(class)?;
+        let mut line = lines.pop_front()?;
+        let next = line.waiting.pop_front();
+        if !line.waiting.is_empty() {
+            self.fairness.requeue(lines, line);
         }
         if next.is_some() {
             self.len -= 1;
@@ -127,17 +125,17 @@ impl<T> HeldQueue<T> {
     }
 
     /// Puts back a request `pop` took that could not go after all: first
-    /// in line again, its tenant's turn first in its class.
+    /// in its line again, its line first in its class.
     pub fn unpop(&mut self, waiting: Waiting<T>) {
-        let turns = self.class_mut(waiting.class);
-        match turns.iter().position(|t| t.tenant == waiting.tenant) {
+        let lines = self.class_mut(waiting.class);
+        match lines.iter().position(|l| l.tenant == waiting.tenant) {
             Some(i) => {
-                if let Some(mut turn) = turns.remove(i) {
-                    turn.waiting.push_front(waiting);
-                    turns.push_front(turn);
+                if let Some(mut line) = lines.remove(i) {
+                    line.waiting.push_front(waiting);
+                    lines.push_front(line);
                 }
             }
-            None => turns.push_front(Turn {
+            None => lines.push_front(Line {
                 tenant: waiting.tenant,
                 waiting: VecDeque::from([waiting]),
             }),
@@ -147,14 +145,14 @@ impl<T> HeldQueue<T> {
 
     /// Takes request `id` out, wherever it is.
     pub fn remove(&mut self, id: u32) -> Option<Waiting<T>> {
-        for turns in &mut self.classes {
-            for i in 0..turns.len() {
-                let Some(at) = turns[i].waiting.iter().position(|w| w.id == id) else {
+        for lines in &mut self.classes {
+            for i in 0..lines.len() {
+                let Some(at) = lines[i].waiting.iter().position(|w| w.id == id) else {
                     continue;
                 };
-                let taken = turns[i].waiting.remove(at);
-                if turns[i].waiting.is_empty() {
-                    turns.remove(i);
+                let taken = lines[i].waiting.remove(at);
+                if lines[i].waiting.is_empty() {
+                    lines.remove(i);
                 }
                 self.len -= 1;
                 return taken;
@@ -170,12 +168,12 @@ impl<T> HeldQueue<T> {
         self.newest_in(lowest)
     }
 
-    /// The newest request held in `class`.
+    /// The newest request held in `class` (the latest to arrive).
     pub fn newest_in(&self, class: usize) -> Option<u32> {
         self.classes
             .get(class)?
             .iter()
-            .filter_map(|t| t.waiting.back())
+            .flat_map(|l| l.waiting.iter())
             .max_by_key(|w| w.seq)
             .map(|w| w.id)
     }
@@ -185,7 +183,7 @@ impl<T> HeldQueue<T> {
         self.classes
             .iter()
             .flatten()
-            .flat_map(|t| t.waiting.iter())
+            .flat_map(|l| l.waiting.iter())
             .filter(|w| w.since_ms <= cutoff_ms)
             .map(|w| w.id)
             .collect()
@@ -207,7 +205,7 @@ mod tests {
 
     #[test]
     fn higher_classes_first_then_arrival_order() {
-        let mut q = HeldQueue::default();
+        let mut q: HeldQueue<()> = HeldQueue::default();
         q.push(1, 1, 0, 10, ());
         q.push(2, 2, 0, 11, ());
         q.push(3, 0, 0, 12, ());
@@ -221,7 +219,7 @@ mod tests {
 
     #[test]
     fn tenants_take_turns_within_a_class() {
-        let mut q = HeldQueue::default();
+        let mut q: HeldQueue<()> = HeldQueue::default();
         for (id, tenant) in [(1, 7), (2, 7), (3, 7), (4, 8), (5, 9), (6, 8)] {
             q.push(id, 0, tenant, u64::from(id), ());
         }
@@ -230,7 +228,7 @@ mod tests {
 
     #[test]
     fn a_request_put_back_is_first_again() {
-        let mut q = HeldQueue::default();
+        let mut q: HeldQueue<()> = HeldQueue::default();
         q.push(1, 0, 7, 0, ());
         q.push(2, 0, 8, 0, ());
         q.push(3, 0, 7, 0, ());
@@ -241,7 +239,7 @@ mod tests {
 
     #[test]
     fn removal_newest_of_the_lowest_and_time_outs() {
-        let mut q = HeldQueue::default();
+        let mut q: HeldQueue<()> = HeldQueue::default();
         q.push(1, 2, 0, 100, ());
         q.push(2, 2, 5, 100, ());
         q.push(3, 1, 0, 150, ());
