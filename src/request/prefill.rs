@@ -5,7 +5,6 @@
 //! at once, the decode side would wait for a KV cache that never comes),
 //! for passive health, and for its worker's rotation.
 
-use super::route::{self, set_header};
 use super::{Action, Request};
 use crate::config::Config;
 use crate::health::{classify, targets, Outcome};
@@ -14,7 +13,7 @@ use crate::host::{Callout, CalloutError, CalloutResponse, Host};
 use crate::metrics::{self, HostCall, PerWorker};
 use crate::poller::POLL_DESTINATION_HEADER;
 use crate::reply::Reply;
-use crate::router::{route_value, PdRouted};
+use crate::router::PdRouted;
 use crate::shared_data::{self, IfMissing};
 
 /// Client headers the prefill leg carries too (auth and tracing).
@@ -77,33 +76,15 @@ impl PrefillLeg {
     }
 }
 
-/// Sends the prefill leg and forwards the decode leg; a prefill leg Envoy
-/// refuses to dispatch is answered at once.
-pub(super) fn start(req: &mut Request, host: &dyn Host, pd: PdRouted) -> Action {
-    req.owed
-        .routed_pd(pd.decode_estimate, pd.prefill_estimate, pd.queued_prefill);
-    if !dispatch(req, host, &pd) {
-        req.on_done(host);
-        prefill_not_sent(&req.config, host, pd.prefill.worker).send(host);
-        return Action::Pause;
+/// Sends the prefill leg; one Envoy refuses to dispatch ends the request
+/// with an answer at once (false).
+pub(super) fn start(req: &mut Request, host: &dyn Host, pd: &PdRouted) -> bool {
+    if dispatch(req, host, pd) {
+        return true;
     }
-    if let Some(decode) = &pd.decode {
-        set_header(
-            host,
-            &req.config.route_header,
-            &route_value(decode, &pd.decode_alternates),
-        );
-    }
-    route::replace_body(req, host, &pd.decode_body);
-    let rank = pd.decode.as_ref().and_then(|d| d.rank);
-    req.owed.sent_to(
-        &req.config,
-        pd.decode.iter().chain(&pd.decode_alternates),
-        rank,
-        pd.health_was_clean,
-        pd.routed_at_ms,
-    );
-    Action::Continue
+    req.on_done(host);
+    prefill_not_sent(&req.config, host, pd.prefill.worker).send(host);
+    false
 }
 
 /// Sends the prefill leg; false if Envoy refused to dispatch it.

@@ -1,8 +1,9 @@
 //! The routing task: a request's one call to admission around the router
 //! (its body once buffered, or what its headers told), and the decision
 //! applied: the route header and, in header mode, the rank headers; the
-//! rewritten body and its `content-length`; a local reply; PD's legs
-//! (`prefill.rs`). What the request owes from then on is `teardown.rs`'s.
+//! rewritten body and its `content-length`; a local reply; PD's decode leg
+//! once its prefill leg is sent (`prefill.rs`). What the request owes from
+//! then on is `teardown.rs`'s.
 
 use super::held::{self, Left};
 use super::prefill;
@@ -104,7 +105,30 @@ pub(super) fn apply(req: &mut Request, host: &dyn Host, decision: Decision) -> A
             req.owed.routed(routed.estimate, routed.queued_prefill);
             Action::Continue
         }
-        Decision::Pd(pd) => prefill::start(req, host, pd),
+        Decision::Pd(pd) => {
+            req.owed
+                .routed_pd(pd.decode_estimate, pd.prefill_estimate, pd.queued_prefill);
+            if !prefill::start(req, host, &pd) {
+                return Action::Pause;
+            }
+            if let Some(decode) = &pd.decode {
+                set_header(
+                    host,
+                    &req.config.route_header,
+                    &route_value(decode, &pd.decode_alternates),
+                );
+            }
+            replace_body(req, host, &pd.decode_body);
+            let rank = pd.decode.as_ref().and_then(|d| d.rank);
+            req.owed.sent_to(
+                &req.config,
+                pd.decode.iter().chain(&pd.decode_alternates),
+                rank,
+                pd.health_was_clean,
+                pd.routed_at_ms,
+            );
+            Action::Continue
+        }
         Decision::PassThrough { body: new_body, .. } => {
             if let Some(new_body) = &new_body {
                 replace_body(req, host, new_body);
@@ -154,7 +178,7 @@ fn apply_routed(req: &mut Request, host: &dyn Host, routed: &Routed) {
 
 /// Envoy does not correct `content-length` after a body change: dprank
 /// does. A body the proxy will not replace goes on as the client sent it.
-pub(super) fn replace_body(req: &Request, host: &dyn Host, body: &[u8]) {
+fn replace_body(req: &Request, host: &dyn Host, body: &[u8]) {
     match host.replace_request_body(req.arrival.body_size, body) {
         Ok(()) if req.arrival.had_content_length => {
             set_header(host, "content-length", itoa::Buffer::new().format(body.len()));
@@ -166,7 +190,7 @@ pub(super) fn replace_body(req: &Request, host: &dyn Host, body: &[u8]) {
 
 /// Sets a request header; one the proxy refuses is left out and counted
 /// (the route header: the cluster's fallback policy picks the host).
-pub(super) fn set_header(host: &dyn Host, name: &str, value: &str) {
+fn set_header(host: &dyn Host, name: &str, value: &str) {
     if host.set_request_header(name, value).is_err() {
         host.count(&metrics::host_refused(HostCall::SetHeader), 1);
     }

@@ -85,7 +85,7 @@ impl Owed {
     /// its queued prompt leaves its rank, once.
     pub fn first_byte(&mut self, config: &Rc<Config>, host: &dyn Host, cache: &mut StateCache) {
         if let Some(queued) = self.queued_prefill.take() {
-            cache.prefill_started(config, host, &queued);
+            prefill_started(config, host, cache, &queued);
         }
     }
 
@@ -94,7 +94,7 @@ impl Owed {
     pub fn prefill_leg_answered(&mut self, config: &Rc<Config>, host: &dyn Host, cache: &mut StateCache) {
         if let Some(estimate) = self.prefill_leg_estimate.take() {
             let queued = self.queued_prefill.take();
-            cache.release(config, host, &estimate, queued.as_ref());
+            release(config, host, cache, &estimate, queued.as_ref());
         }
     }
 
@@ -109,15 +109,51 @@ impl Owed {
             .flatten()
         {
             let with = queued.take_if(|q| q.worker == estimate.worker);
-            cache.release(config, host, &estimate, with.as_ref());
+            release(config, host, cache, &estimate, with.as_ref());
         }
         if let Some(queued) = queued {
-            cache.prefill_started(config, host, &queued);
+            prefill_started(config, host, cache, &queued);
         }
         if let Some(sent_to) = self.sent_to.take() {
             health_updates::request_ended(config, host, &sent_to);
         }
     }
+}
+
+/// Gives back a routed request's estimate when its stream ends (and its
+/// queued prompt, in the same write, when no response byte came first);
+/// `config` is the one it was routed with. No call when a snapshot has
+/// counted it since and nothing else is to go.
+fn release(
+    config: &Rc<Config>,
+    host: &dyn Host,
+    cache: &mut StateCache,
+    estimate: &Ticket,
+    queued: Option<&PrefillTicket>,
+) {
+    if queued.is_none() && cache.counted_by_snapshot(config, estimate) {
+        // A snapshot counted the request: nothing is left to give back.
+        return;
+    }
+    cache.write_as_routed(config, host, estimate.worker, |state| {
+        let released = state.release(estimate);
+        match queued {
+            Some(queued) => {
+                state.prefill_started(queued);
+                Some(())
+            }
+            None => released.then_some(()),
+        }
+    });
+}
+
+/// A routed request's prefill is over (its first response byte came, the
+/// prefill leg answered, or it ended): its queued prompt leaves its rank.
+fn prefill_started(config: &Rc<Config>, host: &dyn Host, cache: &mut StateCache, queued: &PrefillTicket) {
+    cache.write_as_routed(config, host, queued.worker, |state| {
+        state.prefill_started(queued);
+        Some(())
+    });
 }
 
 /// The hosts chosen workers are sent to (a rank port, where the worker has
@@ -129,4 +165,43 @@ fn addresses<'a>(config: &Config, chosen: impl Iterator<Item = &'a Chosen>) -> V
             Some(c.rank.map_or(w.address, |r| w.rank_address(r)))
         })
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::QueueMeasure;
+    use crate::router::{route, Decision, Input, RouteArgs};
+    use crate::shared_data::read_worker_states;
+    use crate::shared_data::testing::fleet;
+
+    #[test]
+    fn an_ended_request_gives_its_estimate_and_its_queued_prompt_back() {
+        let (c, h) = fleet("");
+        let mut cache = StateCache::default();
+        let body = br#"{"text":"a long prompt indeed, long"}"#;
+        let Ok(Decision::Route(r)) = route(&c, &h, &mut cache, Input::Body(body), &RouteArgs::default())
+        else {
+            panic!("routed")
+        };
+        let state = || read_worker_states(&c, &h)[1].clone().unwrap();
+        let queued = |rank: u32| {
+            state()
+                .prefill
+                .queued(rank as usize, QueueMeasure::Local)
+                .requests
+        };
+        let rank = r
+            .queued_prefill
+            .map(|q| q.rank)
+            .expect("prefix affinity queues its prompt");
+        assert!(state().pending_total() > 0);
+        assert_eq!(queued(rank), 1);
+        let mut owed = Owed::default();
+        owed.routed(r.estimate, r.queued_prefill);
+        owed.settle(&c, &h, &mut cache);
+        assert_eq!((state().pending_total(), queued(rank)), (0, 0));
+        owed.settle(&c, &h, &mut cache);
+        assert_eq!(state().pending_total(), 0, "paid once");
+    }
 }

@@ -57,10 +57,10 @@ fn place(r: &Routed) -> (usize, u32) {
 /// The request answers at once: first byte, then the end.
 fn finish(c: &Rc<Config>, h: &dyn Host, r: &Routed) {
     if let Some(p) = &r.queued_prefill {
-        StateCache::default().prefill_started(c, h, p);
+        prefill_over(c, h, p);
     }
     if let Some(t) = &r.estimate {
-        StateCache::default().release(c, h, t, None);
+        give_back(c, h, t);
     }
 }
 
@@ -247,7 +247,7 @@ fn the_prefill_charge_leaves_at_the_first_byte_and_the_estimate_at_the_end() {
     };
     assert_eq!((queued(&h).tokens, queued(&h).requests), (p.tokens, 1));
     assert!(p.tokens > 900 && p.streamed);
-    StateCache::default().prefill_started(&c, &h, &p);
+    prefill_over(&c, &h, &p);
     assert_eq!((queued(&h).tokens, queued(&h).requests), (0, 0));
     let states = read_worker_states(&c, &h);
     assert!(states[r.chosen.worker].as_ref().unwrap().pending_total() > 0);
@@ -271,10 +271,10 @@ fn pd_chooses_the_prefill_rank_by_prefix_and_the_decode_rank_by_load() {
     let first = pd(1);
     let prefill = (first.prefill.worker, first.prefill.rank);
     if let Some(p) = &first.queued_prefill {
-        StateCache::default().prefill_started(&c, &h, p);
+        prefill_over(&c, &h, p);
     }
-    StateCache::default().release(&c, &h, first.prefill_estimate.as_ref().unwrap(), None);
-    StateCache::default().release(&c, &h, first.decode_estimate.as_ref().unwrap(), None);
+    give_back(&c, &h, first.prefill_estimate.as_ref().unwrap());
+    give_back(&c, &h, first.decode_estimate.as_ref().unwrap());
     assert_eq!(
         first.decode.as_ref().map(|d| (d.worker, d.rank)),
         Some((1, Some(1)))
@@ -283,10 +283,10 @@ fn pd_chooses_the_prefill_rank_by_prefix_and_the_decode_rank_by_load() {
         let next = pd(tie);
         assert_eq!((next.prefill.worker, next.prefill.rank), prefill, "tie {tie}");
         assert!(next.decode_estimate.is_some());
-        StateCache::default().release(&c, &h, next.prefill_estimate.as_ref().unwrap(), None);
-        StateCache::default().release(&c, &h, next.decode_estimate.as_ref().unwrap(), None);
+        give_back(&c, &h, next.prefill_estimate.as_ref().unwrap());
+        give_back(&c, &h, next.decode_estimate.as_ref().unwrap());
         if let Some(p) = &next.queued_prefill {
-            StateCache::default().prefill_started(&c, &h, p);
+            prefill_over(&c, &h, p);
         }
     }
     // Only the prefill pool keeps an index.

@@ -1,7 +1,6 @@
 use super::*;
 use crate::host::fake::FakeHost;
 use crate::shared_data::cache::StateCache;
-use crate::shared_data::read_worker_states;
 use crate::shared_data::testing::*;
 
 /// Routes `body` through the real entry as a request of the default
@@ -85,24 +84,6 @@ fn estimates_spread_a_burst_between_polls() {
         .collect();
     // 20 -> 60 after the first, so the second goes to the 50-token rank.
     assert_eq!(picks, vec![(1, Some(2)), (0, Some(1)), (1, Some(2))]);
-}
-
-#[test]
-fn ended_requests_give_their_estimate_back() {
-    let (c, h) = fleet("");
-    let r = routed(route(
-        &c,
-        &h,
-        &mut StateCache::default(),
-        br#"{"text":"a long prompt indeed, long"}"#,
-        None,
-        0,
-    ));
-    let states = read_worker_states(&c, &h);
-    assert!(states[1].as_ref().unwrap().pending_total() > 0);
-    StateCache::default().release(&c, &h, &r.estimate.unwrap(), None);
-    let states = read_worker_states(&c, &h);
-    assert_eq!(states[1].as_ref().unwrap().pending_total(), 0);
 }
 
 #[test]

@@ -13,7 +13,7 @@ use crate::health::{Health, NO_HEALTH};
 use crate::host::Host;
 use crate::metrics;
 use crate::worker_state::rank_value::{self, Learned};
-use crate::worker_state::{LoadTable, PrefillTicket, Ticket, WorkerState};
+use crate::worker_state::{LoadTable, Ticket, WorkerState};
 use std::rc::Rc;
 
 /// What the cache keeps per worker besides its decoded state.
@@ -401,43 +401,6 @@ impl StateCache {
                 .get(ticket.worker)
                 .and_then(Option::as_ref)
                 .is_some_and(|s| s.counted_by_snapshot(ticket))
-    }
-
-    /// Gives back a routed request's estimate when its stream ends (and
-    /// its queued prefill, in the same write, when no response byte came
-    /// first); `config` is the one it was routed with. No call when a
-    /// snapshot has counted it since and nothing else is to go.
-    pub fn release(
-        &mut self,
-        config: &Rc<Config>,
-        host: &dyn Host,
-        estimate: &Ticket,
-        queued: Option<&PrefillTicket>,
-    ) {
-        if queued.is_none() && self.counted_by_snapshot(config, estimate) {
-            // A snapshot counted the request: nothing is left to give back.
-            return;
-        }
-        self.write_as_routed(config, host, estimate.worker, |state| {
-            let released = state.release(estimate);
-            match queued {
-                Some(queued) => {
-                    state.prefill_started(queued);
-                    Some(())
-                }
-                None => released.then_some(()),
-            }
-        });
-    }
-
-    /// A routed request's prefill is over (its first response byte came,
-    /// the prefill leg answered, or it ended): its queued prompt leaves its
-    /// rank. `config` is the one it was routed with.
-    pub fn prefill_started(&mut self, config: &Rc<Config>, host: &dyn Host, queued: &PrefillTicket) {
-        self.write_as_routed(config, host, queued.worker, |state| {
-            state.prefill_started(queued);
-            Some(())
-        });
     }
 
     /// When worker `index`'s cas is unknown because this VM wrote last,

@@ -5,6 +5,7 @@ use super::{create_index, update_worker, IfMissing};
 use crate::config::{Config, LoadMeasure};
 use crate::host::fake::FakeHost;
 use crate::host::Host;
+use crate::worker_state::{PrefillTicket, Ticket};
 use std::rc::Rc;
 
 /// Two workers `a` (127.0.0.1:1) and `b` (127.0.0.1:2), plus `extra` keys.
@@ -115,4 +116,20 @@ pub fn report_on(config: &Config, host: &FakeHost, i: usize, load: &dyn Fn(usize
         Some(())
     })
     .unwrap();
+}
+
+/// A routed request ended: its estimate leaves its rank's state (what the
+/// request lifecycle's end does, `request/teardown.rs`).
+pub fn give_back(config: &Config, host: &dyn Host, estimate: &Ticket) {
+    update_worker(config, host, estimate.worker, IfMissing::Skip, |s| {
+        s.release(estimate).then_some(())
+    });
+}
+
+/// A routed request's prefill is over: its queued prompt leaves its rank.
+pub fn prefill_over(config: &Config, host: &dyn Host, queued: &PrefillTicket) {
+    update_worker(config, host, queued.worker, IfMissing::Skip, |s| {
+        s.prefill_started(queued);
+        Some(())
+    });
 }
