@@ -3,12 +3,14 @@
 //! the key at fault.
 
 pub mod admission;
+mod checks;
 pub mod engine;
 pub mod gateways;
 mod json;
 pub mod prefix;
 mod transport;
 mod validate;
+mod workers;
 
 pub use admission::{Admission, WhenSaturated};
 pub use engine::{Engine, EngineKind};
@@ -18,7 +20,7 @@ pub use prefix::{LoadMeasure, Prefix, QueueMeasure};
 pub use transport::{
     HeaderTransport, RankTransport, Transport, DEFAULT_COST_WITHOUT_LENGTH, DEFAULT_RANK_HEADERS,
 };
-pub use validate::default_worker_name;
+pub use workers::default_worker_name;
 
 use serde::{Deserialize, Serialize};
 use std::net::SocketAddr;
