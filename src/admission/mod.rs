@@ -1,23 +1,9 @@
-//! Admission control (docs/overload.md): whether a request is let in now,
-//! held until a rank has room, or refused. One call decides,
-//! [`Controller::admit`]; the policies behind it are the interfaces below,
-//! each implemented in a file of its own. A request's way through them:
-//!
-//! ```text
-//! line (queue mode) -> route: refresh, admission (limits, saturation) ... -> verdict
-//! ```
-//!
-//! In queue mode a request first does not overtake the line (held
-//! requests of its class or higher); then the routing pipeline looks at the
-//! fleet, and at its `admission` stage the [`SaturationDetector`] judges the
-//! candidate ranks by the class's [`UsageLimitPolicy`] limits. A pool whose
-//! every candidate is saturated is [`Overloaded`]: the request is refused,
-//! or held in this thread's [`queue::HeldQueue`], whose order the
-//! [`FairnessPolicy`] (which tenant's line in a class) and the
-//! [`OrderingPolicy`] (which request in a line) set. `held_record.rs` bounds
-//! the held requests over every thread. The request lifecycle acts on the
-//! [`Verdict`] (`request/held.rs`). docs/architecture.md has the recipe for
-//! a new policy.
+//! Admission control (docs/overload.md): a request let in now, held until a
+//! rank has room, or refused. One call decides, [`Controller::admit`]; the
+//! policies behind it are the interfaces here, each implemented in a file
+//! of its own (the saturation detector, per-class limits, fairness among
+//! tenants, the order within a line). The request lifecycle acts on the
+//! [`Verdict`]. docs/architecture.md shows the whole and how to add a policy.
 
 mod controller;
 pub mod fairness;

@@ -1,17 +1,11 @@
 //! One request's life in the filter, as plain Rust behind the `Host` trait:
-//! here a method per Envoy callback ([`Request`]), each returning what Envoy
-//! should do next (`filter.rs` only translates callbacks to them), handing
-//! the request to small tasks, a file each:
-//!
-//! - `route.rs`: admission's one call around the router, the decision applied;
-//! - `held.rs`: holding, admission's queue on this thread and a request's
-//!   stay in it; `passes.rs`: the passes that let held requests in or answer
-//!   them;
-//! - `prefill.rs`: PD's prefill leg, and the decode response held for it;
-//! - `rank_refusal.rs`: the answer watched for a refused rank value;
-//! - `teardown.rs`: what the request owes, paid at its first byte, its
-//!   prefill leg's answer, or its end;
-//! - `routing.rs`: what every request of a VM shares.
+//! [`Request`], a method per Envoy callback (`filter.rs` only translates
+//! them), handing the request to small tasks, a file each: `route.rs`
+//! (admission's one call around the router, the decision applied),
+//! `held.rs` and `passes.rs` (holding, and the passes that let held
+//! requests in), `prefill.rs` (PD's prefill leg), `rank_refusal.rs` (the
+//! answer watched for a refused rank value), `teardown.rs` (what the
+//! request owes, paid once each); `routing.rs` is what a VM's requests share.
 
 mod held;
 mod passes;

@@ -1,20 +1,13 @@
-//! The routing pipeline every path runs, in one place ([`run`]): body
-//! mode, header mode and both legs of PD mode.
+//! The routing pipeline every path runs, in one place ([`run`]):
 //!
 //! ```text
 //! refresh -> admission -> pool -> choose -> retry targets -> account -> record -> reply
 //! ```
 //!
-//! `refresh` and `pool` are in `snapshot.rs`; `admission` asks the
-//! admission controller; the stages that choose and write are here, each a
-//! function of its own. A path says only what differs, as a [`Path`]: its
-//! legs (which pool, the constraint, how many alternates), prefix
-//! affinity's view of the prompt, where the cost comes from, what it does
-//! when nobody is chosen, and the reply it builds (`by_body.rs`,
-//! `by_header.rs`, `pd.rs`). Choosing writes nothing; `commit` writes: the
-//! estimate (and the queued prefill, in the same write) onto the chosen
-//! rank in one compare-and-swap, and, under prefix affinity, the prompt
-//! into the chosen worker's index.
+//! `refresh` and `pool` are in `snapshot.rs`, `admission` asks the admission
+//! controller, the stages that choose and write are here. A path (body,
+//! header or PD mode) says only what differs, as a [`Path`]. Choosing
+//! writes nothing; `commit` writes.
 
 use super::outcome::PassReason;
 use super::snapshot::{self, Moment, Side, Snapshot};
