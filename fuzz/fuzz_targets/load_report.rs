@@ -5,7 +5,7 @@
 //! - raw bytes: never panics; `Ok` only when serde_json reads the bytes as a
 //!   JSON value, with 1..=MAX_DP_SIZE ranks, and every known figure is one of
 //!   the numbers in that value (rounded); `RankOutOfRange(r)` only for
-//!   r >= MAX_DP_SIZE (when `BadRanks` comes is checked on generated reports);
+//!   r > MAX_DP_SIZE (when `BadRanks` comes is checked on generated reports);
 //! - generated reports: the generator first decides what each rank's figure
 //!   is (or that it has none), then writes a report that says so in one of the
 //!   shapes of docs/protocol.md (`/get_load` array or single object,
@@ -18,14 +18,17 @@
 
 use arbitrary::{Arbitrary, Result, Unstructured};
 use dprank::config::MAX_DP_SIZE;
-use dprank::load::{sglang, LoadError};
+use dprank::load::{sglang, LoadError, MAX_RANK_NUMBER};
 use libfuzzer_sys::fuzz_target;
 use serde_json::Value;
 
-/// The tokens per rank `sglang::parse` reads.
-fn parse_load_report(body: &[u8]) -> std::result::Result<Vec<Option<u64>>, LoadError> {
-    sglang::parse(body).map(|report| report.tokens())
+/// The first rank and the tokens per rank `sglang::parse` reads.
+fn parse_load_report(body: &[u8]) -> std::result::Result<Ranks, LoadError> {
+    sglang::parse(body).map(|report| (report.first_rank, report.tokens()))
 }
+
+/// A report's first rank, and its tokens rank by rank from there.
+type Ranks = (u32, Vec<Option<u64>>);
 
 /// In the order a report's figure is preferred (docs/protocol.md).
 const TOKEN_FIELDS: [&str; 3] = ["num_total_tokens", "num_tokens", "num_used_tokens"];
@@ -192,29 +195,34 @@ enum Generated {
 }
 
 /// The result a report written from `entries` must give: each entry names
-/// its rank (or its position does), and the ranks named must be exactly
-/// 0..N-1 with N the number of entries (the generator writes that as
+/// its rank (or its position does), and the ranks named must be one run
+/// S..S+N-1 with N the number of entries (the generator writes that as
 /// `dp_rank_count` too), each once; an entry with a `dp_rank` that is no
 /// rank number refuses the report.
-fn expected(entries: &[EntrySpec]) -> std::result::Result<Vec<Option<u64>>, LoadError> {
+fn expected(entries: &[EntrySpec]) -> std::result::Result<Ranks, LoadError> {
     if entries.is_empty() {
         return Err(LoadError::NoRanks);
     }
-    let mut ranks: Vec<Option<Option<u64>>> = vec![None; entries.len()];
+    // By rank number (below 8 + N): the figure of the entry naming it.
+    let mut by_rank: Vec<Option<Option<u64>>> = vec![None; 8 + entries.len()];
     for (position, e) in entries.iter().enumerate() {
         let rank = match (&e.bad_rank, e.rank) {
             (Some(Junk::Null), _) | (None, None) => position,
             (Some(_), _) => return Err(LoadError::BadRanks(String::new())),
             (None, Some(r)) => usize::from(r % 8),
         };
-        match ranks.get_mut(rank) {
-            Some(slot @ None) => *slot = Some(e.figure.as_ref().map(Figure::count)),
-            // Beyond N, or named twice.
-            _ => return Err(LoadError::BadRanks(String::new())),
+        match &mut by_rank[rank] {
+            slot @ None => *slot = Some(e.figure.as_ref().map(Figure::count)),
+            Some(_) => return Err(LoadError::BadRanks("named twice".into())),
         }
     }
-    // N entries, each naming a different rank below N: no gap is possible.
-    Ok(ranks.into_iter().map(Option::flatten).collect())
+    let first = by_rank.iter().position(Option::is_some).unwrap_or(0);
+    let run: Vec<Option<Option<u64>>> = by_rank[first..first + entries.len()].to_vec();
+    if run.iter().any(Option::is_none) {
+        // N different ranks, not all within S..S+N-1: a gap.
+        return Err(LoadError::BadRanks("a gap".into()));
+    }
+    Ok((first as u32, run.into_iter().map(Option::flatten).collect()))
 }
 
 fn write(shape: &Shape, entries: &[EntrySpec]) -> String {
@@ -233,10 +241,7 @@ fn write(shape: &Shape, entries: &[EntrySpec]) -> String {
     }
 }
 
-fn same(
-    got: &std::result::Result<Vec<Option<u64>>, LoadError>,
-    want: &std::result::Result<Vec<Option<u64>>, LoadError>,
-) -> bool {
+fn same(got: &std::result::Result<Ranks, LoadError>, want: &std::result::Result<Ranks, LoadError>) -> bool {
     match (got, want) {
         (Err(LoadError::NotJson(_)), Err(LoadError::NotJson(_))) => true,
         (Err(LoadError::BadRanks(_)), Err(LoadError::BadRanks(_))) => true,
@@ -274,7 +279,7 @@ fn check_generated(data: &[u8]) {
                     not_json,
                 ),
                 NotAReport::RankTooLarge(extra) => {
-                    let rank = u64::from(MAX_DP_SIZE) + u64::from(*extra);
+                    let rank = u64::from(MAX_RANK_NUMBER) + u64::from(*extra);
                     (
                         format!(r#"[{{"dp_rank":{rank},"num_tokens":1}}]"#),
                         Err(LoadError::RankOutOfRange(rank)),
@@ -307,7 +312,7 @@ fn numbers(v: &Value, out: &mut Vec<u64>) {
 
 fn check_raw(data: &[u8]) {
     match parse_load_report(data) {
-        Ok(ranks) => {
+        Ok((_, ranks)) => {
             assert!(
                 !ranks.is_empty() && ranks.len() <= MAX_DP_SIZE as usize,
                 "{} ranks",
@@ -320,7 +325,9 @@ fn check_raw(data: &[u8]) {
                 assert!(seen.contains(t), "tokens {t} are not a number of the report");
             }
         }
-        Err(LoadError::RankOutOfRange(r)) => assert!(r >= u64::from(MAX_DP_SIZE)),
+        // A rank number of MAX_RANK_NUMBER or more, more than MAX_DP_SIZE
+        // ranks, or a dp_rank_count above MAX_RANK_NUMBER.
+        Err(LoadError::RankOutOfRange(r)) => assert!(r > u64::from(MAX_DP_SIZE)),
         Err(LoadError::NoRanks | LoadError::NotJson(_) | LoadError::BadRanks(_)) => {}
     }
 }

@@ -6,10 +6,11 @@
 //! The oracles do not read the text the way `load/vllm.rs` does:
 //! - raw bytes: never panics; `prometheus::lines` gives one line per line
 //!   feed, plus one for an unterminated tail; `Ok` only with 1..=MAX_DP_SIZE
-//!   engines, every engine number below 64 written in the body as `"N"`,
+//!   engines, the first 64 engine numbers written in the body as `"N"`,
 //!   KV usage within 0..=1; reading again with the model name it reported
 //!   gives the same report; `TooLarge` only above the limit.
-//! - generated answers: the generator first decides every line (which
+//! - generated answers: engines S..S+N-1 (S = 0, or up to 16 as on a
+//!   second node); the generator first decides every line (which
 //!   engine, figure, value and model a sample of dprank's carries, or that
 //!   it is unrelated), then writes them in one of the shapes prometheus_client
 //!   gives vLLM (single process with `_created` families, multiprocess,
@@ -17,7 +18,7 @@
 //!   order among others, blanks, timestamps, CRLF, comments, other families
 //!   carrying engine labels of any kind, and now and then one fault: a
 //!   duplicate, a gap, an engine label that is no engine number or is
-//!   missing, one beyond MAX_DP_SIZE, a second model, a broken line, a cut
+//!   missing, one beyond MAX_RANK_NUMBER, a second model, a broken line, a cut
 //!   last line. The expected result is computed from those decisions, never
 //!   from the text.
 //! - the source and the mapping (every readable answer, read as three polls
@@ -37,7 +38,7 @@ use dprank::load::vllm::mapping::{rank_loads, CacheCounters};
 use dprank::load::vllm::{
     parse_vllm_metrics, EngineFigures, Vllm, VllmMetricsError, VllmReport, MAX_METRICS_BYTES,
 };
-use dprank::load::{Answer, LoadSource, Reading, ReportContext, SourceMemory};
+use dprank::load::{Answer, LoadSource, Reading, ReportContext, SourceMemory, MAX_RANK_NUMBER};
 use libfuzzer_sys::fuzz_target;
 
 const FIGURES: [&str; 5] = [
@@ -176,6 +177,9 @@ struct Spec {
     shape: Shape,
     /// 1..=12 engines.
     engines: u8,
+    /// The first engine's number: 0, or (a node of a multi-node
+    /// deployment) up to 16.
+    first_engine: Option<u8>,
     /// Per engine and figure: written (with this value) or not.
     values: Vec<[Option<Value>; 5]>,
     model: u8,
@@ -303,8 +307,9 @@ fn unrelated(u: &mut Unstructured<'_>, engines: usize) -> Vec<Vec<String>> {
 }
 
 /// The result `lines` must give: samples of the model read (the filter's,
-/// or the first one seen) name engines 0..N-1, each figure once per engine;
-/// the first problem met, in line order, is the error.
+/// or the first one seen) name engines S..S+N-1 (one run, no gap), each
+/// figure once per engine; the first problem met, in line order, is the
+/// error, and a gap is found once every line is read.
 fn expected(lines: &[Written], filter: Option<usize>) -> std::result::Result<Expected, VllmMetricsError> {
     let bad = || VllmMetricsError::BadEngines(String::new());
     let mut engines: Vec<(EngineFigures, u8)> = Vec::new();
@@ -348,11 +353,13 @@ fn expected(lines: &[Written], filter: Option<usize>) -> std::result::Result<Exp
             seen: None,
         });
     };
-    if engines.iter().any(|(_, seen)| *seen == 0) {
+    let first = engines.iter().position(|(_, seen)| *seen != 0).unwrap_or(0);
+    if engines[first..].iter().any(|(_, seen)| *seen == 0) {
         return Err(bad());
     }
     Ok(Expected {
-        engines: engines.into_iter().map(|(f, _)| f).collect(),
+        first_engine: first as u32,
+        engines: engines.into_iter().skip(first).map(|(f, _)| f).collect(),
         model_name: MODELS[model],
     })
 }
@@ -360,6 +367,7 @@ fn expected(lines: &[Written], filter: Option<usize>) -> std::result::Result<Exp
 /// A report as the specification says it must read.
 #[derive(Debug)]
 struct Expected {
+    first_engine: u32,
     engines: Vec<EngineFigures>,
     model_name: &'static str,
 }
@@ -371,6 +379,7 @@ fn same(
     match (got, want) {
         (Ok(g), Ok(w)) => {
             g.model_name == w.model_name
+                && g.first_engine == w.first_engine
                 && g.engines.len() == w.engines.len()
                 && g.engines.iter().zip(&w.engines).all(|(g, w)| {
                     let kv_same = match (g.kv_usage, w.kv_usage) {
@@ -394,16 +403,17 @@ fn check_generated(data: &[u8]) {
     let mut u = Unstructured::new(data);
     let Ok(spec) = Spec::arbitrary(&mut u) else { return };
     let engines = usize::from(spec.engines % 12) + 1;
+    let first_engine = spec.first_engine.map_or(0, |f| usize::from(f % 17));
     let model = usize::from(spec.model) % MODELS.len();
     let other = (model + 1) % MODELS.len();
     let filter = spec.filter.then_some(model);
 
     // Our samples, one family per figure.
     let mut ours: Vec<Ours> = Vec::new();
-    for engine in 0..engines {
+    for engine in first_engine..first_engine + engines {
         let values = spec
             .values
-            .get(engine)
+            .get(engine - first_engine)
             .copied()
             .unwrap_or([Some(Value::Int(1)); 5]);
         for (figure, value) in values.iter().enumerate() {
@@ -437,14 +447,14 @@ fn check_generated(data: &[u8]) {
     match &spec.fault {
         None => {}
         Some(Fault::Duplicate { engine, figure }) => ours.push(Ours {
-            engine: EngineLabel::Number(usize::from(*engine) % engines),
+            engine: EngineLabel::Number(first_engine + usize::from(*engine) % engines),
             figure: usize::from(*figure) % 5,
             value: Value::Int(2),
             model,
             broken: false,
         }),
         Some(Fault::Gap { engine }) => {
-            let gone = usize::from(*engine) % engines;
+            let gone = first_engine + usize::from(*engine) % engines;
             ours.retain(|o| !matches!(o.engine, EngineLabel::Number(n) if n == gone && o.model == model));
         }
         Some(Fault::JunkEngine { at, junk }) => {
@@ -462,7 +472,7 @@ fn check_generated(data: &[u8]) {
         Some(Fault::EngineTooLarge { at, extra }) => {
             let at = pick(*at, ours.len());
             if let Some(o) = ours.get_mut(at) {
-                o.engine = EngineLabel::TooLarge(u64::from(MAX_DP_SIZE) + u64::from(*extra));
+                o.engine = EngineLabel::TooLarge(u64::from(MAX_RANK_NUMBER) + u64::from(*extra));
             }
         }
         Some(Fault::SecondModel { at }) => {
@@ -680,7 +690,7 @@ fn check_raw(data: &[u8]) {
             let n = report.engines.len();
             assert!((1..=MAX_DP_SIZE as usize).contains(&n), "{n} engines");
             let text = String::from_utf8_lossy(data);
-            for engine in 0..n.min(64) {
+            for engine in (0..n.min(64)).map(|i| report.first_engine as usize + i) {
                 assert!(
                     text.contains(&format!("\"{engine}\"")),
                     "engine {engine} is not in the body"
