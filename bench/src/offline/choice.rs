@@ -8,7 +8,12 @@
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Placement {
     pub worker: usize,
+    /// The worker's rank by its local index (SGLang's `routed_dp_rank`).
     pub rank: Option<usize>,
+    /// vLLM: the `X-data-parallel-rank` value sent, which the server's
+    /// frontend reads as it does (a local index or a global rank); a value
+    /// it refuses fails the run.
+    pub rank_header: Option<u32>,
     pub priority: Option<i64>,
 }
 

@@ -247,6 +247,9 @@ fn sim_request(body: &[u8], placement: Placement, answer: u32) -> Result<(Reques
     if let Some(rank) = placement.rank {
         request = request.on_rank(rank);
     }
+    if let Some(value) = placement.rank_header {
+        request = request.with_rank_header(value.to_string());
+    }
     if let Some(priority) = placement.priority {
         request = request.with_priority(priority);
     }

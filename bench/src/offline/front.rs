@@ -250,10 +250,11 @@ impl DprankGateway {
             .and_then(|value| first_endpoint(&value).and_then(|e| self.workers.get(e)).copied());
         match chosen {
             Some(worker) => {
-                let (rank, priority) = self.named();
+                let (rank, rank_header, priority) = self.named();
                 Placement {
                     worker,
                     rank,
+                    rank_header,
                     priority,
                 }
             }
@@ -263,17 +264,18 @@ impl DprankGateway {
                 Placement {
                     worker: self.fallback % self.workers.len().max(1),
                     rank: None,
+                    rank_header: None,
                     priority: None,
                 }
             }
         }
     }
 
-    /// The rank and the scheduling priority (`admission.server_priority`)
-    /// dprank named for the request just routed: in its headers in header
-    /// mode (its first rank header; `x-override-priority`), else in the
-    /// body, read once.
-    fn named(&self) -> (Option<usize>, Option<i64>) {
+    /// The rank (a local index, or vLLM's header value as sent) and the
+    /// scheduling priority (`admission.server_priority`) dprank named for
+    /// the request just routed: in its headers in header mode (its first
+    /// rank header; `x-override-priority`), else in the body, read once.
+    fn named(&self) -> (Option<usize>, Option<u32>, Option<i64>) {
         let sets_priority = self
             .config
             .admission
@@ -283,20 +285,24 @@ impl DprankGateway {
             Some(h) => {
                 let header = |name: &str| self.host.header(name);
                 let rank = h.rank_headers.first().and_then(|name| header(name));
-                let priority = sets_priority.then(|| header(SERVER_PRIORITY_HEADER)).flatten();
-                (
-                    rank.and_then(|v| v.parse().ok()),
-                    priority.and_then(|v| v.parse().ok()),
-                )
+                let priority = sets_priority
+                    .then(|| header(SERVER_PRIORITY_HEADER))
+                    .flatten()
+                    .and_then(|v| v.parse().ok());
+                if self.config.engine.is_vllm() {
+                    (None, rank.and_then(|v| v.parse().ok()), priority)
+                } else {
+                    (rank.and_then(|v| v.parse().ok()), None, priority)
+                }
             }
             None => {
                 let body = self.host.request_body.borrow();
                 let Ok(value) = serde_json::from_slice::<Value>(&body) else {
-                    return (None, None);
+                    return (None, None, None);
                 };
                 let rank = value.get(&self.config.rank_field).and_then(Value::as_u64);
                 let priority = sets_priority.then(|| value.get(PRIORITY_FIELD).and_then(Value::as_i64));
-                (rank.map(|r| r as usize), priority.flatten())
+                (rank.map(|r| r as usize), None, priority.flatten())
             }
         }
     }
@@ -422,6 +428,7 @@ impl Front {
                     Arrival::Go(Placement {
                         worker,
                         rank: None,
+                        rank_header: None,
                         priority: None,
                     }),
                     Held::None,
@@ -440,6 +447,7 @@ impl Front {
                     Arrival::Go(Placement {
                         worker,
                         rank: None,
+                        rank_header: None,
                         priority: None,
                     }),
                     Held::None,
@@ -587,6 +595,7 @@ mod tests {
                 Arrival::Go(Placement {
                     worker: 1,
                     rank: Some(0),
+                    rank_header: None,
                     priority: None,
                 }),
                 "request {i}"
@@ -594,10 +603,17 @@ mod tests {
         }
     }
 
-    #[test]
-    fn a_gateway_in_front_of_vllm_reads_metrics_and_names_the_engine_in_its_header() {
+    /// Two vLLM servers of two engines each behind a gateway of `variant`,
+    /// the servers started with `sim_flags`; the engines of worker 0 in
+    /// `busy` run a long prompt. Returns the fleet, the gateway, and where
+    /// a short request went once every server was polled.
+    fn routed_in_front_of_vllm(
+        sim_flags: &[&str],
+        variant: &str,
+        busy: &[(usize, usize)],
+    ) -> (dprank_sim::offline::Fleet, DprankGateway, Placement) {
         use clap::Parser;
-        let args = [
+        let mut args = vec![
             "dprank-sim",
             "--engine",
             "vllm",
@@ -606,20 +622,23 @@ mod tests {
             "--listen",
             "127.0.0.1:1",
         ];
+        args.extend_from_slice(sim_flags);
         let sim = dprank_sim::Cli::try_parse_from(args).unwrap().sim;
         let mut fleet = dprank_sim::offline::Fleet::new(sim, 2).unwrap();
-        let config = crate::offline::driver::dprank_config(
-            &crate::variant::Variant::parse("dprank").unwrap(),
-            2,
-            true,
-        )
-        .unwrap();
+        let config =
+            crate::offline::driver::dprank_config(&crate::variant::Variant::parse(variant).unwrap(), 2, true)
+                .unwrap();
         let mut g = DprankGateway::new(config, 0, 1_000_000);
-        // Engine 1 of worker 0 is busy: a long prompt is running there.
-        let prompt = dprank_sim::offline::Prompt::Text("the cat sat far ".repeat(2000));
-        fleet
-            .submit(0.0, 0, dprank_sim::offline::Request::new(prompt, 4096).on_rank(1))
-            .unwrap();
+        for &(worker, engine) in busy {
+            let prompt = dprank_sim::offline::Prompt::Text("the cat sat far ".repeat(2000));
+            fleet
+                .submit(
+                    0.0,
+                    worker,
+                    dprank_sim::offline::Request::new(prompt, 4096).on_rank(engine),
+                )
+                .unwrap();
+        }
         fleet.run_until(3.0);
         for call in g.tick(3.0) {
             let body = fleet.metrics(call.worker);
@@ -631,29 +650,64 @@ mod tests {
             "the /metrics answer was read"
         );
         assert_eq!(g.host.counter("dprank.poll_ok.w1"), 1);
-        assert!(g
-            .host
-            .gauge_value("dprank.tokens.w0.rank_1")
-            .is_some_and(|t| t > 0));
-        assert_eq!(g.host.gauge_value("dprank.tokens.w0.rank_0"), Some(0));
         let body = br#"{"model":"m","prompt":"hello","max_tokens":4}"#;
         let (arrival, _) = g.route(3.01, 1, "/v1/completions", body, None);
         let Arrival::Go(placement) = arrival else {
             panic!("routed, not held or refused: {arrival:?}");
         };
-        assert!(
-            placement.rank.is_some(),
-            "the engine is named in x-data-parallel-rank"
-        );
-        assert_ne!(
-            (placement.worker, placement.rank),
-            (0, Some(1)),
-            "not the busy engine"
-        );
         assert_eq!(
             g.host.request_body.borrow().as_slice(),
             body,
             "the body is untouched"
         );
+        (fleet, g, placement)
+    }
+
+    #[test]
+    fn a_gateway_in_front_of_vllm_reads_metrics_and_names_the_engine_in_its_header() {
+        let (_, g, placement) = routed_in_front_of_vllm(&[], "dprank", &[(0, 1)]);
+        assert!(g
+            .host
+            .gauge_value("dprank.tokens.w0.rank_1")
+            .is_some_and(|t| t > 0));
+        assert_eq!(g.host.gauge_value("dprank.tokens.w0.rank_0"), Some(0));
+        assert_eq!(placement.rank, None, "no body field");
+        assert!(
+            placement.rank_header.is_some(),
+            "the engine is named in x-data-parallel-rank"
+        );
+        assert_ne!(
+            (placement.worker, placement.rank_header),
+            (0, Some(1)),
+            "not the busy engine"
+        );
+    }
+
+    #[test]
+    fn on_the_second_node_of_a_hybrid_deployment_the_header_is_what_its_frontend_reads() {
+        // Engines 0-1 on worker 0 (both busy), 2-3 on worker 1: the request
+        // goes to worker 1, named by its local index for vLLM's Python
+        // frontend and by its global rank for the Rust one; the server
+        // takes the value (a wrong one would be refused).
+        let hybrid = ["--dp-start-rank", "0", "--dp-start-rank", "2"];
+        for (frontend, variant, values) in [
+            ("python", "dprank", 0..=1),
+            ("rust", "dprank:set.rank_numbering=global", 2..=3),
+        ] {
+            let mut flags = hybrid.to_vec();
+            flags.extend(["--vllm-frontend", frontend]);
+            let (mut fleet, _, placement) = routed_in_front_of_vllm(&flags, variant, &[(0, 0), (0, 1)]);
+            assert_eq!(placement.worker, 1, "{frontend}: the idle node");
+            let value = placement.rank_header.expect("a rank header");
+            assert!(values.contains(&value), "{frontend}: header {value}");
+            let short = dprank_sim::offline::Prompt::Text("hello".into());
+            fleet
+                .submit(
+                    3.02,
+                    1,
+                    dprank_sim::offline::Request::new(short, 4).with_rank_header(value.to_string()),
+                )
+                .unwrap_or_else(|e| panic!("{frontend}: the server refused {value}: {e}"));
+        }
     }
 }

@@ -193,6 +193,7 @@ impl Gie {
         Placement {
             worker,
             rank: None,
+            rank_header: None,
             priority: None,
         }
     }

@@ -166,11 +166,13 @@ impl CacheAware {
             Some(dp) => Placement {
                 worker: slot / dp,
                 rank: Some(slot % dp),
+                rank_header: None,
                 priority: None,
             },
             None => Placement {
                 worker: slot,
                 rank: None,
+                rank_header: None,
                 priority: None,
             },
         }
