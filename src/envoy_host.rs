@@ -440,6 +440,13 @@ impl Host for EnvoyHost {
         Ok(bytes.and_then(|s| std::str::from_utf8(&s).ok()?.parse().ok()))
     }
 
+    fn response_header(&self, name: &str) -> Result<Option<Vec<u8>>, HostError> {
+        // SAFETY: the name is valid for the call; see `owned`.
+        read_bytes(|data, size| unsafe {
+            proxy_get_header_map_value(RESPONSE_HEADERS, name.as_ptr(), name.len(), data, size)
+        })
+    }
+
     fn response_body(&self, size: usize) -> Result<Vec<u8>, HostError> {
         // SAFETY: see `owned`.
         read_bytes(|data, got| unsafe { proxy_get_buffer_bytes(RESPONSE_BODY, 0, size, data, got) })

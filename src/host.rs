@@ -140,6 +140,8 @@ pub trait Host {
     fn resume_response(&self) -> Result<(), HostError>;
     /// In a response callback: the response's status (None: none yet).
     fn response_status(&self) -> Result<Option<u32>, HostError>;
+    /// In a response callback: a response header's value (lowercase name).
+    fn response_header(&self, name: &str) -> Result<Option<Vec<u8>>, HostError>;
     /// In a response-body callback: the first `size` bytes of the body chunk.
     fn response_body(&self, size: usize) -> Result<Vec<u8>, HostError>;
 

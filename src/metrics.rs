@@ -109,6 +109,19 @@ pub fn routed(worker: &str, rank: u32) -> String {
     format!("dprank.routed.{worker}.rank_{rank}")
 }
 
+/// Histogram: ms from routing to the first byte of a streamed answer from
+/// this (worker, rank) (its time to first token, at the gateway).
+pub fn delivered_ttft(worker: &str, rank: u32) -> String {
+    format!("dprank.delivered.ttft_ms.{worker}.rank_{rank}")
+}
+
+/// Histogram: a streamed answer's mean ms between body chunks after its
+/// first, from this (worker, rank) (its time per output token, at the
+/// gateway).
+pub fn delivered_chunk_gap(worker: &str, rank: u32) -> String {
+    format!("dprank.delivered.chunk_gap_ms.{worker}.rank_{rank}")
+}
+
 /// Gauge: the last polled tokens of this (worker, rank).
 pub fn tokens(worker: &str, rank: usize) -> String {
     format!("dprank.tokens.{worker}.rank_{rank}")

@@ -123,6 +123,8 @@ pub struct MemoryHost {
     pub resumed: Cell<u32>,
     /// The response being delivered: its status and body chunk.
     pub response: RefCell<(Option<u32>, Vec<u8>)>,
+    /// The response's headers (other than `:status`), lowercase names.
+    pub response_headers: RefCell<Vec<(String, String)>>,
     /// Properties by dotted path (`response.code`), as Envoy serialises them.
     pub properties: RefCell<HashMap<String, Vec<u8>>>,
     /// Histogram values recorded, by name.
@@ -355,6 +357,15 @@ impl Host for MemoryHost {
     fn response_status(&self) -> Result<Option<u32>, HostError> {
         self.record("response_status")?;
         Ok(self.response.borrow().0)
+    }
+    fn response_header(&self, name: &str) -> Result<Option<Vec<u8>>, HostError> {
+        self.record("response_header")?;
+        Ok(self
+            .response_headers
+            .borrow()
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, v)| v.as_bytes().to_vec()))
     }
     fn response_body(&self, size: usize) -> Result<Vec<u8>, HostError> {
         self.record("response_body")?;

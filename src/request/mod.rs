@@ -7,6 +7,7 @@
 //! answer watched for a refused rank value), `teardown.rs` (what the
 //! request owes, paid once each); `routing.rs` is what a VM's requests share.
 
+mod delivery;
 mod held;
 mod passes;
 mod prefill;
@@ -23,6 +24,7 @@ use crate::admission::Applicant;
 use crate::config::Config;
 use crate::host::{HeaderMap, Host, HostError};
 use crate::router::{self, Decision, PassReason, RejectReason};
+use delivery::Delivery;
 use held::Admitting;
 use prefill::PrefillLeg;
 use rank_refusal::RankWatch;
@@ -54,6 +56,8 @@ pub struct Request {
     prefill: PrefillLeg,
     /// The rank value written for it, watched in its answer.
     rank_watch: RankWatch,
+    /// What its rank delivered, timed as the answer streams through.
+    delivery: Delivery,
     /// What it gives back, and where it went.
     owed: Owed,
 }
@@ -88,6 +92,7 @@ impl Request {
             admitting: None,
             prefill: PrefillLeg::default(),
             rank_watch: RankWatch::default(),
+            delivery: Delivery::default(),
             owed: Owed::default(),
         }
     }
@@ -185,7 +190,11 @@ impl Request {
     }
 
     pub fn on_response_headers(&mut self, host: &dyn Host) -> Action {
-        self.rank_watch.on_response_headers(host);
+        if self.rank_watch.is_watching() || self.delivery.wants_headers() {
+            let status = host.response_status().ok().flatten();
+            self.rank_watch.on_response_headers(host, status);
+            self.delivery.on_response_headers(host, status);
+        }
         self.prefill.on_response_headers(host)
     }
 
@@ -196,6 +205,7 @@ impl Request {
         self.owed
             .first_byte(&self.config, host, &mut self.routing.states.borrow_mut());
         self.rank_watch.on_response_body(&self.config, host, body_size);
+        self.delivery.on_response_body(host, body_size);
         self.prefill.on_response_body()
     }
 
@@ -205,6 +215,7 @@ impl Request {
     /// for a held request now.
     pub fn on_done(&mut self, host: &dyn Host) {
         held::leave_if_held(self, host);
+        self.delivery.on_done(host);
         self.owed
             .settle(&self.config, host, &mut self.routing.states.borrow_mut());
         let queues = self.config.admission.as_ref().is_some_and(|a| a.queues());

@@ -47,11 +47,18 @@ impl RankWatch {
         });
     }
 
-    /// The response's headers: only a 400 can refuse the rank value
-    /// written, and only from the host it was written for (not a retry's).
-    pub fn on_response_headers(&mut self, host: &dyn Host) {
+    /// Whether a rank value written is watched (the answer's status is
+    /// then to be read).
+    pub fn is_watching(&self) -> bool {
+        self.written.is_some()
+    }
+
+    /// The response's headers, with its `status`: only a 400 can refuse
+    /// the rank value written, and only from the host it was written for
+    /// (not a retry's).
+    pub fn on_response_headers(&mut self, host: &dyn Host, status: Option<u32>) {
         if let Some(written) = &self.written {
-            self.reads_refusal = matches!(host.response_status(), Ok(Some(400)))
+            self.reads_refusal = status == Some(400)
                 && host
                     .property(&["upstream", "address"])
                     .ok()

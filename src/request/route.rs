@@ -174,6 +174,11 @@ fn apply_routed(req: &mut Request, host: &dyn Host, routed: &Routed) {
         routed.routed_at_ms,
     );
     req.rank_watch.watch(&routed.chosen);
+    if let (Some(rank), Some(worker)) = (routed.chosen.rank, req.config.worker(routed.chosen.worker)) {
+        let first = req.routing.states.borrow().first_rank(routed.chosen.worker);
+        req.delivery
+            .watch(&worker.name, first.saturating_add(rank), routed.routed_at_ms);
+    }
 }
 
 /// Envoy does not correct `content-length` after a body change: dprank

@@ -318,6 +318,14 @@ impl StateCache {
         )
     }
 
+    /// The number worker `index` gives its first rank (0 without a state).
+    pub fn first_rank(&self, index: usize) -> u32 {
+        self.states
+            .get(index)
+            .and_then(Option::as_ref)
+            .map_or(0, |s| s.first_rank)
+    }
+
     /// The name of the counter of requests routed to (`worker`, rank index
     /// `rank`): by the rank as the worker names it.
     pub fn routed_name(&mut self, worker: usize, rank: u32) -> &str {
@@ -326,11 +334,7 @@ impl StateCache {
             .as_ref()
             .and_then(|c| c.worker(worker))
             .map_or("", |w| w.name.as_str());
-        let first = self
-            .states
-            .get(worker)
-            .and_then(Option::as_ref)
-            .map_or(0, |s| s.first_rank);
+        let first = self.first_rank(worker);
         let Some(entry) = self.entries.get_mut(worker) else {
             return "";
         };

@@ -105,3 +105,107 @@ fn within_the_chosen_worker_its_slowest_rank_takes_no_request() {
     }
     assert_eq!(world.envoy.stat("routed.worker_a.rank_0"), 0);
 }
+
+/// A dprank stat in Envoy's Prometheus text (`dprank_<name>`, dots as
+/// underscores; the admin endpoint merges histograms): `<name>{} value`.
+fn prometheus_value(text: &str, name: &str) -> f64 {
+    text.lines()
+        .find_map(|l| l.strip_prefix(&format!("dprank_{name}{{}} ")))
+        .and_then(|v| v.trim().parse::<f64>().ok())
+        .unwrap_or(0.0)
+}
+
+/// Envoy's dprank histograms whose Prometheus names start with
+/// `dprank_<prefix>`, by the rest of the name (`<worker>_rank_<r>`): their
+/// sample counts and sums, once they have `at_least` values together; and
+/// the text they were read from.
+fn histograms(world: &World, prefix: &str, at_least: u64) -> (Vec<(String, u64, f64)>, String) {
+    let deadline = Instant::now() + Duration::from_secs(15);
+    loop {
+        let text = world.envoy.admin_get("/stats/prometheus").text();
+        let found: Vec<(String, u64, f64)> = text
+            .lines()
+            .filter_map(|l| {
+                l.split_whitespace()
+                    .next()?
+                    .strip_prefix(&format!("dprank_{prefix}"))?
+                    .strip_suffix("_count{}")
+            })
+            .map(|rest| {
+                let name = format!("{prefix}{rest}");
+                (
+                    rest.to_string(),
+                    prometheus_value(&text, &format!("{name}_count")) as u64,
+                    prometheus_value(&text, &format!("{name}_sum")),
+                )
+            })
+            .collect();
+        let total: u64 = found.iter().map(|f| f.1).sum();
+        if total >= at_least {
+            return (found, text);
+        }
+        assert!(
+            Instant::now() < deadline,
+            "dprank_{prefix}*: {total} values after 15 s, {at_least} expected"
+        );
+        std::thread::sleep(Duration::from_millis(250));
+    }
+}
+
+#[test]
+fn streamed_answers_are_timed_per_rank_at_the_gateway() {
+    let world = World::start(
+        "delivery_timing",
+        2,
+        &["--time-scale", "5"],
+        &World::base_tokens(&[&[9000, 9000, 9000, 9000], &[100, 100, 100, 100]]),
+        EnvoyOptions::default(),
+    );
+    world
+        .envoy
+        .wait_for_stat("poll_ok.worker_b", 2, Duration::from_secs(10));
+    for i in 0..6 {
+        let body =
+            json!({"text": format!("timed {i}"), "stream": true, "sampling_params": {"max_new_tokens": 20}})
+                .to_string();
+        let (status, events) = world.client.post_streaming(
+            &world.envoy.url("/generate"),
+            body.as_bytes(),
+            |status, reader: &mut dyn std::io::BufRead| {
+                let mut events = 0;
+                let mut line = String::new();
+                while reader.read_line(&mut line).expect("read the stream") > 0 {
+                    events += usize::from(line.starts_with("data: "));
+                    line.clear();
+                }
+                (status, events)
+            },
+        );
+        assert_eq!((status, events > 10), (200, true), "request {i}: {events} events");
+    }
+    // A whole answer is not timed.
+    let whole = json!({"text": "whole", "sampling_params": {"max_new_tokens": 20}}).to_string();
+    assert_eq!(world.post("/generate", &whole).status, 200);
+
+    let (ttfts, _) = histograms(&world, "delivered_ttft_ms_", 6);
+    let (gaps, text) = histograms(&world, "delivered_chunk_gap_ms_", 6);
+    eprintln!("delivered: TTFT {ttfts:?}, chunk gaps {gaps:?}");
+    for (timed, what) in [(&ttfts, "TTFT"), (&gaps, "chunk gap")] {
+        assert_eq!(
+            timed.iter().map(|t| t.1).sum::<u64>(),
+            6,
+            "{what}: the six streamed answers, not the whole one"
+        );
+        for (rank, count, _) in timed.iter() {
+            assert!(rank.starts_with("worker_b_rank_"), "{what} of {rank}");
+            assert!(
+                prometheus_value(&text, &format!("routed_{rank}")) >= *count as f64,
+                "{what}: {count} answers timed on {rank}, fewer routed there"
+            );
+        }
+    }
+    let mean = |timed: &[(String, u64, f64)]| timed.iter().map(|t| t.2).sum::<f64>() / 6.0;
+    let (ttft, gap) = (mean(&ttfts), mean(&gaps));
+    assert!(ttft > 0.0 && ttft < 2_000.0, "TTFT {ttft} ms");
+    assert!(gap > 0.0 && gap < 500.0, "gap {gap} ms");
+}
