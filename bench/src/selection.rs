@@ -174,6 +174,9 @@ impl Host for MemoryHost {
     fn response_status(&self) -> Result<Option<u32>, HostError> {
         Ok(None)
     }
+    fn response_header(&self, _name: &str) -> Result<Option<Vec<u8>>, HostError> {
+        Ok(None)
+    }
     fn response_body(&self, _size: usize) -> Result<Vec<u8>, HostError> {
         Ok(Vec::new())
     }
