@@ -61,6 +61,9 @@ pub struct ConfigJson {
     /// worker's ranks named from a first rank above 0.
     #[serde(default)]
     pub rank_numbering: Option<RankNumbering>,
+    /// Time each streamed answer per (worker, rank) (default true).
+    #[serde(default)]
+    pub delivery_timing: Option<bool>,
     #[serde(default)]
     pub paths: Option<Vec<String>>,
     #[serde(default)]

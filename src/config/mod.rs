@@ -298,6 +298,9 @@ pub struct Config {
     /// How the rank value written numbers a worker's ranks (a worker's own
     /// setting overrides it).
     pub rank_numbering: RankNumbering,
+    /// Each streamed answer is timed per (worker, rank): the `delivered.*`
+    /// histograms (`request/delivery.rs`).
+    pub delivery_timing: bool,
     pub paths: Vec<String>,
     pub keep_client_rank: bool,
     pub pin_header: Option<String>,

@@ -91,6 +91,7 @@ impl TryFrom<ConfigJson> for Config {
             cost_estimate,
             fail_mode: json.fail_mode.unwrap_or(FailMode::Open),
             rank_numbering: json.rank_numbering.unwrap_or(RankNumbering::Local),
+            delivery_timing: json.delivery_timing.unwrap_or(true),
             paths,
             keep_client_rank,
             pin_header,

@@ -174,7 +174,10 @@ fn apply_routed(req: &mut Request, host: &dyn Host, routed: &Routed) {
         routed.routed_at_ms,
     );
     req.rank_watch.watch(&routed.chosen);
-    if let (Some(rank), Some(worker)) = (routed.chosen.rank, req.config.worker(routed.chosen.worker)) {
+    let timed = req.config.delivery_timing;
+    if let (true, Some(rank), Some(worker)) =
+        (timed, routed.chosen.rank, req.config.worker(routed.chosen.worker))
+    {
         let first = req.routing.states.borrow().first_rank(routed.chosen.worker);
         req.delivery
             .watch(&worker.name, first.saturating_add(rank), routed.routed_at_ms);

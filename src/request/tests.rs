@@ -1206,3 +1206,33 @@ fn a_worker_with_a_port_per_rank_gets_each_request_at_its_rank_port_without_a_ra
         "under the worker's address: {recorded}"
     );
 }
+
+#[test]
+fn a_streamed_answer_is_timed_on_its_rank_unless_delivery_timing_is_off() {
+    for (extra, timed) in [("", true), (r#","delivery_timing":false"#, false)] {
+        let (c, h) = fleet(extra);
+        let mut r = request(&c);
+        post(&h, "/generate", br#"{"text":"hi","stream":true}"#, &[]);
+        send(&mut r, &h);
+        *h.response.borrow_mut() = (Some(200), b"data: {}\n\n".to_vec());
+        h.response_headers
+            .replace(vec![("content-type".into(), "text/event-stream".into())]);
+        r.on_response_headers(&h);
+        for _ in 0..3 {
+            r.on_response_body(&h, 10);
+        }
+        r.on_done(&h);
+        let recorded: Vec<String> = h
+            .histograms
+            .borrow()
+            .keys()
+            .filter(|k| k.starts_with("dprank.delivered."))
+            .cloned()
+            .collect();
+        assert_eq!(recorded.len(), if timed { 2 } else { 0 }, "{extra}: {recorded:?}");
+        assert!(
+            recorded.iter().all(|k| k.contains(".rank_")),
+            "per (worker, rank): {recorded:?}"
+        );
+    }
+}
