@@ -432,11 +432,7 @@ impl Host for EnvoyHost {
     }
 
     fn response_status(&self) -> Result<Option<u32>, HostError> {
-        let name = ":status";
-        // SAFETY: the name is valid for the call; see `owned`.
-        let bytes = read_bytes(|data, size| unsafe {
-            proxy_get_header_map_value(RESPONSE_HEADERS, name.as_ptr(), name.len(), data, size)
-        })?;
+        let bytes = self.response_header(":status")?;
         Ok(bytes.and_then(|s| std::str::from_utf8(&s).ok()?.parse().ok()))
     }
 

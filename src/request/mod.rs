@@ -215,7 +215,7 @@ impl Request {
     /// for a held request now.
     pub fn on_done(&mut self, host: &dyn Host) {
         held::leave_if_held(self, host);
-        self.delivery.on_done(host);
+        self.delivery.on_done(&self.config, host);
         self.owed
             .settle(&self.config, host, &mut self.routing.states.borrow_mut());
         let queues = self.config.admission.as_ref().is_some_and(|a| a.queues());

@@ -174,13 +174,11 @@ fn apply_routed(req: &mut Request, host: &dyn Host, routed: &Routed) {
         routed.routed_at_ms,
     );
     req.rank_watch.watch(&routed.chosen);
-    let timed = req.config.delivery_timing;
-    if let (true, Some(rank), Some(worker)) =
-        (timed, routed.chosen.rank, req.config.worker(routed.chosen.worker))
-    {
-        let first = req.routing.states.borrow().first_rank(routed.chosen.worker);
+    if let (true, Some(rank)) = (req.config.delivery_timing, routed.chosen.rank) {
+        let worker = routed.chosen.worker;
+        let first = req.routing.states.borrow().first_rank(worker);
         req.delivery
-            .watch(&worker.name, first.saturating_add(rank), routed.routed_at_ms);
+            .watch(worker, first.saturating_add(rank), routed.routed_at_ms);
     }
 }
 
