@@ -1,7 +1,7 @@
 //! The checks every step of the validation shares: an error naming its
 //! key, and names that must stay plain.
 
-use super::ConfigError;
+use super::{ConfigError, Discovery, DiscoveryJson, DEFAULT_ADMIN_CLUSTER};
 
 pub(super) fn invalid(key: impl Into<String>, reason: impl Into<String>) -> ConfigError {
     ConfigError::Invalid {
@@ -37,4 +37,20 @@ pub(super) fn is_metric_name(name: &str) -> bool {
         && name
             .bytes()
             .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
+}
+
+/// An Envoy cluster to follow through the admin API (`key`:
+/// `workers_from_cluster` or `envoy_health`): its name and the admin
+/// cluster's (default `DEFAULT_ADMIN_CLUSTER`), neither empty.
+pub(super) fn discovery(key: &str, d: DiscoveryJson) -> Result<Discovery, ConfigError> {
+    let admin_cluster = d
+        .admin_cluster
+        .unwrap_or_else(|| DEFAULT_ADMIN_CLUSTER.to_string());
+    if d.cluster.is_empty() || admin_cluster.is_empty() {
+        return Err(invalid(key, "`cluster` and `admin_cluster` must not be empty"));
+    }
+    Ok(Discovery {
+        cluster: d.cluster,
+        admin_cluster,
+    })
 }

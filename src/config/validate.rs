@@ -2,7 +2,7 @@
 //! it validates out of the JSON and returns it checked, or an error naming
 //! the key at fault.
 
-use super::checks::{field_name, invalid, is_metric_name, non_empty};
+use super::checks::{self, field_name, invalid, is_metric_name, non_empty};
 use super::transport::{transport, TransportInput};
 use super::workers::{mode, rank_ports_allowed};
 use super::*;
@@ -169,19 +169,7 @@ fn envoy_health(json: Option<DiscoveryJson>, mode: &Mode) -> Result<Option<Disco
             "workers_from_cluster already leaves out the hosts Envoy reports unhealthy",
         ));
     }
-    let admin_cluster = json
-        .admin_cluster
-        .unwrap_or_else(|| DEFAULT_ADMIN_CLUSTER.to_string());
-    if json.cluster.is_empty() || admin_cluster.is_empty() {
-        return Err(invalid(
-            "envoy_health",
-            "`cluster` and `admin_cluster` must not be empty",
-        ));
-    }
-    Ok(Some(Discovery {
-        cluster: json.cluster,
-        admin_cluster,
-    }))
+    checks::discovery("envoy_health", json).map(Some)
 }
 
 /// Every client header no request keeps: the filter's own (route, pin), the

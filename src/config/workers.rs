@@ -2,7 +2,7 @@
 //! `prefill_workers` and `decode_workers`: exactly one mode), each worker
 //! entry checked, and the layouts a worker may have.
 
-use super::checks::{field_name, invalid, is_metric_name, non_empty};
+use super::checks::{self, field_name, invalid, is_metric_name, non_empty};
 use super::*;
 
 /// Which of the three modes the worker keys describe; exactly one must fit.
@@ -51,19 +51,7 @@ fn discovery(d: DiscoveryJson, json: &ConfigJson) -> Result<Discovery, ConfigErr
             "replaces `workers` (regular mode only): list workers or name a cluster, not both",
         ));
     }
-    let admin_cluster = d
-        .admin_cluster
-        .unwrap_or_else(|| DEFAULT_ADMIN_CLUSTER.to_string());
-    if d.cluster.is_empty() || admin_cluster.is_empty() {
-        return Err(invalid(
-            "workers_from_cluster",
-            "`cluster` and `admin_cluster` must not be empty",
-        ));
-    }
-    Ok(Discovery {
-        cluster: d.cluster,
-        admin_cluster,
-    })
+    checks::discovery("workers_from_cluster", d)
 }
 
 /// Regular mode: keys that only mean something in PD mode are refused.
