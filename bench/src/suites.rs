@@ -65,14 +65,15 @@ pub const HEADLINE: [&str; 6] = [
     "clairvoyant",
 ];
 
-/// Variants of the virtual-time headline: dprank, dprank on loads alone,
-/// the in-server balancer, round robin, the clairvoyant chooser, and the
-/// model of smg at its default and its best setting (tables label them a
-/// model).
-pub const VIRTUAL_HEADLINE: [&str; 7] = [
+/// Variants of the virtual-time headline: dprank, dprank on loads alone
+/// (the seed's rule), the in-server balancer without and with SGLang's
+/// prefill delayer, round robin, the clairvoyant chooser, and the model of
+/// smg at its default and its best setting (tables label them a model).
+pub const VIRTUAL_HEADLINE: [&str; 8] = [
     "dprank",
     "dprank-load-only",
     "in-server",
+    "in-server-delayer",
     "rr",
     "clairvoyant",
     "smg-cache-aware",
