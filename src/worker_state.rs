@@ -18,6 +18,7 @@ mod load_table;
 mod prefill;
 pub mod rank_value;
 pub mod saturation;
+pub mod slo;
 
 use crate::codec::Record;
 use crate::config::QueueMeasure;
@@ -56,6 +57,8 @@ pub struct WorkerState {
     pub prefill: PrefillState,
     /// Overload protection: each rank's drain rate and KV use.
     pub drain: DrainState,
+    /// SLO admission: what each rank's answers taught (`slo.rs`).
+    pub slo: slo::SloState,
     /// How the worker numbers its ranks: `tokens[i]` is its rank
     /// `first_rank + i` (above 0 for a node of a multi-node deployment).
     pub first_rank: u32,
@@ -122,6 +125,7 @@ impl WorkerState {
             && self.pending.iter().all(|p| p.tokens.len() <= max)
             && self.prefill.within_limits(max)
             && self.drain.within_limits(max)
+            && self.slo.within_limits(max)
             && self.source.within_limits(max)
     }
 
@@ -205,6 +209,7 @@ impl WorkerState {
     /// given back when their requests end.
     pub fn keep_ranks(&mut self, ranks: usize) {
         self.tokens.truncate(ranks);
+        self.slo.keep_ranks(ranks);
     }
 
     /// Makes the worker stale until its next successful poll.
@@ -299,6 +304,7 @@ impl WorkerState {
                 .running(rank)
                 .map(|r| r.saturating_add(queued.requests)),
             drain_tokens_per_s: self.drain.rate(rank, prior, learn),
+            learned: self.slo.learned(rank, self.ranks(), self.snapshot_at_ms),
         }
     }
 

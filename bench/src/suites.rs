@@ -550,7 +550,7 @@ impl Suite {
                             out.push(Cell {
                                 suite: self.name.clone(),
                                 workload: workload.clone(),
-                                variant: variant.for_cell(slo.ttft_ms, time_scale),
+                                variant: variant.for_cell(slo.ttft_ms, slo.tpot_ms, time_scale),
                                 seed: *seed,
                                 kv: *kv,
                                 preset: self.preset,

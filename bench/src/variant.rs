@@ -276,6 +276,12 @@ impl Variant {
                         block.insert(field.into(), Value::from(n));
                     });
                 }
+                "slo" => {
+                    // The cell's SLO targets, filled in by `for_cell`.
+                    with_admission(set, |block| {
+                        block.insert("slo".into(), Value::Bool(true));
+                    });
+                }
                 "server-priority" => {
                     // The class's priority in the body, and the simulated
                     // SGLang with --enable-priority-scheduling to read it.
@@ -319,7 +325,7 @@ impl Variant {
                     let parsed: Value = serde_json::from_str(raw).unwrap_or_else(|_| Value::String(raw.to_string()));
                     set.insert(key["set.".len()..].to_string(), parsed);
                 }
-                _ => return Err(format!("unknown key `{key}` (dprank keys: gw, spread, poll, poll-wall, admit, wait, queue-timeout, max-queued, drain, requests, standard-requests, server-priority, kv, ie, set.<filter key>, sim.<flag>)")),
+                _ => return Err(format!("unknown key `{key}` (dprank keys: gw, spread, poll, poll-wall, admit, wait, queue-timeout, max-queued, drain, requests, standard-requests, slo, server-priority, kv, ie, set.<filter key>, sim.<flag>)")),
             },
             Front::Smg {
                 policy,
@@ -599,7 +605,7 @@ impl Variant {
     /// ([`ADMIT_WAIT_SHARE_OF_TTFT`]); then its times, simulated ms like
     /// every time a variant names, become the wall ms the filter counts in
     /// (divided by `time_scale`; virtual time runs at 1).
-    pub fn for_cell(&self, ttft_ms: f64, time_scale: f64) -> Variant {
+    pub fn for_cell(&self, ttft_ms: f64, tpot_ms: f64, time_scale: f64) -> Variant {
         let mut out = self.clone();
         let (Front::Dprank { set, .. } | Front::DprankPd { set, .. }) = &mut out.front else {
             return out;
@@ -608,8 +614,18 @@ impl Variant {
             return out;
         }
         with_admission(set, |block| {
-            let wait = (ttft_ms * ADMIT_WAIT_SHARE_OF_TTFT).round().max(1.0) as u64;
-            block.entry("max_wait_ms").or_insert(Value::from(wait));
+            if block.get("slo") == Some(&Value::Bool(true)) {
+                // SLO admission: the targets alone (the wait cap defaults
+                // to the TTFT target in the filter).
+                let slo = serde_json::json!({
+                    "ttft_ms": ttft_ms.round().max(1.0) as u64,
+                    "tpot_ms": tpot_ms.round().max(1.0) as u64,
+                });
+                block.insert("slo".into(), slo);
+            } else {
+                let wait = (ttft_ms * ADMIT_WAIT_SHARE_OF_TTFT).round().max(1.0) as u64;
+                block.entry("max_wait_ms").or_insert(Value::from(wait));
+            }
             if block.get("when_saturated").and_then(Value::as_str) == Some("queue") {
                 block
                     .entry("queue_timeout_ms")
@@ -623,6 +639,9 @@ impl Variant {
                 };
                 for key in ["max_wait_ms", "queue_timeout_ms"] {
                     block.get_mut(key).map(wall);
+                }
+                if let Some(Value::Object(slo)) = block.get_mut("slo") {
+                    slo.values_mut().for_each(wall);
                 }
                 if let Some(Value::Object(classes)) = block.get_mut("class_max_wait_ms") {
                     classes.values_mut().for_each(wall);
@@ -769,7 +788,7 @@ mod tests {
 
     #[test]
     fn admission_limits_follow_the_ttft_target_unless_set() {
-        let block = |spec: &str, ttft: f64| match Variant::parse(spec).unwrap().for_cell(ttft, 1.0).front {
+        let block = |spec: &str, ttft: f64| match Variant::parse(spec).unwrap().for_cell(ttft, 50.0, 1.0).front {
             Front::Dprank { set, .. } => set.get("admission").cloned(),
             _ => None,
         };
@@ -800,6 +819,17 @@ mod tests {
             )
         );
         assert_eq!(
+            block("dprank:admit=reject:slo", 800.0),
+            Some(serde_json::json!({"when_saturated": "reject", "slo": {"ttft_ms": 800, "tpot_ms": 50}})),
+            "the targets alone"
+        );
+        assert_eq!(
+            block("dprank:admit=reject:slo:requests=60", 800.0),
+            Some(serde_json::json!({"when_saturated": "reject", "max_requests_per_rank": 60,
+                "slo": {"ttft_ms": 800, "tpot_ms": 50}})),
+            "a cap beside them"
+        );
+        assert_eq!(
             block("dprank:admit=reject:server-priority", 800.0),
             Some(serde_json::json!({"when_saturated": "reject", "max_wait_ms": 400,
                 "server_priority": {"critical": 1, "standard": 0, "sheddable": -1}}))
@@ -812,7 +842,7 @@ mod tests {
             "the simulated servers read it"
         );
         assert_eq!(block("dprank", 800.0), None, "no admission, none added");
-        let on_harness = |spec: &str| match Variant::parse(spec).unwrap().for_cell(800.0, 2.0).front {
+        let on_harness = |spec: &str| match Variant::parse(spec).unwrap().for_cell(800.0, 50.0, 2.0).front {
             Front::Dprank { set, .. } => set.get("admission").cloned(),
             _ => None,
         };
@@ -833,7 +863,7 @@ mod tests {
             "dprank-reject",
             "dprank:admit=reject:requests=48:standard-requests=40",
         ] {
-            let v = Variant::parse(spec).unwrap().for_cell(800.0, 1.0);
+            let v = Variant::parse(spec).unwrap().for_cell(800.0, 50.0, 1.0);
             assert!(
                 crate::offline::driver::dprank_config(&v, 2, false).is_ok(),
                 "{spec}"

@@ -6,7 +6,7 @@
 
 use super::UsageLimitPolicy;
 use crate::config::Admission as Settings;
-use crate::worker_state::saturation::{Limits, Rule};
+use crate::worker_state::saturation::{ClassSlo, Limits, Rule};
 
 /// Each class's limits, as configured.
 #[derive(Debug, Clone, Copy)]
@@ -19,6 +19,7 @@ impl UsageLimitPolicy for ClassLimits<'_> {
             max_wait_ms: settings.max_wait_ms_of(class),
             max_kv_usage: settings.max_kv_usage,
             max_requests: settings.max_requests_of(class),
+            slo: class_slo(settings, class),
         }
     }
 }
@@ -33,4 +34,18 @@ impl ClassLimits<'_> {
             learn: settings.learn_drain_rate,
         }
     }
+}
+
+/// SLO admission's share for `class` of what each rank learns: its TTFT
+/// target (the default class's, scaled as its wait limit is) and its share
+/// of the learned request limit (scaled as the configured limits are: a
+/// quarter of the highest class's less per class below).
+fn class_slo(settings: &Settings, class: usize) -> Option<ClassSlo> {
+    let slo = settings.slo?;
+    let wait_scale = settings.max_wait_ms_of(class) as f64 / settings.max_wait_ms.max(1) as f64;
+    let share = |c: usize| (4 - c.min(3)) as f64;
+    Some(ClassSlo {
+        ttft_ms: (slo.ttft_ms as f64 * wait_scale).round() as u64,
+        request_share: share(class) / share(settings.default_class),
+    })
 }

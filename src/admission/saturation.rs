@@ -63,6 +63,7 @@ mod tests {
             kv_usage: None,
             in_flight: None,
             drain_tokens_per_s: 10_000.0,
+            learned: Default::default(),
         }
     }
 
@@ -70,6 +71,7 @@ mod tests {
         max_wait_ms: 1000,
         max_kv_usage: None,
         max_requests: None,
+        slo: None,
     };
 
     #[test]

@@ -26,6 +26,20 @@ pub const MAX_REQUESTS_PER_RANK: u64 = 1_000_000;
 /// Longest `max_wait_ms` and `queue_timeout_ms` accepted (10 minutes).
 pub const MAX_WAIT_LIMIT_MS: u64 = 600_000;
 
+/// Longest `slo.tpot_ms` accepted (ms).
+pub const MAX_TPOT_TARGET_MS: u64 = 60_000;
+
+/// SLO admission's targets (`admission.slo`), for the default class: what
+/// each rank's limits are learned against (`worker_state/slo.rs`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct SloTargets {
+    /// Time to first token (ms).
+    pub ttft_ms: u64,
+    /// Time per output token: the mean gap between streamed chunks (ms).
+    pub tpot_ms: u64,
+}
+
 /// What happens to a request when every candidate rank is saturated.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
 #[serde(rename_all = "snake_case")]
@@ -40,6 +54,10 @@ pub enum WhenSaturatedJson {
 pub struct AdmissionJson {
     #[serde(default)]
     pub max_wait_ms: Option<u64>,
+    /// The default class's targets: limits learned per rank from the
+    /// answers (`max_wait_ms` and `max_requests_per_rank` become caps).
+    #[serde(default)]
+    pub slo: Option<SloTargets>,
     #[serde(default)]
     pub when_saturated: Option<WhenSaturatedJson>,
     #[serde(default)]
@@ -98,6 +116,8 @@ pub enum WhenSaturated {
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct Admission {
     pub max_wait_ms: u64,
+    /// SLO admission's targets for the default class (None: limits as set).
+    pub slo: Option<SloTargets>,
     pub when_saturated: WhenSaturated,
     /// Tokens per second a rank's queue drains at before any is learned.
     pub prefill_tokens_per_s: f64,
@@ -196,7 +216,25 @@ pub fn settings(
     let Some(json) = json else {
         return Ok(None);
     };
-    let max_wait_ms = json.max_wait_ms.unwrap_or(DEFAULT_MAX_WAIT_MS);
+    if let Some(slo) = &json.slo {
+        if !(1..=MAX_WAIT_LIMIT_MS).contains(&slo.ttft_ms) {
+            return Err(invalid(
+                "slo.ttft_ms",
+                format!("must be 1..={MAX_WAIT_LIMIT_MS}, got {}", slo.ttft_ms),
+            ));
+        }
+        if !(1..=MAX_TPOT_TARGET_MS).contains(&slo.tpot_ms) {
+            return Err(invalid(
+                "slo.tpot_ms",
+                format!("must be 1..={MAX_TPOT_TARGET_MS}, got {}", slo.tpot_ms),
+            ));
+        }
+    }
+    // With targets, an unset wait cap is the TTFT target: a rank whose
+    // queue alone would take longer cannot meet it.
+    let max_wait_ms = json
+        .max_wait_ms
+        .unwrap_or(json.slo.map_or(DEFAULT_MAX_WAIT_MS, |s| s.ttft_ms));
     if !(1..=MAX_WAIT_LIMIT_MS).contains(&max_wait_ms) {
         return Err(invalid(
             "max_wait_ms",
@@ -250,6 +288,7 @@ pub fn settings(
     let server_priority = server_priority(&json, &classes)?;
     Ok(Some(Admission {
         max_wait_ms,
+        slo: json.slo,
         when_saturated,
         prefill_tokens_per_s: rate,
         learn_drain_rate: json.learn_drain_rate.unwrap_or(true),

@@ -12,7 +12,7 @@ mod transport;
 mod validate;
 mod workers;
 
-pub use admission::{Admission, WhenSaturated};
+pub use admission::{Admission, SloTargets, WhenSaturated};
 pub use engine::{Engine, EngineKind};
 pub use gateways::{Pick, PickRule};
 pub use json::{ConfigJson, DiscoveryJson, PassiveHealthJson, WorkerJson};

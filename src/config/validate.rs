@@ -78,6 +78,13 @@ impl TryFrom<ConfigJson> for Config {
         let removed_headers = removed_headers(&taken, &transport, sets_priority);
         let removed: Vec<&str> = removed_headers.iter().map(String::as_str).collect();
         let admission = admission::settings(json.admission.take(), &removed)?;
+        let delivery_timing = json.delivery_timing.unwrap_or(true);
+        if !delivery_timing && admission.as_ref().is_some_and(|a| a.slo.is_some()) {
+            return Err(super::checks::invalid(
+                "delivery_timing",
+                "admission.slo learns from the timed answers: it cannot be false with it",
+            ));
+        }
         Ok(Config {
             engine,
             mode,
@@ -91,7 +98,7 @@ impl TryFrom<ConfigJson> for Config {
             cost_estimate,
             fail_mode: json.fail_mode.unwrap_or(FailMode::Open),
             rank_numbering: json.rank_numbering.unwrap_or(RankNumbering::Local),
-            delivery_timing: json.delivery_timing.unwrap_or(true),
+            delivery_timing,
             paths,
             keep_client_rank,
             pin_header,

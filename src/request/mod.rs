@@ -205,7 +205,8 @@ impl Request {
         self.owed
             .first_byte(&self.config, host, &mut self.routing.states.borrow_mut());
         self.rank_watch.on_response_body(&self.config, host, body_size);
-        self.delivery.on_response_body(host, body_size);
+        let seen = self.delivery.on_response_body(host, body_size);
+        delivery::keep(&self.routing, &self.config, seen);
         self.prefill.on_response_body()
     }
 
@@ -215,7 +216,8 @@ impl Request {
     /// for a held request now.
     pub fn on_done(&mut self, host: &dyn Host) {
         held::leave_if_held(self, host);
-        self.delivery.on_done(&self.config, host);
+        let seen = self.delivery.on_done(&self.config, host);
+        delivery::keep(&self.routing, &self.config, seen);
         self.owed
             .settle(&self.config, host, &mut self.routing.states.borrow_mut());
         let queues = self.config.admission.as_ref().is_some_and(|a| a.queues());

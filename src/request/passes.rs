@@ -81,6 +81,7 @@ pub fn let_in(routing: &Routing, host: &dyn Host, return_to: u32, from_root: boo
 /// the place of too, this thread says what it holds, the gauges are
 /// set, and requests are let in where there is room.
 pub fn on_admission_tick(routing: &Routing, host: &dyn Host, root: u32) {
+    super::delivery::write_delivered(routing, host);
     let config = routing.current(host);
     let Some(settings) = config.admission.clone() else {
         return;

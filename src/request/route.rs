@@ -5,6 +5,7 @@
 //! once its prefill leg is sent (`prefill.rs`). What the request owes from
 //! then on is `teardown.rs`'s.
 
+use super::delivery::AtRouting;
 use super::held::{self, Left};
 use super::prefill;
 use super::{Action, Request};
@@ -13,6 +14,8 @@ use crate::headers::SERVER_PRIORITY_HEADER;
 use crate::host::Host;
 use crate::metrics::{self, AdmissionEvent, HostCall};
 use crate::router::{self, route_value, Decision, Input, PassReason, RouteArgs, Routed};
+use crate::shared_data::cache::StateCache;
+use crate::worker_state::saturation::expected_wait_ms;
 
 /// Routes the request and applies the decision, or holds or refuses it
 /// when admission keeps it out.
@@ -176,10 +179,33 @@ fn apply_routed(req: &mut Request, host: &dyn Host, routed: &Routed) {
     req.rank_watch.watch(&routed.chosen);
     if let (true, Some(rank)) = (req.config.delivery_timing, routed.chosen.rank) {
         let worker = routed.chosen.worker;
-        let first = req.routing.states.borrow().first_rank(worker);
-        req.delivery
-            .watch(worker, first.saturating_add(rank), routed.routed_at_ms);
+        let states = req.routing.states.borrow();
+        let first = states.first_rank(worker);
+        let at_routing = at_routing(req, &states, worker, rank as usize);
+        drop(states);
+        req.delivery.watch(
+            worker,
+            (rank as usize, first.saturating_add(rank)),
+            routed.routed_at_ms,
+            at_routing,
+        );
     }
+}
+
+/// With SLO admission, the chosen rank's queue as the request joined it
+/// (its own prompt and estimate in it): what its answer is judged against.
+fn at_routing(req: &Request, states: &StateCache, worker: usize, rank: usize) -> Option<AtRouting> {
+    let settings = req.config.admission.as_ref().filter(|a| a.slo.is_some())?;
+    let class = req.admitting.map(|a| a.applicant.class);
+    let rule = Controller::new(Some(settings)).rule(class)?;
+    let state = states.states().get(worker)?.as_ref()?;
+    let in_flight = (0..state.ranks())
+        .map(|r| rule.queue(state, r).in_flight)
+        .sum::<Option<u64>>();
+    Some(AtRouting {
+        predicted_wait_ms: expected_wait_ms(&rule.queue(state, rank)),
+        in_flight,
+    })
 }
 
 /// Envoy does not correct `content-length` after a body change: dprank

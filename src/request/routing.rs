@@ -1,13 +1,14 @@
 //! What every request of one VM shares ([`Routing`]): the configuration in
 //! force with the cluster's current members, the decoded worker states and
-//! health record, the tie-break sequence, and admission's queue on this
-//! thread.
+//! health record, the tie-break sequence, admission's queue on this
+//! thread, and what answers showed SLO admission since its last tick.
 
 use super::held::Held;
 use crate::config::Config;
 use crate::discovery::Membership;
 use crate::host::Host;
 use crate::shared_data::cache::StateCache;
+use crate::worker_state::slo::Observation;
 use std::cell::{Cell, RefCell};
 use std::rc::Rc;
 
@@ -17,7 +18,24 @@ pub struct Routing {
     tie_breaks: Cell<u64>,
     /// Admission's queue on this thread.
     pub(super) held: Held,
+    /// SLO admission: what answers showed since this thread's last tick,
+    /// written to the workers' shared states at the next one.
+    pub(super) delivered: RefCell<Vec<Delivered>>,
 }
+
+/// One observation of a rank, by a request routed under `config`.
+#[derive(Debug)]
+pub(super) struct Delivered {
+    pub config: Rc<Config>,
+    /// Index in `config.all_workers`.
+    pub worker: usize,
+    /// The rank's index in the worker's state.
+    pub rank: usize,
+    pub observation: Observation,
+}
+
+/// Most observations a thread keeps between two ticks (more are dropped).
+pub const MAX_DELIVERED: usize = 4096;
 
 impl Routing {
     /// `seed` starts this VM's tie-break sequence apart from other threads'.
@@ -27,6 +45,7 @@ impl Routing {
             states: RefCell::new(StateCache::default()),
             tie_breaks: Cell::new(seed),
             held: Held::default(),
+            delivered: RefCell::new(Vec::new()),
         }
     }
 

@@ -156,6 +156,7 @@ mod tests {
                     max_wait_ms: 1,
                     max_kv_usage: None,
                     max_requests: None,
+                    slo: None,
                 },
                 prior_tokens_per_s: 1.0,
                 learn: false,

@@ -67,6 +67,8 @@ pub struct RankQueue {
     pub in_flight: Option<u64>,
     /// Tokens per second its queue drains at (learned, or the prior).
     pub drain_tokens_per_s: f64,
+    /// What SLO admission learned of it (nothing without).
+    pub learned: super::slo::Learned,
 }
 
 fn decayed(v: u64, keep: f64) -> u64 {

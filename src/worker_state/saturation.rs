@@ -5,7 +5,7 @@
 //! keeps saturated ranks out of a choice while others have room.
 //! docs/overload.md says why it reads what it reads.
 
-use super::{RankQueue, WorkerState};
+use super::{slo, RankQueue, WorkerState};
 
 /// What makes a rank saturated for a request of one class
 /// (`config::Admission`).
@@ -16,6 +16,43 @@ pub struct Limits {
     /// A rank with this many requests on it (running and waiting) has no
     /// room for another.
     pub max_requests: Option<u64>,
+    /// SLO admission: the class's targets, which what each rank learned
+    /// turns into its own limits, under the caps above.
+    pub slo: Option<ClassSlo>,
+}
+
+/// A class's share of what SLO admission learns per rank.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct ClassSlo {
+    /// The class's TTFT target (ms): its wait budget on a rank is this
+    /// less the rank's first-token margin.
+    pub ttft_ms: u64,
+    /// Its share of the rank's learned request limit (1 for the class the
+    /// limit is learned for).
+    pub request_share: f64,
+}
+
+impl Limits {
+    /// The wait limit on the rank of `q`: the configured one, or the
+    /// class's wait budget there if SLO admission learned less.
+    pub fn max_wait_on(&self, q: &RankQueue) -> u64 {
+        match (self.slo, q.learned.margin_ms) {
+            (Some(s), Some(margin)) => self.max_wait_ms.min(slo::wait_budget_ms(s.ttft_ms, margin)),
+            _ => self.max_wait_ms,
+        }
+    }
+
+    /// The request limit on the rank of `q`: the configured one, or the
+    /// class's share of the rank's learned one if lower.
+    pub fn max_requests_on(&self, q: &RankQueue) -> Option<u64> {
+        let learned = self.slo.zip(q.learned.request_limit).map(|(s, limit)| {
+            ((limit as f64 * s.request_share).ceil() as u64).max(1)
+        });
+        match (self.max_requests, learned) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
+    }
 }
 
 /// Admission's rule for a request: everything needed to judge a rank from
@@ -68,12 +105,13 @@ pub fn expected_wait_ms(q: &RankQueue) -> u64 {
 /// not known.
 pub fn excess_ms(q: &RankQueue, limits: &Limits) -> Option<u64> {
     let wait = expected_wait_ms(q);
-    if wait > limits.max_wait_ms {
-        return Some(wait - limits.max_wait_ms);
+    let max_wait = limits.max_wait_on(q);
+    if wait > max_wait {
+        return Some(wait - max_wait);
     }
     let kv_full = matches!((q.kv_usage, limits.max_kv_usage), (Some(kv), Some(max)) if kv >= max);
-    let busy = matches!((q.in_flight, limits.max_requests), (Some(n), Some(max)) if n >= max);
-    (kv_full || busy).then_some(limits.max_wait_ms)
+    let busy = matches!((q.in_flight, limits.max_requests_on(q)), (Some(n), Some(max)) if n >= max);
+    (kv_full || busy).then_some(max_wait)
 }
 
 #[cfg(test)]
@@ -88,6 +126,7 @@ mod tests {
             kv_usage: None,
             in_flight: None,
             drain_tokens_per_s: 10_000.0,
+            learned: Default::default(),
         }
     }
 
@@ -95,6 +134,7 @@ mod tests {
         max_wait_ms: 1000,
         max_kv_usage: None,
         max_requests: None,
+        slo: None,
     };
 
     #[test]

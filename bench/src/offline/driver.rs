@@ -427,7 +427,7 @@ pub fn run(plan: &Plan, spec: &RunSpec) -> Result<Outcome, String> {
                 flight.record.prompt_tokens = Some(report.prompt_tokens);
                 flight.record.cached_tokens = Some(report.cached_tokens);
                 if flight.streamed {
-                    front.first_bytes(report.at, &mut flight.held);
+                    front.first_bytes(report.at, &mut flight.held, true);
                 }
                 continue;
             }
@@ -436,9 +436,13 @@ pub fn run(plan: &Plan, spec: &RunSpec) -> Result<Outcome, String> {
             };
             let front = &mut fronts[flight.gateway];
             if !flight.streamed {
-                front.first_bytes(report.at, &mut flight.held);
+                front.first_bytes(report.at, &mut flight.held, false);
             }
-            front.done(report.at, flight.placement, &mut flight.held);
+            let later_chunks = match flight.streamed {
+                true => (report.completion_tokens as u64).saturating_sub(1),
+                false => 0,
+            };
+            front.done(report.at, flight.placement, &mut flight.held, later_chunks);
             let first = flight.first_s.unwrap_or(report.at);
             let r = &mut flight.record;
             r.end_s = report.at;

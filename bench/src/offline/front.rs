@@ -307,18 +307,33 @@ impl DprankGateway {
         }
     }
 
-    /// The response's head and first body chunk reached the gateway.
-    pub fn first_bytes(&self, t_s: f64, ctx: u32, request: &RefCell<Request>) {
+    /// The response's head and first body chunk reached the gateway: a
+    /// 200 stream of server-sent events whose first chunk is the first
+    /// token when `streamed`, else a whole answer.
+    pub fn first_bytes(&self, t_s: f64, ctx: u32, request: &RefCell<Request>, streamed: bool) {
         self.set_time(t_s);
         let _ = self.host.set_effective_context(ctx);
+        if streamed {
+            *self.host.response.borrow_mut() = (Some(200), Vec::new());
+            *self.host.response_headers.borrow_mut() = vec![("content-type".into(), "text/event-stream".into())];
+        } else {
+            *self.host.response.borrow_mut() = (None, Vec::new());
+            self.host.response_headers.borrow_mut().clear();
+        }
         request.borrow_mut().on_response_headers(&self.host);
-        request.borrow_mut().on_response_body(&self.host, 0);
+        request.borrow_mut().on_response_body(&self.host, usize::from(streamed));
     }
 
-    /// The stream ended (Envoy's access log callback).
-    pub fn done(&self, t_s: f64, ctx: u32, request: &RefCell<Request>) {
+    /// The stream ended (Envoy's access log callback), `later_chunks`
+    /// chunks after the first (one per later token of a streamed answer:
+    /// the gateway's mean gap between them is the answer's TPOT; they are
+    /// handed over at the end, as only their count and the end matter).
+    pub fn done(&self, t_s: f64, ctx: u32, request: &RefCell<Request>, later_chunks: u64) {
         self.set_time(t_s);
         let _ = self.host.set_effective_context(ctx);
+        for _ in 0..later_chunks {
+            request.borrow_mut().on_response_body(&self.host, 1);
+        }
         request.borrow_mut().on_done(&self.host);
         self.host.end_context(ctx);
     }
@@ -510,13 +525,14 @@ impl Front {
         }
     }
 
-    pub fn first_bytes(&mut self, t_s: f64, held: &mut Held) {
+    pub fn first_bytes(&mut self, t_s: f64, held: &mut Held, streamed: bool) {
         if let (Some(gateway), Held::Dprank(ctx, request)) = (self.dprank(), held) {
-            gateway.first_bytes(t_s, *ctx, request);
+            gateway.first_bytes(t_s, *ctx, request, streamed);
         }
     }
 
-    pub fn done(&mut self, t_s: f64, placement: Placement, held: &mut Held) {
+    /// The answer ended, `later_chunks` streamed chunks after its first.
+    pub fn done(&mut self, t_s: f64, placement: Placement, held: &mut Held, later_chunks: u64) {
         match (self, held) {
             (Front::LeastRequest { active, .. }, _) => {
                 if let Some(count) = active.get_mut(placement.worker) {
@@ -531,7 +547,7 @@ impl Front {
             }
             (front, Held::Dprank(ctx, request)) => {
                 if let Some(gateway) = front.dprank() {
-                    gateway.done(t_s, *ctx, request);
+                    gateway.done(t_s, *ctx, request, later_chunks);
                 }
             }
             _ => {}

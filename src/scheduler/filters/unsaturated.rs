@@ -57,6 +57,7 @@ mod tests {
                 max_wait_ms: 500,
                 max_kv_usage: None,
                 max_requests: None,
+                slo: None,
             },
             prior_tokens_per_s: 1000.0,
             learn: true,
