@@ -788,10 +788,11 @@ mod tests {
 
     #[test]
     fn admission_limits_follow_the_ttft_target_unless_set() {
-        let block = |spec: &str, ttft: f64| match Variant::parse(spec).unwrap().for_cell(ttft, 50.0, 1.0).front {
-            Front::Dprank { set, .. } => set.get("admission").cloned(),
-            _ => None,
-        };
+        let block =
+            |spec: &str, ttft: f64| match Variant::parse(spec).unwrap().for_cell(ttft, 50.0, 1.0).front {
+                Front::Dprank { set, .. } => set.get("admission").cloned(),
+                _ => None,
+            };
         assert_eq!(
             block("dprank-queue", 800.0),
             Some(serde_json::json!({"when_saturated": "queue", "max_wait_ms": 400, "queue_timeout_ms": 800}))
@@ -825,8 +826,10 @@ mod tests {
         );
         assert_eq!(
             block("dprank:admit=reject:slo:requests=60", 800.0),
-            Some(serde_json::json!({"when_saturated": "reject", "max_requests_per_rank": 60,
-                "slo": {"ttft_ms": 800, "tpot_ms": 50}})),
+            Some(
+                serde_json::json!({"when_saturated": "reject", "max_requests_per_rank": 60,
+                "slo": {"ttft_ms": 800, "tpot_ms": 50}})
+            ),
             "a cap beside them"
         );
         assert_eq!(

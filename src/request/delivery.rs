@@ -151,7 +151,9 @@ impl Delivery {
 /// (dropped past [`MAX_DELIVERED`]: the tick is late, and the next
 /// answers will tell as much).
 pub(super) fn keep(routing: &Routing, config: &Rc<Config>, seen: Option<Seen>) {
-    let Some((worker, rank, observation)) = seen else { return };
+    let Some((worker, rank, observation)) = seen else {
+        return;
+    };
     let mut delivered = routing.delivered.borrow_mut();
     if delivered.len() < MAX_DELIVERED {
         delivered.push(Delivered {
@@ -169,13 +171,20 @@ pub(super) fn write_delivered(routing: &Routing, host: &dyn Host) {
     let delivered = std::mem::take(&mut *routing.delivered.borrow_mut());
     let mut by_worker: BTreeMap<(*const Config, usize), Vec<Delivered>> = BTreeMap::new();
     for d in delivered {
-        by_worker.entry((Rc::as_ptr(&d.config), d.worker)).or_default().push(d);
+        by_worker
+            .entry((Rc::as_ptr(&d.config), d.worker))
+            .or_default()
+            .push(d);
     }
     let now = host.now_ms();
     let mut states = routing.states.borrow_mut();
     for ((_, worker), seen) in by_worker {
-        let Some(config) = seen.first().map(|d| d.config.clone()) else { continue };
-        let Some(targets) = config.admission.as_ref().and_then(|a| a.slo) else { continue };
+        let Some(config) = seen.first().map(|d| d.config.clone()) else {
+            continue;
+        };
+        let Some(targets) = config.admission.as_ref().and_then(|a| a.slo) else {
+            continue;
+        };
         states.write_as_routed(&config, host, worker, |state| {
             for d in &seen {
                 state.slo.observe(d.rank, &d.observation, &targets, now);

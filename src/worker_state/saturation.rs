@@ -45,9 +45,10 @@ impl Limits {
     /// The request limit on the rank of `q`: the configured one, or the
     /// class's share of the rank's learned one if lower.
     pub fn max_requests_on(&self, q: &RankQueue) -> Option<u64> {
-        let learned = self.slo.zip(q.learned.request_limit).map(|(s, limit)| {
-            ((limit as f64 * s.request_share).ceil() as u64).max(1)
-        });
+        let learned = self
+            .slo
+            .zip(q.learned.request_limit)
+            .map(|(s, limit)| ((limit as f64 * s.request_share).ceil() as u64).max(1));
         match (self.max_requests, learned) {
             (Some(a), Some(b)) => Some(a.min(b)),
             (a, b) => a.or(b),

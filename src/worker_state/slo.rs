@@ -105,7 +105,9 @@ impl RankSlo {
                     Some(l) if missed && n >= l * MISS_COUNTS_FROM && n <= l => {
                         l * (-LIMIT_STEP * WITHIN_SHARE).exp()
                     }
-                    Some(l) if !missed && n >= l * NEAR_LIMIT => l * (LIMIT_STEP * (1.0 - WITHIN_SHARE)).exp(),
+                    Some(l) if !missed && n >= l * NEAR_LIMIT => {
+                        l * (LIMIT_STEP * (1.0 - WITHIN_SHARE)).exp()
+                    }
                     Some(_) => return,
                 };
                 self.limit_milli = Some(next.max(1000.0).round() as u64);
@@ -166,7 +168,10 @@ impl SloState {
     /// What rank index `rank` of `ranks` allows (see [`RankSlo::learned`]):
     /// its own margin and its even share of the worker's limit.
     pub fn learned(&self, rank: usize, ranks: usize, polled_at_ms: u64) -> Learned {
-        let margin_ms = self.ranks.get(rank).and_then(|r| r.learned(polled_at_ms).margin_ms);
+        let margin_ms = self
+            .ranks
+            .get(rank)
+            .and_then(|r| r.learned(polled_at_ms).margin_ms);
         let request_limit = self
             .worker
             .learned(polled_at_ms)
@@ -222,7 +227,10 @@ mod tests {
             r.observe(&first(1_700, 500), &TARGETS, 1);
         }
         let high = r.learned(1).margin_ms.unwrap();
-        assert!((1_150..=1_200).contains(&high), "a straggler is seen within 15 answers: {high}");
+        assert!(
+            (1_150..=1_200).contains(&high),
+            "a straggler is seen within 15 answers: {high}"
+        );
         for _ in 0..15 {
             r.observe(&first(700, 500), &TARGETS, 1);
         }
@@ -253,7 +261,11 @@ mod tests {
         r.observe(&decoded(60, 40), &TARGETS, 2);
         assert_eq!(r.learned(2).request_limit, Some(40), "the requests it came with");
         r.observe(&decoded(60, 10), &TARGETS, 3);
-        assert_eq!(r.learned(3).request_limit, Some(40), "far below the limit: not the batch");
+        assert_eq!(
+            r.learned(3).request_limit,
+            Some(40),
+            "far below the limit: not the batch"
+        );
         r.observe(&decoded(60, 45), &TARGETS, 3);
         assert_eq!(
             r.learned(3).request_limit,
@@ -265,7 +277,10 @@ mod tests {
             r.observe(&decoded(60, at_limit), &TARGETS, 4);
         }
         let halved = r.learned(4).request_limit.unwrap();
-        assert!((19..=21).contains(&halved), "a straggler halves it in 15 answers: {halved}");
+        assert!(
+            (19..=21).contains(&halved),
+            "a straggler halves it in 15 answers: {halved}"
+        );
     }
 
     #[test]
@@ -282,7 +297,10 @@ mod tests {
             r.observe(&decoded(tpot, n), &TARGETS, 1);
         }
         let settled = r.learned(1).request_limit.unwrap();
-        assert!((28..=30).contains(&settled), "just below where misses start: {settled}");
+        assert!(
+            (28..=30).contains(&settled),
+            "just below where misses start: {settled}"
+        );
     }
 
     #[test]
@@ -292,7 +310,11 @@ mod tests {
         for _ in 0..100 {
             r.observe(&decoded(40, 5), &TARGETS, 2);
         }
-        assert_eq!(r.learned(2).request_limit, Some(20), "not near the limit: it says nothing");
+        assert_eq!(
+            r.learned(2).request_limit,
+            Some(20),
+            "not near the limit: it says nothing"
+        );
         for _ in 0..200 {
             r.observe(&decoded(40, 20), &TARGETS, 3);
         }
@@ -328,13 +350,23 @@ mod tests {
         s.observe(2, &decoded(60, 100), &TARGETS, 1_000);
         s.observe(2, &first(900, 100), &TARGETS, 1_000);
         let learned = s.learned(2, 8, 1_000 + FORGET_AFTER_MS);
-        assert_eq!(learned, Learned { margin_ms: Some(800), request_limit: Some(13) });
+        assert_eq!(
+            learned,
+            Learned {
+                margin_ms: Some(800),
+                request_limit: Some(13)
+            }
+        );
         assert_eq!(
             s.learned(0, 8, 1_000).request_limit,
             Some(13),
             "every rank's share of the worker's 100"
         );
-        assert_eq!(s.learned(0, 8, 1_000).margin_ms, None, "margins are each rank's own");
+        assert_eq!(
+            s.learned(0, 8, 1_000).margin_ms,
+            None,
+            "margins are each rank's own"
+        );
         assert_eq!(s.learned(2, 8, 1_001 + FORGET_AFTER_MS), Learned::default());
         s.keep_ranks(2);
         assert_eq!(s.learned(2, 2, 1_000).margin_ms, None);

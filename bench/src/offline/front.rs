@@ -315,13 +315,16 @@ impl DprankGateway {
         let _ = self.host.set_effective_context(ctx);
         if streamed {
             *self.host.response.borrow_mut() = (Some(200), Vec::new());
-            *self.host.response_headers.borrow_mut() = vec![("content-type".into(), "text/event-stream".into())];
+            *self.host.response_headers.borrow_mut() =
+                vec![("content-type".into(), "text/event-stream".into())];
         } else {
             *self.host.response.borrow_mut() = (None, Vec::new());
             self.host.response_headers.borrow_mut().clear();
         }
         request.borrow_mut().on_response_headers(&self.host);
-        request.borrow_mut().on_response_body(&self.host, usize::from(streamed));
+        request
+            .borrow_mut()
+            .on_response_body(&self.host, usize::from(streamed));
     }
 
     /// The stream ended (Envoy's access log callback), `later_chunks`
