@@ -36,16 +36,14 @@ impl ClassLimits<'_> {
     }
 }
 
-/// SLO admission's share for `class` of what each rank learns: its TTFT
-/// target (the default class's, scaled as its wait limit is) and its share
-/// of the learned request limit (scaled as the configured limits are: a
-/// quarter of the highest class's less per class below).
+/// SLO admission's share for `class` of what each rank learns: the
+/// highest class may take the whole wait budget and request limit, each
+/// class below a quarter less (down to a quarter), as the configured
+/// request limits are shared.
 fn class_slo(settings: &Settings, class: usize) -> Option<ClassSlo> {
     let slo = settings.slo?;
-    let wait_scale = settings.max_wait_ms_of(class) as f64 / settings.max_wait_ms.max(1) as f64;
-    let share = |c: usize| (4 - c.min(3)) as f64;
     Some(ClassSlo {
-        ttft_ms: (slo.ttft_ms as f64 * wait_scale).round() as u64,
-        request_share: share(class) / share(settings.default_class),
+        ttft_ms: slo.ttft_ms,
+        share: (4 - class.min(3)) as f64 / 4.0,
     })
 }

@@ -24,12 +24,12 @@ pub struct Limits {
 /// A class's share of what SLO admission learns per rank.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct ClassSlo {
-    /// The class's TTFT target (ms): its wait budget on a rank is this
-    /// less the rank's first-token margin.
+    /// The TTFT target (ms): the wait budget on a rank is this less the
+    /// rank's first-token margin.
     pub ttft_ms: u64,
-    /// Its share of the rank's learned request limit (1 for the class the
-    /// limit is learned for).
-    pub request_share: f64,
+    /// The class's share of the wait budget and of the learned request
+    /// limit (1 for the highest class: lower ones stop short of it).
+    pub share: f64,
 }
 
 impl Limits {
@@ -37,7 +37,10 @@ impl Limits {
     /// class's wait budget there if SLO admission learned less.
     pub fn max_wait_on(&self, q: &RankQueue) -> u64 {
         match (self.slo, q.learned.margin_ms) {
-            (Some(s), Some(margin)) => self.max_wait_ms.min(slo::wait_budget_ms(s.ttft_ms, margin)),
+            (Some(s), Some(margin)) => {
+                let budget = slo::wait_budget_ms(s.ttft_ms, margin) as f64 * s.share;
+                self.max_wait_ms.min(budget.round() as u64)
+            }
             _ => self.max_wait_ms,
         }
     }
@@ -48,7 +51,7 @@ impl Limits {
         let learned = self
             .slo
             .zip(q.learned.request_limit)
-            .map(|(s, limit)| ((limit as f64 * s.request_share).ceil() as u64).max(1));
+            .map(|(s, limit)| ((limit as f64 * s.share).ceil() as u64).max(1));
         match (self.max_requests, learned) {
             (Some(a), Some(b)) => Some(a.min(b)),
             (a, b) => a.or(b),
