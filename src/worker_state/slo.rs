@@ -38,13 +38,18 @@ pub const BINS: usize = 64;
 /// (every answer fades every bin): bins the limit keeps empty fade, and
 /// the limit is tried again above them after a few minutes of traffic.
 pub const BIN_SPAN: f64 = 5_000.0;
-/// A bin judges only with at least this many (faded) answers in it.
+/// A bin judges only with at least this many (faded) answers in it, and
+/// against at least `BELOW_EVIDENCE` answers of smaller batches.
 pub const BIN_EVIDENCE: f64 = 20.0;
+pub const BELOW_EVIDENCE: f64 = 100.0;
+/// The most the limit rises per answer (0.1%: doubling over about 700
+/// answers).
+pub const LIMIT_RISE: f64 = 1.001;
 /// A bin is past the limit when its answers miss this much more often
 /// than all those of smaller batches, and by more than `MISS_Z` standard
 /// errors of that rate (not by chance).
 pub const MISS_EXCESS: f64 = 0.05;
-pub const MISS_Z: f64 = 3.0;
+pub const MISS_Z: f64 = 4.0;
 
 /// What one routed request's answer showed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -133,8 +138,11 @@ fn bin_floor(b: usize) -> u64 {
 struct WorkerMisses {
     bins: Vec<Bin>,
     observed_at_ms: u64,
-    /// [`WorkerMisses::judge`] after the last observation.
-    limit: Option<u64>,
+    /// The limit in thousandths: down at once to what
+    /// [`WorkerMisses::judge`] finds, up by at most [`LIMIT_RISE`] per
+    /// answer (toward a higher bin, or with none judged: the answers that
+    /// tell of a larger batch come only after its long decodes).
+    limit_milli: Option<u64>,
 }
 
 impl WorkerMisses {
@@ -151,20 +159,29 @@ impl WorkerMisses {
         bin.answers_milli += 1000;
         bin.misses_milli += if missed { 1000 } else { 0 };
         self.observed_at_ms = now_ms.max(1);
-        self.limit = self.judge();
+        let judged = self.judge().map(|n| n.saturating_mul(1000));
+        let risen = self.limit_milli.map(|l| (l as f64 * LIMIT_RISE).ceil() as u64);
+        self.limit_milli = match (judged, risen) {
+            (Some(j), Some(r)) => Some(j.min(r)),
+            (j, r) => j.or(r),
+        };
     }
 
     /// The smallest batch of the first bin (from the smallest batches up)
     /// whose answers miss more often than all the answers of smaller
     /// batches, by [`MISS_EXCESS`] and beyond chance ([`MISS_Z`] standard
-    /// errors); None: no batch misses clearly more than smaller ones.
+    /// errors of the difference); None: no batch misses clearly more than
+    /// smaller ones.
     fn judge(&self) -> Option<u64> {
         let (mut answers, mut misses) = (0.0, 0.0);
         for (i, bin) in self.bins.iter().enumerate() {
             let n = bin.answers();
-            if n >= BIN_EVIDENCE && answers >= BIN_EVIDENCE {
+            if n >= BIN_EVIDENCE && answers >= BELOW_EVIDENCE {
                 let below = misses / answers;
-                let spread = (below * (1.0 - below) / n).sqrt().max(1.0 / n);
+                let pooled = (misses + bin.misses_milli as f64 / 1000.0) / (answers + n);
+                let spread = (pooled * (1.0 - pooled) * (1.0 / n + 1.0 / answers))
+                    .sqrt()
+                    .max(1.0 / n);
                 let excess = bin.miss_rate() - below;
                 if excess > MISS_EXCESS && excess > MISS_Z * spread {
                     return Some(bin_floor(i));
@@ -241,8 +258,9 @@ impl SloState {
             .filter(|r| fresh(r.observed_at_ms))
             .map(|r| r.margin_us / 1000);
         let request_limit = fresh(self.worker.observed_at_ms)
-            .then_some(self.worker.limit)
+            .then_some(self.worker.limit_milli)
             .flatten()
+            .map(|l| l / 1000)
             .map(|l| l.div_ceil(ranks.max(1) as u64).max(1));
         Learned {
             margin_ms,
