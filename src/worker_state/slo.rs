@@ -50,6 +50,10 @@ pub const LIMIT_RISE: f64 = 1.001;
 /// errors of that rate (not by chance).
 pub const MISS_EXCESS: f64 = 0.05;
 pub const MISS_Z: f64 = 4.0;
+/// A bin whose answers miss more often than this is past the limit
+/// whatever smaller batches did (a fleet that was overrun before any
+/// smaller batch was judged).
+pub const MISS_CEILING: f64 = 0.5;
 
 /// What one routed request's answer showed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -170,12 +174,15 @@ impl WorkerMisses {
     /// The smallest batch of the first bin (from the smallest batches up)
     /// whose answers miss more often than all the answers of smaller
     /// batches, by [`MISS_EXCESS`] and beyond chance ([`MISS_Z`] standard
-    /// errors of the difference); None: no batch misses clearly more than
-    /// smaller ones.
+    /// errors of the difference), or more often than [`MISS_CEILING`];
+    /// None: no batch misses clearly more than smaller ones.
     fn judge(&self) -> Option<u64> {
         let (mut answers, mut misses) = (0.0, 0.0);
         for (i, bin) in self.bins.iter().enumerate() {
             let n = bin.answers();
+            if n >= BIN_EVIDENCE && bin.miss_rate() > MISS_CEILING {
+                return Some(bin_floor(i));
+            }
             if n >= BIN_EVIDENCE && answers >= BELOW_EVIDENCE {
                 let below = misses / answers;
                 let pooled = (misses + bin.misses_milli as f64 / 1000.0) / (answers + n);
@@ -394,6 +401,21 @@ mod tests {
             s.learned(0, 8, 1).request_limit,
             None,
             "one in six misses at every batch"
+        );
+    }
+
+    #[test]
+    fn an_overrun_worker_is_limited_where_most_answers_miss() {
+        let mut s = SloState::default();
+        for i in 0..200u64 {
+            // Only large batches were ever answered, most of them late.
+            let n = 600 + i % 200;
+            s.observe(0, &decoded(if i % 4 == 0 { 40 } else { 60 }, n), &TARGETS, 1);
+        }
+        let limit = s.learned(0, 8, 1).request_limit.unwrap() * 8;
+        assert!(
+            (500..=700).contains(&limit),
+            "the floor of the bin of 600: {limit}"
         );
     }
 
