@@ -28,7 +28,7 @@ pub struct ClassSlo {
     /// rank's first-token margin.
     pub ttft_ms: u64,
     /// The class's share of the wait budget and of the learned request
-    /// limit (1 for the highest class: lower ones stop short of it).
+    /// limit (1 for the default class, which they are learned for).
     pub share: f64,
 }
 
