@@ -1,7 +1,7 @@
 //! Admission control (overload protection) in a real Envoy: refusals, held
 //! requests let in or timed out, a full queue, clients leaving while held,
 //! classes and tenants, header mode, PD mode, a reload while a request is
-//! held, and the request cap per rank.
+//! held, the request cap per rank, and SLO admission learning a limit.
 //! Saturation is made deterministic by the scenarios: a rank drains 1
 //! token/s and may hold 1 ms of wait, so a rank is saturated exactly while
 //! one of this gateway's streamed requests on it has no first byte yet;
@@ -622,4 +622,58 @@ fn server_priority_tells_the_worker_each_class_and_overrules_the_client() {
     );
     let standard = sent(&header_mode, "plain", None);
     assert_eq!(standard.header("x-override-priority"), None, "{standard:?}");
+}
+
+#[test]
+fn slo_admission_learns_a_limit_from_answers_that_miss_their_target() {
+    let scenario = Scenario::load("admission_slo");
+    let dir = TestDir::new(&scenario.name);
+    let sims = vec![Sim::start(&dir, "worker_a", 2, &["--time-scale", "5"])];
+    let envoy = Envoy::start(&dir, &scenario, &sims, &EnvoyOptions::default());
+    envoy.wait_for_stat("poll_ok.worker_a", 1, Duration::from_secs(10));
+    let url = envoy.url("/generate");
+
+    // Nothing learned: with both ranks holding a request, a third goes through.
+    delay(&sims, 1500);
+    let held = fill_ranks(&envoy, 2, "before-held");
+    let (third, _) = send(url.clone(), "before-third", Vec::new())
+        .join()
+        .expect("third");
+    assert_eq!(third.status, 200, "nothing learned yet: {third:?}");
+    assert_ok(held);
+
+    // Sixty streamed answers, one at a time, each missing 1 ms per token.
+    delay(&sims, 0);
+    for i in 0..60 {
+        let body = json!({"text": format!("teach{i} hello"), "stream": true,
+            "sampling_params": {"max_new_tokens": 10}});
+        let reply = Client::new().post(
+            &url,
+            &[("content-type", "application/json")],
+            body.to_string().as_bytes(),
+        );
+        assert_eq!(reply.status, 200, "{reply:?}");
+    }
+    // The next ticks write what the threads saw into the shared record.
+    std::thread::sleep(Duration::from_millis(1_000));
+
+    // The worker's limit is now one request per rank (it was answered
+    // with one at a time): with both ranks holding one, a third is refused.
+    delay(&sims, 1500);
+    let held = fill_ranks(&envoy, 2, "after-held");
+    let (refused, took) = send(url.clone(), "after-third", Vec::new())
+        .join()
+        .expect("refused");
+    assert_eq!(refused.status, 429, "the learned limit: {refused:?}");
+    assert_eq!(refused.header("x-dprank-admission"), Some("saturated"));
+    assert!(refused.header("retry-after").is_some(), "{refused:?}");
+    assert!(took < Duration::from_millis(500), "refused at once: {took:?}");
+    assert_ok(held);
+    assert!(
+        !sims[0]
+            .requests()
+            .iter()
+            .any(|r| r.body_text().contains("after-third")),
+        "the refused request never reached the worker"
+    );
 }
