@@ -439,7 +439,7 @@ pub fn run(plan: &Plan, spec: &RunSpec) -> Result<Outcome, String> {
                 front.first_bytes(report.at, &mut flight.held, false);
             }
             let later_chunks = match flight.streamed {
-                true => (report.completion_tokens as u64).saturating_sub(1),
+                true => report.completion_tokens.saturating_sub(1),
                 false => 0,
             };
             front.done(report.at, flight.placement, &mut flight.held, later_chunks);
