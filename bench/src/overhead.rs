@@ -62,6 +62,8 @@ const NOOP_ROUTE_BODY: &str = "envoy + no-op router (body)";
 const DPRANK_HEADER: &str = "envoy + dprank, header mode";
 const DPRANK_BODY: &str = "envoy + dprank, body mode";
 const DPRANK_HEADER_UNTIMED: &str = "envoy + dprank, header mode, delivery_timing off";
+const DPRANK_HEADER_ADMISSION: &str = "envoy + dprank, header mode, admission";
+const DPRANK_HEADER_SLO: &str = "envoy + dprank, header mode, admission by SLO";
 const SMG: &str = "smg (default policy, --dp-aware)";
 const DIRECT: &str = "direct";
 
@@ -72,6 +74,8 @@ fn compared_with(name: &str) -> &'static [&'static str] {
     match name {
         DPRANK_HEADER => &[NOOP_PASS, NOOP_ROUTE_HEADER, DPRANK_HEADER_UNTIMED],
         DPRANK_HEADER_UNTIMED => &[NOOP_PASS],
+        DPRANK_HEADER_ADMISSION => &[NOOP_PASS, DPRANK_HEADER],
+        DPRANK_HEADER_SLO => &[NOOP_PASS, DPRANK_HEADER_ADMISSION],
         DPRANK_BODY => &[NOOP_BUFFER, NOOP_ROUTE_BODY],
         NOOP_ROUTE_HEADER => &[NOOP_PASS],
         NOOP_ROUTE_BODY => &[NOOP_BUFFER],
@@ -276,6 +280,16 @@ fn untimed_header_mode() -> DprankSettings {
     settings
 }
 
+/// Header mode with admission (`reject`), its wait limit out of reach, or
+/// with `slo` targets out of reach (nothing refused, nothing learned to
+/// refuse by): what judging each request costs, and what SLO admission's
+/// observations add to it, paired within a run.
+fn admission_header_mode(block: serde_json::Value) -> DprankSettings {
+    let mut settings = header_mode();
+    settings.set.insert("admission".into(), block);
+    settings
+}
+
 /// Routers on the last core; this process (the load generator) and the
 /// worker on the others. False if some process could not be pinned.
 pub(crate) fn pin_routers(fleet: &SimFleet, fronts: &[(&str, Front)], cores: usize) -> bool {
@@ -303,6 +317,19 @@ pub async fn overhead(tools: &Tools, args: &OverheadArgs, command_line: &str) ->
         (DPRANK_HEADER, Balancer::Dprank(header_mode())),
         (DPRANK_BODY, Balancer::Dprank(DprankSettings::polling_every(1000))),
         (DPRANK_HEADER_UNTIMED, Balancer::Dprank(untimed_header_mode())),
+        (
+            DPRANK_HEADER_ADMISSION,
+            Balancer::Dprank(admission_header_mode(
+                serde_json::json!({"when_saturated": "reject", "max_wait_ms": 600_000}),
+            )),
+        ),
+        (
+            DPRANK_HEADER_SLO,
+            Balancer::Dprank(admission_header_mode(serde_json::json!({
+                "when_saturated": "reject",
+                "slo": {"ttft_ms": 600_000, "tpot_ms": 60_000}
+            }))),
+        ),
     ] {
         let label = format!("overhead-{}", name.replace([' ', ',', '+', '(', ')', '-'], "_"));
         fronts.push((
@@ -533,7 +560,7 @@ pub async fn overhead(tools: &Tools, args: &OverheadArgs, command_line: &str) ->
     println!("{busy_line}");
 
     let mut md = report_header("dprank overhead: each variant against its floor", command_line);
-    let _ = writeln!(md, "One `dprank-sim --instant` worker (4 ranks, answers at once) behind, in turn: nothing (direct); plain Envoy (envoy/dprank.yaml without the wasm filter); the same Envoy with the no-op wasm filter of `bench/noop-filter` in dprank's place, once passing the body through and once buffering it until end of stream and reading it once (the floors of dprank's header and body modes: same SDK, same Envoy settings); the same filter as a no-op router, which makes no choice but writes what dprank writes to route a request to the worker's rank 0 (header mode: the route header and the two rank headers; body mode: the body with the rank field spliced in, replaced, then the route header and `content-length`), so that dprank's own work shows apart from Envoy's cost of routing by header; Envoy + dprank in header mode (`rank_transport: header`, default rank headers) and in body mode (the shipped config), poll interval 1 s, and header mode again with `delivery_timing: false` (what timing each streamed answer costs, paired); and smg at its default policy with `--dp-aware`. Each cell is {} s of closed-loop `POST /generate` on N dedicated keep-alive connections with TCP_NODELAY after 0.3 s of warm-up (non-streamed: one output token; streamed: {} chunks after a 1 KB prompt, reporting the time from the first to the last chunk per chunk). Cells are interleaved within each of {} runs, the variants' order rotated from run to run; figures are the median over runs (min-max), and differences and ratios to each variant's floor are paired by run with a 95% bootstrap interval over runs. Router CPU is the router process's own CPU time (all threads) over the measured window per request (streamed: per chunk). The worker writes a streamed response's chunks back to back, so a router may read several at once: the per-chunk figures are its CPU per chunk and the stream's time on the wire per chunk, not a decode-paced inter-token gap.\n", args.seconds, args.stream_tokens, args.runs);
+    let _ = writeln!(md, "One `dprank-sim --instant` worker (4 ranks, answers at once) behind, in turn: nothing (direct); plain Envoy (envoy/dprank.yaml without the wasm filter); the same Envoy with the no-op wasm filter of `bench/noop-filter` in dprank's place, once passing the body through and once buffering it until end of stream and reading it once (the floors of dprank's header and body modes: same SDK, same Envoy settings); the same filter as a no-op router, which makes no choice but writes what dprank writes to route a request to the worker's rank 0 (header mode: the route header and the two rank headers; body mode: the body with the rank field spliced in, replaced, then the route header and `content-length`), so that dprank's own work shows apart from Envoy's cost of routing by header; Envoy + dprank in header mode (`rank_transport: header`, default rank headers) and in body mode (the shipped config), poll interval 1 s, and header mode again with `delivery_timing: false` (what timing each streamed answer costs, paired), with admission (`reject`, its wait limit out of reach) and with admission by SLO (targets out of reach: nothing refused; what its observations add, paired); and smg at its default policy with `--dp-aware`. Each cell is {} s of closed-loop `POST /generate` on N dedicated keep-alive connections with TCP_NODELAY after 0.3 s of warm-up (non-streamed: one output token; streamed: {} chunks after a 1 KB prompt, reporting the time from the first to the last chunk per chunk). Cells are interleaved within each of {} runs, the variants' order rotated from run to run; figures are the median over runs (min-max), and differences and ratios to each variant's floor are paired by run with a 95% bootstrap interval over runs. Router CPU is the router process's own CPU time (all threads) over the measured window per request (streamed: per chunk). The worker writes a streamed response's chunks back to back, so a router may read several at once: the per-chunk figures are its CPU per chunk and the stream's time on the wire per chunk, not a decode-paced inter-token gap.\n", args.seconds, args.stream_tokens, args.runs);
     md.push_str(&table);
     let _ = writeln!(
         md,
