@@ -217,30 +217,15 @@ pub fn settings(
         return Ok(None);
     };
     if let Some(slo) = &json.slo {
-        if !(1..=MAX_WAIT_LIMIT_MS).contains(&slo.ttft_ms) {
-            return Err(invalid(
-                "slo.ttft_ms",
-                format!("must be 1..={MAX_WAIT_LIMIT_MS}, got {}", slo.ttft_ms),
-            ));
-        }
-        if !(1..=MAX_TPOT_TARGET_MS).contains(&slo.tpot_ms) {
-            return Err(invalid(
-                "slo.tpot_ms",
-                format!("must be 1..={MAX_TPOT_TARGET_MS}, got {}", slo.tpot_ms),
-            ));
-        }
+        one_to_for("slo.ttft_ms", slo.ttft_ms, MAX_WAIT_LIMIT_MS)?;
+        one_to_for("slo.tpot_ms", slo.tpot_ms, MAX_TPOT_TARGET_MS)?;
     }
     // With targets, an unset wait cap is the TTFT target: a rank whose
     // queue alone would take longer cannot meet it.
     let max_wait_ms = json
         .max_wait_ms
         .unwrap_or(json.slo.map_or(DEFAULT_MAX_WAIT_MS, |s| s.ttft_ms));
-    if !(1..=MAX_WAIT_LIMIT_MS).contains(&max_wait_ms) {
-        return Err(invalid(
-            "max_wait_ms",
-            format!("must be 1..={MAX_WAIT_LIMIT_MS}, got {max_wait_ms}"),
-        ));
-    }
+    one_to_for("max_wait_ms", max_wait_ms, MAX_WAIT_LIMIT_MS)?;
     let when_saturated = when_saturated(&json)?;
     let rate = json.prefill_tokens_per_s.unwrap_or(DEFAULT_PREFILL_TOKENS_PER_S);
     if !(rate.is_finite() && (1.0..=1e9).contains(&rate)) {
@@ -258,12 +243,7 @@ pub fn settings(
         }
     }
     if let Some(n) = json.max_requests_per_rank {
-        if !(1..=MAX_REQUESTS_PER_RANK).contains(&n) {
-            return Err(invalid(
-                "max_requests_per_rank",
-                format!("must be 1..={MAX_REQUESTS_PER_RANK}, got {n}"),
-            ));
-        }
+        one_to_for("max_requests_per_rank", n, MAX_REQUESTS_PER_RANK)?;
     }
     let priority_header = header(
         "priority_header",
@@ -405,6 +385,11 @@ fn class_overrides<T: Copy>(
 }
 
 /// `class_overrides`' check of a value in 1..=`max`.
+/// `value` of `admission.<key>` is within 1..=`max`, else the error naming it.
+fn one_to_for(key: &str, value: u64, max: u64) -> Result<(), super::ConfigError> {
+    one_to(max)(value).map_err(|reason| invalid(key, reason))
+}
+
 fn one_to(max: u64) -> impl Fn(u64) -> Result<(), String> {
     move |value| {
         if (1..=max).contains(&value) {
@@ -430,19 +415,9 @@ fn when_saturated(json: &AdmissionJson) -> Result<WhenSaturated, super::ConfigEr
         }
         WhenSaturatedJson::Queue => {
             let max_queued = json.max_queued.unwrap_or(DEFAULT_MAX_QUEUED);
-            if !(1..=MAX_MAX_QUEUED).contains(&max_queued) {
-                return Err(invalid(
-                    "max_queued",
-                    format!("must be 1..={MAX_MAX_QUEUED}, got {max_queued}"),
-                ));
-            }
+            one_to_for("max_queued", max_queued.into(), MAX_MAX_QUEUED.into())?;
             let timeout_ms = json.queue_timeout_ms.unwrap_or(DEFAULT_QUEUE_TIMEOUT_MS);
-            if !(1..=MAX_WAIT_LIMIT_MS).contains(&timeout_ms) {
-                return Err(invalid(
-                    "queue_timeout_ms",
-                    format!("must be 1..={MAX_WAIT_LIMIT_MS}, got {timeout_ms}"),
-                ));
-            }
+            one_to_for("queue_timeout_ms", timeout_ms, MAX_WAIT_LIMIT_MS)?;
             Ok(WhenSaturated::Queue {
                 max_queued,
                 timeout_ms,
