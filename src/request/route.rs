@@ -199,11 +199,21 @@ fn at_routing(req: &Request, states: &StateCache, worker: usize, rank: usize) ->
     let class = req.admitting.map(|a| a.applicant.class);
     let rule = Controller::new(Some(settings)).rule(class)?;
     let state = states.states().get(worker)?.as_ref()?;
-    let in_flight = (0..state.ranks())
-        .map(|r| rule.queue(state, r).in_flight)
-        .sum::<Option<u64>>();
+    // One pass over the worker's ranks: their requests summed (None if one
+    // does not count them), the chosen rank's wait read on the way.
+    let mut in_flight = Some(0u64);
+    let mut predicted_wait_ms = None;
+    for r in 0..state.ranks() {
+        let queue = rule.queue(state, r);
+        in_flight = in_flight
+            .zip(queue.in_flight)
+            .map(|(sum, n)| sum.saturating_add(n));
+        if r == rank {
+            predicted_wait_ms = Some(expected_wait_ms(&queue));
+        }
+    }
     Some(AtRouting {
-        predicted_wait_ms: expected_wait_ms(&rule.queue(state, rank)),
+        predicted_wait_ms: predicted_wait_ms.unwrap_or_else(|| expected_wait_ms(&rule.queue(state, rank))),
         in_flight,
     })
 }
