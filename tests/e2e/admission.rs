@@ -632,15 +632,20 @@ fn slo_admission_learns_a_limit_from_answers_that_miss_their_target() {
     let envoy = Envoy::start(&dir, &scenario, &sims, &EnvoyOptions::default());
     envoy.wait_for_stat("poll_ok.worker_a", 1, Duration::from_secs(10));
     let url = envoy.url("/generate");
+    // Both ranks hold a request the worker holds back; then a third comes.
+    let third_while_both_held = |tag: &str| {
+        delay(&sims, 1500);
+        let held = fill_ranks(&envoy, 2, &format!("{tag}-held"));
+        let third = send(url.clone(), &format!("{tag}-third"), Vec::new())
+            .join()
+            .expect("third");
+        assert_ok(held);
+        third
+    };
 
-    // Nothing learned: with both ranks holding a request, a third goes through.
-    delay(&sims, 1500);
-    let held = fill_ranks(&envoy, 2, "before-held");
-    let (third, _) = send(url.clone(), "before-third", Vec::new())
-        .join()
-        .expect("third");
+    // Nothing learned: the third goes through.
+    let (third, _) = third_while_both_held("before");
     assert_eq!(third.status, 200, "nothing learned yet: {third:?}");
-    assert_ok(held);
 
     // Sixty streamed answers, one at a time, each missing 1 ms per token.
     delay(&sims, 0);
@@ -659,16 +664,11 @@ fn slo_admission_learns_a_limit_from_answers_that_miss_their_target() {
 
     // The worker's limit is now one request per rank (it was answered
     // with one at a time): with both ranks holding one, a third is refused.
-    delay(&sims, 1500);
-    let held = fill_ranks(&envoy, 2, "after-held");
-    let (refused, took) = send(url.clone(), "after-third", Vec::new())
-        .join()
-        .expect("refused");
+    let (refused, took) = third_while_both_held("after");
     assert_eq!(refused.status, 429, "the learned limit: {refused:?}");
     assert_eq!(refused.header("x-dprank-admission"), Some("saturated"));
     assert!(refused.header("retry-after").is_some(), "{refused:?}");
     assert!(took < Duration::from_millis(500), "refused at once: {took:?}");
-    assert_ok(held);
     assert!(
         !sims[0]
             .requests()
