@@ -8,15 +8,16 @@
 //! of warm-up arrivals, then 600 s measured, the p90 pooled over the
 //! requests of five capacity seeds (1,000,001-1,000,005, never a table's).
 //! Found by bisection in virtual time (the offline engine, deterministic):
-//! first an upper bound, the completion rate under overload (the earlier
+//! first a start, the completion rate under overload (the earlier
 //! definition of capacity), then a bracket [lo, hi] with lo meeting the SLO
-//! and hi not, halved until it is narrower than 2% of hi; the capacity is
+//! and hi not (up from the start by 1.25x, then doubling; or down by
+//! halves), halved until it is narrower than 2% of hi; the capacity is
 //! lo. When no request finishes within the overload window (long prompts
 //! on a slow preset), the overload throughput is not measured and the
 //! search starts from the first overload rate instead, saying so; a rate
 //! 256 times lower still missing the SLO is reported as out of reach. A
-//! run is given up as soon as more requests have waited past the SLO
-//! than a p90 allows (it fails). Results go to capacity.json with how they
+//! rate is given up as soon as its seeds together have more requests past
+//! the TTFT or the TPOT target than a p90 allows (it fails). Results go to capacity.json with how they
 //! were found, and are reused until `--remeasure`. `bursty` sends the
 //! `no-prefix` requests and only times them differently, so its load is a
 //! fraction of the `no-prefix` capacity: the arrival pattern is then the
@@ -46,6 +47,10 @@ pub const SEEDS: [u64; 5] = [1_000_001, 1_000_002, 1_000_003, 1_000_004, 1_000_0
 pub const PRECISION: f64 = 0.02;
 /// The TTFT percentile held within the SLO.
 pub const PERCENTILE: f64 = 90.0;
+/// The first step up from a start that keeps the SLO (then doubling): most
+/// capacities lie within 1.25x of the overload throughput, and a probe far
+/// above the capacity is the search's slowest.
+const FIRST_RAISE: f64 = 1.25;
 /// How entries found this way are marked.
 pub const METHOD: &str = "sustainable";
 /// The overload window that gives the upper bound (simulated s).
@@ -318,20 +323,24 @@ impl CapacityJob<'_> {
             .map(|seed| workload.plan(&self.shape(rate, *seed, WARMUP_S + WINDOW_S)))
             .collect::<Result<_, _>>()?;
         let measured: usize = plans.iter().map(measured_requests).sum();
-        // More late requests than this in any one seed put the pooled p90 past the SLO.
+        // More late requests than this over the seeds put the pooled p90 past the SLO.
         let late_allowed = ((1.0 - PERCENTILE / 100.0) * measured as f64).floor() as usize;
+        let counts = std::sync::Arc::new(driver::LateCounts::default());
         let work: Vec<crate::offline::Job<'_, SeedLatencies>> = plans
             .iter()
             .zip(SEEDS)
             .map(|(plan, seed)| {
                 let clairvoyant = &clairvoyant;
+                let counts = counts.clone();
                 Box::new(move || {
                     let mut spec = self.spec(clairvoyant, seed)?;
                     spec.turn_horizon_s = WARMUP_S + WINDOW_S + crate::workload::chat::TAIL_S;
                     spec.give_up = Some(driver::GiveUp {
                         from_s: WARMUP_S,
                         ttft_s: self.slo.ttft_ms / 1000.0,
+                        tpot_s: self.slo.tpot_ms / 1000.0,
                         late_allowed,
+                        counts,
                     });
                     let outcome = driver::run(plan, &spec)?;
                     if outcome.gave_up {
@@ -381,38 +390,35 @@ impl CapacityJob<'_> {
         let mut steps: Vec<(f64, Option<f64>)> = Vec::new();
         let mut try_rate = |rate: f64| -> Result<(f64, f64), String> {
             let p90 = self.p90_at(&workload, rate)?;
-            eprintln!(
-                "capacity {label}: {rate:.3} req/s -> TTFT p90 {:.0} ms, TPOT p90 {:.1} ms",
-                p90.0, p90.1
-            );
+            if p90.0.is_finite() {
+                eprintln!(
+                    "capacity {label}: {rate:.3} req/s -> TTFT p90 {:.0} ms, TPOT p90 {:.1} ms",
+                    p90.0, p90.1
+                );
+            } else {
+                eprintln!(
+                    "capacity {label}: {rate:.3} req/s -> given up: more requests past the TTFT or the TPOT target than a p90 allows"
+                );
+            }
             steps.push((rate, p90.0.is_finite().then_some(p90.0)));
             Ok(p90)
         };
-        let (mut lo, mut hi) = (start / 2.0, start);
-        let mut lo_p90 = try_rate(lo)?;
-        let mut halvings = 0;
-        while !within(lo_p90) {
-            halvings += 1;
-            if halvings > 8 {
-                return Err(format!(
-                    "capacity {label}: not measured: even {lo:.3} req/s misses TTFT p90 <= {} ms or TPOT p90 <= {} ms ({:.0} ms, {:.1} ms): the SLO is out of reach on this preset",
-                    self.slo.ttft_ms, self.slo.tpot_ms, lo_p90.0, lo_p90.1
-                ));
-            }
-            hi = lo;
-            lo /= 2.0;
-            lo_p90 = try_rate(lo)?;
-        }
-        if hi == start {
+        // The bracket: from the start, up by FIRST_RAISE and then doubling
+        // while the rate keeps the SLO, or down by halves while it does not.
+        let (mut lo, mut hi, mut lo_p90);
+        let start_p90 = try_rate(start)?;
+        if within(start_p90) {
+            (lo, lo_p90) = (start, start_p90);
+            hi = start * FIRST_RAISE;
             let mut raises = 0;
             loop {
                 let p90 = try_rate(hi)?;
                 if !within(p90) {
                     break;
                 }
-                (lo, lo_p90) = (hi, p90);
                 // The overload throughput of a short window can be far below
                 // what is sustained (long answers finish after the window).
+                (lo, lo_p90) = (hi, p90);
                 hi *= 2.0;
                 raises += 1;
                 if raises > 12 {
@@ -420,6 +426,22 @@ impl CapacityJob<'_> {
                         "capacity {label}: the p90s stayed within the SLO up to {hi:.2} req/s"
                     ));
                 }
+            }
+        } else {
+            (lo, hi) = (start / 2.0, start);
+            lo_p90 = try_rate(lo)?;
+            let mut halvings = 0;
+            while !within(lo_p90) {
+                halvings += 1;
+                if halvings > 8 {
+                    return Err(format!(
+                        "capacity {label}: not measured: even {lo:.3} req/s misses TTFT p90 <= {} ms or TPOT p90 <= {} ms ({:.0} ms, {:.1} ms): the SLO is out of reach on this preset",
+                        self.slo.ttft_ms, self.slo.tpot_ms, lo_p90.0, lo_p90.1
+                    ));
+                }
+                hi = lo;
+                lo /= 2.0;
+                lo_p90 = try_rate(lo)?;
             }
         }
         while (hi - lo) / hi > PRECISION {

@@ -13,6 +13,7 @@
 
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap};
+use std::sync::atomic::Ordering;
 
 use dprank_sim::chat::template_json;
 use dprank_sim::offline::{Fleet, Prompt, Request};
@@ -53,15 +54,30 @@ pub struct RunSpec<'a> {
     pub give_up: Option<GiveUp>,
 }
 
-/// When a run stops early: more than `late_allowed` requests sent at or
-/// after `from_s` waited longer than `ttft_s` for their first token, so
-/// their TTFT percentile above `1 - late_allowed / n` is already beyond
-/// `ttft_s`. The run's output then says so ([`RunOutput`] is cut there).
-#[derive(Debug, Clone, Copy)]
+/// When a run stops early (capacity search): more than `late_allowed`
+/// requests sent at or after `from_s` waited longer than `ttft_s` for their
+/// first token, or more than `late_allowed` finished with a time per output
+/// token above `tpot_s`, counted together over every run that shares
+/// `counts` (the seeds of one pooled percentile). Either percentile above
+/// `1 - late_allowed / n` is then already beyond its target, whatever the
+/// runs still to come do; which run notices first may vary, the verdict
+/// does not. The run's output then says so ([`RunOutput`] is cut there).
+#[derive(Debug, Clone)]
 pub struct GiveUp {
     pub from_s: f64,
     pub ttft_s: f64,
+    pub tpot_s: f64,
     pub late_allowed: usize,
+    pub counts: std::sync::Arc<LateCounts>,
+}
+
+/// Late requests of the runs that share one [`GiveUp`].
+#[derive(Debug, Default)]
+pub struct LateCounts {
+    /// First token later than the TTFT target (answered).
+    pub ttft: std::sync::atomic::AtomicUsize,
+    /// Finished with a TPOT above its target.
+    pub tpot: std::sync::atomic::AtomicUsize,
 }
 
 /// The engine never runs further ahead of the event queue than this, so a
@@ -380,7 +396,6 @@ pub fn run(plan: &Plan, spec: &RunSpec) -> Result<Outcome, String> {
     let mut records: Vec<RequestRecord> = Vec::new();
     let mut beyond_horizon = 0usize;
     let mut arrivals_left = plan.request_count();
-    let mut late = 0usize;
     let mut gave_up = false;
     loop {
         // Nothing left to send, hold or answer: ticks alone do not keep a
@@ -401,7 +416,9 @@ pub fn run(plan: &Plan, spec: &RunSpec) -> Result<Outcome, String> {
                         && fleet.now() - f.record.sent_s > rule.ttft_s
                 })
                 .count();
-            if late + waiting_late > rule.late_allowed {
+            let ttft_late = rule.counts.ttft.load(Ordering::Relaxed);
+            let tpot_late = rule.counts.tpot.load(Ordering::Relaxed);
+            if ttft_late + waiting_late > rule.late_allowed || tpot_late > rule.late_allowed {
                 gave_up = true;
                 break;
             }
@@ -419,7 +436,7 @@ pub fn run(plan: &Plan, spec: &RunSpec) -> Result<Outcome, String> {
             if !report.finished {
                 if let Some(rule) = &spec.give_up {
                     if flight.record.sent_s >= rule.from_s && report.at - flight.record.sent_s > rule.ttft_s {
-                        late += 1;
+                        rule.counts.ttft.fetch_add(1, Ordering::Relaxed);
                     }
                 }
                 flight.first_s = Some(report.at);
@@ -450,6 +467,11 @@ pub fn run(plan: &Plan, spec: &RunSpec) -> Result<Outcome, String> {
             r.tokens = report.completion_tokens as u32;
             if report.completion_tokens >= 2 {
                 r.tpot_ms = (report.at - first) * 1000.0 / (report.completion_tokens - 1) as f64;
+                if let Some(rule) = &spec.give_up {
+                    if r.sent_s >= rule.from_s && r.tpot_ms > rule.tpot_s * 1000.0 {
+                        rule.counts.tpot.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
             }
             if let Some((session, turn)) = flight.turn {
                 let next_turn = turn + 1;
@@ -837,6 +859,46 @@ mod tests {
                 );
             }
         }
+    }
+
+    #[test]
+    fn a_run_is_given_up_on_tpot_misses_and_on_what_its_sibling_seeds_counted() {
+        let shape = Shape {
+            rate: 4.0,
+            duration_s: 20.0,
+            seed: 3,
+            max_prompt: 4000,
+            max_output: 256,
+        };
+        let plan = Workload::new(WorkloadKind::NoPrefix).plan(&shape).unwrap();
+        let variant = Variant::parse("clairvoyant").unwrap();
+        let give_up = |tpot_s: f64, late_allowed: usize, counts: std::sync::Arc<LateCounts>| {
+            let mut spec = vllm_spec(&variant);
+            spec.give_up = Some(GiveUp {
+                from_s: 0.0,
+                ttft_s: 1e9,
+                tpot_s,
+                late_allowed,
+                counts,
+            });
+            run(&plan, &spec).unwrap()
+        };
+        // Targets nothing misses: the run ends as without the rule.
+        let kept = give_up(1e9, 0, Default::default());
+        assert!(!kept.gave_up);
+        assert_eq!(kept.output.records.len(), plan.request_count());
+        // A TPOT target every answer misses, the TTFT target never missed.
+        let counts = std::sync::Arc::new(LateCounts::default());
+        let missed = give_up(0.0, 3, counts.clone());
+        assert!(missed.gave_up);
+        assert!(missed.output.records.len() < plan.request_count());
+        assert_eq!(counts.tpot.load(Ordering::Relaxed), 4);
+        // A sibling seed already counted past the allowance: given up at once.
+        let counts = std::sync::Arc::new(LateCounts::default());
+        counts.ttft.store(11, Ordering::Relaxed);
+        let at_once = give_up(1e9, 10, counts);
+        assert!(at_once.gave_up);
+        assert!(at_once.output.records.is_empty());
     }
 
     #[test]

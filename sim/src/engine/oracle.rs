@@ -98,20 +98,64 @@ fn rank_decode(rank: &Rank) -> DecodeWork {
     }
 }
 
+/// A worker's decode steps, read once per arrival for all its candidate
+/// ranks (each candidate looks at every rank of its group).
+struct WorkerSteps {
+    /// Per rank: its running batch's decode step (µs).
+    running_us: Vec<Micros>,
+    /// Per rank: whether it has work (an idle rank does not hold a step).
+    busy: Vec<bool>,
+    /// Per rank: the batch it will decode ([`rank_decode`]).
+    planned: Vec<DecodeWork>,
+    /// Per group: the slowest planned decode step of its ranks (µs).
+    slowest_planned_us: Vec<Micros>,
+}
+
+impl WorkerSteps {
+    fn read(params: &Params, worker: &Worker) -> Self {
+        let running_us = worker
+            .ranks
+            .iter()
+            .map(|rank| params.cost.decode_us(rank.decode_work()))
+            .collect();
+        let busy = worker.ranks.iter().map(Rank::has_work).collect();
+        let planned: Vec<DecodeWork> = worker.ranks.iter().map(rank_decode).collect();
+        let slowest_planned_us = worker
+            .groups
+            .iter()
+            .map(|group| {
+                group
+                    .ranks
+                    .iter()
+                    .map(|&other| params.cost.decode_us(planned[other]))
+                    .max()
+                    .unwrap_or(0)
+            })
+            .collect();
+        WorkerSteps {
+            running_us,
+            busy,
+            planned,
+            slowest_planned_us,
+        }
+    }
+}
+
 /// The delay a request adds to the requests expected to reach its group of
 /// ranks while it runs: its sequence and its KV (prompt + half its output,
 /// on average) lengthen every step of the group by what they raise the
 /// group's slowest decode step, and an arrival waits half a step more on
 /// average.
-fn later_delay(params: &Params, worker: &Worker, r: usize, new: &Item, rate_per_group: f64) -> Micros {
-    let group = &worker.groups[worker.group_of(r)];
-    let slowest = group
-        .ranks
-        .iter()
-        .map(|&other| params.cost.decode_us(rank_decode(&worker.ranks[other])))
-        .max()
-        .unwrap_or(0);
-    let mut grown = rank_decode(&worker.ranks[r]);
+fn later_delay(
+    params: &Params,
+    worker: &Worker,
+    steps: &WorkerSteps,
+    r: usize,
+    new: &Item,
+    rate_per_group: f64,
+) -> Micros {
+    let slowest = steps.slowest_planned_us[worker.group_of(r)];
+    let mut grown = steps.planned[r];
     grown.seqs += 1;
     grown.kv_tokens += new.tokens + new.output / 2;
     let longer_step = params.cost.decode_us(grown).saturating_sub(slowest) as f64;
@@ -129,6 +173,7 @@ pub(crate) fn choose(fleet: &Fleet, now: Micros, arrival: &Arrival) -> (usize, u
     let mut best: Option<(Score, (usize, usize))> = None;
     for (w, worker) in fleet.sglang().iter().enumerate() {
         let ready = worker.tokenizer.ready_at(params, now, arrival);
+        let steps = WorkerSteps::read(params, worker);
         for (r, rank) in worker.ranks.iter().enumerate() {
             let uncached: u64 = arrival.prompts.iter().map(|prompt| uncached(rank, prompt)).sum();
             let new = Item {
@@ -139,8 +184,8 @@ pub(crate) fn choose(fleet: &Fleet, now: Micros, arrival: &Arrival) -> (usize, u
                 output: arrival.output_tokens(),
                 not_before: ready,
             };
-            let imposed = later_delay(params, worker, r, &new, rate_per_group);
-            let first_token = project(params, worker, r, now, new);
+            let imposed = later_delay(params, worker, &steps, r, &new, rate_per_group);
+            let first_token = project(params, worker, &steps, r, now, new);
             let load = rank.published.total_tokens;
             let key = (first_token + imposed, uncached, load, w, r);
             if best.as_ref().is_none_or(|(best_key, _)| key < *best_key) {
@@ -153,21 +198,25 @@ pub(crate) fn choose(fleet: &Fleet, now: Micros, arrival: &Arrival) -> (usize, u
 
 /// Projected time from `now` until the new request's first token on rank
 /// `r` of `worker`.
-fn project(params: &Params, worker: &Worker, r: usize, now: Micros, new: Item) -> Micros {
+fn project(
+    params: &Params,
+    worker: &Worker,
+    steps: &WorkerSteps,
+    r: usize,
+    now: Micros,
+    new: Item,
+) -> Micros {
     let rank = &worker.ranks[r];
     let group = &worker.groups[worker.group_of(r)];
     let start = group.step.map_or(now, |(_, end)| end.max(now));
-    let decode_time = |rank: &Rank| -> Micros { params.cost.decode_us(rank.decode_work()) };
     let others = group
         .ranks
         .iter()
-        .filter(|&&other| other != r)
-        .map(|&other| &worker.ranks[other])
-        .filter(|other| other.has_work())
-        .map(decode_time)
+        .filter(|&&other| other != r && steps.busy[other])
+        .map(|&other| steps.running_us[other])
         .max()
         .unwrap_or(0);
-    let step = decode_time(rank).max(others);
+    let step = steps.running_us[r].max(others);
 
     let clip = params.clip;
     let mut budget = (rank.available(params) + rank.cache.evictable_size()) as f64;
