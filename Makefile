@@ -13,7 +13,7 @@ IMAGE ?= dprank-wasm:$(VERSION)
 help:
 	@echo "make demo   - one seeded trace through Envoy round robin, then Envoy + dprank, side by side"
 	@echo "make test   - every test: unit, simulator, end-to-end in a real Envoy, doc links, deployment files, fuzz smoke"
-	@echo "make bench  - the headline (<= 2 h, --dry-run prints it): capacities, capacity check, virtual time, three harness cells, agreement; bench-results/headline/"
+	@echo "make bench  - the headline (<= 2 h, --dry-run prints it) at both ends of the lockstep bracket: capacities, capacity check, virtual time; three harness cells and agreement on the first; bench-results/headline/<preset>/"
 	@echo "make smg-sweep   - smg's best setting per workload on tuning seeds (run before make bench; hours)"
 	@echo "make traces - fetch the Mooncake FAST'25 traces (network) into target/traces/mooncake, checked"
 	@echo "make bench-pd    - PD fleet: dprank vs the old rule vs smg, equal freshness and defaults (~9 min)"
@@ -62,7 +62,7 @@ bench: setup wasm tools
 
 smg-sweep: setup wasm tools
 	DPRANK_WITH_SMG=1 ./scripts/setup.sh
-	./target/release/dprank-bench smg-sweep --out bench-results/headline/smg-sweep --capacity-dir bench-results/headline/capacity
+	./target/release/dprank-bench smg-sweep --out bench-results/headline/smg-sweep --sim-preset deepseek-v3-ep-low --capacity-dir bench-results/headline/deepseek-v3-ep-low/capacity
 
 # The public traces the bench replays, from their pinned upstream commit
 # (DPRANK_TRACE_DIR or --trace-dir point at copies elsewhere).

@@ -1,6 +1,8 @@
 //! `make bench` (`dprank-bench bench`): the headline, regenerated at the
-//! current commit into one folder per question under `--out`, each with a
-//! README line (question, command, commit, date, machine), and an index:
+//! current commit, one folder per simulator preset under `--out` (by
+//! default the two ends of the lockstep bracket), and in each one folder
+//! per question, each with a README line (question, command, commit, date,
+//! machine), and an index:
 //!
 //! - `capacity/`: the sustainable capacity per workload and KV (virtual time);
 //! - `capacity-check/`: 10 minutes at 85% of it (the clairvoyant chooser's
@@ -8,12 +10,13 @@
 //!   grows: the capacity is a limit);
 //! - `virtual/`: every workload and two public traces at 50/70/85/95% of
 //!   capacity, small and large KV, judging seeds, in virtual time;
-//! - `harness/`: three cells on the harness (real Envoy, real smg at its
-//!   default and its best setting) at 85%;
-//! - `agreement/`: harness ÷ virtual TTFT p90 for dprank and in-server in
-//!   those cells, with intervals.
+//! - `harness/` (first preset only): three cells on the harness (real
+//!   Envoy, real smg at its default and its best setting) at 85%;
+//! - `agreement/` (first preset only): harness ÷ virtual TTFT p90 for
+//!   dprank and in-server in those cells, with intervals.
 //!
-//! smg's best setting comes from `smg-sweep` (tuning seeds), run before;
+//! smg's best setting comes from `smg-sweep` (tuning seeds; one file for
+//! every preset, `--out/smg-sweep/smg-best.json`), run before;
 //! without its `smg-best.json` the tables carry smg's default only and say so.
 
 use std::fmt::Write as _;
@@ -39,6 +42,11 @@ use crate::workload::{Shape, Workload, WorkloadKind};
 /// The budget `make bench` must fit on this machine.
 pub const BUDGET_S: f64 = 2.0 * 3600.0;
 
+/// The headline's presets: the low and the high end of the lockstep
+/// penalty's bracket (`sim/README.md`, "Step costs"), so every comparison
+/// shows whether its winner changes across what the figures cannot pin.
+pub const HEADLINE_PRESETS: [&str; 2] = ["deepseek-v3-ep-low", "deepseek-v3-ep-high"];
+
 #[derive(Debug, Clone, Args)]
 pub struct BenchArgs {
     /// The results directory: one folder per question below it.
@@ -60,8 +68,11 @@ pub struct BenchArgs {
     /// Judging seeds of the capacity check.
     #[arg(long, default_value_t = 3)]
     pub check_seeds: u64,
-    #[arg(long, default_value = crate::preset::DEFAULT_PRESET)]
-    pub sim_preset: String,
+    /// Simulator presets, each a folder of its own under `--out` (default:
+    /// the two ends of the lockstep bracket); the harness cells run on the
+    /// first.
+    #[arg(long = "sim-preset", value_delimiter = ',', default_values_t = HEADLINE_PRESETS.map(String::from))]
+    pub sim_presets: Vec<String>,
     /// Harness time scale (default: the preset's per KV).
     #[arg(long)]
     pub time_scale: Option<f64>,
@@ -128,7 +139,7 @@ fn suite_args(args: &BenchArgs, out: &Path) -> SuiteArgs {
         out: Some(out.to_path_buf()),
         resume: args.resume,
         dry_run: args.dry_run,
-        sim_preset: Some(args.sim_preset.clone()),
+        sim_preset: Some(args.sim_presets[0].clone()),
         trace_dir: args.trace_dir.clone(),
         capacity_dir: Some(args.out.join("capacity")),
         smg_best: Some(
@@ -170,6 +181,76 @@ pub async fn bench(
     command_line: &str,
     root: &Path,
 ) -> Result<(), String> {
+    if args.sim_presets.is_empty() {
+        return Err("--sim-preset: name at least one preset".into());
+    }
+    let mut total_s = 0.0;
+    for (i, name) in args.sim_presets.iter().enumerate() {
+        preset::preset(name)?;
+        let one = BenchArgs {
+            out: args.out.join(name),
+            sim_presets: vec![name.clone()],
+            no_harness: args.no_harness || i > 0,
+            smg_best: Some(
+                args.smg_best
+                    .clone()
+                    .unwrap_or_else(|| args.out.join("smg-sweep").join(SMG_BEST_FILE)),
+            ),
+            ..args.clone()
+        };
+        println!("preset `{name}`: {}", one.out.display());
+        total_s += bench_preset(tools, &one, command_line, root).await?;
+    }
+    if args.dry_run {
+        println!(
+            "make bench, every preset: {:.0} min of a {:.0} min budget",
+            total_s / 60.0,
+            BUDGET_S / 60.0
+        );
+        if total_s > BUDGET_S {
+            println!("OVER BUDGET: lower --seeds / --harness-seeds or raise --jobs");
+        }
+        return Ok(());
+    }
+    presets_index(&args.out, &args.sim_presets)?;
+    println!("wrote {}/README.md", args.out.display());
+    Ok(())
+}
+
+/// The index of the headline: one line per preset folder, those just run
+/// first, then any other preset's folder present (an earlier headline).
+fn presets_index(out: &Path, presets: &[String]) -> Result<(), String> {
+    let mut md = String::from(
+        "# The headline\n\nOne folder per simulator preset (`make bench`, `dprank-bench bench`); each indexes its questions (capacity, capacity check, virtual time, and on the first preset the harness cells and their agreement with virtual time).\n\n",
+    );
+    let run_now = |name: &str| presets.iter().any(|p| p == name);
+    let earlier = preset::PRESETS
+        .iter()
+        .filter(|p| !run_now(p.name) && out.join(p.name).join("README.md").exists());
+    for p in presets
+        .iter()
+        .filter_map(|name| preset::preset(name).ok())
+        .chain(earlier)
+    {
+        let when = if run_now(p.name) {
+            ""
+        } else {
+            " (an earlier headline, not regenerated by this run)"
+        };
+        let _ = writeln!(md, "- [{0}/]({0}/){when}: {1}", p.name, p.about);
+    }
+    std::fs::write(out.join("README.md"), md)
+        .map_err(|e| format!("cannot write {}/README.md: {e}", out.display()))
+}
+
+/// The headline on one preset (`args.sim_presets[0]`) into `args.out`; the
+/// estimated seconds on a dry run.
+async fn bench_preset(
+    tools: Option<&Tools>,
+    args: &BenchArgs,
+    command_line: &str,
+    root: &Path,
+) -> Result<f64, String> {
     let provenance = Provenance::current(root, command_line);
     let (virtual_suite, virtual_args) = virtual_suite(args)?;
     let (harness, harness_args) = harness_suite(args)?;
@@ -211,7 +292,7 @@ pub async fn bench(
         out: args.out.join("capacity-check"),
         capacity_dir: capacity_dir.clone(),
         seeds: args.check_seeds,
-        sim_preset: args.sim_preset.clone(),
+        sim_preset: args.sim_presets[0].clone(),
         trace_dir: args.trace_dir.clone(),
         jobs: args.jobs,
         workloads: Vec::new(),
@@ -260,23 +341,20 @@ pub async fn bench(
     if args.dry_run {
         let total = check_s + virtual_s + harness_s;
         println!(
-            "make bench, estimated: capacity check {:.0} min + virtual time {:.0} min ({} jobs) + harness {:.0} min = {:.0} min of a {:.0} min budget{}",
+            "preset `{}`, estimated: capacity check {:.0} min + virtual time {:.0} min ({} jobs) + harness {:.0} min = {:.0} min{}",
+            args.sim_presets[0],
             check_s / 60.0,
             virtual_s / 60.0,
             virtual_suite.jobs,
             harness_s / 60.0,
             total / 60.0,
-            BUDGET_S / 60.0,
             if rates.len() < all.workloads.len() * 2 {
                 " (capacities still to measure are not counted: a few minutes each)"
             } else {
                 ""
             }
         );
-        if total > BUDGET_S {
-            println!("OVER BUDGET: lower --seeds / --harness-seeds or raise --jobs");
-        }
-        return Ok(());
+        return Ok(total);
     }
     run_suite(tools, &virtual_suite, &virtual_args, command_line, root).await?;
     folder_readme(
@@ -299,8 +377,7 @@ pub async fn bench(
         folder_readme(&dir, "agreement", &provenance, &agreement)?;
     }
     index(&args.out)?;
-    println!("wrote {}/README.md", args.out.display());
-    Ok(())
+    Ok(0.0)
 }
 
 /// Estimated wall seconds of a suite with the known capacities (smg's best
@@ -401,15 +478,18 @@ pub fn agreement(harness_dir: &Path, virtual_dir: &Path) -> Result<String, Strin
 
 #[derive(Debug, Clone, Args)]
 pub struct CheckArgs {
-    #[arg(long, default_value = "bench-results/headline/capacity-check")]
+    #[arg(
+        long,
+        default_value = "bench-results/headline/deepseek-v3-ep-low/capacity-check"
+    )]
     pub out: PathBuf,
     /// Where capacity.json is (measured there first if missing).
-    #[arg(long, default_value = "bench-results/headline/capacity")]
+    #[arg(long, default_value = "bench-results/headline/deepseek-v3-ep-low/capacity")]
     pub capacity_dir: PathBuf,
     /// Judging seeds.
     #[arg(long, default_value_t = 3)]
     pub seeds: u64,
-    #[arg(long, default_value = crate::preset::DEFAULT_PRESET)]
+    #[arg(long, default_value = HEADLINE_PRESETS[0])]
     pub sim_preset: String,
     #[arg(long)]
     pub trace_dir: Option<PathBuf>,
@@ -714,6 +794,35 @@ pub fn capacity_check(args: &CheckArgs, command_line: &str, root: &Path) -> Resu
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_index_names_the_presets_run_then_earlier_headlines_found() {
+        let out = std::env::temp_dir().join(format!("dprank-headline-index-{}", std::process::id()));
+        for folder in ["deepseek-v3-dp8", "deepseek-v3-ep-low", "vllm-dense-8b-not-run"] {
+            std::fs::create_dir_all(out.join(folder)).unwrap();
+            std::fs::write(out.join(folder).join("README.md"), "x").unwrap();
+        }
+        let run: Vec<String> = HEADLINE_PRESETS.map(String::from).to_vec();
+        presets_index(&out, &run).unwrap();
+        let index = std::fs::read_to_string(out.join("README.md")).unwrap();
+        let lines: Vec<&str> = index.lines().filter(|l| l.starts_with("- [")).collect();
+        assert_eq!(lines.len(), 3, "{index}");
+        assert!(
+            lines[0].starts_with("- [deepseek-v3-ep-low/](deepseek-v3-ep-low/): "),
+            "{index}"
+        );
+        assert!(
+            lines[1].starts_with("- [deepseek-v3-ep-high/](deepseek-v3-ep-high/): "),
+            "{index}"
+        );
+        assert!(
+            lines[2].starts_with(
+                "- [deepseek-v3-dp8/](deepseek-v3-dp8/) (an earlier headline, not regenerated by this run): "
+            ),
+            "{index}"
+        );
+        std::fs::remove_dir_all(&out).unwrap();
+    }
 
     #[test]
     fn per_minute_p90s_follow_a_growing_queue() {
