@@ -17,8 +17,9 @@
 //! search starts from the first overload rate instead, saying so; a rate
 //! 256 times lower still missing the SLO is reported as out of reach. A
 //! rate is given up as soon as its seeds together have more requests past
-//! the TTFT or the TPOT target than a p90 allows (it fails). Results go to capacity.json with how they
-//! were found, and are reused until `--remeasure`. `bursty` sends the
+//! the TTFT or the TPOT target than a p90 allows (it fails). Results go to
+//! capacity.json with how they were found, and are reused until
+//! `--remeasure`. `bursty` sends the
 //! `no-prefix` requests and only times them differently, so its load is a
 //! fraction of the `no-prefix` capacity: the arrival pattern is then the
 //! only difference between the two.
