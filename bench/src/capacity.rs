@@ -36,7 +36,7 @@ use crate::provenance::Provenance;
 use crate::runner::FleetShape;
 use crate::stats::{percentile, Slo};
 use crate::variant::Variant;
-use crate::workload::{Plan, Shape, Workload, WorkloadKind};
+use crate::workload::{switching, Plan, Shape, Workload, WorkloadKind};
 
 /// Simulated seconds of warm-up arrivals before the measured ones.
 pub const WARMUP_S: f64 = 60.0;
@@ -141,14 +141,29 @@ impl CapacityEntry {
     }
 }
 
-/// The workload whose capacity `workload` uses: `bursty` uses `no-prefix`'s.
+/// The workload whose capacity `workload` uses: `bursty` uses `no-prefix`'s,
+/// and so does `switching` (its trace part is offered the same share of the
+/// trace's own capacity: [`capacity_parts`]).
 pub fn capacity_workload(workload: &Workload) -> Workload {
     match workload.kind {
         WorkloadKind::Bursty => Workload {
             kind: WorkloadKind::NoPrefix,
             ..workload.clone()
         },
+        WorkloadKind::Switching => switching::part(workload, WorkloadKind::NoPrefix),
         _ => workload.clone(),
+    }
+}
+
+/// Every workload whose capacity `workload`'s rates need: itself, or for
+/// `switching` its `no-prefix` and its trace part.
+pub fn capacity_parts(workload: &Workload) -> Vec<Workload> {
+    match workload.kind {
+        WorkloadKind::Switching => vec![
+            switching::part(workload, WorkloadKind::NoPrefix),
+            switching::part(workload, WorkloadKind::MooncakeConversation),
+        ],
+        _ => vec![workload.clone()],
     }
 }
 

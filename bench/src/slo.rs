@@ -18,7 +18,7 @@ use crate::preset::Kv;
 use crate::preset::{SimPreset, SloRule, IDLE_PROMPT_TOKENS, IDLE_TPOT_FACTOR, IDLE_TTFT_FACTOR};
 use crate::stats::{percentile, Slo};
 use crate::workload::chat::TEMPLATE_TOKENS_PER_MESSAGE;
-use crate::workload::{text, Plan, Shape, Workload};
+use crate::workload::{switching, text, Plan, Shape, Workload, WorkloadKind};
 
 /// The prompt percentile the TTFT SLO is set at.
 pub const SLO_PROMPT_PERCENTILE: f64 = 90.0;
@@ -154,6 +154,20 @@ pub fn for_workload(
     kv: Kv,
     over: SloOverride,
 ) -> Result<(Slo, String), String> {
+    if workload.kind == WorkloadKind::Switching {
+        // One SLO for the mix, as one service states it: the loosest of its
+        // parts', so each part can meet it.
+        let mut loosest: Option<(Slo, String, String)> = None;
+        for kind in switching::PARTS {
+            let part = switching::part(workload, kind);
+            let (slo, why) = for_workload(preset, &part, kv, over)?;
+            if loosest.as_ref().is_none_or(|(l, _, _)| slo.ttft_ms > l.ttft_ms) {
+                loosest = Some((slo, part.name(), why));
+            }
+        }
+        let (slo, part, why) = loosest.ok_or("`switching` has no parts")?;
+        return Ok((slo, format!("the loosest of its parts', `{part}`'s: {why}")));
+    }
     let (mut slo, mut why) = match preset.slo {
         SloRule::Fixed(slo, why) => (slo, why.to_string()),
         SloRule::FromIdle => {

@@ -879,9 +879,14 @@ pub fn capacities(
     if suite.rate.is_some() {
         return Ok(rates);
     }
-    for workload in &suite.workloads {
+    for workload in suite.workloads.iter().flat_map(capacity::capacity_parts) {
+        let workload = &workload;
         for kv in &suite.kvs {
-            let slo = slos.of(workload, *kv)?;
+            // A part of a mix is measured under its own SLO.
+            let slo = match slos.of(workload, *kv) {
+                Ok(slo) => slo,
+                Err(_) => crate::slo::for_workload(suite.preset, workload, *kv, suite.slo_override)?.0,
+            };
             let job = CapacityJob {
                 workload,
                 kv: *kv,
@@ -919,6 +924,45 @@ pub fn capacities(
         }
     }
     Ok(rates)
+}
+
+/// Sets each `switching` workload's trace share from the capacities: the
+/// trace's ÷ `no-prefix`'s, so both parts are offered the same share of
+/// their own capacity. One KV size per suite (the share depends on it).
+fn set_trace_rate_shares(
+    suite: &mut Suite,
+    rates: &[(String, Kv, f64, String)],
+    dry_run: bool,
+) -> Result<(), String> {
+    let kvs = suite.kvs.clone();
+    for w in suite
+        .workloads
+        .iter_mut()
+        .filter(|w| w.kind == WorkloadKind::Switching)
+    {
+        let [kv] = kvs[..] else {
+            return Err("`switching` runs one KV size per suite (its parts' capacities depend on it)".into());
+        };
+        let rate_of = |part: &Workload| {
+            let key = capacity::workload_key(part);
+            rates
+                .iter()
+                .find(|(k, v, _, _)| *k == key && *v == kv)
+                .map(|(_, _, rps, _)| *rps)
+        };
+        let parts = capacity::capacity_parts(w);
+        match (rate_of(&parts[0]), rate_of(&parts[1])) {
+            (Some(synthetic), Some(trace)) => w.trace_rate_share = Some(trace / synthetic),
+            _ if dry_run => {}
+            _ => {
+                return Err(format!(
+                    "`switching`: no capacity for its parts with KV {}",
+                    kv.name()
+                ))
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Runs `suite`, appending records to `<out>/runs.jsonl`, then writes its report.
@@ -959,6 +1003,7 @@ pub async fn run_suite(
         }
     };
     let mut suite = suite.clone();
+    set_trace_rate_shares(&mut suite, &rates, args.dry_run)?;
     if suite.variants.iter().any(|v| v.contains(BEST_PD_POLICY)) {
         let (policy, why) = best_pd_policy(&results.load()?);
         println!("smg's best PD policy: {policy} ({why})");
