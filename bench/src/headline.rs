@@ -143,11 +143,8 @@ fn suite_args(args: &BenchArgs, out: &Path) -> SuiteArgs {
         sim_preset: Some(args.sim_presets[0].clone()),
         trace_dir: args.trace_dir.clone(),
         capacity_dir: Some(args.out.join("capacity")),
-        smg_best: Some(
-            args.smg_best
-                .clone()
-                .unwrap_or_else(|| args.out.join("smg-sweep").join(SMG_BEST_FILE)),
-        ),
+        // Set by `bench` for every preset (one file for all of them).
+        smg_best: args.smg_best.clone(),
         jobs: args.jobs,
         time_scale: args.time_scale,
         allow_mixed: args.allow_mixed,
@@ -335,7 +332,11 @@ async fn bench_preset(
         println!(
             "smg's best settings not found ({}): run `dprank-bench smg-sweep --out {}` first; the estimate counts smg's best and dprank's wall-poll control in every harness cell",
             harness.smg_best.as_ref().map_or(String::new(), |p| p.display().to_string()),
-            args.out.join("smg-sweep").display()
+            harness
+                .smg_best
+                .as_ref()
+                .and_then(|p| p.parent())
+                .map_or(String::new(), |d| d.display().to_string())
         );
         estimate(&harness, &rates, Some(&worst))
     };
@@ -385,11 +386,7 @@ async fn bench_preset(
 /// settings from the suite's file, or `best`).
 fn estimate(suite: &Suite, rates: &[(String, Kv, f64, String)], best: Option<&suites::SmgBest>) -> f64 {
     let rate_of = |w: &Workload, kv: Kv, load: f64| -> Result<(f64, Option<(String, f64)>), String> {
-        let key = capacity::workload_key(w);
-        Ok(rates
-            .iter()
-            .find(|(k, v, _, _)| *k == key && *v == kv)
-            .map_or((f64::NAN, None), |(_, _, c, _)| (c * load, None)))
+        Ok(suites::capacity_of(rates, w, kv).map_or((f64::NAN, None), |(c, _)| (c * load, None)))
     };
     let slo = Slo {
         ttft_ms: 1.0,

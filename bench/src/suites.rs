@@ -30,7 +30,7 @@ use crate::seeds::SeedSet;
 use crate::slo::SloOverride;
 use crate::stats::{Pooled, Slo};
 use crate::variant::{SimFeatures, Variant};
-use crate::workload::{OutputCap, Workload, WorkloadKind};
+use crate::workload::{switching, OutputCap, Workload, WorkloadKind};
 
 /// Simulated seconds of warm-up arrivals (not counted) and of measured ones.
 pub const DEFAULT_WARMUP_S: f64 = 60.0;
@@ -828,10 +828,15 @@ pub struct Slos {
 
 impl Slos {
     pub fn of_suite(suite: &Suite) -> Result<Slos, String> {
-        let mut entries = Vec::new();
-        for workload in &suite.workloads {
+        let mut entries: Vec<(String, Kv, Slo, String)> = Vec::new();
+        // A mix's parts too: each part's capacity is measured under its own SLO.
+        let parts = suite.workloads.iter().flat_map(capacity::capacity_parts);
+        for workload in suite.workloads.iter().cloned().chain(parts) {
+            if entries.iter().any(|(name, _, _, _)| *name == workload.name()) {
+                continue;
+            }
             for kv in &suite.kvs {
-                let (slo, why) = crate::slo::for_workload(suite.preset, workload, *kv, suite.slo_override)?;
+                let (slo, why) = crate::slo::for_workload(suite.preset, &workload, *kv, suite.slo_override)?;
                 entries.push((workload.name(), *kv, slo, why));
             }
         }
@@ -882,11 +887,7 @@ pub fn capacities(
     for workload in suite.workloads.iter().flat_map(capacity::capacity_parts) {
         let workload = &workload;
         for kv in &suite.kvs {
-            // A part of a mix is measured under its own SLO.
-            let slo = match slos.of(workload, *kv) {
-                Ok(slo) => slo,
-                Err(_) => crate::slo::for_workload(suite.preset, workload, *kv, suite.slo_override)?.0,
-            };
+            let slo = slos.of(workload, *kv)?;
             let job = CapacityJob {
                 workload,
                 kv: *kv,
@@ -926,6 +927,20 @@ pub fn capacities(
     Ok(rates)
 }
 
+/// The capacity (req/s) [`capacities`] found for `workload` with KV `kv`,
+/// and how it was measured.
+pub fn capacity_of<'a>(
+    rates: &'a [(String, Kv, f64, String)],
+    workload: &Workload,
+    kv: Kv,
+) -> Option<(f64, &'a str)> {
+    let key = capacity::workload_key(workload);
+    rates
+        .iter()
+        .find(|(k, v, _, _)| *k == key && *v == kv)
+        .map(|(_, _, rps, method)| (*rps, method.as_str()))
+}
+
 /// Sets each `switching` workload's trace share from the capacities: the
 /// trace's ÷ `no-prefix`'s, so both parts are offered the same share of
 /// their own capacity. One KV size per suite (the share depends on it).
@@ -943,15 +958,11 @@ fn set_trace_rate_shares(
         let [kv] = kvs[..] else {
             return Err("`switching` runs one KV size per suite (its parts' capacities depend on it)".into());
         };
-        let rate_of = |part: &Workload| {
-            let key = capacity::workload_key(part);
-            rates
-                .iter()
-                .find(|(k, v, _, _)| *k == key && *v == kv)
-                .map(|(_, _, rps, _)| *rps)
-        };
-        let parts = capacity::capacity_parts(w);
-        match (rate_of(&parts[0]), rate_of(&parts[1])) {
+        let rate_of = |kind| capacity_of(rates, &switching::part(w, kind), kv).map(|(rps, _)| rps);
+        match (
+            rate_of(WorkloadKind::NoPrefix),
+            rate_of(WorkloadKind::MooncakeConversation),
+        ) {
             (Some(synthetic), Some(trace)) => w.trace_rate_share = Some(trace / synthetic),
             _ if dry_run => {}
             _ => {
@@ -995,11 +1006,14 @@ pub async fn run_suite(
         &provenance,
     )?;
     let rate_of = |w: &Workload, kv: Kv, load: f64| -> Result<(f64, Option<(String, f64)>), String> {
-        let key = capacity::workload_key(w);
-        match rates.iter().find(|(k, v, _, _)| *k == key && *v == kv) {
-            Some((_, _, capacity, method)) => Ok((capacity * load, Some((method.clone(), *capacity)))),
+        match capacity_of(&rates, w, kv) {
+            Some((capacity, method)) => Ok((capacity * load, Some((method.to_string(), capacity)))),
             None if args.dry_run => Ok((f64::NAN, None)),
-            None => Err(format!("no capacity for {key} with KV {}", kv.name())),
+            None => Err(format!(
+                "no capacity for {} with KV {}",
+                capacity::workload_key(w),
+                kv.name()
+            )),
         }
     };
     let mut suite = suite.clone();
